@@ -1,0 +1,46 @@
+# One-command set-up, run and test. `make run` and `make test` create .venv when missing.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO_DIR ?= .cache/demo-model
+HOST ?= 127.0.0.1
+EXECUTOR_PORT ?= 50061
+SCHEDULER_PORT ?= 50051
+
+.PHONY: install run test lint format protos bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip >/dev/null
+	# torch first: on machines without CUDA the pinned 2.13.0 resolves to the local CPU build.
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install torch==2.13.0 triton==3.7.1; \
+	else \
+		$(PY) -m pip install torch==2.13.0; \
+	fi
+	$(PY) -m pip install -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m scheduler_svc.launch --demo-dir $(DEMO_DIR) --host $(HOST) \
+		--executor-port $(EXECUTOR_PORT) --scheduler-port $(SCHEDULER_PORT)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+protos: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
+		protos/executor.proto protos/scheduler.proto
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache

@@ -1,0 +1,1 @@
+"""Protocol buffer contracts of llmserve; generated modules are regenerated with `make protos`."""
