@@ -1,0 +1,105 @@
+"""Public sampling parameters: defaults as in vLLM, and validation with messages naming the field."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+class ValidationError(ValueError):
+    """Invalid user input; the message names the offending field and is safe to show a client."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 = disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per token; None = none
+    skip_special_tokens: bool = True
+
+    def validate(self, *, max_logprobs: int, vocab_size: int | None = None) -> None:
+        """Raise ValidationError naming the first field out of range."""
+        if not 1 <= self.n <= MAX_N:
+            raise ValidationError(f"params.n must be in [1, {MAX_N}], got {self.n}")
+        if self.max_tokens < 1:
+            raise ValidationError(f"params.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValidationError(
+                f"params.min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens}"
+            )
+        _finite("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValidationError(f"params.temperature must be >= 0, got {self.temperature}")
+        _finite("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValidationError(f"params.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValidationError(f"params.top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        _finite("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValidationError(f"params.min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _finite(name, value)
+            if not -2 <= value <= 2:
+                raise ValidationError(f"params.{name} must be in [-2, 2], got {value}")
+        _finite("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValidationError(
+                f"params.repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+            )
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValidationError(f"params.seed must be in [0, 2^63), got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValidationError(
+                f"params.stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
+            )
+        for s in self.stop:
+            if not s or len(s) > MAX_STOP_STRING_LEN:
+                raise ValidationError(
+                    f"params.stop strings must be 1..{MAX_STOP_STRING_LEN} characters long"
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValidationError(
+                f"params.stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                f"got {len(self.stop_token_ids)}"
+            )
+        if vocab_size is not None:
+            for t in self.stop_token_ids:
+                if not 0 <= t < vocab_size:
+                    raise ValidationError(
+                        f"params.stop_token_ids contains {t}, outside the vocabulary "
+                        f"[0, {vocab_size})"
+                    )
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            raise ValidationError(
+                f"params.logprobs must be in [0, {max_logprobs}], got {self.logprobs}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValidationError(f"params.{name} must be a finite number, got {value}")
