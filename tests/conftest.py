@@ -15,3 +15,30 @@ except ImportError:  # pragma: no cover
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real Redis server on loopback (REDIS_URL is not used: tests must own their server)."""
+    from scheduler_svc.redis_server import RedisServer
+
+    server = RedisServer()
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """URL of the session Redis server, emptied for this test (and restarted if a test left it
+    stopped)."""
+    import redis
+
+    if redis_server.proc is None:
+        redis_server.start()
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url

@@ -1,0 +1,279 @@
+"""Request state in Redis. Every Redis access of the scheduler goes through this module.
+
+Layout (format version 1), all keys `llmserve:<entity>:<id>`:
+- `llmserve:request:<req_id>` hash: `v` (format version), `prompt` (JSON token ids), `params`
+  (JSON sampling parameters, seed included), `priority`, `arrival_time`, `n`, `status`
+  ("active" or "finished"), `finish_reasons` / `stop_reasons` (JSON lists, one per sequence),
+  `error`.
+- `llmserve:tokens:<req_id>:<index>` list: output token ids of sequence `index`, in order.
+- `llmserve:logprobs:<req_id>:<index>` list: one JSON entry per output token (only when the
+  request asked for logprobs).
+- `llmserve:index:unfinished` set: ids of requests a restarted scheduler must resume.
+
+Appends carry the offset they start at and are applied by a server-side script that only adds
+what is missing, so a write retried after a lost reply never duplicates a token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+FORMAT_VERSION = 1
+UNFINISHED_KEY = "llmserve:index:unfinished"
+
+# KEYS: tokens list, logprobs list. ARGV: offset, count, tokens..., [logprob json...].
+# Appends only the part of the batch not stored yet; returns the new length, or -1 when the
+# stored list is shorter than `offset` (a gap: the caller must resynchronise).
+_APPEND_LUA = """
+local have = redis.call('LLEN', KEYS[1])
+local offset = tonumber(ARGV[1])
+local count = tonumber(ARGV[2])
+if have < offset then return -1 end
+local skip = have - offset
+if skip >= count then return have end
+local with_lp = #ARGV > 2 + count
+for i = skip + 1, count do
+  redis.call('RPUSH', KEYS[1], ARGV[2 + i])
+  if with_lp then redis.call('RPUSH', KEYS[2], ARGV[2 + count + i]) end
+end
+return have + count - skip
+"""
+
+# KEYS: request hash, unfinished set. ARGV: req_id, field, value, ... Claims the id atomically.
+_CREATE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('SADD', KEYS[2], ARGV[1])
+return 1
+"""
+
+
+class StoreUnavailable(RuntimeError):
+    """Redis cannot be reached; the caller buffers or refuses work until it returns."""
+
+
+class StoreFormatError(RuntimeError):
+    """A stored record was written by a newer, incompatible scheduler."""
+
+
+class StoreGapError(RuntimeError):
+    """Stored tokens are fewer than an append's offset (Redis lost data); resynchronise."""
+
+
+@dataclass(slots=True)
+class StoredRequest:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+    priority: int = 0
+    arrival_time: float = 0.0
+    n: int = 1
+    finished: bool = False
+    outputs: list[list[int]] = field(default_factory=list)  # per sequence
+    logprobs: list[list[Any]] = field(default_factory=list)  # per sequence, JSON entries
+    finish_reasons: list[str | None] = field(default_factory=list)
+    stop_reasons: list[str | None] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass(slots=True)
+class TokenAppend:
+    """Tokens of one sequence produced in one step, starting at output position `offset`."""
+
+    req_id: str
+    index: int
+    offset: int
+    token_ids: list[int]
+    logprobs: list[Any] | None = None  # JSON-able entries, one per token, when requested
+
+
+@dataclass(slots=True)
+class FinishRecord:
+    req_id: str
+    n: int
+    finish_reasons: list[str | None]
+    stop_reasons: list[str | None]
+    error: str = ""
+
+
+def _request_key(req_id: str) -> str:
+    return f"llmserve:request:{req_id}"
+
+
+def _tokens_key(req_id: str, index: int) -> str:
+    return f"llmserve:tokens:{req_id}:{index}"
+
+
+def _logprobs_key(req_id: str, index: int) -> str:
+    return f"llmserve:logprobs:{req_id}:{index}"
+
+
+class RequestStore:
+    """Async Redis-backed store of requests; raises StoreUnavailable when Redis is down."""
+
+    def __init__(self, url: str, *, finished_ttl_s: float = 3600.0, timeout_s: float = 2.0):
+        self.url = url
+        self.finished_ttl_s = finished_ttl_s
+        self._redis = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry_on_timeout=False,
+        )
+        self._append = self._redis.register_script(_APPEND_LUA)
+        self._create = self._redis.register_script(_CREATE_LUA)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._redis.ping())
+        except (RedisError, OSError):
+            return False
+
+    async def create(self, rec: StoredRequest) -> bool:
+        """Store a new request; False (and nothing written) if the id already exists."""
+        key = _request_key(rec.req_id)
+        mapping = {
+            "v": FORMAT_VERSION,
+            "prompt": json.dumps(rec.prompt_token_ids),
+            "params": json.dumps(rec.params),
+            "priority": rec.priority,
+            "arrival_time": repr(rec.arrival_time),
+            "n": rec.n,
+            "status": "active",
+            "finish_reasons": json.dumps([None] * rec.n),
+            "stop_reasons": json.dumps([None] * rec.n),
+            "error": "",
+        }
+        args: list[Any] = [rec.req_id]
+        for k, v in mapping.items():
+            args.extend((k, v))
+        try:
+            return bool(await self._create(keys=[key, UNFINISHED_KEY], args=args))
+        except (RedisError, OSError) as e:
+            raise StoreUnavailable(f"redis unavailable: {e}") from e
+
+    async def write_step(self, appends: list[TokenAppend], finishes: list[FinishRecord]) -> None:
+        """One round trip per engine step: token appends, then finish records."""
+        if not appends and not finishes:
+            return
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for a in appends:
+                    args: list[Any] = [a.offset, len(a.token_ids), *a.token_ids]
+                    if a.logprobs is not None:
+                        args.extend(json.dumps(lp) for lp in a.logprobs)
+                    await self._append(
+                        keys=[_tokens_key(a.req_id, a.index), _logprobs_key(a.req_id, a.index)],
+                        args=args,
+                        client=pipe,
+                    )
+                for f in finishes:
+                    self._queue_finish(pipe, f)
+                results = await pipe.execute()
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            raise StoreUnavailable(f"redis unavailable: {e}") from e
+        for a, res in zip(appends, results, strict=False):
+            if res == -1:
+                raise StoreGapError(f"stored tokens of {a.req_id}/{a.index} end before {a.offset}")
+
+    def _queue_finish(self, pipe: Any, f: FinishRecord) -> None:
+        key = _request_key(f.req_id)
+        pipe.hset(
+            key,
+            mapping={
+                "status": "finished",
+                "finish_reasons": json.dumps(f.finish_reasons),
+                "stop_reasons": json.dumps(f.stop_reasons),
+                "error": f.error,
+            },
+        )
+        pipe.srem(UNFINISHED_KEY, f.req_id)
+        ttl_ms = max(1, int(self.finished_ttl_s * 1000))
+        pipe.pexpire(key, ttl_ms)
+        for i in range(f.n):
+            pipe.pexpire(_tokens_key(f.req_id, i), ttl_ms)
+            pipe.pexpire(_logprobs_key(f.req_id, i), ttl_ms)
+
+    async def rewrite_outputs(self, req_id: str, outputs: list[list[int]]) -> None:
+        """Replace stored tokens with `outputs` (after Redis lost data it had acknowledged)."""
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                for i, toks in enumerate(outputs):
+                    pipe.delete(_tokens_key(req_id, i))
+                    if toks:
+                        pipe.rpush(_tokens_key(req_id, i), *toks)
+                await pipe.execute()
+        except (RedisError, OSError) as e:
+            raise StoreUnavailable(f"redis unavailable: {e}") from e
+
+    async def get(self, req_id: str, *, from_index: int = 0) -> StoredRequest | None:
+        """The stored request with outputs from `from_index` on; None if unknown or expired."""
+        try:
+            fields = await self._redis.hgetall(_request_key(req_id))
+            if not fields:
+                return None
+            rec = _decode_record(req_id, fields)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for i in range(rec.n):
+                    pipe.lrange(_tokens_key(req_id, i), from_index, -1)
+                    pipe.lrange(_logprobs_key(req_id, i), from_index, -1)
+                lists = await pipe.execute()
+        except (RedisError, OSError) as e:
+            raise StoreUnavailable(f"redis unavailable: {e}") from e
+        rec.outputs = [[int(t) for t in lists[2 * i]] for i in range(rec.n)]
+        rec.logprobs = [[json.loads(x) for x in lists[2 * i + 1]] for i in range(rec.n)]
+        return rec
+
+    async def exists(self, req_id: str) -> bool:
+        try:
+            return bool(await self._redis.exists(_request_key(req_id)))
+        except (RedisError, OSError) as e:
+            raise StoreUnavailable(f"redis unavailable: {e}") from e
+
+    async def list_unfinished(self) -> list[StoredRequest]:
+        """Every request a restarted scheduler must resume, oldest first."""
+        try:
+            ids = sorted(m.decode() for m in await self._redis.smembers(UNFINISHED_KEY))
+        except (RedisError, OSError) as e:
+            raise StoreUnavailable(f"redis unavailable: {e}") from e
+        out = []
+        for req_id in ids:
+            rec = await self.get(req_id)
+            if rec is not None and not rec.finished:
+                out.append(rec)
+        out.sort(key=lambda r: r.arrival_time)
+        return out
+
+
+def _decode_record(req_id: str, fields: dict[bytes, bytes]) -> StoredRequest:
+    f = {k.decode(): v.decode() for k, v in fields.items()}
+    version = int(f.get("v", "0"))
+    if version > FORMAT_VERSION:
+        raise StoreFormatError(
+            f"request {req_id} was stored in format v{version}; this scheduler reads up to "
+            f"v{FORMAT_VERSION}: upgrade llmserve"
+        )
+    if version < 1:
+        raise StoreFormatError(f"request {req_id} has no readable format version")
+    return StoredRequest(
+        req_id=req_id,
+        prompt_token_ids=json.loads(f["prompt"]),
+        params=json.loads(f["params"]),
+        priority=int(f.get("priority", 0)),
+        arrival_time=float(f.get("arrival_time", 0.0)),
+        n=int(f.get("n", 1)),
+        finished=f.get("status") == "finished",
+        finish_reasons=json.loads(f.get("finish_reasons", "[]")),
+        stop_reasons=json.loads(f.get("stop_reasons", "[]")),
+        error=f.get("error", ""),
+    )

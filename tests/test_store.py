@@ -1,0 +1,161 @@
+"""The Redis store against a real Redis server: layout, idempotent appends, TTL, outages."""
+
+import asyncio
+import json
+
+import pytest
+import redis
+
+from scheduler_svc.store import (
+    FORMAT_VERSION,
+    FinishRecord,
+    RequestStore,
+    StoredRequest,
+    StoreFormatError,
+    StoreGapError,
+    StoreUnavailable,
+    TokenAppend,
+)
+
+
+def make_record(req_id: str = "r1", n: int = 1, arrival: float = 1.0) -> StoredRequest:
+    return StoredRequest(
+        req_id=req_id,
+        prompt_token_ids=[1, 2, 3],
+        params={"max_tokens": 8, "seed": 7, "temperature": 0.8, "n": n},
+        priority=2,
+        arrival_time=arrival,
+        n=n,
+    )
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_create_get_and_duplicate_id(redis_url):
+    async def go():
+        store = RequestStore(redis_url)
+        assert await store.create(make_record())
+        assert not await store.create(make_record())  # same id never stored twice
+        rec = await store.get("r1")
+        await store.close()
+        return rec
+
+    rec = run(go())
+    assert rec.prompt_token_ids == [1, 2, 3]
+    assert rec.params["seed"] == 7
+    assert rec.priority == 2 and rec.n == 1 and not rec.finished
+    assert rec.outputs == [[]]
+    raw = redis.Redis.from_url(redis_url)
+    assert raw.hget("llmserve:request:r1", "v") == str(FORMAT_VERSION).encode()
+    assert raw.smembers("llmserve:index:unfinished") == {b"r1"}
+
+
+def test_append_is_idempotent_and_detects_gaps(redis_url):
+    async def go():
+        store = RequestStore(redis_url)
+        await store.create(make_record(n=2))
+        await store.write_step([TokenAppend("r1", 0, 0, [5, 6]), TokenAppend("r1", 1, 0, [9])], [])
+        # A retried write (reply lost) and an overlapping one add only what is missing.
+        await store.write_step([TokenAppend("r1", 0, 0, [5, 6])], [])
+        await store.write_step([TokenAppend("r1", 0, 1, [6, 7])], [])
+        with pytest.raises(StoreGapError):
+            await store.write_step([TokenAppend("r1", 1, 5, [1])], [])
+        rec = await store.get("r1")
+        tail = await store.get("r1", from_index=2)
+        await store.close()
+        return rec, tail
+
+    rec, tail = run(go())
+    assert rec.outputs == [[5, 6, 7], [9]]
+    assert tail.outputs == [[7], []]
+
+
+def test_logprobs_stored_alongside_tokens(redis_url):
+    async def go():
+        store = RequestStore(redis_url)
+        await store.create(make_record())
+        lp = [{"logprob": -0.5, "top": [[5, -0.5]]}, {"logprob": -1.0, "top": [[6, -1.0]]}]
+        await store.write_step([TokenAppend("r1", 0, 0, [5, 6], lp)], [])
+        rec = await store.get("r1")
+        await store.close()
+        return rec
+
+    rec = run(go())
+    assert rec.logprobs[0][1] == {"logprob": -1.0, "top": [[6, -1.0]]}
+
+
+def test_finish_sets_ttl_and_leaves_unfinished_index(redis_url):
+    async def go():
+        store = RequestStore(redis_url, finished_ttl_s=0.4)
+        await store.create(make_record("a", arrival=2.0))
+        await store.create(make_record("b", arrival=1.0))
+        await store.write_step(
+            [TokenAppend("a", 0, 0, [4])], [FinishRecord("a", 1, ["stop"], ["4"])]
+        )
+        finished = await store.get("a")
+        unfinished = [r.req_id for r in await store.list_unfinished()]
+        await asyncio.sleep(0.8)
+        expired = await store.get("a")
+        still = await store.get("b")
+        await store.close()
+        return finished, unfinished, expired, still
+
+    finished, unfinished, expired, still = run(go())
+    assert finished.finished and finished.finish_reasons == ["stop"]
+    assert finished.stop_reasons == ["4"] and finished.outputs == [[4]]
+    assert unfinished == ["b"]
+    assert expired is None  # TTL expiry of finished requests
+    assert still is not None and not still.finished  # unfinished ones never expire
+
+
+def test_newer_format_is_refused_clearly(redis_url):
+    raw = redis.Redis.from_url(redis_url)
+    raw.hset(
+        "llmserve:request:x",
+        mapping={"v": FORMAT_VERSION + 1, "prompt": "[1]", "params": json.dumps({}), "n": 1},
+    )
+
+    async def go():
+        store = RequestStore(redis_url)
+        try:
+            with pytest.raises(StoreFormatError, match="upgrade llmserve"):
+                await store.get("x")
+        finally:
+            await store.close()
+
+    run(go())
+
+
+def test_unavailable_while_redis_down_and_data_survives_restart(redis_server, redis_url):
+    async def write():
+        store = RequestStore(redis_url)
+        await store.create(make_record())
+        await store.write_step([TokenAppend("r1", 0, 0, [1, 2, 3])], [])
+        await store.close()
+
+    run(write())
+    redis_server.stop(kill=True)  # kill -9: append-only with fsync always keeps acked writes
+
+    async def down():
+        store = RequestStore(redis_url, timeout_s=0.5)
+        try:
+            assert not await store.ping()
+            with pytest.raises(StoreUnavailable):
+                await store.create(make_record("r2"))
+            with pytest.raises(StoreUnavailable):
+                await store.write_step([TokenAppend("r1", 0, 3, [4])], [])
+        finally:
+            await store.close()
+
+    run(down())
+    redis_server.start()
+
+    async def back():
+        store = RequestStore(redis_url)
+        rec = await store.get("r1")
+        await store.close()
+        return rec
+
+    assert run(back()).outputs == [[1, 2, 3]]
