@@ -1,0 +1,144 @@
+"""Writes each engine step's output to Redis off the engine loop, then releases it to clients.
+
+Steps are written strictly in order by one task. A step's tokens reach client streams only
+after Redis acknowledged them (`on_ack` runs after the write), so nothing a client has seen can
+be lost. While Redis is down, steps queue up (the engine pauses once the backlog passes its
+bound) and are written, coalesced, as soon as it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from scheduler_svc.store import (
+    FinishRecord,
+    RequestStore,
+    StoreGapError,
+    StoreUnavailable,
+    TokenAppend,
+)
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class StepRecord:
+    appends: list[TokenAppend] = field(default_factory=list)
+    finishes: list[FinishRecord] = field(default_factory=list)
+    on_ack: Callable[[], None] | None = None  # publishes the step's deltas to clients
+
+
+@dataclass(slots=True)
+class PersisterStats:
+    num_writes: int = 0
+    num_steps: int = 0
+    num_ops: int = 0
+    write_time_s: float = 0.0
+    num_failures: int = 0
+
+
+class Persister:
+    def __init__(
+        self,
+        store: RequestStore,
+        *,
+        max_backlog_steps: int = 1024,
+        resync: Callable[[], Awaitable[None]] | None = None,
+        retry_interval_s: float = 0.2,
+    ) -> None:
+        self.store = store
+        self.max_backlog_steps = max_backlog_steps
+        self.retry_interval_s = retry_interval_s
+        self._resync = resync
+        self._queue: deque[StepRecord] = deque()
+        self._has_work = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self.healthy = True
+        self.stats = PersisterStats()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def backlog(self) -> int:
+        return len(self._queue)
+
+    @property
+    def over_backlog(self) -> bool:
+        return len(self._queue) >= self.max_backlog_steps
+
+    def submit(self, rec: StepRecord) -> None:
+        if not rec.appends and not rec.finishes and rec.on_ack is None:
+            return
+        self._queue.append(rec)
+        self._drained.clear()
+        self._has_work.set()
+
+    async def wait_drained(self) -> None:
+        await self._drained.wait()
+
+    async def wait_below_backlog(self) -> None:
+        while self.over_backlog:
+            self._drained.clear()
+            await asyncio.sleep(self.retry_interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="persister")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            if not self._queue:
+                self._drained.set()
+                self._has_work.clear()
+                await self._has_work.wait()
+                continue
+            # Everything queued goes out in one round trip: after an outage the backlog is
+            # flushed at once; in steady state this is exactly one step.
+            batch = list(self._queue)
+            appends = [a for r in batch for a in r.appends]
+            finishes = [f for r in batch for f in r.finishes]
+            t0 = time.perf_counter()
+            try:
+                await self.store.write_step(appends, finishes)
+            except StoreUnavailable as e:
+                self.stats.num_failures += 1
+                if self.healthy:
+                    log.warning("store.unavailable", error=str(e), backlog=len(batch))
+                self.healthy = False
+                await asyncio.sleep(self.retry_interval_s)
+                continue
+            except StoreGapError as e:
+                # Redis lost acknowledged data (restarted without persistence): rewrite every
+                # active request from memory, then retry the batch.
+                log.error("store.gap", error=str(e))
+                if self._resync is None:
+                    raise
+                try:
+                    await self._resync()
+                except StoreUnavailable:
+                    await asyncio.sleep(self.retry_interval_s)
+                continue
+            if not self.healthy:
+                log.info("store.recovered", flushed_steps=len(batch))
+            self.healthy = True
+            self.stats.num_writes += 1
+            self.stats.num_steps += len(batch)
+            self.stats.num_ops += len(appends) + len(finishes)
+            self.stats.write_time_s += time.perf_counter() - t0
+            for _ in batch:
+                rec = self._queue.popleft()
+                if rec.on_ack is not None:
+                    rec.on_ack()
