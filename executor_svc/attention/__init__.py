@@ -1,0 +1,54 @@
+"""Attention metadata for one flattened batch and the choice of attention backend."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What the attention layers of one forward need; tensors live on the model's device."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token, -1 = skip
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cu_seqlens_q
+    max_query_len: int  # host copies, so kernels can size grids without a device sync
+    max_seq_len: int
+    num_decode_seqs: int = 0  # sequences with exactly one query token (informational)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBackend:
+    """The two attention ops of one implementation (same signatures, see docs/internals.md)."""
+
+    name: str  # "torch" or "triton"
+    write_kv: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+
+
+def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA, torch elsewhere)."""
+    device = torch.device(device)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name not in ("torch", "triton"):
+        raise ValueError(f"unknown attention backend {name!r}; expected torch, triton or auto")
+    # Imported lazily: the Triton module needs triton (and a GPU or TRITON_INTERPRET=1).
+    ops = importlib.import_module(f"executor_svc.attention.{name}_ops")
+    return AttentionBackend(name=name, write_kv=ops.write_kv, paged_attention=ops.paged_attention)
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]

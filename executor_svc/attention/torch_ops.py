@@ -1,0 +1,213 @@
+"""Paged-attention reference ops in plain torch: the CPU backend and the oracle for Triton.
+
+Layout (see docs/internals.md): the cache is ``[num_blocks, block_size, num_kv_heads, head_dim]``
+per layer; ``slot = block_id * block_size + offset``. A batch is flattened: sequence ``i`` owns
+query rows ``query_start_loc[i] : query_start_loc[i + 1]`` and those rows are the *last* ``q_len``
+positions of its ``seq_lens[i]`` tokens, whose K/V are already in the cache.
+
+``paged_attention`` is vectorised: decode rows (one query token) of all sequences are handled by
+one gather + two batched matmuls, and the remaining (prefill / chunked-prefill) sequences by one
+padded gather + one masked ``scaled_dot_product_attention``. ``paged_attention_naive`` is the
+obviously-correct per-sequence, per-token loop used by tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 = skip
+) -> None:
+    """Store each token's K/V at its slot; tokens with slot -1 are not written."""
+    assert key.shape == value.shape and key.dim() == 3
+    assert key_cache.shape == value_cache.shape and key_cache.shape[2:] == key.shape[1:]
+    assert slot_mapping.shape == (key.shape[0],)
+    num_kv_heads, head_dim = key.shape[1:]
+    slots = slot_mapping.long()
+    # The check costs one reduction; skipping the boolean indexing in the common case (every slot
+    # valid) avoids two extra copies of K and V.
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    # A flat view shares storage with the cache, so index_copy_ writes in place.
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
+
+
+def _gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [n, max_num_blocks]
+    num_blocks: int,
+) -> torch.Tensor:  # [n, num_blocks * block_size, num_kv_heads, head_dim]
+    """Contiguous K or V of the first ``num_blocks`` logical blocks of each sequence."""
+    table = block_tables[:, :num_blocks].long()
+    # Padding entries are arbitrary (possibly -1 or out of range); their positions are masked,
+    # so any in-range block will do.
+    table = table.clamp(0, cache.shape[0] - 1)
+    gathered = cache.index_select(0, table.reshape(-1))  # [n * nb, block_size, kvh, d]
+    return gathered.view(table.shape[0], num_blocks * cache.shape[1], *cache.shape[2:])
+
+
+def _decode_attention(
+    query: torch.Tensor,  # [n, num_heads, head_dim]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [n, max_num_blocks]
+    seq_lens: torch.Tensor,  # [n]
+    scale: float,
+) -> torch.Tensor:  # [n, num_heads, head_dim]
+    n, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = int(seq_lens.max())
+    num_blocks = -(-max_len // block_size)
+    k = _gather_context(key_cache, block_tables, num_blocks)  # [n, L, kvh, d]
+    v = _gather_context(value_cache, block_tables, num_blocks)
+    # GQA without repeating K/V: the query heads of one KV head form the "rows" of a matmul.
+    q = query.view(n, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * scale  # [n, kvh, group, L]
+    pos = torch.arange(k.shape[1], device=query.device)
+    invalid = pos[None, :] >= seq_lens[:, None].to(pos.dtype)  # [n, L]
+    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [n, kvh, group, d]
+    return out.reshape(n, num_heads, head_dim)
+
+
+def _prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim] (all tokens of the batch)
+    row_seq: torch.Tensor,  # [m] indices of the sequences to handle
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,  # [num_seqs]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1]
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written in place
+) -> None:
+    num_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    device = query.device
+    starts = query_start_loc[row_seq].long()
+    q_lens = query_start_loc[row_seq + 1].long() - starts
+    lens = seq_lens[row_seq].long()
+    max_q = int(q_lens.max())
+    num_blocks = -(-int(lens.max()) // block_size)
+    k = _gather_context(key_cache, block_tables[row_seq], num_blocks)  # [m, L, kvh, d]
+    v = _gather_context(value_cache, block_tables[row_seq], num_blocks)
+
+    # Padded query [m, max_q]: rows past q_len read some valid row (clamped) and are dropped.
+    j = torch.arange(max_q, device=device)
+    valid_q = j[None, :] < q_lens[:, None]  # [m, max_q]
+    rows = (starts[:, None] + j[None, :]).clamp(max=query.shape[0] - 1)
+    q = query[rows]  # [m, max_q, H, d]
+    q_pos = lens[:, None] - q_lens[:, None] + j[None, :]  # [m, max_q]
+    k_pos = torch.arange(k.shape[1], device=device)
+    # Causal within the sequence and never past its length. Position 0 is always allowed, so no
+    # row is fully masked (that would give NaN).
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
+        k_pos[None, None, :] < lens[:, None, None]
+    )
+    attn = F.scaled_dot_product_attention(
+        q.transpose(1, 2),  # [m, H, max_q, d]
+        k.transpose(1, 2),  # [m, kvh, L, d]
+        v.transpose(1, 2),
+        attn_mask=mask[:, None],  # [m, 1, max_q, L]
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )  # [m, H, max_q, d]
+    attn = attn.transpose(1, 2)  # [m, max_q, H, d]
+    out[rows[valid_q]] = attn[valid_q].to(out.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of every query token over its sequence's paged K/V (GQA aware)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert key_cache.shape[3] == head_dim and value_cache.shape == key_cache.shape
+    assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
+    if num_tokens == 0:
+        return torch.empty_like(query)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    is_decode = q_lens == 1
+    if bool(is_decode.all()):
+        # The steady state of serving: one token per sequence, rows already in sequence order.
+        return _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale).to(
+            query.dtype
+        )
+
+    out = torch.empty_like(query)
+    decode_seqs = is_decode.nonzero().squeeze(1)
+    if decode_seqs.numel() > 0:
+        rows = query_start_loc[decode_seqs].long()
+        out[rows] = _decode_attention(
+            query[rows],
+            key_cache,
+            value_cache,
+            block_tables[decode_seqs],
+            seq_lens[decode_seqs],
+            scale,
+        ).to(query.dtype)
+    prefill_seqs = (q_lens > 1).nonzero().squeeze(1)
+    if prefill_seqs.numel() > 0:
+        _prefill_attention(
+            query,
+            prefill_seqs,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            out,
+        )
+    return out
+
+
+def paged_attention_naive(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as ``paged_attention``, one sequence and one query token at a time (tests)."""
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for i in range(seq_lens.shape[0]):
+        seq_len = int(seq_lens[i])
+        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        slots = [
+            int(block_tables[i, p // block_size]) * block_size + p % block_size
+            for p in range(seq_len)
+        ]
+        k = key_cache.reshape(-1, num_kv_heads, head_dim)[slots].float()  # [seq_len, kvh, d]
+        v = value_cache.reshape(-1, num_kv_heads, head_dim)[slots].float()
+        for t in range(start, end):
+            pos = seq_len - (end - start) + (t - start)
+            for h in range(num_heads):
+                kh = k[: pos + 1, h // group]  # [pos + 1, d]
+                vh = v[: pos + 1, h // group]
+                scores = (kh @ query[t, h].float()) * scale
+                out[t, h] = (torch.softmax(scores, dim=0) @ vh).to(query.dtype)
+    return out
