@@ -1,0 +1,429 @@
+"""Triton attention ops: KV-cache writes and paged attention over a flattened mixed batch.
+
+Same signatures and semantics as `executor_svc.attention.torch_ops` (see docs/internals.md).
+On CUDA the kernels are compiled; without CUDA they run in Triton's interpreter when
+TRITON_INTERPRET=1 was set before this module was imported (tests/conftest.py does that).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["write_kv", "paged_attention"]
+
+_LOG2E = 1.4426950408889634
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _interpreting() -> bool:
+    # Read at call time: the env var decides how @triton.jit behaved at import, and the check
+    # only gates which devices the wrappers accept.
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _use_fp32_dot(dtype: torch.dtype) -> bool:
+    # The interpreter computes bf16 products wrongly, so it always multiplies in fp32. On a GPU
+    # half-precision operands go to the tensor cores as they are (fp32 accumulation either way);
+    # fp32 inputs use an IEEE fp32 dot so results match the torch reference, not TF32.
+    return _interpreting() or dtype == torch.float32
+
+
+def _check_device(tensors: dict[str, torch.Tensor]) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    assert all(d == first for d in devices.values()), f"tensors on different devices: {devices}"
+    assert first.type == "cuda" or _interpreting(), (
+        f"Triton attention needs CUDA tensors (got {first}); set TRITON_INTERPRET=1 before "
+        "importing triton to run the kernels on the CPU"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# write_kv
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    num_kv_heads,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    HEADS_PER_PROG: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    # int64 before the multiply: block_id * stride overflows int32 on large caches.
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot < 0:  # padding / tokens whose KV must not be stored
+        return
+    block_id = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+
+    heads = tl.program_id(1) * HEADS_PER_PROG + tl.arange(0, HEADS_PER_PROG)
+    dims = tl.arange(0, HEAD_PAD)
+    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HEAD_DIM)
+    tok64 = tok.to(tl.int64)
+
+    k = tl.load(
+        key_ptr + tok64 * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd,
+        mask=mask,
+    )
+    v = tl.load(
+        value_ptr + tok64 * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd,
+        mask=mask,
+    )
+    tl.store(
+        key_cache_ptr
+        + block_id * stride_kcb
+        + offset * stride_kcs
+        + heads[:, None] * stride_kch
+        + dims[None, :] * stride_kcd,
+        k,
+        mask=mask,
+    )
+    tl.store(
+        value_cache_ptr
+        + block_id * stride_vcb
+        + offset * stride_vcs
+        + heads[:, None] * stride_vch
+        + dims[None, :] * stride_vcd,
+        v,
+        mask=mask,
+    )
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, block_id * block_size + offset; -1 = skip
+) -> None:
+    """Store each token's key/value at its slot in the paged cache; slots < 0 are skipped."""
+    assert key.dim() == 3, f"key must be [num_tokens, num_kv_heads, head_dim], got {key.shape}"
+    assert value.shape == key.shape, f"value {value.shape} != key {key.shape}"
+    assert key_cache.dim() == 4, (
+        f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {key_cache.shape}"
+    )
+    assert value_cache.shape == key_cache.shape, (
+        f"value_cache {value_cache.shape} != key_cache {key_cache.shape}"
+    )
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert key_cache.shape[2:] == (num_kv_heads, head_dim), (
+        f"cache heads/head_dim {tuple(key_cache.shape[2:])} != key {(num_kv_heads, head_dim)}"
+    )
+    assert slot_mapping.shape == (num_tokens,), (
+        f"slot_mapping must be [num_tokens={num_tokens}], got {tuple(slot_mapping.shape)}"
+    )
+    assert slot_mapping.dtype in _INDEX_DTYPES, (
+        f"slot_mapping must be int64, got {slot_mapping.dtype}"
+    )
+    assert key.dtype in _FLOAT_DTYPES, f"unsupported dtype {key.dtype}"
+    dtypes = {key.dtype, value.dtype, key_cache.dtype, value_cache.dtype}
+    assert len(dtypes) == 1, f"key, value and caches must share one dtype, got {dtypes}"
+    _check_device(
+        {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
+         "slot_mapping": slot_mapping}
+    )  # fmt: skip
+    assert slot_mapping.stride(0) == 1 or num_tokens <= 1, "slot_mapping must be contiguous"
+    if num_tokens == 0:
+        return
+
+    head_pad = triton.next_power_of_2(head_dim)
+    # About 2K elements per program keeps registers in check for wide models while a typical
+    # layer (8 KV heads x 128) still writes a whole token in one program.
+    heads_per_prog = max(1, min(triton.next_power_of_2(num_kv_heads), 2048 // head_pad))
+    grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_prog))
+    _write_kv_kernel[grid](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        HEADS_PER_PROG=heads_per_prog,
+        BLOCK_SIZE=key_cache.shape[1],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# paged_attention
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    stride_bts,
+    stride_btb,
+    QUERY_GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # QUERY_GROUP rounded up to a power of two
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (>= 16 for tl.dot)
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_N: tl.constexpr,  # KV positions per loop iteration
+    FP32_DOT: tl.constexpr,
+):
+    # One program = one sequence x one tile of its new query tokens x one KV head. The tile's
+    # rows are (token, query head of this KV head) pairs, so every K/V tile loaded from the
+    # cache serves the whole GQA group at once.
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_tile = tl.program_id(2)
+
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    tile_start = q_tile * BLOCK_Q
+    if tile_start >= q_len:  # the grid is sized for the longest query in the batch
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_cached = seq_len - q_len
+
+    ROWS: tl.constexpr = BLOCK_Q * GROUP_PAD
+    rows = tl.arange(0, ROWS)
+    q_idx = tile_start + rows // GROUP_PAD  # token index within this sequence's chunk
+    head_in_group = rows % GROUP_PAD
+    head = kv_head * QUERY_GROUP + head_in_group
+    row_valid = (q_idx < q_len) & (head_in_group < QUERY_GROUP)
+    q_pos = num_cached + q_idx  # absolute position: the causal limit of each row
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = dims < HEAD_DIM
+    tok = (q_begin + q_idx).to(tl.int64)
+
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(
+        query_ptr
+        + tok[:, None] * stride_qt
+        + head[:, None] * stride_qh
+        + dims[None, :] * stride_qd,
+        mask=q_mask,
+        other=0.0,
+    )  # [ROWS, HEAD_PAD]
+    if FP32_DOT:
+        q = q.to(tl.float32)
+
+    # A finite floor instead of -inf keeps exp2(m_old - m_new) at 1, never NaN, for rows that
+    # have seen only masked positions so far (padding rows, or tiles past a row's causal limit).
+    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_PAD], dtype=tl.float32)
+
+    # Nothing in this tile attends past its last token; later positions are never loaded.
+    kv_end = tl.minimum(seq_len, num_cached + tile_start + BLOCK_Q)
+    kv_head_off = kv_head.to(tl.int64)
+    for n_start in range(0, kv_end, BLOCK_N):
+        pos = n_start + tl.arange(0, BLOCK_N)
+        pos_valid = pos < kv_end
+        # Positions resolve to cache slots one by one, so a tile may span several blocks and
+        # any block size works. Padding entries of the block table are never read.
+        block_id = tl.load(
+            block_tables_ptr + seq * stride_bts + (pos // BLOCK_SIZE) * stride_btb,
+            mask=pos_valid,
+            other=0,
+        ).to(tl.int64)
+        offset = pos % BLOCK_SIZE
+        kv_mask = pos_valid[:, None] & dim_valid[None, :]
+
+        k = tl.load(
+            key_cache_ptr
+            + block_id[:, None] * stride_kcb
+            + offset[:, None] * stride_kcs
+            + kv_head_off * stride_kch
+            + dims[None, :] * stride_kcd,
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, HEAD_PAD]
+        if FP32_DOT:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale  # [ROWS, BLOCK_N] fp32
+        causal = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
+        s = tl.where(causal, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v = tl.load(
+            value_cache_ptr
+            + block_id[:, None] * stride_vcb
+            + offset[:, None] * stride_vcs
+            + kv_head_off * stride_vch
+            + dims[None, :] * stride_vcd,
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, HEAD_PAD]
+        if FP32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # Every real row attends at least to position 0, so l_i > 0 there; the guard covers
+    # padding rows, whose results are discarded by the store mask.
+    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+def _attention_config(head_dim: int, group: int, max_query_len: int) -> tuple[int, int, int, int]:
+    """(HEAD_PAD, GROUP_PAD, BLOCK_Q, BLOCK_N) for a launch."""
+    # tl.dot wants every dimension >= 16 on the GPU; the interpreter does not care, but the
+    # same shapes are used there so CPU tests exercise what the GPU runs.
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    group_pad = triton.next_power_of_2(group)
+    max_rows = 128 if head_pad <= 128 else 64
+    min_q = max(1, 16 // group_pad)
+    max_q = max(min_q, max_rows // group_pad)
+    block_q = min(max(triton.next_power_of_2(max(max_query_len, 1)), min_q), max_q)
+    # In the interpreter, small KV tiles make short test contexts cross several loop iterations.
+    block_n = 16 if _interpreting() else (64 if head_pad <= 128 else 32)
+    return head_pad, group_pad, block_q, block_n
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, cached + new tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cu_seqlens_q
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], dtype of query
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    Prefill chunks (with or without cached context) and single-token decodes mix freely.
+    `max_query_len` (longest query in the batch) sizes the grid; pass it to avoid a device sync.
+    """
+    assert query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {query.shape}"
+    assert key_cache.dim() == 4, (
+        f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {key_cache.shape}"
+    )
+    assert value_cache.shape == key_cache.shape, (
+        f"value_cache {value_cache.shape} != key_cache {key_cache.shape}"
+    )
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    assert cache_head_dim == head_dim, f"cache head_dim {cache_head_dim} != query {head_dim}"
+    assert num_heads % num_kv_heads == 0, (
+        f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
+    )
+    assert query.dtype in _FLOAT_DTYPES, f"unsupported dtype {query.dtype}"
+    assert key_cache.dtype == query.dtype and value_cache.dtype == query.dtype, (
+        f"query {query.dtype} and caches {key_cache.dtype}/{value_cache.dtype} must share a dtype"
+    )
+    assert block_tables.dim() == 2, f"block_tables must be 2-D, got {block_tables.shape}"
+    num_seqs = block_tables.shape[0]
+    assert seq_lens.shape == (num_seqs,), f"seq_lens must be [{num_seqs}], got {seq_lens.shape}"
+    assert query_start_loc.shape == (num_seqs + 1,), (
+        f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}"
+    )
+    for name, t in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
+        assert t.dtype in _INDEX_DTYPES, f"{name} must be int32, got {t.dtype}"
+    # The kernel indexes these two with unit stride.
+    assert seq_lens.stride(0) == 1 or num_seqs <= 1, "seq_lens must be contiguous"
+    assert query_start_loc.stride(0) == 1, "query_start_loc must be contiguous"
+    _check_device(
+        {"query": query, "key_cache": key_cache, "value_cache": value_cache,
+         "block_tables": block_tables, "seq_lens": seq_lens, "query_start_loc": query_start_loc}
+    )  # fmt: skip
+
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    if max_query_len <= 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    head_pad, group_pad, block_q, block_n = _attention_config(head_dim, group, max_query_len)
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    _paged_attention_kernel[grid](
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * _LOG2E,
+        *query.stride(),
+        *out.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *block_tables.stride(),
+        QUERY_GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        FP32_DOT=_use_fp32_dot(query.dtype),
+    )
+    return out
