@@ -232,17 +232,22 @@ def test_mixed_batch_of_prefills_chunks_and_decodes(dtype: torch.dtype) -> None:
     assert_close(run_step(batch, triton_ops), reference_step(batch))
 
 
-def test_half_precision_tensor_core_path() -> None:
+def test_half_precision_tensor_core_path(monkeypatch: pytest.MonkeyPatch) -> None:
     # On a GPU fp16/bf16 operands feed tl.dot directly; the interpreter is exact for fp16, so
     # that path is checked here too.
     batch = make_batch([(0, 7), (18, 5), (30, 1)], head_dim=40, block_size=16, dtype=torch.float16)
-    mp = pytest.MonkeyPatch()
-    mp.setattr(triton_ops, "_use_fp32_dot", lambda dtype: False)
-    try:
-        out = run_step(batch, triton_ops)
-    finally:
-        mp.undo()
-    assert_close(out, reference_step(batch))
+    monkeypatch.setattr(triton_ops, "_use_fp32_dot", lambda dtype: False)
+    assert_close(run_step(batch, triton_ops), reference_step(batch))
+
+
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_split_context_decode(num_splits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a GPU, small decode batches cut each context into slices merged by a second kernel;
+    # forcing it here covers slices that are full, partial and empty (short contexts).
+    lens = [1, 15, 64, 65, 150, 260]
+    batch = make_batch([(n - 1, 1) for n in lens], num_heads=6, num_kv_heads=2, head_dim=40)
+    monkeypatch.setattr(triton_ops, "_num_kv_splits", lambda *args: num_splits)
+    assert_close(run_step(batch, triton_ops), reference_step(batch))
 
 
 def test_bfloat16_inputs() -> None:

@@ -7,6 +7,7 @@ TRITON_INTERPRET=1 was set before this module was imported (tests/conftest.py do
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -190,6 +191,8 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    partial_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_PAD] fp32, if NUM_SPLITS > 1
+    partial_ml_ptr,  # [num_tokens, num_heads, NUM_SPLITS, 2] fp32: running max and sum
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
     stride_qt,
     stride_qh,
@@ -215,13 +218,16 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per program
     BLOCK_N: tl.constexpr,  # KV positions per loop iteration
     FP32_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # > 1: each program covers one slice of the context (split-KV)
+    MIN_SPLIT_LEN: tl.constexpr,  # no slice is shorter, so short contexts use few programs
 ):
-    # One program = one sequence x one tile of its new query tokens x one KV head. The tile's
-    # rows are (token, query head of this KV head) pairs, so every K/V tile loaded from the
-    # cache serves the whole GQA group at once.
+    # One program = one sequence x one tile of its new query tokens x one KV head (x one
+    # context slice). The tile's rows are (token, query head of this KV head) pairs, so every
+    # K/V tile loaded from the cache serves the whole GQA group at once.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_tile = tl.program_id(2)
+    q_tile = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
 
     q_begin = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
@@ -262,8 +268,16 @@ def _paged_attention_kernel(
 
     # Nothing in this tile attends past its last token; later positions are never loaded.
     kv_end = tl.minimum(seq_len, num_cached + tile_start + BLOCK_Q)
+    kv_begin = 0
+    if NUM_SPLITS > 1:
+        # Slices are whole KV tiles; trailing slices of a short context are empty and only
+        # report (max, sum) = (floor, 0), which the reduction weighs as nothing.
+        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        split_len = tl.maximum(split_len, MIN_SPLIT_LEN)
+        kv_begin = split * split_len
+        kv_end = tl.minimum(kv_end, kv_begin + split_len)
     kv_head_off = kv_head.to(tl.int64)
-    for n_start in range(0, kv_end, BLOCK_N):
+    for n_start in range(kv_begin, kv_end, BLOCK_N):
         pos = n_start + tl.arange(0, BLOCK_N)
         pos_valid = pos < kv_end
         # Positions resolve to cache slots one by one, so a tile may span several blocks and
@@ -314,14 +328,79 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    # Every real row attends at least to position 0, so l_i > 0 there; the guard covers
-    # padding rows, whose results are discarded by the store mask.
-    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if NUM_SPLITS > 1:
+        # Unnormalised partial results; _combine_splits_kernel merges the slices.
+        part = (tok * tl.num_programs(1) * QUERY_GROUP + head) * NUM_SPLITS + split  # [ROWS]
+        tl.store(
+            partial_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :],
+            acc,
+            mask=row_valid[:, None],
+        )
+        tl.store(partial_ml_ptr + part * 2, m_i, mask=row_valid)
+        tl.store(partial_ml_ptr + part * 2 + 1, l_i, mask=row_valid)
+    else:
+        # Every real row attends at least to position 0, so l_i > 0 there; the guard covers
+        # padding rows, whose results are discarded by the store mask.
+        acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr
+            + tok[:, None] * stride_ot
+            + head[:, None] * stride_oh
+            + dims[None, :] * stride_od,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr,
+    partial_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_PAD] fp32
+    partial_ml_ptr,  # [num_tokens, num_heads, NUM_SPLITS, 2] fp32
+    stride_ot,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = tok * tl.num_programs(1) + head
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_PAD)
+    m = tl.load(partial_ml_ptr + (row * NUM_SPLITS + splits) * 2)
+    l = tl.load(partial_ml_ptr + (row * NUM_SPLITS + splits) * 2 + 1)  # noqa: E741
+    acc = tl.load(partial_acc_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_PAD + dims[None, :])
+    # Rescale every slice to the global max; slice 0 always holds position 0, so the total
+    # weight is positive.
+    weight = tl.exp2(m - tl.max(m, axis=0))
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
     tl.store(
-        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
-        acc.to(out_ptr.dtype.element_ty),
-        mask=q_mask,
+        out_ptr + tok * stride_ot + head * stride_oh + dims * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
     )
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_kv_splits(
+    num_seqs: int, num_kv_heads: int, max_query_len: int, device: torch.device
+) -> int:
+    """How many context slices each (sequence, KV head) of a decode batch is cut into."""
+    # Small decode batches give one program per (sequence, KV head): far fewer than the GPU has
+    # SMs, each streaming a long context alone. Slicing the context fills the GPU at the cost
+    # of a small reduction. Prefill tiles already give enough programs (and would need large
+    # scratch), so only pure decode batches are split.
+    if max_query_len != 1 or device.type != "cuda":
+        return 1
+    num_programs = num_seqs * num_kv_heads
+    splits = triton.next_power_of_2(triton.cdiv(2 * _num_sms(device.index or 0), num_programs))
+    return min(splits, 16) if splits >= 2 else 1
 
 
 def _attention_config(head_dim: int, group: int, max_query_len: int) -> tuple[int, int, int, int]:
@@ -402,7 +481,16 @@ def paged_attention(
 
     group = num_heads // num_kv_heads
     head_pad, group_pad, block_q, block_n = _attention_config(head_dim, group, max_query_len)
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    num_splits = _num_kv_splits(num_seqs, num_kv_heads, max_query_len, query.device)
+    partial_acc = partial_ml = out  # unused placeholders when the context is not split
+    if num_splits > 1:
+        partial_acc = torch.empty(
+            (num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device
+        )
+        partial_ml = torch.empty(
+            (num_tokens, num_heads, num_splits, 2), dtype=torch.float32, device=query.device
+        )
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q) * num_splits)
     _paged_attention_kernel[grid](
         out,
         query,
@@ -411,6 +499,8 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        partial_acc,
+        partial_ml,
         scale * _LOG2E,
         *query.stride(),
         *out.stride(),
@@ -425,5 +515,17 @@ def paged_attention(
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
         FP32_DOT=_use_fp32_dot(query.dtype),
+        NUM_SPLITS=num_splits,
+        MIN_SPLIT_LEN=4 * block_n,
     )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            out,
+            partial_acc,
+            partial_ml,
+            *out.stride(),
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
+            NUM_SPLITS=num_splits,
+        )
     return out
