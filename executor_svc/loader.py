@@ -1,0 +1,196 @@
+"""Hugging Face checkpoint directory -> model on its device + ``ModelInfo``.
+
+Reads ``config.json``, ``generation_config.json`` and the safetensors weights (one file or a
+sharded set with ``model.safetensors.index.json``). Checkpoint names map onto the model's packed
+parameters through each parameter's ``weight_loader``; every parameter (and every shard of a
+packed one) must be filled, so a truncated or foreign checkpoint fails loudly at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from executor_svc.attention import AttentionBackend
+from executor_svc.models import MODEL_REGISTRY, LlamaForCausalLM
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the runner and the service report about the loaded model."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+    model_name: str  # directory base name
+    vocab_size: int
+    max_model_len: int  # longest prompt + output accepted (<= max_position_embeddings)
+    eos_token_ids: list[int]  # generation_config.json first, config.json as fallback
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # of weights and KV cache
+    device: torch.device
+    hidden_size: int
+
+    @property
+    def dtype_name(self) -> str:
+        """ "float32", "float16" or "bfloat16" (the wire spelling)."""
+        return str(self.dtype).removeprefix("torch.")
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if device == "auto":
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """ "auto" is bf16 on CUDA (halves memory traffic) and fp32 on CPU (fast fp32 GEMMs)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _eos_token_ids(model_dir: Path, config: dict[str, Any]) -> list[int]:
+    eos = _read_json(model_dir / "generation_config.json").get("eos_token_id")
+    if eos is None:
+        eos = config.get("eos_token_id")
+    if eos is None:
+        return []
+    ids = [eos] if isinstance(eos, int) else list(eos)
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
+def _max_model_len(config: dict[str, Any], requested: int | None) -> int:
+    limit = int(config.get("max_position_embeddings", 2048))
+    window = config.get("sliding_window")
+    # Sliding-window attention is not implemented; within the window it equals full attention,
+    # so capping the length keeps results exact. Qwen2/3 only use it when use_sliding_window.
+    uses_window = config.get("model_type") == "mistral" or config.get("use_sliding_window", False)
+    if window and uses_window:
+        limit = min(limit, int(window))
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit} tokens")
+    return requested
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(_read_json(index)["weight_map"].values()))
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    return files
+
+
+def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+    """Copy every checkpoint tensor into its (packed) parameter; fail on gaps or strays."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected: set[tuple[str, Any]] = set()
+    for name in params:
+        owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else None
+        shard_ids = getattr(owner, "shard_offsets", {None: None})
+        expected.update((name, sid) for sid in shard_ids)
+    if model.config.tie_word_embeddings:
+        expected.discard(("lm_head", None))
+    loaded: set[tuple[str, Any]] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for ckpt_name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                target = model.checkpoint_to_param_name(ckpt_name)
+                if target is None:
+                    continue
+                name, shard_id = target
+                if name not in params:
+                    raise KeyError(f"checkpoint tensor {ckpt_name!r} matches no model parameter")
+                param = params[name]
+                # copy_ inside the loader converts dtype and moves to the device in one step.
+                param.weight_loader(param, f.get_tensor(ckpt_name), shard_id)
+                loaded.add((name, shard_id))
+    missing = sorted(str(m) for m in expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}")
+
+
+def load_model(
+    model_dir: str | Path,
+    backend: AttentionBackend,
+    *,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+    max_model_len: int | None = None,
+) -> tuple[LlamaForCausalLM, ModelInfo]:
+    """Build the model for ``model_dir`` on ``device`` in ``dtype`` and load its weights."""
+    model_dir = Path(model_dir)
+    config = _read_json(model_dir / "config.json")
+    if not config:
+        raise FileNotFoundError(f"{model_dir / 'config.json'} is missing or empty")
+    archs = config.get("architectures") or []
+    arch = next((a for a in archs if a in MODEL_REGISTRY), None)
+    if arch is None:
+        raise ValueError(f"unsupported architecture {archs}; supported: {sorted(MODEL_REGISTRY)}")
+    model_cls, config_cls = MODEL_REGISTRY[arch]
+    cfg = config_cls.from_hf(config)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    max_len = _max_model_len(config, max_model_len)
+
+    # Allocate parameters directly on the device in the target dtype (no random init, no
+    # fp32 staging copy); the rotary tables pick their own fp32 dtype explicitly.
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device(dev):
+            model = model_cls(cfg, backend, max_positions=max_len)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    with torch.no_grad():
+        load_weights(model, _weight_files(model_dir))
+    model.eval().requires_grad_(False)
+
+    info = ModelInfo(
+        architecture=arch,
+        model_name=model_dir.resolve().name,
+        vocab_size=cfg.vocab_size,
+        max_model_len=max_len,
+        eos_token_ids=_eos_token_ids(model_dir, config),
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=torch_dtype,
+        device=dev,
+        hidden_size=cfg.hidden_size,
+    )
+    return model, info

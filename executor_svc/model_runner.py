@@ -1,0 +1,268 @@
+"""ModelRunner: one engine step on the executor — cache operations, forward, logits, sampling.
+
+It knows nothing about gRPC or per-request state: the service hands it fully-described sequences
+(``ScheduledSequence``) and the block lists of the step, and gets one ``SampleResult`` per
+sequence that completed its scheduled tokens up to the end of what is known.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from executor_svc.attention import AttentionMetadata, get_attention_backend
+from executor_svc.kv_cache import (
+    GIB,
+    PROFILE_NUM_TOKENS,
+    KVCache,
+    block_bytes,
+    cpu_num_blocks,
+    cuda_num_blocks,
+    max_useful_blocks,
+)
+from executor_svc.loader import ModelInfo, load_model, resolve_device
+
+if TYPE_CHECKING:
+    from executor_svc.sampler import Sampler, SamplingParams
+
+MAX_PROFILE_SAMPLE_ROWS = 256  # logits rows in the CUDA profiling run (a large decode batch)
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    seq_id: str
+    token_ids: list[int]  # prompt + outputs known so far (runner never mutates it)
+    num_prompt_tokens: int
+    block_table: list[int]  # device block ids in logical order
+    num_computed_tokens: int  # tokens already in the KV cache
+    num_scheduled_tokens: int  # compute token_ids[num_computed : num_computed + num_scheduled]
+    sampling_params: SamplingParams
+    # A token is sampled iff num_computed_tokens + num_scheduled_tokens == len(token_ids).
+
+
+@dataclass(slots=True)
+class SampleResult:
+    seq_id: str
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]  # most likely first, len == num_logprobs
+
+
+@dataclass(slots=True)
+class BatchInputs:
+    """Flattened model inputs of one step (on the device)."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    sample_seq_indices: list[int]  # which of the step's sequences sample
+    sample_rows: torch.Tensor  # [num_samples] int64: their last token's row in the batch
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        block_size: int = 16,
+        num_device_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        swap_space_gib: float = 1.0,
+        max_model_len: int | None = None,
+        attention_backend: str = "auto",
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.device = resolve_device(device)
+        self.backend = get_attention_backend(attention_backend, self.device)
+        self.model, self.info = load_model(
+            model_dir, self.backend, device=self.device, dtype=dtype, max_model_len=max_model_len
+        )
+        info: ModelInfo = self.info
+        self.block_size = block_size
+        bytes_per_block = block_bytes(
+            info.num_layers, block_size, info.num_kv_heads, info.head_dim, info.dtype
+        )
+        cap = max_useful_blocks(info.max_model_len, block_size)
+        if num_device_blocks is None:
+            if self.device.type == "cuda":
+                num_device_blocks = cuda_num_blocks(
+                    self._profile_run, self.device, gpu_memory_utilization, bytes_per_block
+                )
+            else:
+                num_device_blocks = cpu_num_blocks(bytes_per_block)
+            num_device_blocks = min(num_device_blocks, cap)
+        if num_device_blocks < 1:
+            raise RuntimeError(
+                "no memory left for the KV cache; lower the model size or max_model_len"
+            )
+        self.num_device_blocks = num_device_blocks
+        self.num_cpu_blocks = min(int(swap_space_gib * GIB) // bytes_per_block, cap)
+        self.kv_cache = KVCache(
+            num_layers=info.num_layers,
+            num_kv_heads=info.num_kv_heads,
+            head_dim=info.head_dim,
+            block_size=block_size,
+            num_device_blocks=self.num_device_blocks,
+            num_cpu_blocks=self.num_cpu_blocks,
+            dtype=info.dtype,
+            device=self.device,
+        )
+        self._sampler: Sampler | None = None
+
+    # ------------------------------------------------------------------ step
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        seqs: list[ScheduledSequence],
+        blocks_to_swap_out: list[tuple[int, int]],
+        blocks_to_swap_in: list[tuple[int, int]],
+        blocks_to_copy: list[tuple[int, int]],
+    ) -> list[SampleResult]:
+        # Swap-out first: blocks it frees may be the very destinations of this step's swap-in or
+        # copies. Copies last: a copy source may be a block just swapped in.
+        self.kv_cache.swap_out(blocks_to_swap_out)
+        self.kv_cache.swap_in(blocks_to_swap_in)
+        self.kv_cache.copy(blocks_to_copy)
+        if not seqs:
+            return []
+        sample_idx, logits = self.forward_logits(seqs)
+        if not sample_idx:
+            return []
+        return self._sample([seqs[i] for i in sample_idx], logits)
+
+    @torch.inference_mode()
+    def forward_logits(self, seqs: list[ScheduledSequence]) -> tuple[list[int], torch.Tensor]:
+        """Forward the step's tokens; logits [num_samples, vocab] fp32 of the sampling ones."""
+        batch = self.prepare_inputs(seqs)
+        hidden = self.model(
+            batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
+        )
+        if not batch.sample_seq_indices:
+            return [], hidden.new_empty((0, self.info.vocab_size), dtype=torch.float32)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        return batch.sample_seq_indices, logits.float()
+
+    def prepare_inputs(self, seqs: list[ScheduledSequence]) -> BatchInputs:
+        """Flatten the step's sequences; per-sequence Python work only, never per token."""
+        bs = self.block_size
+        num_seqs = len(seqs)
+        starts = [s.num_computed_tokens for s in seqs]
+        q_lens = [s.num_scheduled_tokens for s in seqs]
+        seq_lens = [a + n for a, n in zip(starts, q_lens, strict=True)]
+        if min(q_lens) <= 0:
+            raise ValueError("every scheduled sequence must compute at least one token")
+        if max(seq_lens) > self.info.max_model_len:
+            raise ValueError(f"a sequence exceeds max_model_len={self.info.max_model_len}")
+        blocks_needed = [-(-n // bs) for n in seq_lens]
+        max_blocks = max(blocks_needed)
+        table_rows = []
+        for s, n in zip(seqs, blocks_needed, strict=True):
+            if len(s.block_table) < n:
+                raise ValueError(f"sequence {s.seq_id} needs {n} blocks, has {len(s.block_table)}")
+            # Only the blocks that hold context this step: trailing pre-allocated ones would
+            # only widen the gather in attention.
+            table_rows.append(s.block_table[:n] + [0] * (max_blocks - n))
+        input_ids = list(
+            itertools.chain.from_iterable(
+                s.token_ids[a : a + n] for s, a, n in zip(seqs, starts, q_lens, strict=True)
+            )
+        )
+        num_tokens = len(input_ids)
+        if num_tokens != sum(q_lens):
+            raise ValueError("num_computed + num_scheduled exceeds the known tokens")
+
+        block_tables = torch.tensor(table_rows, dtype=torch.int32)
+        starts_t = torch.tensor(starts, dtype=torch.long)
+        if num_tokens == num_seqs:  # decode only: one token per sequence, at position `start`
+            seq_idx = torch.arange(num_seqs)
+            positions = starts_t
+        else:
+            q_lens_t = torch.tensor(q_lens, dtype=torch.long)
+            seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
+            first_row = torch.cumsum(q_lens_t, 0) - q_lens_t  # row of each sequence's 1st token
+            positions = torch.arange(num_tokens) - first_row[seq_idx] + starts_t[seq_idx]
+        slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+        query_start_loc = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+
+        sample_seq_indices = [i for i, s in enumerate(seqs) if seq_lens[i] == len(s.token_ids)]
+        sample_rows = query_start_loc[1:].long()[sample_seq_indices] - 1
+
+        dev = self.device
+        md = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            block_tables=block_tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=query_start_loc.to(dev),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            num_decode_seqs=sum(1 for n in q_lens if n == 1),
+        )
+        return BatchInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=positions.to(dev),
+            attn_metadata=md,
+            sample_seq_indices=sample_seq_indices,
+            sample_rows=sample_rows.to(dev),
+        )
+
+    def _sample(self, seqs: list[ScheduledSequence], logits: torch.Tensor) -> list[SampleResult]:
+        if self._sampler is None:
+            # Imported here: the sampler module is optional for forward-only use and tests.
+            from executor_svc.sampler import Sampler
+
+            self._sampler = Sampler()
+        out = self._sampler(
+            logits,
+            [s.sampling_params for s in seqs],
+            [s.token_ids[: s.num_prompt_tokens] for s in seqs],
+            [s.token_ids[s.num_prompt_tokens :] for s in seqs],
+        )
+        token_ids = out.token_ids.tolist()
+        logprobs = out.logprobs.tolist()
+        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        results = []
+        for j, s in enumerate(seqs):
+            k = s.sampling_params.num_logprobs
+            top = (
+                list(zip(top_ids[j][:k], top_lps[j][:k], strict=True))
+                if k > 0 and top_ids is not None and top_lps is not None
+                else []
+            )
+            results.append(SampleResult(s.seq_id, int(token_ids[j]), float(logprobs[j]), top))
+        return results
+
+    # ------------------------------------------------------------------ profiling
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        """A forward at PROFILE_NUM_TOKENS tokens (plus logits) against a one-block dummy cache;
+        slots are -1, so nothing is written, but attention gathers full-length contexts."""
+        info, bs = self.info, self.block_size
+        seq_len = min(info.max_model_len, PROFILE_NUM_TOKENS)
+        num_seqs = max(PROFILE_NUM_TOKENS // seq_len, 1)
+        num_tokens = num_seqs * seq_len
+        dev = self.device
+        dummy = torch.zeros(1, bs, info.num_kv_heads, info.head_dim, dtype=info.dtype, device=dev)
+        layers = [(dummy, dummy)] * info.num_layers
+        md = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
+            block_tables=torch.zeros(num_seqs, -(-seq_len // bs), dtype=torch.int32, device=dev),
+            seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=dev),
+            query_start_loc=torch.arange(0, num_tokens + 1, seq_len, dtype=torch.int32, device=dev),
+            max_query_len=seq_len,
+            max_seq_len=seq_len,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+        positions = torch.arange(seq_len, device=dev).repeat(num_seqs)
+        hidden = self.model(input_ids, positions, layers, md)
+        rows = hidden[:1].expand(MAX_PROFILE_SAMPLE_ROWS, -1)
+        torch.softmax(self.model.compute_logits(rows).float(), dim=-1)

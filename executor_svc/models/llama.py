@@ -1,0 +1,320 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened batch.
+
+A batch is one row per scheduled token, sequences back to back, no padding: prefill chunks and
+decode tokens go through the same forward. Attention reads and writes the paged KV cache through
+the attention backend, so the model itself keeps no per-sequence state.
+
+Parameters are packed (``qkv_proj`` = q|k|v, ``gate_up_proj`` = gate|up) so that each layer does
+two fewer matmul launches and reads its weights in long contiguous runs; every parameter carries a
+``weight_loader(param, loaded, shard_id)`` that places a checkpoint tensor into its slice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor_svc.attention import AttentionBackend, AttentionMetadata
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
+
+
+@dataclass(slots=True)
+class LlamaConfig:
+    """The subset of a Hugging Face config.json this model needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # None = default rope
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        model_type = cfg.get("model_type", "llama")
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        # transformers >= 5 writes rope settings as "rope_parameters" (theta inside); older
+        # checkpoints use "rope_theta" + "rope_scaling" with "type" or "rope_type".
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+        )
+
+
+def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> nn.Parameter:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    assert param.shape == loaded.shape, (param.shape, loaded.shape)
+    param.data.copy_(loaded)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); W is [out, in] as in checkpoints. ``shard_sizes`` packs several."""
+
+    def __init__(
+        self, in_features: int, shard_sizes: dict[Any, int] | int, bias: bool = False
+    ) -> None:
+        super().__init__()
+        if isinstance(shard_sizes, int):
+            shard_sizes = {None: shard_sizes}
+        self.shard_offsets: dict[Any, tuple[int, int]] = {}
+        offset = 0
+        for shard_id, size in shard_sizes.items():
+            self.shard_offsets[shard_id] = (offset, size)
+            offset += size
+        self.weight = _set_loader(nn.Parameter(torch.empty(offset, in_features)), self._load)
+        self.bias = _set_loader(nn.Parameter(torch.empty(offset)), self._load) if bias else None
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        start, size = self.shard_offsets[shard_id]
+        target = param.data.narrow(0, start, size)
+        assert target.shape == loaded.shape, (shard_id, target.shape, loaded.shape)
+        target.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _set_loader(nn.Parameter(torch.empty(dim)), default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in fp32 whatever the compute dtype, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency remap: long wavelengths slowed by ``factor``, short ones kept,
+    a linear blend (in 1/wavelength) between ``low_freq_factor`` and ``high_freq_factor``."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # smooth = 0 where wavelen >= old_len / low (fully scaled), 1 where <= old_len / high (kept).
+    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (halves rotated) with a precomputed cos/sin table."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+    ) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        rope_type = (scaling or {}).get("rope_type", "default")
+        if rope_type == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "dynamic":
+            # Dynamic NTK only changes frequencies past max_position_embeddings, and
+            # max_model_len never exceeds that, so within our range it is the default rope.
+            pass
+        elif rope_type != "default":
+            raise ValueError(f"rope scaling type {rope_type!r} is not supported")
+        inv_freq = inv_freq.float()
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, num_heads, head_dim]
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [num_tokens, 1, head_dim / 2]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = Linear(
+            cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, cfg.qkv_bias
+        )
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, kvh, d)
+        if self.q_norm is not None:
+            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, h, d))
+            k = self.k_norm(
+                qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, kvh, d)
+            )
+            qk = torch.cat((q, k), dim=1)
+        else:
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, h + kvh, d)
+        # One rotary call for q and k together: they share positions and frequencies.
+        qk = self.rotary(positions, qk)
+        q, k = qk[:, :h], qk[:, h:]
+        key_cache, value_cache = kv_cache
+        self.backend.write_kv(k, v, key_cache, value_cache, md.slot_mapping)
+        out = self.backend.paged_attention(
+            q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, self.scale
+        )  # [num_tokens, h, d]
+        return self.o_proj(out.reshape(num_tokens, h * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = Linear(
+            cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size}, cfg.mlp_bias
+        )
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary, backend)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, md)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder; parameter names follow HF checkpoints, with q/k/v and gate/up packed."""
+
+    # checkpoint sub-name -> (packed parameter sub-name, shard id)
+    packed_modules: dict[str, tuple[str, Any]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = _set_loader(
+            nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size)), default_weight_loader
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = _set_loader(
+                nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size)), default_weight_loader
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: KVCaches,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, attn_metadata)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden] -> [num_rows, vocab]; call it only on the rows that sample."""
+        return F.linear(hidden, self.lm_head)
+
+    def checkpoint_to_param_name(self, name: str) -> tuple[str, Any] | None:
+        """(parameter name, shard id) a checkpoint tensor loads into; None for tensors to skip."""
+        name = name.removeprefix("model.")
+        if "rotary_emb." in name:
+            return None  # precomputed buffers some old checkpoints carry
+        if name == "embed_tokens.weight":
+            return "embed_tokens", None
+        if name == "lm_head.weight":
+            # With tied weights the embedding is authoritative (some checkpoints store both).
+            return None if self.config.tie_word_embeddings else ("lm_head", None)
+        for ckpt_part, (packed, shard_id) in self.packed_modules.items():
+            if f".{ckpt_part}." in name:
+                return name.replace(f".{ckpt_part}.", f".{packed}."), shard_id
+        return name, None
