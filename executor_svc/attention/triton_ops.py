@@ -399,7 +399,8 @@ def _num_kv_splits(
     if max_query_len != 1 or device.type != "cuda":
         return 1
     num_programs = num_seqs * num_kv_heads
-    splits = triton.next_power_of_2(triton.cdiv(2 * _num_sms(device.index or 0), num_programs))
+    index = torch.cuda.current_device() if device.index is None else device.index
+    splits = triton.next_power_of_2(triton.cdiv(2 * _num_sms(index), num_programs))
     return min(splits, 16) if splits >= 2 else 1
 
 
@@ -517,6 +518,10 @@ def paged_attention(
         FP32_DOT=_use_fp32_dot(query.dtype),
         NUM_SPLITS=num_splits,
         MIN_SPLIT_LEN=4 * block_n,
+        # A 128 x 128 fp32 accumulator needs 8 warps to stay in registers; fp32 K/V tiles
+        # need fewer pipeline stages to fit in shared memory.
+        num_warps=8 if block_q * group_pad * head_pad >= 128 * 128 else 4,
+        num_stages=2 if query.element_size() == 4 else 3,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
