@@ -310,6 +310,7 @@ def test_rejects_bad_inputs() -> None:
 # --------------------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# Output rounding plus the probabilities rounded to the input dtype before the P @ V product.
 CUDA_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
@@ -363,7 +364,7 @@ def test_cuda_mixed_batch(
     out = run_step(batch, triton_ops)
     assert out.dtype == dtype
     torch.testing.assert_close(
-        out.float(), fp32_reference_step(batch), atol=CUDA_TOL[dtype], rtol=0
+        out.float(), fp32_reference_step(batch), atol=CUDA_TOL[dtype], rtol=CUDA_TOL[dtype]
     )
 
 
@@ -376,7 +377,7 @@ def test_cuda_decode_long_context(dtype: torch.dtype) -> None:
     batch = make_batch(seqs, num_heads=32, num_kv_heads=8, head_dim=128, dtype=dtype, device=cuda)
     out = run_step(batch, triton_ops)
     torch.testing.assert_close(
-        out.float(), fp32_reference_step(batch), atol=CUDA_TOL[dtype], rtol=0
+        out.float(), fp32_reference_step(batch), atol=CUDA_TOL[dtype], rtol=CUDA_TOL[dtype]
     )
 
 
