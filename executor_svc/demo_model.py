@@ -18,8 +18,8 @@ Vocabulary: for ``vocab_size <= MAX_BPE_VOCAB`` the tokenizer has exactly ``voca
 (BPE merges, topped up with ``<|reserved_special_token_N|>`` should the corpus run out of merges),
 so every id the model can emit decodes. Above that (e.g. the SmolLM-135M benchmark shape with
 ``vocab_size=49152``) the tokenizer stops at ``MAX_BPE_VOCAB`` real tokens and the ids beyond it
-exist only as embedding / lm_head rows: fine for timing, but such a model can sample ids the
-tokenizer cannot decode, so serve it with ``ignore_eos``-style benchmarks only.
+exist only as embedding / lm_head rows. That is fine for timing (benchmarks feed token ids),
+but such a model can sample ids the tokenizer cannot decode, so do not serve it for text.
 
 CLI: ``python -m executor_svc.demo_model OUT_DIR [--seed N] [--size demo|tiny] [--set K=V ...]``.
 """

@@ -1,0 +1,51 @@
+# One image for every llmserve role (executor, scheduler, client); docker-compose.yml picks the
+# role with `command:`. Build: `docker build -t llmserve:local .`
+#
+# CPU by default. For GPU hosts, build with CUDA wheels of torch instead of the CPU ones:
+#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t llmserve:cuda .
+# (use the cuXYZ index that carries torch 2.13.0 for your driver). Those wheels bundle the CUDA
+# runtime, so the slim Python base still works; the host needs the NVIDIA driver and the NVIDIA
+# Container Toolkit. To build on a CUDA base image instead, pass e.g.
+#   --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# and make sure that base provides Python >= 3.11 as `python`/`pip` (Ubuntu's needs a venv).
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HUB_OFFLINE=1 \
+    TOKENIZERS_PARALLELISM=false \
+    LLMSERVE_CACHE=/home/llmserve/.cache/llmserve
+
+RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin llmserve
+WORKDIR /opt/llmserve
+
+# torch first and from its own index: the project pins torch==2.13.0, which the local build
+# (2.13.0+cpu or +cuXYZ) already satisfies, so the PyPI install below never swaps it out.
+RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0
+
+# Dependencies in their own layer, keyed on pyproject.toml only, so editing source code does not
+# reinstall them.
+COPY pyproject.toml ./
+RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(deps))" > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+
+COPY README.md ./
+COPY protos ./protos
+COPY scheduler_svc ./scheduler_svc
+COPY executor_svc ./executor_svc
+COPY client ./client
+RUN pip install --no-deps . && rm -rf build *.egg-info
+
+USER llmserve
+# Bake the demo checkpoint into the image (a few seconds) so `--model demo` starts at once and
+# every scaled executor replica serves identical weights.
+RUN python -c "from executor_svc.demo_model import ensure_demo_model; print(ensure_demo_model())"
+
+EXPOSE 50051 50061
+CMD ["llmserve-executor", "--model", "demo", "--host", "0.0.0.0", "--port", "50061"]

