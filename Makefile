@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-DEMO_DIR ?= .cache/demo-model
+MODEL ?= demo
 HOST ?= 127.0.0.1
 EXECUTOR_PORT ?= 50061
 SCHEDULER_PORT ?= 50051
@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m scheduler_svc.launch --demo-dir $(DEMO_DIR) --host $(HOST) \
+	$(PY) -m scheduler_svc.launch --model $(MODEL) --host $(HOST) \
 		--executor-port $(EXECUTOR_PORT) --scheduler-port $(SCHEDULER_PORT)
 
 test: $(STAMP)

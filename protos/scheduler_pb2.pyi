@@ -234,7 +234,7 @@ class ExecutorInfo(_message.Message):
     def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_device_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "block_size", "num_waiting", "num_running", "num_swapped", "kv_cache_usage", "executors", "version", "max_logprobs", "vocab_size", "policy", "preemption_mode")
+    __slots__ = ("model", "max_model_len", "block_size", "num_waiting", "num_running", "num_swapped", "kv_cache_usage", "executors", "version", "max_logprobs", "vocab_size", "policy", "preemption_mode", "num_preemptions", "prefix_cache_hit_rate")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,8 @@ class GetServerInfoResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PREEMPTION_MODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     block_size: int
@@ -261,4 +263,6 @@ class GetServerInfoResponse(_message.Message):
     vocab_size: int
     policy: str
     preemption_mode: str
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., version: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., policy: _Optional[str] = ..., preemption_mode: _Optional[str] = ...) -> None: ...
+    num_preemptions: int
+    prefix_cache_hit_rate: float
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., version: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., policy: _Optional[str] = ..., preemption_mode: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...

@@ -42,3 +42,8 @@ def redis_url(redis_server) -> str:
     client.flushall()
     client.close()
     return redis_server.url
+
+
+# The end-to-end stack fixture lives in tests/stack.py; importing it here makes it visible to
+# every test module.
+from tests.stack import llmserve_stack  # noqa: E402, F401

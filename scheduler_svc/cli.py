@@ -1,0 +1,112 @@
+"""`llmserve-scheduler`: the public gRPC server in front of one or more executors."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+import structlog
+
+from scheduler_svc.engine import EngineConfig
+from scheduler_svc.logging import configure_logging
+from scheduler_svc.server import SchedulerServer
+
+log = structlog.get_logger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llmserve-scheduler", description=__doc__)
+    p.add_argument(
+        "--executor",
+        action="append",
+        default=[],
+        help="executor address host:port (repeat for several; default 127.0.0.1:50061)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL"),
+        help="Redis holding request state (default $REDIS_URL; without it a loopback Redis "
+        "server is started with its data in --redis-dir)",
+    )
+    p.add_argument("--redis-dir", type=Path, default=Path(".cache/redis"))
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-waiting", type=int, default=4096, help="waiting queue cap")
+    p.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
+    p.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--watermark", type=float, default=0.01)
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--num-device-blocks", type=int, help="use at most this many KV blocks")
+    p.add_argument("--num-cpu-blocks", type=int, help="use at most this many swap blocks")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--finished-ttl", type=float, default=3600.0, help="seconds")
+    p.add_argument("--max-backlog-steps", type=int, default=1024)
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-json", action="store_true")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
+    return EngineConfig(
+        executor_addresses=args.executor or ["127.0.0.1:50061"],
+        redis_url=redis_url,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting,
+        policy=args.policy,
+        preemption_mode=args.preemption_mode,
+        enable_prefix_caching=not args.no_prefix_caching,
+        watermark=args.watermark,
+        max_logprobs=args.max_logprobs,
+        finished_ttl_s=args.finished_ttl,
+        max_backlog_steps=args.max_backlog_steps,
+        num_device_blocks=args.num_device_blocks,
+        num_cpu_blocks=args.num_cpu_blocks,
+        max_model_len=args.max_model_len,
+    )
+
+
+async def run(args: argparse.Namespace) -> None:
+    redis = None
+    redis_url = args.redis_url
+    if not redis_url:
+        from scheduler_svc.redis_server import RedisServer
+
+        redis = RedisServer(data_dir=args.redis_dir)
+        redis.start()
+        redis_url = redis.url
+        log.info("redis.started", url=redis_url, data_dir=str(args.redis_dir))
+    server = SchedulerServer(config_from_args(args, redis_url), args.host, args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        port = await server.start()
+        if args.port_file:
+            args.port_file.write_text(str(port))
+        await stop.wait()
+        log.info("scheduler.stopping")
+    finally:
+        await server.stop()
+        if redis is not None:
+            redis.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level, json=args.log_json)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,568 @@
+"""The asyncio engine: schedule -> ExecuteModel -> process outputs -> persist -> stream.
+
+One loop per executor, each with its own scheduler core (queues and block tables for that
+executor's KV cache). A step's output is handed to the persister and the loop moves on: clients
+see tokens only once Redis has acknowledged them, but the next step never waits for Redis
+unless the write backlog passes its bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from protos import executor_pb2 as epb
+from protos import executor_pb2_grpc as epb_grpc
+from scheduler_svc import convert
+from scheduler_svc.errors import NotFound, QueueFull, Unavailable, ValidationError
+from scheduler_svc.handles import EngineEvent, EngineStep, RequestHandle, RequestView
+from scheduler_svc.persister import Persister
+from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.store import RequestStore, StoredRequest, StoreUnavailable
+from scheduler_svc.tokenizer import encode_chat, encode_prompt, load_tokenizer
+
+log = structlog.get_logger(__name__)
+
+MAX_REQUEST_ID_LEN = 256
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    executor_addresses: list[str]
+    redis_url: str
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_waiting: int = 4096
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
+    max_logprobs: int = 20
+    finished_ttl_s: float = 3600.0
+    max_backlog_steps: int = 1024
+    step_timeout_s: float = 120.0
+    # Caps below what the executor reports (tests use them to force preemption).
+    num_device_blocks: int | None = None
+    num_cpu_blocks: int | None = None
+    max_model_len: int | None = None
+
+
+@dataclass(slots=True)
+class GenerateInput:
+    """A Generate call converted from protobuf; exactly one of the prompt fields is set."""
+
+    req_id: str
+    params: SamplingParams
+    text: str | None = None
+    token_ids: list[int] | None = None
+    chat: list[dict[str, str]] | None = None
+    add_generation_prompt: bool = True
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class ExecutorHandle:
+    address: str
+    channel: grpc.aio.Channel
+    stub: epb_grpc.ExecutorStub
+    describe: epb.DescribeResponse
+    sched: Scheduler
+    healthy: bool = True
+    step_id: int = 0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    consecutive_failures: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.store = RequestStore(config.redis_url, finished_ttl_s=config.finished_ttl_s)
+        self.persister = Persister(
+            self.store, max_backlog_steps=config.max_backlog_steps, resync=self._resync_store
+        )
+        self.executors: list[ExecutorHandle] = []
+        self.requests: dict[str, RequestHandle] = {}  # active (unfinished or unacknowledged)
+        self.tokenizer = None
+        self.ready = False
+        self._stopping = False
+        self._tasks: list[asyncio.Task] = []
+        self._on_ready_change: Callable[[bool], None] = lambda ready: None
+        self.eos_token_ids: list[int] = []
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.block_size = 0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self, on_ready_change: Callable[[bool], None] | None = None) -> None:
+        if on_ready_change is not None:
+            self._on_ready_change = on_ready_change
+        self.persister.start()
+        self._tasks.append(asyncio.create_task(self._connect_all(), name="engine.connect"))
+
+    async def _connect_all(self) -> None:
+        for address in self.config.executor_addresses:
+            handle = await self._connect(address)
+            self.executors.append(handle)
+            if self.tokenizer is None:
+                reply = await handle.stub.GetTokenizer(epb.GetTokenizerRequest())
+                files = {f.name: f.content for f in reply.files}
+                self.tokenizer = await asyncio.to_thread(load_tokenizer, files)
+        first = self.executors[0].describe
+        self.eos_token_ids = list(first.eos_token_ids)
+        self.vocab_size = first.vocab_size
+        self.block_size = first.block_size
+        self.max_model_len = min(
+            first.max_model_len, self.config.max_model_len or first.max_model_len
+        )
+        await self._recover()
+        for ex in self.executors:
+            self._tasks.append(asyncio.create_task(self._loop(ex), name=f"engine.{ex.address}"))
+        self.ready = True
+        self._on_ready_change(True)
+        log.info("engine.ready", executors=len(self.executors), recovered=len(self.requests))
+
+    async def _connect(self, address: str) -> ExecutorHandle:
+        delay = 0.1
+        while True:
+            channel = grpc.aio.insecure_channel(
+                address,
+                options=[
+                    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+                    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+                ],
+            )
+            stub = epb_grpc.ExecutorStub(channel)
+            try:
+                describe = await stub.Describe(epb.DescribeRequest(), timeout=5)
+                # A fresh scheduler owns no blocks: make sure the executor agrees.
+                await stub.Reset(epb.ResetRequest(), timeout=5)
+            except grpc.aio.AioRpcError as e:
+                await channel.close()
+                log.info("executor.waiting", address=address, code=e.code().name)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            log.info(
+                "executor.connected",
+                address=address,
+                instance_id=describe.instance_id,
+                blocks=describe.num_device_blocks,
+            )
+            return ExecutorHandle(address, channel, stub, describe, self._new_scheduler(describe))
+
+    def _new_scheduler(self, d: epb.DescribeResponse) -> Scheduler:
+        c = self.config
+        num_device = min(d.num_device_blocks, c.num_device_blocks or d.num_device_blocks)
+        num_cpu = min(
+            d.num_cpu_blocks, c.num_cpu_blocks if c.num_cpu_blocks is not None else 1 << 30
+        )
+        return Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=c.max_num_batched_tokens,
+                max_num_seqs=c.max_num_seqs,
+                block_size=d.block_size,
+                num_device_blocks=num_device,
+                num_cpu_blocks=num_cpu,
+                max_model_len=min(d.max_model_len, c.max_model_len or d.max_model_len),
+                policy=c.policy,
+                preemption_mode=c.preemption_mode,
+                enable_prefix_caching=c.enable_prefix_caching,
+                watermark=c.watermark,
+                max_waiting=c.max_waiting,
+            )
+        )
+
+    async def stop(self, drain_timeout_s: float = 5.0) -> None:
+        """Stop taking requests, let running ones finish for up to `drain_timeout_s`, then stop.
+
+        Requests still unfinished stay in Redis as they are and resume on the next start.
+        """
+        self._stopping = True
+        self.ready = False
+        deadline = time.monotonic() + drain_timeout_s
+        while self.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # shutting down
+                await task
+        try:
+            await asyncio.wait_for(self.persister.wait_drained(), timeout=drain_timeout_s)
+        except TimeoutError:
+            log.warning("engine.stop.unflushed", backlog=self.persister.backlog)
+        await self.persister.stop()
+        for handle in self.requests.values():
+            handle.close("scheduler shutting down; resume the request by id")
+        for ex in self.executors:
+            await ex.channel.close()
+        await self.store.close()
+        log.info("engine.stopped", unfinished=len(self.requests))
+
+    # ---------------------------------------------------------------- requests
+
+    async def submit(self, inp: GenerateInput) -> RequestHandle:
+        self._check_available()
+        req_id = inp.req_id or uuid.uuid4().hex
+        if len(req_id) > MAX_REQUEST_ID_LEN or not req_id.isprintable():
+            raise ValidationError(
+                f"request_id must be printable and at most {MAX_REQUEST_ID_LEN} characters"
+            )
+        existing = self.requests.get(req_id)
+        if existing is not None:
+            return existing  # same id again: attach, never a second generation
+        prompt = await self._prompt_token_ids(inp)
+        inp.params.validate(max_logprobs=self.config.max_logprobs, vocab_size=self.vocab_size)
+        if sum(ex.sched.num_waiting for ex in self.executors) >= self.config.max_waiting:
+            raise QueueFull(f"waiting queue is full ({self.config.max_waiting} requests)")
+        handle = RequestHandle(
+            req_id=req_id,
+            prompt_token_ids=prompt,
+            params=inp.params,
+            priority=inp.priority,
+            arrival_time=time.time(),
+        )
+        record = StoredRequest(
+            req_id=req_id,
+            prompt_token_ids=prompt,
+            params=convert.params_to_dict(inp.params),
+            priority=inp.priority,
+            arrival_time=handle.arrival_time,
+            n=inp.params.n,
+        )
+        try:
+            created = await self.store.create(record)
+        except StoreUnavailable as e:
+            raise Unavailable(
+                "request store (Redis) is unavailable; the request was not accepted, retry later"
+            ) from e
+        if not created:
+            # Stored by an earlier call (possibly finished): attach to what is stored.
+            return await self.attach(req_id)
+        if req_id in self.requests:  # a concurrent duplicate won the race in memory
+            return self.requests[req_id]
+        handle.init_outputs(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.requests[req_id] = handle
+        self._enqueue(
+            handle,
+            Request(
+                req_id, prompt, inp.params, priority=inp.priority, arrival_time=handle.arrival_time
+            ),
+        )
+        log.info("request.admitted", req_id=req_id, num_prompt_tokens=len(prompt), n=inp.params.n)
+        return handle
+
+    async def _prompt_token_ids(self, inp: GenerateInput) -> list[int]:
+        if inp.token_ids is not None:
+            prompt = list(inp.token_ids)
+            bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValidationError(
+                    f"prompt.token_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})"
+                )
+        elif inp.chat is not None:
+            try:
+                prompt = encode_chat(
+                    self.tokenizer, inp.chat, add_generation_prompt=inp.add_generation_prompt
+                )
+            except ValueError as e:
+                raise ValidationError(f"prompt.chat: {e}") from e
+        else:
+            prompt = encode_prompt(self.tokenizer, inp.text or "")
+        if not prompt or (inp.text is not None and not inp.text):
+            raise ValidationError("prompt must not be empty")
+        if len(prompt) >= self.max_model_len:
+            raise ValidationError(
+                f"prompt is {len(prompt)} tokens; the maximum model length is "
+                f"{self.max_model_len} (prompt + at least one output token)"
+            )
+        return prompt
+
+    def _check_available(self) -> None:
+        if self._stopping:
+            raise Unavailable("scheduler is shutting down")
+        if not self.ready:
+            raise Unavailable("no executor connected yet")
+        if not any(ex.healthy for ex in self.executors):
+            raise Unavailable("no executor is reachable")
+        if not self.persister.healthy:
+            raise Unavailable("request store (Redis) is unavailable; retry later")
+
+    def _enqueue(self, handle: RequestHandle, req: Request) -> None:
+        healthy = [ex for ex in self.executors if ex.healthy] or self.executors
+        ex = max(healthy, key=lambda e: (e.sched.num_free_blocks, -e.sched.num_waiting))
+        handle.executor = ex
+        ex.sched.add_request(req)
+        ex.wake.set()
+
+    async def attach(self, req_id: str) -> RequestHandle:
+        handle = self.requests.get(req_id)
+        if handle is not None:
+            return handle
+        try:
+            rec = await self.store.get(req_id)
+        except StoreUnavailable as e:
+            raise Unavailable("request store (Redis) is unavailable; retry later") from e
+        if rec is None:
+            raise NotFound(f"request {req_id!r} not found (unknown or expired)")
+        handle = RequestHandle.from_stored(rec, convert.params_from_dict(rec.params))
+        handle.replay_outputs(self.tokenizer, self.eos_token_ids, self.max_model_len, rec)
+        if not rec.finished:
+            # Stored but not (yet) resumed in this process: nothing new will arrive here.
+            handle.close(f"request {req_id!r} is not running on this scheduler yet; retry")
+        return handle
+
+    async def events(self, handle: RequestHandle, from_index: int) -> AsyncIterator[EngineEvent]:
+        async for event in handle.events(from_index):
+            yield event
+
+    async def abort(self, req_id: str, *, missing_ok: bool = False) -> bool:
+        handle = self.requests.get(req_id)
+        if handle is None or handle.finished_in_engine:
+            if missing_ok or handle is not None:
+                return False
+            try:
+                if await self.store.exists(req_id):
+                    return False
+            except StoreUnavailable as e:
+                raise Unavailable("request store (Redis) is unavailable") from e
+            raise NotFound(f"request {req_id!r} not found (unknown or expired)")
+        ex = handle.executor
+        async with ex.lock:  # never in the middle of this executor's step
+            if handle.finished_in_engine:
+                return False
+            ex.sched.abort_request(req_id)
+            record = EngineStep()
+            for index in range(handle.n):
+                handle.finish_seq(index, RequestStatus.FINISHED_ABORTED, None, record)
+            self._finish_request(handle, record)
+            self.persister.submit(record.to_record())
+        ex.wake.set()
+        log.info("request.aborted", req_id=req_id)
+        return True
+
+    async def get_request(self, req_id: str) -> RequestView:
+        try:
+            rec = await self.store.get(req_id)
+        except StoreUnavailable as e:
+            handle = self.requests.get(req_id)
+            if handle is None:
+                raise Unavailable("request store (Redis) is unavailable") from e
+            return handle.view()
+        if rec is None:
+            raise NotFound(f"request {req_id!r} not found (unknown or expired)")
+        handle = self.requests.get(req_id)
+        if handle is not None:
+            return handle.view()
+        params = convert.params_from_dict(rec.params)
+        return RequestView.from_stored(
+            rec, params, self.tokenizer, self.eos_token_ids, self.max_model_len
+        )
+
+    def server_info(self) -> dict:
+        if not self.executors:
+            raise Unavailable("no executor connected yet")
+        d = self.executors[0].describe
+        total = sum(ex.sched.num_device_blocks for ex in self.executors)
+        free = sum(ex.sched.num_free_blocks for ex in self.executors)
+        return {
+            "model": d.model_name,
+            "max_model_len": self.max_model_len,
+            "block_size": d.block_size,
+            "num_waiting": sum(ex.sched.num_waiting for ex in self.executors),
+            "num_running": sum(ex.sched.num_running for ex in self.executors),
+            "num_swapped": sum(ex.sched.num_swapped for ex in self.executors),
+            "kv_cache_usage": 1.0 - free / total if total else 0.0,
+            "executors": [
+                {
+                    "address": ex.address,
+                    "instance_id": ex.describe.instance_id,
+                    "num_device_blocks": ex.sched.num_device_blocks,
+                    "num_free_blocks": ex.sched.num_free_blocks,
+                    "num_cpu_blocks": ex.describe.num_cpu_blocks,
+                    "healthy": ex.healthy,
+                }
+                for ex in self.executors
+            ],
+            "max_logprobs": self.config.max_logprobs,
+            "vocab_size": self.vocab_size,
+            "policy": self.config.policy,
+            "preemption_mode": self.config.preemption_mode,
+        }
+
+    # ---------------------------------------------------------------- recovery
+
+    async def _recover(self) -> None:
+        """Resume every unfinished request found in Redis by recompute."""
+        while True:
+            try:
+                stored = await self.store.list_unfinished()
+                break
+            except StoreUnavailable:
+                log.warning("engine.recover.waiting_for_store")
+                await asyncio.sleep(0.5)
+        for rec in stored:
+            params = convert.params_from_dict(rec.params)
+            handle = RequestHandle.from_stored(rec, params)
+            record = EngineStep()
+            handle.replay_outputs(self.tokenizer, self.eos_token_ids, self.max_model_len, rec)
+            self.requests[rec.req_id] = handle
+            if handle.all_finished:
+                # It had produced its last token before the crash, but the finish record was
+                # not written yet.
+                self._finish_request(handle, record)
+                self.persister.submit(record.to_record())
+                continue
+            req = Request(
+                rec.req_id,
+                rec.prompt_token_ids,
+                params,
+                priority=rec.priority,
+                arrival_time=rec.arrival_time,
+                output_token_ids=[list(o) for o in handle.acked_outputs()],
+            )
+            self._enqueue(handle, req)
+            log.info("request.resumed", req_id=rec.req_id, num_output_tokens=handle.num_acked)
+
+    async def _resync_store(self) -> None:
+        """Rewrite every active request to Redis from memory (Redis lost acknowledged data)."""
+        for handle in list(self.requests.values()):
+            rec = StoredRequest(
+                req_id=handle.req_id,
+                prompt_token_ids=handle.prompt_token_ids,
+                params=convert.params_to_dict(handle.params),
+                priority=handle.priority,
+                arrival_time=handle.arrival_time,
+                n=handle.n,
+            )
+            await self.store.create(rec)
+            await self.store.rewrite_outputs(handle.req_id, handle.acked_outputs())
+
+    # ---------------------------------------------------------------- the loop
+
+    async def _loop(self, ex: ExecutorHandle) -> None:
+        while not self._stopping:
+            if not ex.healthy:
+                await self._reconnect(ex)
+                continue
+            if self.persister.over_backlog:
+                await self.persister.wait_below_backlog()
+                continue
+            ex.wake.clear()
+            async with ex.lock:
+                out = ex.sched.schedule()
+                self._handle_scheduler_finished(ex)
+                if convert.is_empty(out):
+                    idle = True
+                else:
+                    idle = False
+                    ex.step_id += 1
+                    msg = convert.execute_request(out, ex.step_id)
+                    try:
+                        resp = await ex.stub.ExecuteModel(msg, timeout=self.config.step_timeout_s)
+                    except grpc.aio.AioRpcError as e:
+                        self._executor_failed(ex, e)
+                        continue
+                    ex.consecutive_failures = 0
+                    self._process_step(ex, out, resp)
+            if idle:
+                await ex.wake.wait()
+            else:
+                await asyncio.sleep(0)  # let RPC handlers (new requests, aborts) run
+
+    def _process_step(self, ex: ExecutorHandle, out, resp: epb.ExecuteModelResponse) -> None:
+        sampled = {s.seq_id: s for s in resp.sampled}
+        seqs = ex.sched.update_from_output(out, {k: v.token_id for k, v in sampled.items()})
+        record = EngineStep()
+        touched: dict[str, RequestHandle] = {}
+        for seq in seqs:
+            handle = self.requests.get(seq.req_id)
+            if handle is None or handle.finished_in_engine:
+                continue
+            s = sampled[seq.seq_id]
+            finish = handle.process_token(seq.index, s.token_id, s.logprob, s.top_logprobs, record)
+            if finish is not None:
+                status, stop_reason = finish
+                ex.sched.finish_sequence(seq.seq_id, status, stop_reason)
+            touched[handle.req_id] = handle
+        self._handle_scheduler_finished(ex, record)
+        for handle in touched.values():
+            if handle.all_finished and not handle.finished_in_engine:
+                self._finish_request(handle, record)
+        self.persister.submit(record.to_record())
+
+    def _handle_scheduler_finished(self, ex: ExecutorHandle, record: EngineStep | None = None):
+        """Requests the scheduler core ended on its own (e.g. can never fit the cache)."""
+        own = record is None
+        record = record or EngineStep()
+        for req in ex.sched.take_finished_requests():
+            handle = self.requests.get(req.req_id)
+            if handle is None or handle.finished_in_engine:
+                continue
+            for seq in req.seqs:
+                if not handle.seq_finished(seq.index):
+                    handle.finish_seq(seq.index, seq.status, seq.stop_reason, record, req.error)
+            self._finish_request(handle, record)
+        if own:
+            self.persister.submit(record.to_record())
+
+    def _finish_request(self, handle: RequestHandle, record: EngineStep) -> None:
+        handle.finished_in_engine = True
+        record.finishes.append(handle.finish_record())
+        # Forget it only once Redis has it: until then it must stay resumable from memory.
+        record.after.append(lambda: self.requests.pop(handle.req_id, None))
+        log.info("request.finished", req_id=handle.req_id, reasons=handle.finish_reasons())
+
+    def _executor_failed(self, ex: ExecutorHandle, e: grpc.aio.AioRpcError) -> None:
+        ex.consecutive_failures += 1
+        log.error(
+            "executor.step_failed", address=ex.address, code=e.code().name, details=e.details()
+        )
+        ex.healthy = False
+        # Its KV cache (or our view of it) can no longer be trusted: recompute everything.
+        ex.sched.reset_executor()
+
+    async def _reconnect(self, ex: ExecutorHandle) -> None:
+        await asyncio.sleep(min(0.1 * 2**ex.consecutive_failures, 2.0))
+        try:
+            describe = await ex.stub.Describe(epb.DescribeRequest(), timeout=5)
+            await ex.stub.Reset(epb.ResetRequest(), timeout=5)
+        except grpc.aio.AioRpcError:
+            return
+        if describe.instance_id != ex.describe.instance_id:
+            log.warning("executor.restarted", address=ex.address, instance_id=describe.instance_id)
+        ex.describe = describe
+        ex.healthy = True
+        ex.wake.set()
+        if ex.consecutive_failures >= 3:
+            # The same step keeps failing: fail what is running rather than loop forever.
+            record = EngineStep()
+            for req_id in list(ex.sched.running_request_ids()):
+                handle = self.requests.get(req_id)
+                if handle is not None and not handle.finished_in_engine:
+                    ex.sched.abort_request(req_id)
+                    for i in range(handle.n):
+                        handle.finish_seq(
+                            i,
+                            RequestStatus.FINISHED_ERROR,
+                            None,
+                            record,
+                            "executor rejected the request repeatedly",
+                        )
+                    self._finish_request(handle, record)
+            self.persister.submit(record.to_record())
+            ex.consecutive_failures = 0
+
+
+__all__ = ["Engine", "EngineConfig", "GenerateInput"]

@@ -1,0 +1,327 @@
+"""Per-request state of the engine: what was produced, what Redis acknowledged, who listens.
+
+Each sequence has two views. `states[i]` (stop checks, detokenizer) runs ahead as tokens come
+back from the executor; `acked[i]` holds only what Redis has acknowledged and is the single
+source for client streams, so a client never sees a token that a crash could lose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler_svc.errors import Unavailable
+from scheduler_svc.output_processor import FinishStatus, OutputDelta, SequenceOutputState
+from scheduler_svc.persister import StepRecord
+from scheduler_svc.request import RequestStatus
+from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.store import FinishRecord, StoredRequest, TokenAppend
+
+
+@dataclass(slots=True)
+class EngineEvent:
+    """One delta of one sequence, ready to become a GenerateResponse."""
+
+    index: int
+    token_offset: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[str, Any]] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None
+    error: str = ""
+
+
+@dataclass(slots=True)
+class SeqLog:
+    """Acknowledged output of one sequence; `chunks[i]` is the text released with token i."""
+
+    tokens: list[int] = field(default_factory=list)
+    chunks: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    tail: str = ""  # text released at finish without a token (abort of held-back text)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def _lp_entry(delta: OutputDelta, i: int) -> dict[str, Any]:
+    lp = delta.logprobs[i]
+    return {
+        "token_id": lp.token_id,
+        "logprob": lp.logprob,
+        "top": [[a.token_id, a.logprob, a.text] for a in lp.top],
+    }
+
+
+@dataclass(slots=True)
+class EngineStep:
+    """What one engine step (or an abort) produced: Redis writes, then publication."""
+
+    appends: list[TokenAppend] = field(default_factory=list)
+    finishes: list[FinishRecord] = field(default_factory=list)
+    deltas: list[tuple[RequestHandle, int, OutputDelta, str]] = field(default_factory=list)
+    after: list[Any] = field(default_factory=list)  # callables run once acknowledged
+
+    def to_record(self) -> StepRecord:
+        return StepRecord(self.appends, self.finishes, self.publish)
+
+    def publish(self) -> None:
+        touched: dict[str, RequestHandle] = {}
+        for handle, index, delta, error in self.deltas:
+            handle.apply_acked(index, delta, error)
+            touched[handle.req_id] = handle
+        for fn in self.after:
+            fn()
+        for handle in touched.values():
+            handle.notify()
+
+
+class RequestHandle:
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        arrival_time: float,
+    ) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.priority = priority
+        self.arrival_time = arrival_time
+        self.n = params.n
+        self.executor: Any = None
+        self.states: list[SequenceOutputState] = []
+        self.acked: list[SeqLog] = [SeqLog() for _ in range(self.n)]
+        self.finished_in_engine = False
+        self.error = ""
+        self._closed: str | None = None
+        self._changed = asyncio.Event()
+
+    # ------------------------------------------------------------ construction
+
+    @classmethod
+    def from_stored(cls, rec: StoredRequest, params: SamplingParams) -> RequestHandle:
+        return cls(rec.req_id, rec.prompt_token_ids, params, rec.priority, rec.arrival_time)
+
+    def init_outputs(self, tokenizer, eos_token_ids: list[int], max_model_len: int) -> None:
+        self.states = [
+            SequenceOutputState(
+                tokenizer,
+                self.params,
+                self.prompt_token_ids,
+                eos_token_ids=eos_token_ids,
+                max_model_len=max_model_len,
+            )
+            for _ in range(self.n)
+        ]
+
+    def replay_outputs(
+        self,
+        tokenizer,
+        eos_token_ids: list[int],
+        max_model_len: int,
+        rec: StoredRequest,
+    ) -> None:
+        """Rebuild state from stored tokens, token by token, exactly as they were streamed."""
+        self.init_outputs(tokenizer, eos_token_ids, max_model_len)
+        self.error = rec.error
+        want_lp = self.params.logprobs is not None
+        for i, tokens in enumerate(rec.outputs):
+            state, log = self.states[i], self.acked[i]
+            stored_lp = rec.logprobs[i] if i < len(rec.logprobs) else []
+            for pos, tok in enumerate(tokens):
+                if state.finished:
+                    break
+                if want_lp:
+                    e = stored_lp[pos] if pos < len(stored_lp) else {"logprob": 0.0, "top": []}
+                    top = [(t[0], t[1]) for t in e.get("top", [])]
+                    delta = state.append([tok], [e["logprob"]], [top])
+                else:
+                    delta = state.append([tok])
+                log.tokens.append(tok)
+                log.chunks.append(delta.text)
+                if want_lp:
+                    log.logprobs.append(_lp_entry(delta, 0))
+                if delta.finished:
+                    log.finish_reason = delta.finish_status.value
+                    log.stop_reason = delta.stop_reason
+            stored_reason = rec.finish_reasons[i] if i < len(rec.finish_reasons) else None
+            if stored_reason is not None and not state.finished:
+                stop = rec.stop_reasons[i] if i < len(rec.stop_reasons) else None
+                delta = state.finish(FinishStatus(stored_reason), stop)
+                log.tail += delta.text
+                log.finish_reason, log.stop_reason = stored_reason, delta.stop_reason
+        self.finished_in_engine = rec.finished
+
+    # ------------------------------------------------------------ engine side
+
+    def process_token(
+        self,
+        index: int,
+        token_id: int,
+        logprob: float,
+        top_logprobs: Any,
+        step: EngineStep,
+    ) -> tuple[RequestStatus, int | str | None] | None:
+        state = self.states[index]
+        if self.params.logprobs is not None:
+            top = [(t.token_id, t.logprob) for t in top_logprobs]
+            delta = state.append([token_id], [logprob], [top])
+            lps = [_lp_entry(delta, i) for i in range(len(delta.token_ids))]
+        else:
+            delta = state.append([token_id])
+            lps = None
+        step.appends.append(
+            TokenAppend(self.req_id, index, delta.token_offset, delta.token_ids, lps)
+        )
+        step.deltas.append((self, index, delta, ""))
+        if delta.finished:
+            return RequestStatus[delta.finish_status.name], delta.stop_reason
+        return None
+
+    def finish_seq(
+        self,
+        index: int,
+        status: RequestStatus,
+        stop_reason: int | str | None,
+        step: EngineStep,
+        error: str = "",
+    ) -> None:
+        state = self.states[index]
+        if state.finished:
+            return
+        delta = state.finish(FinishStatus[status.name], stop_reason)
+        if error:
+            self.error = error
+        step.deltas.append((self, index, delta, error))
+
+    def seq_finished(self, index: int) -> bool:
+        return self.states[index].finished
+
+    @property
+    def all_finished(self) -> bool:
+        return all(s.finished for s in self.states)
+
+    def finish_record(self) -> FinishRecord:
+        return FinishRecord(
+            self.req_id,
+            self.n,
+            [s.finish_status.value if s.finish_status else None for s in self.states],
+            [None if s.stop_reason is None else str(s.stop_reason) for s in self.states],
+            self.error,
+        )
+
+    def finish_reasons(self) -> list[str | None]:
+        return [s.finish_status.value if s.finish_status else None for s in self.states]
+
+    # ------------------------------------------------------------ acknowledged side
+
+    def apply_acked(self, index: int, delta: OutputDelta, error: str) -> None:
+        log = self.acked[index]
+        if delta.token_ids:
+            # One step appends one token per sequence; its text is that token's chunk.
+            for j, tok in enumerate(delta.token_ids):
+                log.tokens.append(tok)
+                log.chunks.append(delta.text if j == len(delta.token_ids) - 1 else "")
+                if delta.logprobs:
+                    log.logprobs.append(_lp_entry(delta, j))
+        else:
+            log.tail += delta.text
+        if delta.finished:
+            log.finish_reason = delta.finish_status.value
+            log.stop_reason = delta.stop_reason
+        if error:
+            self.error = error
+
+    def acked_outputs(self) -> list[list[int]]:
+        return [list(log.tokens) for log in self.acked]
+
+    @property
+    def num_acked(self) -> int:
+        return sum(len(log.tokens) for log in self.acked)
+
+    def notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def close(self, reason: str) -> None:
+        """Wake every listener with `reason` (shutdown); the request itself stays stored."""
+        self._closed = reason
+        self.notify()
+
+    async def events(self, from_index: int) -> AsyncIterator[EngineEvent]:
+        cursors = [from_index] * self.n
+        done = [False] * self.n
+        while True:
+            waiter = self._changed
+            for i, log in enumerate(self.acked):
+                if done[i]:
+                    continue
+                c = cursors[i]
+                finished = log.finish_reason is not None
+                if c >= len(log.tokens) and not finished:
+                    continue
+                yield EngineEvent(
+                    index=i,
+                    token_offset=c,
+                    token_ids=log.tokens[c:],
+                    text="".join(log.chunks[c:]) + (log.tail if finished else ""),
+                    logprobs=log.logprobs[c:] if self.params.logprobs is not None else None,
+                    finish_reason=log.finish_reason,
+                    stop_reason=log.stop_reason,
+                    error=self.error if finished else "",
+                )
+                cursors[i] = max(c, len(log.tokens))
+                done[i] = finished
+            if all(done):
+                return
+            if self._closed is not None:
+                raise Unavailable(self._closed)
+            await waiter.wait()
+
+    def view(self) -> RequestView:
+        if all(log.finish_reason is not None for log in self.acked):
+            status = "finished"
+        elif self.executor is not None:
+            status = self.executor.sched.request_status_name(self.req_id)
+        else:
+            status = "waiting"
+        return RequestView(
+            req_id=self.req_id,
+            status=status,
+            prompt_token_ids=self.prompt_token_ids,
+            sequences=[
+                (log.tokens, "".join(log.chunks) + log.tail, log.finish_reason, log.stop_reason)
+                for log in self.acked
+            ],
+            arrival_time=self.arrival_time,
+            error=self.error,
+            priority=self.priority,
+        )
+
+
+@dataclass(slots=True)
+class RequestView:
+    """What GetRequest returns."""
+
+    req_id: str
+    status: str  # "waiting" | "running" | "swapped" | "finished"
+    prompt_token_ids: list[int]
+    sequences: list[tuple[list[int], str, str | None, int | str | None]]
+    arrival_time: float
+    error: str
+    priority: int
+
+    @classmethod
+    def from_stored(
+        cls, rec: StoredRequest, params: SamplingParams, tokenizer, eos_ids, max_model_len
+    ) -> RequestView:
+        handle = RequestHandle.from_stored(rec, params)
+        handle.replay_outputs(tokenizer, eos_ids, max_model_len, rec)
+        view = handle.view()
+        view.status = "finished" if rec.finished else "waiting"
+        return view

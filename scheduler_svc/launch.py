@@ -1,0 +1,86 @@
+"""`make run`: Redis (unless REDIS_URL is set), one executor and the scheduler, in the foreground.
+
+Ctrl-C (or SIGTERM) stops all of it: the scheduler drains, the executor and Redis exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import structlog
+
+from scheduler_svc import cli as scheduler_cli
+from scheduler_svc.logging import configure_logging
+
+log = structlog.get_logger(__name__)
+
+
+def start_executor(model: str, host: str, port: int, extra: list[str]) -> subprocess.Popen:
+    port_file = Path(tempfile.mkdtemp(prefix="llmserve-launch-")) / "executor.port"
+    cmd = [
+        sys.executable, "-m", "executor_svc",
+        "--model", model, "--host", host, "--port", str(port),
+        "--port-file", str(port_file), *extra,
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd)
+    # The executor writes its port file once the model is loaded (first run builds the demo).
+    while not port_file.exists():
+        if proc.poll() is not None:
+            raise SystemExit(f"executor exited with code {proc.returncode}")
+        time.sleep(0.2)
+    return proc
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="llmserve-launch", description=__doc__)
+    p.add_argument("--model", default=os.environ.get("LLMSERVE_MODEL", "demo"))
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--executor-port", type=int, default=50061)
+    p.add_argument("--scheduler-port", type=int, default=50051)
+    p.add_argument("--redis-dir", default=".cache/redis")
+    p.add_argument("--executor-arg", action="append", default=[], help="passed to the executor")
+    args = p.parse_args(argv)
+    configure_logging("info")
+    log.info("launch.executor_starting", model=args.model)
+    executor = start_executor(args.model, args.host, args.executor_port, args.executor_arg)
+    sched_args = scheduler_cli.build_parser().parse_args(
+        [
+            "--executor",
+            f"{args.host}:{args.executor_port}",
+            "--host",
+            args.host,
+            "--port",
+            str(args.scheduler_port),
+            "--redis-dir",
+            args.redis_dir,
+        ]  # fmt: skip
+    )
+    print(
+        f"\nllmserve is up: scheduler on {args.host}:{args.scheduler_port} "
+        f'(try: .venv/bin/llmserve generate "Hello" --stream). Ctrl-C stops it.\n',
+        flush=True,
+    )
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(scheduler_cli.run(sched_args))
+    finally:
+        if executor.poll() is None:
+            executor.send_signal(signal.SIGTERM)
+            try:
+                executor.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                executor.kill()
+        log.info("launch.stopped")
+
+
+if __name__ == "__main__":
+    main()

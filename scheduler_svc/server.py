@@ -1,0 +1,76 @@
+"""Scheduler gRPC server: the public API plus standard health and reflection."""
+
+from __future__ import annotations
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.service import SchedulerServicer
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class SchedulerServer:
+    """Owns the engine and the grpc.aio server; `start()` then `wait()`, `stop()` to drain."""
+
+    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.config = config
+        self.host = host
+        self.requested_port = port
+        self.port = 0
+        self.engine = Engine(config)
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> int:
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(
+            SchedulerServicer(self.engine), self._server
+        )
+        self._health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        )
+        self._set_serving(False)
+        self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {self.host}:{self.requested_port}")
+        await self._server.start()
+        # Serving the API before the engine is ready lets clients see UNAVAILABLE with a reason
+        # rather than connection errors; health stays NOT_SERVING until an executor is up.
+        await self.engine.start(on_ready_change=self._set_serving)
+        log.info("scheduler.listening", host=self.host, port=self.port)
+        return self.port
+
+    def _set_serving(self, ready: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        self._health.set("", status)
+        self._health.set(SERVICE_NAME, status)
+
+    async def wait(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        self._set_serving(False)
+        await self.engine.stop(drain_timeout_s=grace_s)
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None

@@ -1,0 +1,106 @@
+"""gRPC servicer of llmserve.v1.Scheduler: converts at the edge, the engine does the work."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from protos import scheduler_pb2 as pb
+from protos import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc import convert
+from scheduler_svc.engine import Engine
+from scheduler_svc.errors import EngineError, NotFound, QueueFull, Unavailable, ValidationError
+
+log = structlog.get_logger(__name__)
+
+_STATUS = {
+    ValidationError: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    ValueError: grpc.StatusCode.INVALID_ARGUMENT,  # e.g. a chat prompt without a template
+}
+
+
+_background: set[asyncio.Task] = set()
+
+
+async def _abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    for cls, code in _STATUS.items():
+        if isinstance(exc, cls):
+            await context.abort(code, str(exc))
+    log.exception("rpc.internal_error", error=str(exc))
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+class SchedulerServicer(pb_grpc.SchedulerServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            inp = convert.generate_input_from_proto(request)
+            handle = await self.engine.submit(inp)
+        except (EngineError, ValueError) as e:
+            await _abort_with(context, e)
+            return
+        async for msg in self._stream(handle, 0, context, detached=request.detached):
+            yield msg
+
+    async def Resume(
+        self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            handle = await self.engine.attach(request.request_id)
+        except (EngineError, ValueError) as e:
+            await _abort_with(context, e)
+            return
+        # A resumed stream never aborts the request when the client goes away again.
+        async for msg in self._stream(handle, request.from_token_index, context, detached=True):
+            yield msg
+
+    async def _stream(self, handle, from_index: int, context, *, detached: bool):
+        finished_normally = False
+        try:
+            async for event in self.engine.events(handle, from_index):
+                yield convert.event_to_proto(handle, event)
+            finished_normally = True
+        except EngineError as e:
+            await _abort_with(context, e)
+        finally:
+            if not finished_normally and not detached:
+                # The call was cancelled (client gone): abort unless asked to keep it running.
+                # A task, not an await: this runs while the handler itself is being cancelled.
+                task = asyncio.get_running_loop().create_task(
+                    self.engine.abort(handle.req_id, missing_ok=True)
+                )
+                _background.add(task)
+                task.add_done_callback(_background.discard)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        try:
+            aborted = await self.engine.abort(request.request_id)
+        except (EngineError, ValueError) as e:
+            await _abort_with(context, e)
+            return pb.AbortResponse()
+        return pb.AbortResponse(aborted=aborted)
+
+    async def GetRequest(self, request: pb.GetRequestRequest, context) -> pb.GetRequestResponse:
+        try:
+            view = await self.engine.get_request(request.request_id)
+        except (EngineError, ValueError) as e:
+            await _abort_with(context, e)
+            return pb.GetRequestResponse()
+        return convert.request_view_to_proto(view)
+
+    async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
+        try:
+            return convert.server_info_to_proto(self.engine.server_info())
+        except (EngineError, ValueError) as e:
+            await _abort_with(context, e)
+            return pb.GetServerInfoResponse()
