@@ -1,0 +1,111 @@
+"""`llmserve-executor`: serve a model (checkpoint path or "demo") over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import structlog
+
+from executor_svc.server import ExecutorServer
+
+log = structlog.get_logger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="llmserve-executor",
+        description="llmserve executor: model weights, paged KV cache, one step per ExecuteModel.",
+    )
+    p.add_argument("--model", default="demo", help='checkpoint directory, or "demo" (default)')
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50061, help="0 picks a free port")
+    p.add_argument(
+        "--port-file",
+        type=Path,
+        help="write the bound port here once the executor is ready (for launchers and tests)",
+    )
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--num-device-blocks",
+        type=int,
+        default=None,
+        help="KV cache blocks on the device (default: profile free memory)",
+    )
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--swap-space", type=float, default=1.0, help="CPU swap pool size in GiB")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM/SIGINT")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def configure_logging(level: str) -> None:
+    """structlog key/value lines on stderr, filtered at `level`."""
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            structlog.processors.KeyValueRenderer(
+                key_order=["timestamp", "level", "event"], drop_missing=True
+            ),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    # Write then rename, so a reader polling for the file never sees it empty.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    server = ExecutorServer(
+        args.model,
+        args.host,
+        args.port,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_device_blocks=args.num_device_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        swap_space_gib=args.swap_space,
+        max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend,
+    )
+    server.install_signal_handlers(args.grace)
+    try:
+        port = server.start()
+    except OSError as e:
+        log.error("executor.bind_failed", host=args.host, port=args.port, error=str(e))
+        return 1
+    print(f"llmserve-executor listening on {args.host}:{port}", flush=True)
+    try:
+        server.load()
+    except Exception as e:
+        log.exception("executor.load_failed", model=str(args.model))
+        print(f"llmserve-executor: could not load {args.model}: {e}", file=sys.stderr)
+        server.stop(0)
+        return 1
+    if args.port_file is not None:
+        _write_port_file(args.port_file, port)
+    server.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

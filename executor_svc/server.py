@@ -1,0 +1,155 @@
+"""The executor's gRPC server: Executor servicer, grpc.health.v1 health and server reflection.
+
+The port is bound and health answers NOT_SERVING before the model is loaded, so a launcher can
+watch the executor come up; health flips to SERVING once the weights and the KV cache exist.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from executor_svc.service import ExecutorServicer
+from protos import executor_pb2, executor_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+DEMO_MODEL = "demo"
+
+
+def resolve_model(model: str | Path) -> tuple[Path, str]:
+    """The checkpoint directory and the name Describe reports for it."""
+    if str(model) == DEMO_MODEL:
+        # Built once into $LLMSERVE_CACHE (or ~/.cache/llmserve) and reused afterwards.
+        from executor_svc.demo_model import ensure_demo_model
+
+        return ensure_demo_model(), DEMO_MODEL
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint (no config.json)")
+    return path, path.resolve().name
+
+
+class ExecutorServer:
+    """One executor process's server. `start()` binds, `load()` builds the model and turns
+    SERVING, `stop()` drains in-flight steps for a grace period."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_workers: int = 8,
+        **runner_kwargs: Any,
+    ) -> None:
+        self.model = model
+        self.host = host
+        self.requested_port = port
+        self.runner_kwargs = runner_kwargs
+        self.servicer = ExecutorServicer()
+        self.health = health.HealthServicer()
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # gRPC sets SO_REUSEPORT by default, which would let a second executor bind a busy
+            # port and silently split the traffic; a clash must fail instead.
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="executor-rpc"),
+            options=options,
+        )
+        executor_pb2_grpc.add_ExecutorServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self.port = 0
+        self._stopped = threading.Event()
+
+    def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def start(self) -> int:
+        """Bind and start answering (health NOT_SERVING); returns the bound port."""
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {self.host}:{self.requested_port}")
+        self.server.start()
+        log.info("executor.listening", host=self.host, port=self.port)
+        return self.port
+
+    def load(self) -> None:
+        """Build the model runner (weights + KV cache), then report SERVING."""
+        from executor_svc.model_runner import ModelRunner
+
+        model_dir, model_name = resolve_model(self.model)
+        runner = ModelRunner(model_dir, **self.runner_kwargs)
+        self.servicer.attach(runner, model_dir=model_dir, model_name=model_name)
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        info = runner.info
+        log.info(
+            "executor.ready",
+            port=self.port,
+            model=model_name,
+            architecture=str(info.architecture),
+            device=str(info.device),
+            dtype=str(info.dtype),
+            block_size=runner.block_size,
+            num_device_blocks=runner.num_device_blocks,
+            num_cpu_blocks=runner.num_cpu_blocks,
+            instance_id=self.servicer.instance_id,
+        )
+
+    def stop(self, grace: float | None = 5.0) -> None:
+        """Stop taking calls; in-flight ones get `grace` seconds to finish."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+        log.info("executor.stopped")
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+    def install_signal_handlers(self, grace: float = 5.0) -> None:
+        """SIGTERM/SIGINT stop the server gracefully (main thread only)."""
+
+        def handler(signum: int, frame: object) -> None:
+            log.info("executor.signal", signal=signal.Signals(signum).name)
+            # Stop from another thread: server.stop() waits, and signal handlers must return.
+            threading.Thread(target=self.stop, args=(grace,), daemon=True).start()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+def serve(
+    model: str | Path, host: str = "127.0.0.1", port: int = 0, **runner_kwargs: Any
+) -> tuple[grpc.Server, int]:
+    """Start a ready executor (model loaded, health SERVING); returns the server and its port.
+
+    Stop it with `server.stop(grace)`.
+    """
+    srv = ExecutorServer(model, host, port, **runner_kwargs)
+    bound = srv.start()
+    try:
+        srv.load()
+    except BaseException:
+        srv.server.stop(None)
+        raise
+    return srv.server, bound

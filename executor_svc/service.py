@@ -1,0 +1,556 @@
+"""gRPC servicer of llmserve.executor.v1.Executor: per-sequence state, validation, diffs.
+
+Every ExecuteModel is a transaction: the whole request is validated against the current state
+before anything changes, so a rejected step leaves the executor exactly as it was; a forward that
+fails is undone from a small undo log (token lists only grow, block tables are short).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from dataclasses import field as dc_field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+
+from executor_svc.model_runner import ModelRunner, ScheduledSequence
+from executor_svc.sampler import SamplingParams
+from protos import executor_pb2 as pb
+from protos import executor_pb2_grpc as pb_grpc
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_MAX_LOGPROBS = 20
+
+# Files a tokenizer (and the scheduler's chat templating / EOS handling) may need, in the order
+# they are returned. Only those present in the model directory are sent.
+TOKENIZER_FILE_NAMES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+)
+
+
+class InvalidStep(ValueError):
+    """A request the executor refuses; the message names the field and is safe for clients."""
+
+
+@dataclass(slots=True)
+class SeqState:
+    seq_id: str
+    token_ids: list[int]  # prompt + outputs known so far; the executor appends what it samples
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_table: list[int]  # physical device block ids in logical order
+    num_computed_tokens: int  # tokens whose KV is in the cache
+
+
+@dataclass(slots=True)
+class _CachedUndo:
+    # Enough to restore a cached sequence after a failed forward: its token list only grows, so
+    # its old length suffices; the block table is copied because entries may be replaced.
+    state: SeqState
+    num_tokens: int
+    block_table: list[int]
+    num_computed_tokens: int
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _rpc(method: F) -> F:
+    """Turn exceptions into clean statuses: no stack trace ever reaches the client."""
+
+    @functools.wraps(method)
+    def wrapper(self: ExecutorServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except InvalidStep as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except _NotReady:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "executor is still loading its model")
+        except _StepFailed:
+            # Already logged with its traceback; the step was rolled back.
+            context.abort(
+                grpc.StatusCode.INTERNAL,
+                "the forward pass failed; the step was rolled back, executor state is unchanged",
+            )
+        except Exception:
+            log.exception("rpc.failed", method=method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed inside the executor")
+
+    return wrapper  # type: ignore[return-value]
+
+
+class _NotReady(Exception):
+    pass
+
+
+class ExecutorServicer(pb_grpc.ExecutorServicer):
+    """Holds per-sequence state between steps and drives one ModelRunner, one step at a time."""
+
+    def __init__(
+        self,
+        runner: ModelRunner | None = None,
+        *,
+        model_dir: str | Path | None = None,
+        model_name: str | None = None,
+        attention_backend: str | None = None,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    ) -> None:
+        # New per process start (and per servicer): a change tells the scheduler its view of
+        # the KV cache is gone.
+        self.instance_id = uuid.uuid4().hex
+        self.max_logprobs = max_logprobs
+        self._seqs: dict[str, SeqState] = {}
+        # One step at a time: steps mutate the KV cache and the per-sequence state.
+        self._lock = threading.Lock()
+        self._runner: ModelRunner | None = None
+        self._model_dir: Path | None = None
+        self._model_name = ""
+        self._attention_backend = ""
+        if runner is not None:
+            self.attach(
+                runner,
+                model_dir=model_dir,
+                model_name=model_name,
+                attention_backend=attention_backend,
+            )
+
+    def attach(
+        self,
+        runner: ModelRunner,
+        *,
+        model_dir: str | Path | None = None,
+        model_name: str | None = None,
+        attention_backend: str | None = None,
+    ) -> None:
+        """Make the servicer usable; until then every RPC answers UNAVAILABLE."""
+        self._model_dir = Path(model_dir) if model_dir is not None else None
+        self._model_name = model_name or str(getattr(runner.info, "model_name", ""))
+        self._attention_backend = attention_backend or runner.backend.name
+        self._runner = runner
+
+    @property
+    def runner(self) -> ModelRunner:
+        if self._runner is None:
+            raise _NotReady()
+        return self._runner
+
+    @property
+    def num_live_sequences(self) -> int:
+        return len(self._seqs)
+
+    # ---------------------------------------------------------------- RPCs
+
+    @_rpc
+    def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> Any:
+        runner = self.runner
+        info = runner.info
+        return pb.DescribeResponse(
+            instance_id=self.instance_id,
+            model_name=self._model_name,
+            architecture=str(info.architecture),
+            dtype=_dtype_name(info.dtype),
+            device=str(info.device),
+            block_size=runner.block_size,
+            num_device_blocks=runner.num_device_blocks,
+            num_cpu_blocks=runner.num_cpu_blocks,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=list(info.eos_token_ids),
+            attention_backend=self._attention_backend,
+            max_logprobs=self.max_logprobs,
+        )
+
+    @_rpc
+    def GetTokenizer(self, request: pb.GetTokenizerRequest, context: grpc.ServicerContext) -> Any:
+        self.runner  # noqa: B018 -- the model directory is only known once loaded
+        files = []
+        if self._model_dir is not None:
+            for name in TOKENIZER_FILE_NAMES:
+                path = self._model_dir / name
+                if path.is_file():
+                    files.append(pb.TokenizerFile(name=name, content=path.read_bytes()))
+        return pb.GetTokenizerResponse(files=files)
+
+    @_rpc
+    def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> Any:
+        with self._lock:
+            num_dropped = len(self._seqs)
+            self._seqs.clear()
+        log.info("executor.reset", num_dropped=num_dropped)
+        return pb.ResetResponse(num_dropped=num_dropped)
+
+    @_rpc
+    def ExecuteModel(self, request: pb.ExecuteModelRequest, context: grpc.ServicerContext) -> Any:
+        runner = self.runner
+        with self._lock:
+            t0 = time.perf_counter()
+            plan = _validate(request, self._seqs, runner, self.max_logprobs)
+            undo = self._apply(request, plan)
+            scheduled = [
+                ScheduledSequence(
+                    seq_id=s.seq_id,
+                    token_ids=s.token_ids,
+                    num_prompt_tokens=s.num_prompt_tokens,
+                    block_table=s.block_table,
+                    num_computed_tokens=s.num_computed_tokens,
+                    num_scheduled_tokens=n,
+                    sampling_params=s.sampling_params,
+                )
+                for s, n in plan.scheduled
+            ]
+            swap_out = [(m.src, m.dst) for m in request.blocks_to_swap_out]
+            swap_in = [(m.src, m.dst) for m in request.blocks_to_swap_in]
+            copy = [(m.src, m.dst) for m in request.blocks_to_copy]
+            try:
+                if scheduled or swap_out or swap_in or copy:
+                    results = runner.execute(scheduled, swap_out, swap_in, copy)
+                else:
+                    results = []
+                by_id = {r.seq_id: r for r in results}
+                if len(by_id) != len(results) or not by_id.keys() <= plan.states.keys():
+                    raise RuntimeError("model runner returned results for unexpected sequences")
+            except Exception:
+                self._rollback(undo)
+                log.exception("step.failed", step_id=request.step_id, num_seqs=len(scheduled))
+                raise _StepFailed() from None
+            sampled = []
+            for s, n in plan.scheduled:
+                s.num_computed_tokens += n
+                r = by_id.get(s.seq_id)
+                if r is None:
+                    continue
+                s.token_ids.append(r.token_id)
+                sampled.append(
+                    pb.SampledToken(
+                        seq_id=r.seq_id,
+                        token_id=r.token_id,
+                        logprob=r.logprob,
+                        top_logprobs=[
+                            pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in r.top_logprobs
+                        ],
+                    )
+                )
+            elapsed = time.perf_counter() - t0
+        log.debug(
+            "step.done",
+            step_id=request.step_id,
+            num_seqs=len(scheduled),
+            num_tokens=sum(n for _, n in plan.scheduled),
+            num_sampled=len(sampled),
+            ms=round(elapsed * 1e3, 3),
+        )
+        return pb.ExecuteModelResponse(
+            step_id=request.step_id, sampled=sampled, execute_time_us=int(elapsed * 1e6)
+        )
+
+    # ---------------------------------------------------------------- state changes
+
+    def _apply(self, request: pb.ExecuteModelRequest, plan: _Plan) -> _Undo:
+        """Apply a validated request; returns what is needed to undo it."""
+        undo = _Undo()
+        # Finished ids go first so a sequence may be dropped and re-sent as new in one step
+        # (preemption by recompute, or swap-in of a sequence swapped out earlier).
+        for seq_id in request.finished_seq_ids:
+            undo.dropped.append(self._seqs.pop(seq_id))
+        for c in request.cached_sequences:
+            s = self._seqs[c.seq_id]
+            undo.cached.append(
+                _CachedUndo(s, len(s.token_ids), list(s.block_table), s.num_computed_tokens)
+            )
+            for r in c.replaced_blocks:
+                s.block_table[r.logical_index] = r.block_id
+            s.block_table.extend(c.new_block_ids)
+            s.token_ids.extend(c.new_token_ids)
+        for state in plan.new_states:
+            self._seqs[state.seq_id] = state
+            undo.added.append(state.seq_id)
+        return undo
+
+    def _rollback(self, undo: _Undo) -> None:
+        for seq_id in undo.added:
+            del self._seqs[seq_id]
+        for u in undo.cached:
+            del u.state.token_ids[u.num_tokens :]
+            u.state.block_table[:] = u.block_table
+            u.state.num_computed_tokens = u.num_computed_tokens
+        for s in undo.dropped:
+            self._seqs[s.seq_id] = s
+
+
+class _StepFailed(Exception):
+    """The forward failed; state was rolled back. Reported to the client as INTERNAL."""
+
+
+@dataclass(slots=True)
+class _Plan:
+    new_states: list[SeqState]
+    # Every sequence run this step (new ones first, then cached, in request order) with its
+    # num_scheduled_tokens; the SeqState objects are the live ones once applied.
+    scheduled: list[tuple[SeqState, int]]
+    states: dict[str, SeqState]
+
+
+@dataclass(slots=True)
+class _Undo:
+    dropped: list[SeqState] = dc_field(default_factory=list)
+    added: list[str] = dc_field(default_factory=list)
+    cached: list[_CachedUndo] = dc_field(default_factory=list)
+
+
+# -------------------------------------------------------------------- validation
+
+
+def _validate(
+    request: pb.ExecuteModelRequest,
+    seqs: dict[str, SeqState],
+    runner: ModelRunner,
+    max_logprobs: int,
+) -> _Plan:
+    """Check the whole request against the current state without changing anything."""
+    info = runner.info
+    vocab_size = info.vocab_size
+    max_model_len = info.max_model_len
+    block_size = runner.block_size
+    num_device = runner.num_device_blocks
+    num_cpu = runner.num_cpu_blocks
+    max_blocks = -(-max_model_len // block_size)
+
+    finished: set[str] = set()
+    for i, seq_id in enumerate(request.finished_seq_ids):
+        field = f"finished_seq_ids[{i}]"
+        if seq_id in finished:
+            raise InvalidStep(f"{field}: duplicate seq_id {seq_id!r}")
+        if seq_id not in seqs:
+            raise InvalidStep(f"{field}: unknown seq_id {seq_id!r}")
+        finished.add(seq_id)
+
+    _check_mappings(request, num_device, num_cpu)
+
+    in_step: set[str] = set()
+    new_states: list[SeqState] = []
+    scheduled: list[tuple[SeqState, int]] = []
+    for i, n in enumerate(request.new_sequences):
+        field = f"new_sequences[{i}]"
+        if not n.seq_id:
+            raise InvalidStep(f"{field}.seq_id: must not be empty")
+        if n.seq_id in in_step:
+            raise InvalidStep(f"{field}.seq_id: {n.seq_id!r} appears twice in this step")
+        if n.seq_id in seqs and n.seq_id not in finished:
+            raise InvalidStep(f"{field}.seq_id: {n.seq_id!r} is already live")
+        in_step.add(n.seq_id)
+        token_ids = list(n.token_ids)
+        if not token_ids:
+            raise InvalidStep(f"{field}.token_ids: must not be empty")
+        _check_len(f"{field}.token_ids", len(token_ids), max_model_len)
+        _check_tokens(f"{field}.token_ids", token_ids, vocab_size)
+        if not 1 <= n.num_prompt_tokens <= len(token_ids):
+            raise InvalidStep(
+                f"{field}.num_prompt_tokens: {n.num_prompt_tokens} not in [1, {len(token_ids)}]"
+            )
+        params = _check_params(f"{field}.sampling_params", n.sampling_params, max_logprobs)
+        _check_blocks(f"{field}.block_table", n.block_table, num_device)
+        if len(set(n.block_table)) != len(n.block_table):
+            raise InvalidStep(f"{field}.block_table: a block id appears twice")
+        if len(n.block_table) > max_blocks:
+            raise InvalidStep(
+                f"{field}.block_table: {len(n.block_table)} blocks exceed the {max_blocks} "
+                f"needed for max_model_len {max_model_len}"
+            )
+        _check_schedule(
+            field, n.num_computed_tokens, n.num_scheduled_tokens, len(token_ids),
+            len(n.block_table), block_size,
+        )  # fmt: skip
+        state = SeqState(
+            seq_id=n.seq_id,
+            token_ids=token_ids,
+            num_prompt_tokens=n.num_prompt_tokens,
+            sampling_params=params,
+            block_table=list(n.block_table),
+            num_computed_tokens=n.num_computed_tokens,
+        )
+        new_states.append(state)
+        scheduled.append((state, n.num_scheduled_tokens))
+
+    for i, c in enumerate(request.cached_sequences):
+        field = f"cached_sequences[{i}]"
+        if c.seq_id in in_step:
+            raise InvalidStep(f"{field}.seq_id: {c.seq_id!r} appears twice in this step")
+        in_step.add(c.seq_id)
+        s = seqs.get(c.seq_id)
+        if s is None:
+            raise InvalidStep(f"{field}.seq_id: unknown seq_id {c.seq_id!r}")
+        if c.seq_id in finished:
+            raise InvalidStep(f"{field}.seq_id: {c.seq_id!r} is also in finished_seq_ids")
+        if c.num_computed_tokens != s.num_computed_tokens:
+            raise InvalidStep(
+                f"{field}.num_computed_tokens: {c.num_computed_tokens} does not match the "
+                f"executor's {s.num_computed_tokens}"
+            )
+        seen_idx: set[int] = set()
+        for j, r in enumerate(c.replaced_blocks):
+            rf = f"{field}.replaced_blocks[{j}]"
+            if r.logical_index >= len(s.block_table):
+                raise InvalidStep(
+                    f"{rf}.logical_index: {r.logical_index} out of range [0, {len(s.block_table)})"
+                )
+            if r.logical_index in seen_idx:
+                raise InvalidStep(f"{rf}.logical_index: {r.logical_index} replaced twice")
+            seen_idx.add(r.logical_index)
+            _check_block(f"{rf}.block_id", r.block_id, num_device)
+        _check_blocks(f"{field}.new_block_ids", c.new_block_ids, num_device)
+        num_blocks = len(s.block_table) + len(c.new_block_ids)
+        if num_blocks > max_blocks:
+            raise InvalidStep(
+                f"{field}.new_block_ids: block table of {num_blocks} blocks exceeds the "
+                f"{max_blocks} needed for max_model_len {max_model_len}"
+            )
+        num_tokens = len(s.token_ids) + len(c.new_token_ids)
+        _check_len(f"{field}.new_token_ids", num_tokens, max_model_len)
+        _check_tokens(f"{field}.new_token_ids", c.new_token_ids, vocab_size)
+        _check_schedule(
+            field, s.num_computed_tokens, c.num_scheduled_tokens, num_tokens, num_blocks,
+            block_size,
+        )  # fmt: skip
+        scheduled.append((s, c.num_scheduled_tokens))
+
+    states = {s.seq_id: s for s, _ in scheduled}
+    return _Plan(new_states=new_states, scheduled=scheduled, states=states)
+
+
+def _check_schedule(
+    field: str,
+    num_computed: int,
+    num_scheduled: int,
+    num_tokens: int,
+    num_blocks: int,
+    block_size: int,
+) -> None:
+    if num_computed >= num_tokens:
+        # At least the last known token must be computed to produce logits for it.
+        raise InvalidStep(
+            f"{field}.num_computed_tokens: {num_computed} must be below the {num_tokens} "
+            "known tokens"
+        )
+    if num_scheduled == 0:
+        raise InvalidStep(f"{field}.num_scheduled_tokens: must be >= 1")
+    if num_computed + num_scheduled > num_tokens:
+        raise InvalidStep(
+            f"{field}.num_scheduled_tokens: {num_computed} computed + {num_scheduled} scheduled "
+            f"exceeds the {num_tokens} known tokens"
+        )
+    needed = -(-(num_computed + num_scheduled) // block_size)
+    if num_blocks < needed:
+        raise InvalidStep(
+            f"{field}: block table has {num_blocks} blocks, {needed} needed for "
+            f"{num_computed + num_scheduled} tokens at block size {block_size}"
+        )
+
+
+def _check_len(field: str, num_tokens: int, max_model_len: int) -> None:
+    if num_tokens > max_model_len:
+        raise InvalidStep(
+            f"{field}: sequence of {num_tokens} tokens exceeds max_model_len {max_model_len}"
+        )
+
+
+def _check_tokens(field: str, token_ids: Iterable[int], vocab_size: int) -> None:
+    for j, t in enumerate(token_ids):
+        if t >= vocab_size:
+            raise InvalidStep(f"{field}[{j}]: token id {t} out of range [0, {vocab_size})")
+
+
+def _check_block(field: str, block_id: int, num_blocks: int) -> None:
+    if block_id >= num_blocks:
+        raise InvalidStep(f"{field}: block id {block_id} out of range [0, {num_blocks})")
+
+
+def _check_blocks(field: str, block_ids: Sequence[int], num_blocks: int) -> None:
+    for j, b in enumerate(block_ids):
+        _check_block(f"{field}[{j}]", b, num_blocks)
+
+
+def _check_mappings(request: pb.ExecuteModelRequest, num_device: int, num_cpu: int) -> None:
+    """Ranges per pool, and no write conflicts between the three ordered cache operations."""
+    lists = (
+        ("blocks_to_swap_out", request.blocks_to_swap_out, num_device, num_cpu),
+        ("blocks_to_swap_in", request.blocks_to_swap_in, num_cpu, num_device),
+        ("blocks_to_copy", request.blocks_to_copy, num_device, num_device),
+    )
+    dsts: dict[str, set[int]] = {}
+    for name, mappings, num_src, num_dst in lists:
+        seen: set[int] = set()
+        for j, m in enumerate(mappings):
+            _check_block(f"{name}[{j}].src", m.src, num_src)
+            _check_block(f"{name}[{j}].dst", m.dst, num_dst)
+            if m.dst in seen:
+                raise InvalidStep(f"{name}[{j}].dst: block {m.dst} is written twice")
+            seen.add(m.dst)
+        dsts[name] = seen
+    # Swap-out reads device blocks before swap-in or copy write them, so reusing a freed block
+    # in the same step is well defined. Two writers of one device block are not.
+    for j, m in enumerate(request.blocks_to_copy):
+        if m.dst in dsts["blocks_to_swap_in"]:
+            raise InvalidStep(
+                f"blocks_to_copy[{j}].dst: block {m.dst} is also a blocks_to_swap_in destination"
+            )
+        if m.src == m.dst:
+            raise InvalidStep(f"blocks_to_copy[{j}]: src and dst are both {m.src}")
+        # Copies have no order among themselves: a block both read and written would make the
+        # result depend on it.
+        if m.src in dsts["blocks_to_copy"]:
+            raise InvalidStep(
+                f"blocks_to_copy[{j}].src: block {m.src} is also a blocks_to_copy destination"
+            )
+
+
+def _check_params(field: str, p: pb.SamplingParams, max_logprobs: int) -> SamplingParams:
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
+        if not math.isfinite(getattr(p, name)):
+            raise InvalidStep(f"{field}.{name}: must be a finite number")
+    if p.temperature < 0:
+        raise InvalidStep(f"{field}.temperature: {p.temperature} must be >= 0")
+    if p.top_k < -1:
+        raise InvalidStep(f"{field}.top_k: {p.top_k} must be -1, 0 (disabled) or positive")
+    if not 0 <= p.top_p <= 1:
+        raise InvalidStep(f"{field}.top_p: {p.top_p} not in [0, 1]")
+    if not 0 <= p.min_p <= 1:
+        raise InvalidStep(f"{field}.min_p: {p.min_p} not in [0, 1]")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(p, name) <= 2:
+            raise InvalidStep(f"{field}.{name}: {getattr(p, name)} not in [-2, 2]")
+    if not 0 <= p.repetition_penalty <= 2:
+        raise InvalidStep(f"{field}.repetition_penalty: {p.repetition_penalty} not in [0, 2]")
+    if p.num_logprobs > max_logprobs:
+        raise InvalidStep(f"{field}.num_logprobs: {p.num_logprobs} exceeds max {max_logprobs}")
+    return SamplingParams.from_proto(p)
+
+
+def _dtype_name(dtype: object) -> str:
+    # ModelInfo may carry a torch.dtype or a string; the wire wants "float32" etc.
+    return str(dtype).removeprefix("torch.")
