@@ -1,0 +1,103 @@
+"""The scheduler's tokenizer: built from files the executor serves, plus prompt helpers.
+
+Only `PreTrainedTokenizerFast` is used: `AutoTokenizer` imports torch in transformers 5, and the
+scheduler must stay torch-free. Every checkpoint this project serves (Llama family, the demo
+model) ships a `tokenizer.json`, which is all the fast tokenizer needs.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerFast
+
+__all__ = [
+    "ChatMessage",
+    "encode_chat",
+    "encode_prompt",
+    "eos_token_ids",
+    "load_tokenizer",
+    "render_chat",
+    "special_token_ids",
+]
+
+# A chat turn as the template sees it: {"role": ..., "content": ...}.
+ChatMessage = Mapping[str, str]
+
+
+def load_tokenizer(files: Mapping[str, bytes]) -> PreTrainedTokenizerFast:
+    """Build a tokenizer from `{file name: contents}` (the executor's GetTokenizer reply).
+
+    The files are written to a temporary directory that is removed again: once loaded, the fast
+    tokenizer holds everything in memory.
+    """
+    if "tokenizer.json" not in files:
+        raise ValueError(
+            f"tokenizer files must include tokenizer.json, got {sorted(files) or 'none'}"
+        )
+    with tempfile.TemporaryDirectory(prefix="llmserve-tokenizer-") as tmp:
+        root = Path(tmp)
+        for name, data in files.items():
+            # Names come from another process: refuse anything that could escape the directory.
+            if not name or "/" in name or "\\" in name or name in (".", ".."):
+                raise ValueError(f"invalid tokenizer file name {name!r}")
+            (root / name).write_bytes(data)
+        return PreTrainedTokenizerFast.from_pretrained(tmp, local_files_only=True)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    """Token ids of a plain-text prompt, with the tokenizer's own special tokens (e.g. BOS)."""
+    return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerFast,
+    messages: Iterable[ChatMessage],
+    *,
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render chat messages to prompt text with the tokenizer's chat template."""
+    if not tokenizer.chat_template:
+        raise ValueError(
+            "this model's tokenizer has no chat template; send the prompt as text or token ids"
+        )
+    conversation = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if not conversation:
+        raise ValueError("chat prompt must contain at least one message")
+    rendered = tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert isinstance(rendered, str)
+    return rendered
+
+
+def encode_chat(
+    tokenizer: PreTrainedTokenizerFast,
+    messages: Iterable[ChatMessage],
+    *,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Token ids of rendered chat messages.
+
+    Templates write their own BOS and role markers, so no special tokens are added on top (that
+    would double the BOS).
+    """
+    text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def special_token_ids(tokenizer: PreTrainedTokenizerFast) -> frozenset[int]:
+    """Ids of every special token (those skip_special_tokens leaves out of the text)."""
+    return frozenset(tokenizer.all_special_ids)
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """The tokenizer's EOS id as a list (empty if it has none).
+
+    The executor's `Describe` reply (from generation_config.json) is the authoritative source and
+    may list several; this is the fallback when it lists none.
+    """
+    eos = tokenizer.eos_token_id
+    return [] if eos is None else [int(eos)]
