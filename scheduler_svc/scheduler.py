@@ -313,9 +313,52 @@ class Scheduler:
         preempted = False
         end = len(running)
         i = 0
+        bs = cfg.block_size
+        pool = bm.pool
+        scheduled = out.scheduled
+        cached_seqs = out.cached_seqs
+        num_scheduled = out.num_scheduled_tokens
         while i < end:
             req = running[i]
             i += 1
+            if len(req.seqs) == 1 and req.forked:
+                # Fast path for one sequence (n == 1, the common case): same decisions as the
+                # general path below, with the block arithmetic and the diff inlined.
+                seq = req.seqs[0]
+                nc = seq.num_computed_tokens
+                num_tokens = len(seq.token_ids)
+                table = seq.block_table
+                if num_tokens - nc > 1:
+                    prefills.append((req, seq))
+                    num_seqs += 1
+                    continue
+                grow = nc >= len(table) * bs
+                if num_tokens <= max_len and (grow or pool.blocks[table[nc // bs]].ref_cnt == 1):
+                    num_seqs += 1
+                    while grow and pool.num_free == 0:
+                        preempted = True
+                        if end > i:
+                            end -= 1
+                            self._preempt(running[end], out)
+                        else:
+                            self._preempt(req, out)
+                            num_seqs -= 1
+                            break
+                    else:
+                        if seq.sent:
+                            if grow:
+                                bid = pool.allocate().block_id
+                                table.append(bid)
+                                new_ids = [bid]
+                            else:
+                                new_ids = []
+                            cached_seqs.append(CachedSeqData(seq.seq_id, new_ids, [], 1, nc))
+                            num_scheduled[seq.seq_id] = 1
+                            scheduled.append((seq, 1))
+                        else:
+                            self._schedule_seq(seq, 1, out)
+                        budget -= 1
+                    continue
             if not req.forked:
                 seq0 = req.seqs[0]
                 num_seqs += req.sampling_params.n
