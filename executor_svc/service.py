@@ -12,7 +12,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from pathlib import Path
@@ -82,6 +82,7 @@ def _rpc(method: F) -> F:
         try:
             return method(self, request, context)
         except InvalidStep as e:
+            log.warning("rpc.invalid_argument", method=method.__name__, error=str(e))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except _NotReady:
             context.abort(grpc.StatusCode.UNAVAILABLE, "executor is still loading its model")
@@ -472,7 +473,10 @@ def _check_len(field: str, num_tokens: int, max_model_len: int) -> None:
         )
 
 
-def _check_tokens(field: str, token_ids: Iterable[int], vocab_size: int) -> None:
+def _check_tokens(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    # max() runs in C; the loop that finds the offending index only runs on bad input.
+    if not token_ids or max(token_ids) < vocab_size:
+        return
     for j, t in enumerate(token_ids):
         if t >= vocab_size:
             raise InvalidStep(f"{field}[{j}]: token id {t} out of range [0, {vocab_size})")
