@@ -16,12 +16,11 @@ blocks and only decodes (and the fork of n > 1) can run out; that is where preem
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass
-
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.errors import QueueFull
 from scheduler_svc.request import Request, RequestStatus, Sequence
+from scheduler_svc.request_queue import RequestQueue
+from scheduler_svc.scheduler_config import SchedulerConfig
 from scheduler_svc.scheduler_output import (
     CachedSeqData,
     NewSeqData,
@@ -30,95 +29,6 @@ from scheduler_svc.scheduler_output import (
 )
 
 _RUNNING = RequestStatus.RUNNING
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
-    max_num_seqs: int = 256  # cap on running sequences
-    block_size: int = 16
-    num_device_blocks: int = 1024
-    num_cpu_blocks: int = 0  # swap pool; 0 makes swap preemption fall back to recompute
-    max_model_len: int = 2048
-    policy: str = "fcfs"  # "fcfs" | "priority" (larger priority first, then arrival)
-    preemption_mode: str = "recompute"  # "recompute" | "swap"
-    enable_prefix_caching: bool = True
-    watermark: float = 0.01  # fraction of device blocks kept free from admissions
-    max_waiting: int = 1024  # add_request raises QueueFull beyond this many waiting requests
-    long_prefill_token_threshold: int | None = None  # max prefill tokens per sequence per step
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_device_blocks < 1 or self.num_cpu_blocks < 0:
-            raise ValueError("num_device_blocks must be >= 1 and num_cpu_blocks >= 0")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            # Otherwise the decodes of a full batch could not all run in one step.
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(
-                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
-            )
-        if not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-        if self.max_waiting < 1:
-            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
-        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
-            raise ValueError("long_prefill_token_threshold must be None or >= 1")
-
-
-class _RequestQueue:
-    """Requests in policy order (a heap on sort_key) with O(1) lazy removal."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[tuple, int, Request]] = []
-        self._live: dict[str, int] = {}  # req_id -> generation of its valid heap entry
-        self._gen = 0
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def __contains__(self, req_id: str) -> bool:
-        return req_id in self._live
-
-    def push(self, req: Request) -> None:
-        self._gen += 1
-        self._live[req.req_id] = self._gen
-        heapq.heappush(self._heap, (req.sort_key, self._gen, req))
-
-    def peek(self) -> Request | None:
-        heap = self._heap
-        while heap:
-            _, gen, req = heap[0]
-            if self._live.get(req.req_id) == gen:
-                return req
-            heapq.heappop(heap)  # removed earlier
-        return None
-
-    def pop(self) -> Request:
-        req = self.peek()
-        assert req is not None
-        heapq.heappop(self._heap)
-        del self._live[req.req_id]
-        return req
-
-    def remove(self, req_id: str) -> bool:
-        if self._live.pop(req_id, None) is None:
-            return False
-        if len(self._heap) > 2 * len(self._live) + 64:  # keep dead entries bounded
-            self._heap = [e for e in self._heap if self._live.get(e[2].req_id) == e[1]]
-            heapq.heapify(self._heap)
-        return True
-
-    def ordered(self) -> list[Request]:
-        return [e[2] for e in sorted(self._heap) if self._live.get(e[2].req_id) == e[1]]
-
-    def clear(self) -> None:
-        self._heap.clear()
-        self._live.clear()
 
 
 class Scheduler:
@@ -131,8 +41,8 @@ class Scheduler:
             watermark=config.watermark,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        self._waiting = _RequestQueue()
-        self._swapped = _RequestQueue()
+        self._waiting = RequestQueue()
+        self._swapped = RequestQueue()
         # Running requests in policy order (best first); finished ones are dropped lazily by
         # the next schedule(), which walks the list anyway.
         self._running: list[Request] = []
@@ -170,43 +80,13 @@ class Scheduler:
         for seq in live:
             seq.status = RequestStatus.WAITING
             self._seqs[seq.seq_id] = seq
-        error = self._never_fits(req, live)
+        error = self.config.never_fits_reason(req, live)
         if not live or error:
             status = RequestStatus.FINISHED_ERROR if error else req.seqs[-1].status
             self._end_request(req, status, error)
             return
         req.status = RequestStatus.WAITING
         self._waiting.push(req)
-
-    def _never_fits(self, req: Request, live: list[Sequence]) -> str | None:
-        cfg = self.config
-        if not live:
-            return None
-        n = req.num_seqs_when_running
-        if n > cfg.max_num_seqs:
-            return f"n={n} sequences exceed max_num_seqs={cfg.max_num_seqs}"
-        longest = max(len(s.token_ids) for s in live)
-        if longest + 1 > cfg.max_model_len:
-            return (
-                f"{longest} tokens + 1 to generate exceed the maximum model length "
-                f"{cfg.max_model_len}"
-            )
-        bs = cfg.block_size
-        p = req.num_prompt_tokens
-        if not req.forked:
-            # The prompt but its last token is shared; every sequence owns the rest.
-            shared = (p - 1) // bs
-            need = shared + n * (-(-(p + 1) // bs) - shared)
-        else:
-            # Lower bound: full prompt blocks shared through the prefix cache.
-            shared = p // bs if cfg.enable_prefix_caching else 0
-            need = shared + sum(-(-(len(s.token_ids) + 1) // bs) - shared for s in live)
-        if need > cfg.num_device_blocks:
-            return (
-                f"needs {need} KV cache blocks of {bs} tokens (prompt of {p} tokens + 1, n={n}) "
-                f"but the executor has {cfg.num_device_blocks}"
-            )
-        return None
 
     def abort_request(self, req_id: str) -> bool:
         """End a request now and free its blocks; False when it is unknown or already ended.
@@ -310,7 +190,6 @@ class Scheduler:
         running = [r for r in self._running if r.status == _RUNNING]
         prefills: list[tuple[Request, Sequence]] = []
         num_seqs = 0
-        preempted = False
         end = len(running)
         i = 0
         bs = cfg.block_size
@@ -334,30 +213,24 @@ class Scheduler:
                     continue
                 grow = nc >= len(table) * bs
                 if num_tokens <= max_len and (grow or pool.blocks[table[nc // bs]].ref_cnt == 1):
+                    if grow and pool.num_free == 0:
+                        end = self._make_room(1, req, running, i, end, out)
+                        if req.status != _RUNNING:
+                            continue
                     num_seqs += 1
-                    while grow and pool.num_free == 0:
-                        preempted = True
-                        if end > i:
-                            end -= 1
-                            self._preempt(running[end], out)
-                        else:
-                            self._preempt(req, out)
-                            num_seqs -= 1
-                            break
+                    budget -= 1
+                    if not seq.sent:
+                        self._schedule_seq(seq, 1, out)
+                        continue
+                    if grow:
+                        bid = pool.allocate().block_id
+                        table.append(bid)
+                        new_ids = [bid]
                     else:
-                        if seq.sent:
-                            if grow:
-                                bid = pool.allocate().block_id
-                                table.append(bid)
-                                new_ids = [bid]
-                            else:
-                                new_ids = []
-                            cached_seqs.append(CachedSeqData(seq.seq_id, new_ids, [], 1, nc))
-                            num_scheduled[seq.seq_id] = 1
-                            scheduled.append((seq, 1))
-                        else:
-                            self._schedule_seq(seq, 1, out)
-                        budget -= 1
+                        new_ids = []
+                    cached_seqs.append(CachedSeqData(seq.seq_id, new_ids, [], 1, nc))
+                    num_scheduled[seq.seq_id] = 1
+                    scheduled.append((seq, 1))
                     continue
             if not req.forked:
                 seq0 = req.seqs[0]
@@ -366,11 +239,9 @@ class Scheduler:
                     prefills.append((req, seq0))
                     continue
                 decode_seqs = None  # fork first
-                cnt = req.sampling_params.n
-                need = cnt - 1  # copy-on-write of the shared last prompt block
+                need = req.sampling_params.n - 1  # copy-on-write of the shared last block
             else:
                 decode_seqs = []
-                cnt = 0
                 for seq in req.seqs:
                     if seq.status != _RUNNING:
                         continue
@@ -381,26 +252,21 @@ class Scheduler:
                         continue
                     else:
                         decode_seqs.append(seq)
-                    cnt += 1
-                num_seqs += cnt
+                    num_seqs += 1
                 if not decode_seqs:
                     continue
                 need = bm.num_blocks_to_compute(decode_seqs)
-            while need > bm.num_free_blocks:
-                preempted = True
-                if end > i:
-                    end -= 1
-                    self._preempt(running[end], out)
-                else:
-                    self._preempt(req, out)
-                    num_seqs -= cnt
-                    break
-            else:
-                if decode_seqs is None:
-                    decode_seqs = self._fork(req)
-                for seq in decode_seqs:
-                    self._schedule_seq(seq, 1, out)
-                budget -= len(decode_seqs)
+            if need > bm.num_free_blocks:
+                end = self._make_room(need, req, running, i, end, out)
+                if req.status != _RUNNING:
+                    num_seqs -= req.num_seqs_when_running
+                    continue
+            if decode_seqs is None:
+                decode_seqs = self._fork(req)
+            for seq in decode_seqs:
+                self._schedule_seq(seq, 1, out)
+            budget -= len(decode_seqs)
+        preempted = bool(out.preempted_req_ids)
         if preempted:
             # Prefill entries of a request that preempted itself are stale.
             prefills = [(r, s) for r, s in prefills if s.status == _RUNNING]
@@ -465,6 +331,29 @@ class Scheduler:
         out.total_num_scheduled_tokens = cfg.max_num_batched_tokens - budget
         self._in_flight = out
         return out
+
+    def _make_room(
+        self,
+        need: int,
+        req: Request,
+        running: list[Request],
+        i: int,
+        end: int,
+        out: SchedulerOutput,
+    ) -> int:
+        """Preempt from the tail of running[i:end] until `need` blocks are free.
+
+        The tail is the lowest-priority, latest-arriving work; none of it has been scheduled
+        this step. When nothing is left behind req, req itself goes. Returns the new end.
+        """
+        while need > self.block_manager.num_free_blocks:
+            if end > i:
+                end -= 1
+                self._preempt(running[end], out)
+            else:
+                self._preempt(req, out)
+                break
+        return end
 
     def _can_take(self, need: int, req: Request, what: str) -> bool:
         """Whether `need` blocks may go to new or resumed work; ends req if it never can."""
@@ -601,7 +490,7 @@ class Scheduler:
 
     def _unfork_if_untouched(self, req: Request) -> None:
         """Undo a fork whose sequences have no output yet: recompute the prompt once again."""
-        if req.sampling_params.n == 1 or not req.forked or req.output_token_ids:
+        if req.sampling_params.n == 1 or not req.forked:
             return
         if any(s.num_output_tokens or s.is_finished for s in req.seqs):
             return
