@@ -69,14 +69,18 @@ def _decode_attention(
     num_blocks = -(-max_len // block_size)
     k = _gather_context(key_cache, block_tables, num_blocks)  # [n, L, kvh, d]
     v = _gather_context(value_cache, block_tables, num_blocks)
-    # GQA without repeating K/V: the query heads of one KV head form the "rows" of a matmul.
-    q = query.view(n, num_kv_heads, group, head_dim)
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * scale  # [n, kvh, group, L]
     pos = torch.arange(k.shape[1], device=query.device)
-    invalid = pos[None, :] >= seq_lens[:, None].to(pos.dtype)  # [n, L]
-    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [n, kvh, group, d]
+    valid = pos[None, :] < seq_lens[:, None].to(pos.dtype)  # [n, L]
+    # GQA without repeating K/V: the `group` query heads sharing a KV head become that head's
+    # query rows, so SDPA sees [n, kvh, group, d] against [n, kvh, L, d]. The transposed K/V
+    # are strided views of the gather (no copy); the fused kernel reads them as they are.
+    out = F.scaled_dot_product_attention(
+        query.view(n, num_kv_heads, group, head_dim),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+    )  # [n, kvh, group, d]
     return out.reshape(n, num_heads, head_dim)
 
 

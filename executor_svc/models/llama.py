@@ -119,6 +119,8 @@ class RMSNorm(nn.Module):
         self.weight = _set_loader(nn.Parameter(torch.empty(dim)), default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Statistics in fp32 whatever the compute dtype, as the reference implementation does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -166,16 +168,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Tables for one forward ([num_tokens, 1, head_dim / 2]); looked up once, not per layer."""
+        return (
+            self.cos[positions].unsqueeze(1).to(dtype),
+            self.sin[positions].unsqueeze(1).to(dtype),
+        )
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, num_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [num_tokens, 1, head_dim / 2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -191,12 +199,11 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
         self.backend = backend
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, ...],
         x: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         md: AttentionMetadata,
@@ -214,7 +221,7 @@ class Attention(nn.Module):
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, h + kvh, d)
         # One rotary call for q and k together: they share positions and frequencies.
-        qk = self.rotary(positions, qk)
+        qk = RotaryEmbedding.apply(qk, *rope)
         q, k = qk[:, :h], qk[:, h:]
         key_cache, value_cache = kv_cache
         self.backend.write_kv(k, v, key_cache, value_cache, md.slot_mapping)
@@ -240,21 +247,21 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: LlamaConfig, backend: AttentionBackend):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, backend)
+        self.self_attn = Attention(cfg, backend)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, ...],
         x: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         md: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, md)
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, md)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -273,13 +280,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = _set_loader(
             nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size)), default_weight_loader
         )
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
@@ -296,8 +301,9 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
         x = F.embedding(input_ids, self.embed_tokens)
+        rope = self.rotary.cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, attn_metadata)
+            x = layer(rope, x, kv_cache, attn_metadata)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
