@@ -188,7 +188,7 @@ class BlockManager:
         """Register seq's newly full and computed blocks in the prefix cache."""
         num_full = seq.num_computed_tokens // self.block_size
         start = seq.num_cached_blocks
-        if num_full <= start:
+        if num_full <= start or not self.enable_prefix_caching:
             return
         self.ensure_hashes(seq, num_full)
         blocks = self.pool.blocks
