@@ -1,0 +1,424 @@
+"""Vectorised sampler: penalties -> temperature -> top-k -> top-p -> min-p -> sample.
+
+Every stage works on whole-batch tensors; Python touches each row only to build small per-row
+tensors (parameters, hash keys, penalty token lists).
+
+Randomness is an exponential race: token = argmax_i p_i / E_i with E_i ~ Exp(1), which picks i
+with probability p_i. E_i comes from a counter-based hash of (seed, output position, token id),
+never from a stateful generator, so a seeded row draws the same token whatever else is in the
+batch and however its sequence was chunked, preempted or resumed. Dropped tokens are -inf before
+the race, so the race itself needs no renormalisation.
+
+Top-k/top-p rows work on a sorted candidate slice (torch.topk) instead of sorting the vocabulary
+(a full sort of 64 x 49152 costs tens of argmaxes on CPU); top-p-only rows size the slice from a probability
+histogram. Candidates are ordered by (logit desc, token id asc), a total order, so the kept set
+is the same in any batch; a row whose kept set might reach past the slice (a tie with the slice
+edge) is redone over the fully sorted vocabulary.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from protos import executor_pb2
+
+# Temperatures below this are greedy: dividing by them overflows float32 logits.
+_SAMPLING_EPS = 1e-5
+# Float32 cumsum slack: a nucleus whose mass reaches top_p to within rounding has reached it,
+# so a boundary exactly at top_p does not pull in one more token.
+_TOP_P_EPS = 1e-6
+# Histogram that bounds a top-p nucleus (see _nucleus_bound): 32 nats below the max.
+_BINS_PER_NAT = 8
+_NUM_BINS = 256
+
+_MASK64 = (1 << 64) - 1
+# Unseeded rows draw a fresh seed per call; random.Random() seeds itself from os.urandom.
+_seed_source = random.Random()
+
+
+@dataclass(slots=True)
+class SamplingParams:  # mirrors executor.proto SamplingParams
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # <= 0 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    num_logprobs: int = 0
+
+    @classmethod
+    def from_proto(cls, pb: executor_pb2.SamplingParams) -> SamplingParams:
+        # proto3 zeros mean "unset": top_p and repetition_penalty of 0 would otherwise drop
+        # every token / divide by zero, so they read as "disabled" (1).
+        return cls(
+            temperature=float(pb.temperature),
+            top_k=int(pb.top_k) if pb.top_k > 0 else 0,
+            top_p=float(pb.top_p) if pb.top_p > 0 else 1.0,
+            min_p=float(pb.min_p),
+            presence_penalty=float(pb.presence_penalty),
+            frequency_penalty=float(pb.frequency_penalty),
+            repetition_penalty=float(pb.repetition_penalty) if pb.repetition_penalty > 0 else 1.0,
+            seed=int(pb.seed) if pb.HasField("seed") else None,
+            num_logprobs=int(pb.num_logprobs),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [num_seqs] int64
+    logprobs: torch.Tensor  # [num_seqs] float32, of the sampled token, raw distribution
+    top_token_ids: torch.Tensor | None  # [num_seqs, max_num_logprobs]
+    top_logprobs: torch.Tensor | None  # [num_seqs, max_num_logprobs]
+
+
+# ---------------------------------------------------------------------------------------------
+# Counter-based noise
+
+
+def _i32(x: int) -> int:
+    """Unsigned 32-bit constant as the signed value torch's int32 arithmetic wraps with."""
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def row_key(seed: int, position: int) -> tuple[int, int]:
+    """Two int32 keys for one (seed, output position); pure Python, once per row."""
+    h = _splitmix64(_splitmix64(seed & _MASK64) ^ position)
+    return _i32(h & 0xFFFFFFFF), _i32(h >> 32)
+
+
+_GOLDEN32 = _i32(0x9E3779B9)
+_FMIX_C1 = _i32(0x85EBCA6B)
+_FMIX_C2 = _i32(0xC2B2AE35)
+
+
+def uniform_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1) for each (row key, token id).
+
+    keys: [n, 2] int32 from row_key; token_ids: [n, K] or [K]. Returns [n, K] float32.
+    A murmur3 fmix32 finaliser in int32 (torch wraps int32 multiplication the same on CPU and
+    CUDA; right shifts are arithmetic, hence the masks). The second key is mixed in mid-way so
+    that rows whose first keys differ by a multiple of the id stride are not shifted copies.
+    32-bit ops are ~6x cheaper than 64-bit ones on CPU, and only 23 bits are used anyway.
+    """
+    z = token_ids.to(torch.int32) * _GOLDEN32
+    z = z + keys[:, :1]
+    z ^= (z >> 16) & 0xFFFF
+    z *= _FMIX_C1
+    z ^= keys[:, 1:]
+    z ^= (z >> 13) & 0x7FFFF
+    z *= _FMIX_C2
+    z ^= (z >> 16) & 0xFFFF
+    # Top 23 bits: k + 0.5 is exact in float32, so u never rounds to 0 or 1 (E would be inf/0).
+    u = (z >> 9).to(torch.float32)  # [-2^22, 2^22)
+    return u.add_(2.0**22 + 0.5).mul_(2.0**-23)
+
+
+def _race(scores: torch.Tensor, token_ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Column index of argmax p_i / E_i; scores are log p up to a per-row constant."""
+    log_e = uniform_noise(keys, token_ids).log_().neg_().log_()  # log(E), E = -log(u) ~ Exp(1)
+    return torch.argmax(scores - log_e, dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Penalties
+
+
+def _flat_keys(
+    rows: list[int], lists: list[list[list[int]]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    # row * vocab + token for every token of the given rows, built with one tensor conversion.
+    per_row = [list(itertools.chain.from_iterable(src[i] for src in lists)) for i in rows]
+    lengths = torch.tensor([len(t) for t in per_row], dtype=torch.int64)
+    tokens = torch.tensor(list(itertools.chain.from_iterable(per_row)), dtype=torch.int64)
+    row_ids = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths)
+    return (row_ids * vocab + tokens).to(device)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+) -> torch.Tensor:
+    """Penalised copy of logits [n, V]: repetition (prompt + output), then frequency/presence.
+
+    Sparse: only the (row, token) entries that occur are gathered, changed and written back.
+    """
+    n, vocab = logits.shape
+    out = logits.clone(memory_format=torch.contiguous_format)
+    flat = out.view(-1)
+    device = logits.device
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        keys = torch.unique(
+            _flat_keys(rep_rows, [prompt_token_ids, output_token_ids], vocab, device)
+        )
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[keys // vocab]
+        x = flat[keys]
+        flat[keys] = torch.where(x > 0, x / rep, x * rep)
+    fp_rows = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
+    if fp_rows:
+        keys, counts = torch.unique(
+            _flat_keys(fp_rows, [output_token_ids], vocab, device), return_counts=True
+        )
+        rows = keys // vocab
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[rows]
+        pres = torch.tensor([p.presence_penalty for p in params], device=device)[rows]
+        flat[keys] -= freq * counts + pres
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Truncation (top-k, top-p, min-p)
+
+
+def _nucleus_bound(scaled: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[n] int64 upper bound on each row's nucleus size, without sorting the vocabulary.
+
+    Mass histogram over bins of 1/8 nat below the row's max: the nucleus ends inside the first
+    bin whose cumulative mass reaches top_p, so every token up to that bin (plus one bin of
+    rounding slack) is enough. The last bin collects everything deeper; a nucleus reaching it
+    needs the whole vocabulary. Five passes and no sort.
+    """
+    vmax = scaled.max(dim=-1, keepdim=True).values  # [n, 1]
+    bins = (vmax - scaled).mul_(_BINS_PER_NAT).clamp_(max=_NUM_BINS - 1).long()  # floor (>= 0)
+    probs = (scaled - lse[:, None]).exp_()
+    mass = scaled.new_zeros(scaled.shape[0], _NUM_BINS).scatter_add_(1, bins, probs)
+    # The slack makes this a bound even when the candidate cumsum rounds differently.
+    target = (top_p + 10 * _TOP_P_EPS)[:, None]
+    last_bin = (mass.cumsum(dim=-1) < target).sum(dim=-1, keepdim=True)  # [n, 1]
+    edge = torch.where(
+        last_bin >= _NUM_BINS - 1, float("-inf"), vmax - (last_bin + 2) / _BINS_PER_NAT
+    )
+    return (scaled >= edge).sum(dim=-1)
+
+
+def _candidates(
+    logits: torch.Tensor,  # [n, V] penalised
+    temperature: torch.Tensor | None,  # [n] > 0; None when logits are scaled already
+    top_k: torch.Tensor,  # [n] int64 in [1, V]; V = disabled
+    top_p: torch.Tensor,  # [n]; >= 1 = disabled
+    min_p: torch.Tensor,  # [n]; 0 = disabled
+    lse_full: torch.Tensor | None,  # [n] logsumexp of scaled logits; None when top-k is on
+    num_candidates: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sorted candidate slice -> (scores, token ids, exact), [n, K], dropped scores -inf.
+
+    exact[i] is False when row i's kept set could reach past the slice; it must be redone with
+    num_candidates = V. Dividing by T > 0 keeps the order, so top-k rows sort unscaled logits
+    and scale only their candidates.
+    """
+    n, vocab = logits.shape
+    if num_candidates >= vocab:
+        vals, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+    else:
+        vals, ids = torch.topk(logits, num_candidates, dim=-1)
+        # topk orders ties arbitrarily; re-sort to (value desc, id asc).
+        ids, perm = ids.sort(dim=-1)
+        vals, perm2 = vals.gather(-1, perm).sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(-1, perm2)
+    num_cols = vals.shape[1]
+    scaled = vals if temperature is None else vals / temperature[:, None]  # [n, K]
+    keep = torch.arange(num_cols, device=logits.device) < top_k[:, None]
+    if bool((top_p < 1.0).any()):
+        # Nucleus mass is over the top-k survivors when top-k is on, else the whole vocabulary.
+        lse = lse_full
+        if lse is None:
+            lse = torch.logsumexp(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+        probs = (scaled - lse[:, None]).exp_().masked_fill_(~keep, 0.0)
+        mass_before = F.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
+        keep &= mass_before < (top_p[:, None] - _TOP_P_EPS)
+        keep[:, 0] = True  # the most likely token always survives
+    if num_cols >= vocab:
+        exact = torch.ones(n, dtype=torch.bool, device=logits.device)
+    else:
+        # Tokens outside the slice are <= its last value; only a tie with the last kept value
+        # (or a kept set filling the slice) can make one of them belong to the kept set.
+        last = (keep.sum(dim=-1) - 1).clamp_(min=0)
+        exact = vals[:, -1] < vals.gather(-1, last[:, None]).squeeze(-1)
+    # min-p after top-p: both keep the top token, so the max prob it refers to is unchanged.
+    keep &= (scaled - scaled[:, :1]).exp_() >= min_p[:, None]
+    return scaled.masked_fill_(~keep, float("-inf")), ids, exact
+
+
+def _row_params(
+    params: list[SamplingParams], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (temperature, top_k with V = disabled, top_p, min_p), one host->device copy."""
+    table = torch.tensor(
+        [
+            [p.temperature, p.top_k if 0 < p.top_k < vocab else vocab, p.top_p, p.min_p]
+            for p in params
+        ],
+        dtype=torch.float64,
+    ).to(device)
+    return table[:, 0].float(), table[:, 1].long(), table[:, 2].float(), table[:, 3].float()
+
+
+# One group: (rows of the input, scores [m, K] with dropped tokens at -inf, token ids [m, K] or
+# [V] when the columns are the vocabulary itself).
+_Group = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> list[_Group]:
+    """Temperature, top-k, top-p and min-p for sampled (T > 0) rows of penalised logits.
+
+    Three groups, each with its own candidate width: rows with no top-k/top-p race over the
+    whole vocabulary (no sort), top-k rows over k + 1 candidates, top-p-only rows over a
+    histogram bound on their nucleus.
+    """
+    n, vocab = logits.shape
+    device = logits.device
+    groups: list[_Group] = []
+    kinds = [0 if 0 < p.top_k < vocab else (1 if p.top_p < 1.0 else 2) for p in params]
+    for kind in (0, 1, 2):
+        sel = [i for i, k in enumerate(kinds) if k == kind]
+        if not sel:
+            continue
+        rows = torch.tensor(sel, device=device)
+        whole = len(sel) == n  # then sub is the caller's tensor: never scale it in place
+        sub = logits if whole else logits[rows]  # [m, V]; indexing beats index_select on CPU
+        temperature, top_k, top_p, min_p = _row_params([params[i] for i in sel], vocab, device)
+        if kind == 2:
+            scaled = sub / temperature[:, None] if whole else sub.div_(temperature[:, None])
+            if any(params[i].min_p > 0 for i in sel):
+                ratio = (scaled - scaled.max(dim=-1, keepdim=True).values).exp_()
+                scaled.masked_fill_(ratio < min_p[:, None], float("-inf"))
+            groups.append((rows, scaled, torch.arange(vocab, device=device)))
+            continue
+        lse_full = None
+        if kind == 0:
+            num = max(params[i].top_k for i in sel) + 1  # spare column: see `exact`
+        else:
+            sub = sub / temperature[:, None] if whole else sub.div_(temperature[:, None])
+            temperature = None  # sub is scaled already
+            lse_full = torch.logsumexp(sub, dim=-1)
+            num = int(_nucleus_bound(sub, lse_full, top_p).max()) + 1
+        scores, ids, exact = _candidates(
+            sub, temperature, top_k, top_p, min_p, lse_full, min(num, vocab)
+        )
+        if bool(exact.all()):
+            groups.append((rows, scores, ids))
+            continue
+        ok, bad = exact.nonzero().squeeze(1), (~exact).nonzero().squeeze(1)
+        groups.append((rows[ok], scores[ok], ids[ok]))
+        full = _candidates(
+            sub[bad],
+            None if temperature is None else temperature[bad],
+            top_k[bad],
+            top_p[bad],
+            min_p[bad],
+            None if lse_full is None else lse_full[bad],
+            vocab,
+        )
+        groups.append((rows[bad], full[0], full[1]))
+    return groups
+
+
+def allowed_mask(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[n, V] bool: tokens a row may sample after temperature, top-k, top-p and min-p.
+
+    logits are already penalised. Greedy rows allow only their argmax. Runs the sampler's own
+    filtering code, so tests of this mask test the sampler.
+    """
+    n, vocab = logits.shape
+    device = logits.device
+    mask = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+    greedy = [i for i, p in enumerate(params) if p.temperature < _SAMPLING_EPS]
+    if greedy:
+        g_idx = torch.tensor(greedy, device=device)
+        mask[g_idx, logits.index_select(0, g_idx).argmax(dim=-1)] = True
+    sampled = [i for i, p in enumerate(params) if p.temperature >= _SAMPLING_EPS]
+    if sampled:
+        s_idx = torch.tensor(sampled, device=device)
+        for rows, scores, ids in _filtered(
+            logits.index_select(0, s_idx), [params[i] for i in sampled]
+        ):
+            allowed = scores > float("-inf")
+            if ids.dim() == 2:  # candidate columns -> vocabulary columns
+                allowed = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device).scatter_(
+                    1, ids, allowed
+                )
+            mask[s_idx[rows]] = allowed
+    return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampler
+
+
+class Sampler:
+    """Stateless apart from the unseeded-seed source; safe to share across steps."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [num_seqs, vocab] float32
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+    ) -> SamplerOutput:
+        assert logits.dim() == 2, f"logits must be [num_seqs, vocab], got {tuple(logits.shape)}"
+        n, vocab = logits.shape
+        assert len(params) == len(prompt_token_ids) == len(output_token_ids) == n
+        device = logits.device
+        raw = logits.float()  # no copy when already float32; never modified in place
+
+        has_penalty = any(
+            p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params
+        )
+        proc = (
+            apply_penalties(raw, params, prompt_token_ids, output_token_ids) if has_penalty else raw
+        )
+
+        sampled = [i for i, p in enumerate(params) if p.temperature >= _SAMPLING_EPS]
+        if not sampled:
+            token_ids = proc.argmax(dim=-1)  # fast path: no gathers, no noise
+        else:
+            token_ids = torch.empty(n, dtype=torch.int64, device=device)
+            greedy = [i for i, p in enumerate(params) if p.temperature < _SAMPLING_EPS]
+            if greedy:
+                g_idx = torch.tensor(greedy, device=device)
+                token_ids[g_idx] = proc[g_idx].argmax(dim=-1)
+        if sampled:
+            s_idx = torch.tensor(sampled, device=device)
+            keys = torch.tensor(
+                [
+                    row_key(
+                        s if (s := params[i].seed) is not None else _seed_source.getrandbits(63),
+                        len(output_token_ids[i]),  # output position: survives chunking/resume
+                    )
+                    for i in sampled
+                ],
+                dtype=torch.int32,
+            ).to(device)  # [num_sampled, 2]
+            sub = proc if len(sampled) == n else proc[s_idx]
+            for rows, scores, ids in _filtered(sub, [params[i] for i in sampled]):
+                col = _race(scores, ids, keys[rows])
+                tok = col if ids.dim() == 1 else ids.gather(-1, col[:, None]).squeeze(-1)
+                token_ids[s_idx[rows]] = tok
+
+        # Logprobs come from the raw model distribution, whatever the sampling did.
+        lse = torch.logsumexp(raw, dim=-1)  # [n]
+        logprobs = raw.gather(-1, token_ids[:, None]).squeeze(-1) - lse
+        max_n = min(max((p.num_logprobs for p in params), default=0), vocab)
+        top_ids = top_lps = None
+        if max_n > 0:
+            top_vals, top_ids = torch.topk(raw, max_n, dim=-1)  # sorted, most likely first
+            top_lps = top_vals - lse[:, None]
+        return SamplerOutput(token_ids, logprobs, top_ids, top_lps)
