@@ -7,6 +7,11 @@ the attention backend, so the model itself keeps no per-sequence state.
 Parameters are packed (``qkv_proj`` = q|k|v, ``gate_up_proj`` = gate|up) so that each layer does
 two fewer matmul launches and reads its weights in long contiguous runs; every parameter carries a
 ``weight_loader(param, loaded, shard_id)`` that places a checkpoint tensor into its slice.
+
+Matrices are stored transposed, ``[in, out]`` (checkpoints are ``[out, in]``), and applied as
+``x @ W``. At decode a step is a matrix-vector product per weight, bound by memory bandwidth, and
+on CPU BLAS streams the ``[in, out]`` layout at ~1.5x (small layers) to 2x (lm_head) the rate of
+``F.linear`` on ``[out, in]`` (measured with benchmarks/bench_decode.py); cuBLAS is indifferent.
 """
 
 from __future__ import annotations
@@ -85,8 +90,15 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: A
     param.data.copy_(loaded)
 
 
+def transposed_weight_loader(
+    param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None
+) -> None:
+    assert param.shape == loaded.shape[::-1], (param.shape, loaded.shape)
+    param.data.copy_(loaded.t())
+
+
 class Linear(nn.Module):
-    """y = x W^T (+ b); W is [out, in] as in checkpoints. ``shard_sizes`` packs several."""
+    """y = x W (+ b) with W stored [in, out]; ``shard_sizes`` packs several along ``out``."""
 
     def __init__(
         self, in_features: int, shard_sizes: dict[Any, int] | int, bias: bool = False
@@ -99,17 +111,19 @@ class Linear(nn.Module):
         for shard_id, size in shard_sizes.items():
             self.shard_offsets[shard_id] = (offset, size)
             offset += size
-        self.weight = _set_loader(nn.Parameter(torch.empty(offset, in_features)), self._load)
+        self.weight = _set_loader(nn.Parameter(torch.empty(in_features, offset)), self._load)
         self.bias = _set_loader(nn.Parameter(torch.empty(offset)), self._load) if bias else None
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
         start, size = self.shard_offsets[shard_id]
-        target = param.data.narrow(0, start, size)
-        assert target.shape == loaded.shape, (shard_id, target.shape, loaded.shape)
-        target.copy_(loaded)
+        if param.dim() == 2:  # checkpoint [out, in] -> our [in, out]
+            param.data.narrow(1, start, size).copy_(loaded.t())
+        else:
+            param.data.narrow(0, start, size).copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = torch.matmul(x, self.weight)
+        return y if self.bias is None else y + self.bias
 
 
 class RMSNorm(nn.Module):
@@ -281,8 +295,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # [hidden, vocab] like every matrix here, so a tied lm_head shares it as is.
         self.embed_tokens = _set_loader(
-            nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size)), default_weight_loader
+            nn.Parameter(torch.empty(cfg.hidden_size, cfg.vocab_size)), transposed_weight_loader
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -290,7 +305,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = _set_loader(
-                nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size)), default_weight_loader
+                nn.Parameter(torch.empty(cfg.hidden_size, cfg.vocab_size)), transposed_weight_loader
             )
 
     def forward(
@@ -300,7 +315,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: KVCaches,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed_tokens.index_select(1, input_ids).t().contiguous()  # [num_tokens, hidden]
         rope = self.rotary.cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(rope, x, kv_cache, attn_metadata)
@@ -308,7 +323,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab]; call it only on the rows that sample."""
-        return F.linear(hidden, self.lm_head)
+        return torch.matmul(hidden, self.lm_head)
 
     def checkpoint_to_param_name(self, name: str) -> tuple[str, Any] | None:
         """(parameter name, shard id) a checkpoint tensor loads into; None for tensors to skip."""
