@@ -97,20 +97,32 @@ class BlockManager:
         Sets num_computed_tokens to what the hits cover. Caller checked that enough blocks are
         free (hit blocks that are currently free count against that).
         """
-        assert not seq.block_table, f"{seq.seq_id} already has blocks"
+        self.allocate_group([seq], [hits], [num_tokens])
+
+    def allocate_group(
+        self, seqs: list[Sequence], hits: list[list[Block]], num_tokens: list[int]
+    ) -> None:
+        """allocate() for several sequences looked up together (one request's sequences).
+
+        Every hit is taken before any fresh block: a fresh block comes off the front of the
+        free list and may evict cached content that a sibling's lookup has just found.
+        """
         pool = self.pool
-        table = seq.block_table
-        for block in hits:
-            pool.touch(block)
-            table.append(block.block_id)
-        for _ in range(self.num_blocks_for(num_tokens) - len(hits)):
-            table.append(pool.allocate().block_id)
-        seq.num_computed_tokens = len(hits) * self.block_size
-        seq.num_cached_blocks = len(hits)
-        self._holders[seq.seq_id] = seq
-        if self.enable_prefix_caching:
-            self.prefix_cache_queries += len(seq.token_ids)
-            self.prefix_cache_hits += seq.num_computed_tokens
+        for seq, seq_hits in zip(seqs, hits, strict=True):
+            assert not seq.block_table, f"{seq.seq_id} already has blocks"
+            for block in seq_hits:
+                pool.touch(block)
+                seq.block_table.append(block.block_id)
+        for seq, seq_hits, n in zip(seqs, hits, num_tokens, strict=True):
+            table = seq.block_table
+            for _ in range(self.num_blocks_for(n) - len(seq_hits)):
+                table.append(pool.allocate().block_id)
+            seq.num_computed_tokens = len(seq_hits) * self.block_size
+            seq.num_cached_blocks = len(seq_hits)
+            self._holders[seq.seq_id] = seq
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += len(seq.token_ids)
+                self.prefix_cache_hits += seq.num_computed_tokens
 
     def fork(self, parent: Sequence, children: Iterable[Sequence]) -> None:
         """Children share every block of the parent (one more reference each)."""

@@ -392,8 +392,7 @@ class Scheduler:
         if not self._can_take(need, req, "compute its prompt"):
             return None if req.is_finished else False
         self._waiting.pop()
-        for seq, seq_hits in zip(live, hits, strict=True):
-            bm.allocate(seq, seq_hits, len(seq.token_ids))
+        bm.allocate_group(live, hits, [len(s.token_ids) for s in live])
         self._set_status(req, live, _RUNNING)
         used = 0
         for seq in live:

@@ -205,3 +205,19 @@ def test_reset_forgets_tables_and_cached_content():
     assert a.block_table == [] and bm.num_free_blocks == 8
     assert bm.find_cached_prefix(make_seq(range(9), "b"), 8) == []
     bm.check_invariants(expect_empty=True)
+
+
+def test_group_allocation_takes_every_hit_before_any_fresh_block():
+    bm = make_bm(num_device_blocks=5)
+    for k, name in enumerate("abc"):
+        bm.free(computed(bm, make_seq(range(4 * k, 4 * k + 4), name)))
+    assert bm.pool.free_block_ids() == [3, 4, 0, 1, 2]
+    s1 = make_seq([20] * 12, "s1")
+    s2 = make_seq([0, 1, 2, 3, 30], "s2")
+    hits = [bm.find_cached_prefix(s1, 11), bm.find_cached_prefix(s2, 4)]
+    assert [[b.block_id for b in h] for h in hits] == [[], [0]]
+    # Taken one sequence at a time, s1's third block would evict block 0 under s2's hit.
+    bm.allocate_group([s1, s2], hits, [12, 5])
+    assert (s1.block_table, s2.block_table) == ([3, 4, 1], [0, 2])
+    assert s2.num_computed_tokens == 4
+    bm.check_invariants()
