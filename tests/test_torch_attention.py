@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor_svc.attention import get_attention_backend
+from executor_svc.attention import AttentionMetadata, get_attention_backend
 from executor_svc.attention.torch_ops import paged_attention, paged_attention_naive, write_kv
 
 
@@ -149,3 +149,28 @@ def test_backend_selection():
     assert backend.name == "torch" and backend.paged_attention is paged_attention
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("flash", "cpu")
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1, 1], [1, 6, 1, 3]])
+def test_attend_reuses_per_forward_work_with_identical_results(q_lens):
+    """The model's fused entry point equals write_kv + paged_attention, layer after layer."""
+    seq_lens = [9, 17, 30, 4]
+    query, kc, vc, bt, sl, qsl, _ = make_batch(q_lens, seq_lens, block_size=8)
+    g = torch.Generator().manual_seed(7)
+    key = torch.randn(sum(q_lens), 2, 16, generator=g)
+    value = torch.randn(sum(q_lens), 2, 16, generator=g)
+    rows = torch.arange(sum(q_lens))
+    seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    pos = sl.long()[seq_of_row] - (qsl[1:].long()[seq_of_row] - rows)
+    slots = bt.long()[seq_of_row, pos // 8] * 8 + pos % 8
+    slots[0] = -1  # one skipped token: its cached K/V (from make_batch) stays
+    md = AttentionMetadata(slots, bt, sl, qsl, max(q_lens), max(seq_lens))
+    backend = get_attention_backend("torch", "cpu")
+    kc2, vc2 = kc.clone(), vc.clone()
+    for _ in range(2):  # the second "layer" runs on the memo the first one left
+        got = backend.attend(query, key, value, kc, vc, md, 0.25)
+        write_kv(key, value, kc2, vc2, slots)
+        want = paged_attention(query, kc2, vc2, bt, sl, qsl, 0.25)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert "torch.has_skips" in md.scratch

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,6 +21,9 @@ class AttentionMetadata:
     max_query_len: int  # host copies, so kernels can size grids without a device sync
     max_seq_len: int
     num_decode_seqs: int = 0  # sequences with exactly one query token (informational)
+    # Per-forward memo for backends: values derived from this metadata alone, computed by the
+    # first layer and reused by the rest. Keys are prefixed with the backend name.
+    scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -37,6 +41,27 @@ class AttentionBackend:
     name: str  # "torch" or "triton"
     write_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    # Optional fused entry point attend(q, k, v, key_cache, value_cache, md, scale) that may
+    # reuse per-forward work through md.scratch; None = write_kv then paged_attention.
+    attend_fn: Callable[..., torch.Tensor] | None = None
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """One layer's attention: store the new K/V, then attend over the paged cache."""
+        if self.attend_fn is not None:
+            return self.attend_fn(query, key, value, key_cache, value_cache, md, scale)
+        self.write_kv(key, value, key_cache, value_cache, md.slot_mapping)
+        return self.paged_attention(
+            query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale
+        )
 
 
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
@@ -48,7 +73,12 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
         raise ValueError(f"unknown attention backend {name!r}; expected torch, triton or auto")
     # Imported lazily: the Triton module needs triton (and a GPU or TRITON_INTERPRET=1).
     ops = importlib.import_module(f"executor_svc.attention.{name}_ops")
-    return AttentionBackend(name=name, write_kv=ops.write_kv, paged_attention=ops.paged_attention)
+    return AttentionBackend(
+        name=name,
+        write_kv=ops.write_kv,
+        paged_attention=ops.paged_attention,
+        attend_fn=getattr(ops, "attend", None),
+    )
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]

@@ -6,15 +6,21 @@ query rows ``query_start_loc[i] : query_start_loc[i + 1]`` and those rows are th
 positions of its ``seq_lens[i]`` tokens, whose K/V are already in the cache.
 
 ``paged_attention`` is vectorised: decode rows (one query token) of all sequences are handled by
-one gather + two batched matmuls, and the remaining (prefill / chunked-prefill) sequences by one
+one gather + one ``scaled_dot_product_attention``, and the remaining (prefill / chunked-prefill) sequences by one
 padded gather + one masked ``scaled_dot_product_attention``. ``paged_attention_naive`` is the
 obviously-correct per-sequence, per-token loop used by tests.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from executor_svc.attention import AttentionMetadata
 
 
 def write_kv(
@@ -28,11 +34,14 @@ def write_kv(
     assert key.shape == value.shape and key.dim() == 3
     assert key_cache.shape == value_cache.shape and key_cache.shape[2:] == key.shape[1:]
     assert slot_mapping.shape == (key.shape[0],)
+    _write_kv(key, value, key_cache, value_cache, slot_mapping, bool((slot_mapping < 0).any()))
+
+
+def _write_kv(key, value, key_cache, value_cache, slot_mapping, has_skips: bool) -> None:
     num_kv_heads, head_dim = key.shape[1:]
     slots = slot_mapping.long()
-    # The check costs one reduction; skipping the boolean indexing in the common case (every slot
-    # valid) avoids two extra copies of K and V.
-    if bool((slots < 0).any()):
+    # Boolean indexing copies K and V, so it only runs when some slot really is -1.
+    if has_skips:
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
     # A flat view shares storage with the cache, so index_copy_ writes in place.
@@ -46,39 +55,59 @@ def _gather_context(
     num_blocks: int,
 ) -> torch.Tensor:  # [n, num_blocks * block_size, num_kv_heads, head_dim]
     """Contiguous K or V of the first ``num_blocks`` logical blocks of each sequence."""
-    table = block_tables[:, :num_blocks].long()
+    return _gather(cache, _clamped_table(block_tables, num_blocks, cache.shape[0]))
+
+
+def _clamped_table(block_tables: torch.Tensor, num_blocks: int, num_cache_blocks: int):
     # Padding entries are arbitrary (possibly -1 or out of range); their positions are masked,
     # so any in-range block will do.
-    table = table.clamp(0, cache.shape[0] - 1)
+    return block_tables[:, :num_blocks].long().clamp(0, num_cache_blocks - 1)  # [n, nb]
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     gathered = cache.index_select(0, table.reshape(-1))  # [n * nb, block_size, kvh, d]
-    return gathered.view(table.shape[0], num_blocks * cache.shape[1], *cache.shape[2:])
+    return gathered.view(table.shape[0], table.shape[1] * cache.shape[1], *cache.shape[2:])
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    """What decode attention derives from the metadata alone; the same for every layer."""
+
+    table: torch.Tensor  # [n, num_blocks] int64, in range
+    valid: torch.Tensor  # [n, 1, 1, num_blocks * block_size] bool: position < seq_len
+
+
+def plan_decode(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_cache_blocks: int
+) -> DecodePlan:
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    pos = torch.arange(num_blocks * block_size, device=seq_lens.device)
+    valid = pos[None, :] < seq_lens[:, None].to(pos.dtype)  # [n, L]
+    return DecodePlan(
+        table=_clamped_table(block_tables, num_blocks, num_cache_blocks),
+        valid=valid[:, None, None, :],
+    )
 
 
 def _decode_attention(
     query: torch.Tensor,  # [n, num_heads, head_dim]
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [n, max_num_blocks]
-    seq_lens: torch.Tensor,  # [n]
+    plan: DecodePlan,
     scale: float,
 ) -> torch.Tensor:  # [n, num_heads, head_dim]
     n, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    max_len = int(seq_lens.max())
-    num_blocks = -(-max_len // block_size)
-    k = _gather_context(key_cache, block_tables, num_blocks)  # [n, L, kvh, d]
-    v = _gather_context(value_cache, block_tables, num_blocks)
-    pos = torch.arange(k.shape[1], device=query.device)
-    valid = pos[None, :] < seq_lens[:, None].to(pos.dtype)  # [n, L]
+    num_kv_heads = key_cache.shape[2]
+    k = _gather(key_cache, plan.table)  # [n, L, kvh, d]
+    v = _gather(value_cache, plan.table)
     # GQA without repeating K/V: the `group` query heads sharing a KV head become that head's
     # query rows, so SDPA sees [n, kvh, group, d] against [n, kvh, L, d]. The transposed K/V
     # are strided views of the gather (no copy); the fused kernel reads them as they are.
     out = F.scaled_dot_product_attention(
-        query.view(n, num_kv_heads, group, head_dim),
+        query.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
+        attn_mask=plan.valid,
         scale=scale,
     )  # [n, kvh, group, d]
     return out.reshape(n, num_heads, head_dim)
@@ -152,22 +181,22 @@ def paged_attention(
     is_decode = q_lens == 1
     if bool(is_decode.all()):
         # The steady state of serving: one token per sequence, rows already in sequence order.
-        return _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale).to(
-            query.dtype
-        )
+        plan = plan_decode(block_tables, seq_lens, key_cache.shape[1], key_cache.shape[0])
+        return _decode_attention(query, key_cache, value_cache, plan, scale).to(query.dtype)
 
     out = torch.empty_like(query)
     decode_seqs = is_decode.nonzero().squeeze(1)
     if decode_seqs.numel() > 0:
         rows = query_start_loc[decode_seqs].long()
-        out[rows] = _decode_attention(
-            query[rows],
-            key_cache,
-            value_cache,
+        plan = plan_decode(
             block_tables[decode_seqs],
             seq_lens[decode_seqs],
-            scale,
-        ).to(query.dtype)
+            key_cache.shape[1],
+            key_cache.shape[0],
+        )
+        out[rows] = _decode_attention(query[rows], key_cache, value_cache, plan, scale).to(
+            query.dtype
+        )
     prefill_seqs = (q_lens > 1).nonzero().squeeze(1)
     if prefill_seqs.numel() > 0:
         _prefill_attention(
@@ -182,6 +211,38 @@ def paged_attention(
             out,
         )
     return out
+
+
+def attend(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """``write_kv`` then ``paged_attention`` for one layer, for the model's forward.
+
+    Same results; what depends only on the metadata (any skipped slot? the decode plan) is
+    computed by the first layer and kept in ``md.scratch`` for the others. At batch 1 that is
+    a dozen small ops per layer, a few percent of a CPU decode step.
+    """
+    scratch = md.scratch
+    has_skips = scratch.get("torch.has_skips")
+    if has_skips is None:
+        has_skips = scratch["torch.has_skips"] = bool((md.slot_mapping < 0).any())
+    _write_kv(key, value, key_cache, value_cache, md.slot_mapping, has_skips)
+    if md.max_query_len != 1:
+        return paged_attention(
+            query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale
+        )
+    plan = scratch.get("torch.decode_plan")
+    if plan is None:
+        plan = scratch["torch.decode_plan"] = plan_decode(
+            md.block_tables, md.seq_lens, key_cache.shape[1], key_cache.shape[0]
+        )
+    return _decode_attention(query, key_cache, value_cache, plan, scale).to(query.dtype)
 
 
 def paged_attention_naive(

@@ -260,10 +260,7 @@ class Attention(nn.Module):
         qk = RotaryEmbedding.apply(qk, *rope)
         q, k = qk[:, :h], qk[:, h:]
         key_cache, value_cache = kv_cache
-        self.backend.write_kv(k, v, key_cache, value_cache, md.slot_mapping)
-        out = self.backend.paged_attention(
-            q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, self.scale
-        )  # [num_tokens, h, d]
+        out = self.backend.attend(q, k, v, key_cache, value_cache, md, self.scale)
         return self.o_proj(out.reshape(num_tokens, h * d))
 
 
