@@ -174,7 +174,12 @@ class Scheduler:
     # ------------------------------------------------------------------ step
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step; call update_from_output() with its result before the next one."""
+        """Plan the next step.
+
+        When it schedules any token, update_from_output() must get its result before the next
+        schedule(). Whatever it holds (drops, swaps, copies) must reach the executor unless
+        out.is_empty.
+        """
         if self._in_flight is not None:
             raise RuntimeError(
                 f"schedule() called before update_from_output() of step {self._in_flight.step_id}"
@@ -329,7 +334,9 @@ class Scheduler:
         out.finished_seq_ids.extend(self._pending_drops)
         self._pending_drops.clear()
         out.total_num_scheduled_tokens = cfg.max_num_batched_tokens - budget
-        self._in_flight = out
+        # A step that computes nothing has no result to wait for: the engine may skip it (or
+        # send it for its drops and copies) without calling update_from_output().
+        self._in_flight = out if out.scheduled else None
         return out
 
     def _make_room(

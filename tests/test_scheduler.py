@@ -414,3 +414,15 @@ def test_schedule_twice_without_update_is_an_error():
     sched.schedule()
     with pytest.raises(RuntimeError, match="update_from_output"):
         sched.schedule()
+
+
+def test_a_step_that_computes_nothing_needs_no_update():
+    sched = make_scheduler()
+    assert sched.schedule().is_empty
+    add(sched, make_requests(1))
+    out = step(sched)
+    sched.abort_request("r0")
+    out = sched.schedule()
+    assert not out.is_empty and out.finished_seq_ids == ["r0/0"]
+    assert out.total_num_scheduled_tokens == 0
+    assert sched.schedule().is_empty  # no update_from_output needed in between
