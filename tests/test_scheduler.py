@@ -426,3 +426,14 @@ def test_a_step_that_computes_nothing_needs_no_update():
     assert not out.is_empty and out.finished_seq_ids == ["r0/0"]
     assert out.total_num_scheduled_tokens == 0
     assert sched.schedule().is_empty  # no update_from_output needed in between
+
+
+def test_resumed_request_skips_sequences_that_had_already_finished():
+    sched = make_scheduler()
+    req = Request("x", [1, 2, 3], SamplingParams(n=2), output_token_ids=[[9], [5, 0]])
+    req.seqs[1].status = RequestStatus.FINISHED_STOPPED  # ended before the restart
+    sched.add_request(req)
+    assert list(scheduled(step(sched))) == ["x/0"]
+    sched.finish_sequence("x/0", RequestStatus.FINISHED_LENGTH)
+    assert sched.take_finished_requests() == [req]
+    sched.check_invariants()
