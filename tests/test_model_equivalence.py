@@ -247,3 +247,43 @@ def test_execute_with_sampler_matches_greedy_argmax(tmp_path):
         assert r.seq_id == s.seq_id and r.token_id == int(lp.argmax())
         assert r.logprob == pytest.approx(float(lp.max()), abs=1e-4)
         assert [t for t, _ in r.top_logprobs] == lp.topk(2).indices.tolist()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_follows_float32(tmp_path, dtype):
+    model_dir = make_tiny_checkpoint(tmp_path / "half", "qwen2", seed=7)
+    prompts = make_prompts([5, 20, 1, 9], seed=8)
+    ref = all_token_logits(
+        ModelRunner(model_dir, block_size=BLOCK_SIZE, num_device_blocks=64), prompts
+    )
+    runner = ModelRunner(model_dir, dtype=dtype, block_size=BLOCK_SIZE, num_device_blocks=64)
+    assert runner.info.dtype_name == dtype and runner.kv_cache.key.dtype == runner.info.dtype
+    got = torch.cat(all_token_logits(runner, prompts)).float()
+    want = torch.cat(ref)
+    # Half precision over two random layers: loose closeness, same argmax almost everywhere.
+    assert (got - want).abs().max() < 2.0
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+def test_execute_orders_swap_out_then_swap_in_then_copy(tmp_path):
+    model_dir = make_tiny_checkpoint(tmp_path / "llama", "llama")
+    runner = ModelRunner(model_dir, block_size=BLOCK_SIZE, num_device_blocks=8)
+    kv = runner.kv_cache
+    kv.key.normal_()
+    kv.value.normal_()
+    kv.cpu_key.normal_()
+    kv.cpu_value.normal_()
+    old_dev3, old_cpu5 = kv.key[:, 3].clone(), kv.cpu_key[:, 5].clone()
+    # Device block 3 leaves for CPU block 2 while CPU block 5 arrives in it, then is copied to 6.
+    assert runner.execute([], [(3, 2)], [(5, 3)], [(3, 6)]) == []
+    assert torch.equal(kv.cpu_key[:, 2], old_dev3)
+    assert torch.equal(kv.key[:, 3], old_cpu5) and torch.equal(kv.key[:, 6], old_cpu5)
+    assert torch.equal(kv.value[:, 6], kv.cpu_value[:, 5])
+
+
+def test_default_block_counts_on_cpu_are_capped_by_what_sequences_can_use(tmp_path):
+    model_dir = make_tiny_checkpoint(tmp_path / "llama", "llama")
+    runner = ModelRunner(model_dir, block_size=BLOCK_SIZE, max_model_len=64)
+    # 256 sequences of 64 tokens in blocks of 8: far below the 2 GiB / 25%-of-RAM budget.
+    assert runner.num_device_blocks == runner.num_cpu_blocks == 256 * 8
+    assert runner.kv_cache.key.shape == (2, 256 * 8, BLOCK_SIZE, 2, 16)
