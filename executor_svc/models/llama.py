@@ -110,12 +110,14 @@ def matmul_io(x: torch.Tensor, w_io: torch.Tensor, bias: torch.Tensor | None = N
 
     On CPU a decode step is bound by reading the weights. Measured on the benchmark's model
     (benchmarks/bench_decode.py, one thread, AMD EPYC): for one row MKL streams ``[in, out]``
-    weights ~1.4x faster than ``F.linear`` on ``[out, in]`` (2x for lm_head); for 2+ rows
-    oneDNN's linear on the same storage is 15-25% faster than either MKL form. CUDA (cuBLAS)
-    runs every form at the same speed, so it takes the plain matmul; so do CPU fp16/bf16, which
-    oneDNN supports only on CPUs with the matching instructions.
+    weights ~1.4x faster than ``F.linear`` on ``[out, in]`` (2x for lm_head) but does not use a
+    second thread; for 2+ rows, or one row with 2+ threads, oneDNN's linear on the same storage
+    is 10-25% faster than either MKL form. CUDA (cuBLAS) runs every form at the same speed, so
+    it takes the plain matmul; so do CPU fp16/bf16, which oneDNN supports only on CPUs with the
+    matching instructions.
     """
-    if x.shape[0] > 1 and x.is_cpu and x.dtype == torch.float32 and _ONEDNN_LINEAR is not None:
+    use_onednn = x.shape[0] > 1 or torch.get_num_threads() > 1
+    if use_onednn and x.is_cpu and x.dtype == torch.float32 and _ONEDNN_LINEAR is not None:
         return _ONEDNN_LINEAR(x.contiguous(), w_io.t(), bias, "none", [], "")
     y = torch.matmul(x, w_io)
     return y if bias is None else y + bias
