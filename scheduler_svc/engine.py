@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -83,6 +84,25 @@ class ExecutorHandle:
     consecutive_failures: int = 0
 
 
+def expand_addresses(addresses: list[str]) -> list[str]:
+    """Each host:port once per address its name resolves to, so that one service name behind
+    which several executors run (`docker compose up --scale executor=N`) reaches all of them."""
+    out: list[str] = []
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            ips = sorted({info[4][0] for info in infos})
+        except (OSError, ValueError):
+            ips = []
+        if len(ips) <= 1 or host in ("localhost", "127.0.0.1", "::1"):
+            expanded = [address]
+        else:
+            expanded = [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
+        out.extend(a for a in expanded if a not in out)
+    return out
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -111,7 +131,7 @@ class Engine:
         self._tasks.append(asyncio.create_task(self._connect_all(), name="engine.connect"))
 
     async def _connect_all(self) -> None:
-        for address in self.config.executor_addresses:
+        for address in await asyncio.to_thread(expand_addresses, self.config.executor_addresses):
             handle = await self._connect(address)
             self.executors.append(handle)
             if self.tokenizer is None:
@@ -179,7 +199,8 @@ class Engine:
                 preemption_mode=c.preemption_mode,
                 enable_prefix_caching=c.enable_prefix_caching,
                 watermark=c.watermark,
-                max_waiting=c.max_waiting,
+                # The engine enforces the queue cap across executors; never refuse here.
+                max_waiting=1 << 30,
             )
         )
 
@@ -374,6 +395,9 @@ class Engine:
         if not self.executors:
             raise Unavailable("no executor connected yet")
         d = self.executors[0].describe
+        stats = [ex.sched.get_stats() for ex in self.executors]
+        hits = sum(st.prefix_cache_hits for st in stats)
+        queries = sum(st.prefix_cache_queries for st in stats)
         total = sum(ex.sched.num_device_blocks for ex in self.executors)
         free = sum(ex.sched.num_free_blocks for ex in self.executors)
         return {
@@ -399,6 +423,8 @@ class Engine:
             "vocab_size": self.vocab_size,
             "policy": self.config.policy,
             "preemption_mode": self.config.preemption_mode,
+            "num_preemptions": sum(ex.sched.num_preemptions for ex in self.executors),
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
         }
 
     # ---------------------------------------------------------------- recovery
@@ -432,6 +458,9 @@ class Engine:
                 arrival_time=rec.arrival_time,
                 output_token_ids=[list(o) for o in handle.acked_outputs()],
             )
+            for seq, state in zip(req.seqs, handle.states, strict=True):
+                if state.finished:  # n > 1: this one had finished before the restart
+                    seq.status = RequestStatus[state.finish_status.name]
             self._enqueue(handle, req)
             log.info("request.resumed", req_id=rec.req_id, num_output_tokens=handle.num_acked)
 

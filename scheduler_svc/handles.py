@@ -262,21 +262,24 @@ class RequestHandle:
                 if done[i]:
                     continue
                 c = cursors[i]
+                # Snapshot before yielding: more tokens may be published while suspended, and
+                # they belong to the next event, not to a cursor jump past them.
+                end = len(log.tokens)
                 finished = log.finish_reason is not None
-                if c >= len(log.tokens) and not finished:
+                if c >= end and not finished:
                     continue
+                cursors[i] = max(c, end)
+                done[i] = finished
                 yield EngineEvent(
                     index=i,
                     token_offset=c,
-                    token_ids=log.tokens[c:],
-                    text="".join(log.chunks[c:]) + (log.tail if finished else ""),
-                    logprobs=log.logprobs[c:] if self.params.logprobs is not None else None,
+                    token_ids=log.tokens[c:end],
+                    text="".join(log.chunks[c:end]) + (log.tail if finished else ""),
+                    logprobs=log.logprobs[c:end] if self.params.logprobs is not None else None,
                     finish_reason=log.finish_reason,
                     stop_reason=log.stop_reason,
                     error=self.error if finished else "",
                 )
-                cursors[i] = max(c, len(log.tokens))
-                done[i] = finished
             if all(done):
                 return
             if self._closed is not None:
@@ -286,8 +289,10 @@ class RequestHandle:
     def view(self) -> RequestView:
         if all(log.finish_reason is not None for log in self.acked):
             status = "finished"
-        elif self.executor is not None:
-            status = self.executor.sched.request_status_name(self.req_id)
+        elif self.executor is not None and (req := self.executor.sched.get_request(self.req_id)):
+            status = {RequestStatus.RUNNING: "running", RequestStatus.SWAPPED: "swapped"}.get(
+                req.status, "waiting"
+            )
         else:
             status = "waiting"
         return RequestView(
