@@ -1,0 +1,39 @@
+"""Python client of llmserve: `LLMClient` (blocking) and `AsyncLLMClient` (asyncio) over gRPC.
+
+The client talks to the scheduler's public API (`protos/scheduler.proto`) only; it never imports
+the services.
+"""
+
+from client.async_client import DEFAULT_ADDRESS, AsyncLLMClient, default_address
+from client.errors import LLMServeError
+from client.outputs import (
+    CompletionOutput,
+    ExecutorInfo,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    RequestState,
+    ServerInfo,
+    StreamDelta,
+)
+from client.params import SamplingParams
+from client.prompts import ChatPrompt
+from client.sync_client import LLMClient
+
+__all__ = [
+    "DEFAULT_ADDRESS",
+    "AsyncLLMClient",
+    "ChatPrompt",
+    "CompletionOutput",
+    "ExecutorInfo",
+    "LLMClient",
+    "LLMServeError",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestState",
+    "SamplingParams",
+    "ServerInfo",
+    "StreamDelta",
+    "default_address",
+]

@@ -1,0 +1,212 @@
+"""asyncio client of `llmserve.v1.Scheduler` (grpc.aio)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client.errors import LLMServeError
+from client.outputs import RequestOutput, RequestState, ServerInfo, StreamDelta
+from client.params import SamplingParams
+from client.progress import GenerateProgress
+from client.prompts import broadcast_params, build_request, normalize_prompts, to_prompt
+from protos import scheduler_pb2 as pb
+from protos import scheduler_pb2_grpc as pb_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+SERVICE_NAME = "llmserve.v1.Scheduler"
+
+# GetRequest of a long finished request can exceed gRPC's 4 MiB default.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+
+
+def default_address() -> str:
+    """$LLMSERVE_ADDRESS, else the port `make run` starts the scheduler on."""
+    return os.environ.get("LLMSERVE_ADDRESS") or DEFAULT_ADDRESS
+
+
+class AsyncLLMClient:
+    """Talks to one scheduler. `timeout` (seconds) bounds unary calls only: a generation may
+    legitimately stream for minutes, so streams get `stream_timeout` (None = no deadline).
+
+    The channel is opened lazily inside the running event loop, because grpc.aio binds a
+    channel to the loop it was created in.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout: float | None = 30.0,
+        stream_timeout: float | None = None,
+    ):
+        self.address = address or default_address()
+        self.timeout = timeout
+        self.stream_timeout = stream_timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.SchedulerStub | None = None
+
+    def _get_stub(self) -> pb_grpc.SchedulerStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            self._stub = pb_grpc.SchedulerStub(self._channel)
+        return self._stub
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = None
+        self._stub = None
+
+    async def __aenter__(self) -> AsyncLLMClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- unary calls -------------------------------------------------------------------------
+
+    async def _unary(self, method: str, request: Any, request_id: str | None = None) -> Any:
+        try:
+            return await getattr(self._get_stub(), method)(request, timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise LLMServeError.from_rpc_error(err, request_id=request_id) from None
+
+    async def abort(self, request_id: str) -> bool:
+        """True when the request was still active and is now aborted; False if it had finished."""
+        resp = await self._unary("Abort", pb.AbortRequest(request_id=request_id), request_id)
+        return resp.aborted
+
+    async def get_request(self, request_id: str) -> RequestState:
+        req = pb.GetRequestRequest(request_id=request_id)
+        return RequestState.from_proto(await self._unary("GetRequest", req, request_id))
+
+    async def server_info(self) -> ServerInfo:
+        return ServerInfo.from_proto(await self._unary("GetServerInfo", pb.GetServerInfoRequest()))
+
+    async def wait_ready(self, timeout: float = 30.0, *, poll_interval: float = 0.2) -> None:
+        """Block until the scheduler's health service says SERVING (it does once an executor is
+        connected); raise LLMServeError(DEADLINE_EXCEEDED) after `timeout` seconds."""
+        self._get_stub()
+        assert self._channel is not None
+        health = health_pb2_grpc.HealthStub(self._channel)
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        service = SERVICE_NAME
+        while time.monotonic() < deadline:
+            try:
+                resp = await health.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=poll_interval * 5
+                )
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+            except grpc.RpcError as err:
+                last = f"{err.code().name}: {err.details()}"
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    service = ""  # a server that only reports overall health
+            await asyncio.sleep(poll_interval)
+        raise LLMServeError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"scheduler at {self.address} not ready after {timeout:.0f}s ({last})",
+        )
+
+    # ---- streams -----------------------------------------------------------------------------
+
+    async def _iterate(
+        self, call: grpc.aio.UnaryStreamCall, request_id: str | None
+    ) -> AsyncIterator[StreamDelta]:
+        try:
+            async for msg in call:
+                yield StreamDelta.from_proto(msg)
+        except grpc.RpcError as err:
+            raise LLMServeError.from_rpc_error(err, request_id=request_id) from None
+        finally:
+            # Reached when the consumer stops early too: cancelling the call is what tells the
+            # server to abort a non-detached request. A no-op once the call has ended.
+            call.cancel()
+
+    def stream(
+        self,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        detached: bool = False,
+        priority: int = 0,
+    ) -> AsyncIterator[StreamDelta]:
+        """Start (or attach to, when `request_id` is active) a request and yield its deltas.
+
+        Leaving the iteration early aborts the request unless `detached` is set.
+        """
+        req = build_request(
+            to_prompt(prompt),
+            params or SamplingParams(),
+            request_id=request_id,
+            priority=priority,
+            detached=detached,
+        )
+        call = self._get_stub().Generate(req, timeout=self.stream_timeout)
+        return self._iterate(call, request_id)
+
+    def resume(self, request_id: str, from_token_index: int = 0) -> AsyncIterator[StreamDelta]:
+        """Re-attach to a request: stored tokens from `from_token_index` on, then live ones."""
+        req = pb.ResumeRequest(request_id=request_id, from_token_index=from_token_index)
+        call = self._get_stub().Resume(req, timeout=self.stream_timeout)
+        return self._iterate(call, request_id)
+
+    # ---- batch generation --------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompts: Any,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        request_id_prefix: str | None = None,
+        priority: int | Sequence[int] = 0,
+    ) -> list[RequestOutput]:
+        """Submit every prompt at once (the server batches them continuously) and return one
+        finished RequestOutput per prompt, in prompt order.
+
+        Request ids are `f"{request_id_prefix}-{i}"` when a prefix is given, else chosen by the
+        server. On any failure the other requests are cancelled (hence aborted) and the first
+        error is raised as LLMServeError.
+        """
+        prompt_list = normalize_prompts(prompts)
+        params_list = broadcast_params(params, len(prompt_list))
+        priorities = [priority] * len(prompt_list) if isinstance(priority, int) else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        progress = GenerateProgress(len(prompt_list), enabled=use_tqdm)
+
+        async def one(i: int) -> RequestOutput:
+            request_id = f"{request_id_prefix}-{i}" if request_id_prefix else None
+            out = RequestOutput.start(request_id or "", prompt_list[i], params_list[i].n)
+            stream = self.stream(
+                prompt_list[i], params_list[i], request_id=request_id, priority=priorities[i]
+            )
+            async for delta in stream:
+                out.add(delta)
+            progress.update(out.num_prompt_tokens, out.num_output_tokens)
+            return out
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompt_list))]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            progress.close()

@@ -1,0 +1,123 @@
+"""Prompt forms the client accepts, and building `GenerateRequest` messages from them.
+
+A single prompt is one of: a string; a list of token ids; a list of chat messages
+(`{"role": ..., "content": ...}`); or a dict `{"prompt": str}`, `{"prompt_token_ids": [...]}`,
+`{"messages": [...], "add_generation_prompt": bool}`. A batch is a list of single prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from client.params import SamplingParams
+from protos import scheduler_pb2 as pb
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    messages: list[dict[str, str]]
+    add_generation_prompt: bool = True
+
+
+PromptInput = str | list[int] | ChatPrompt
+
+
+def _is_token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list | tuple)
+        and len(value) > 0
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def _is_chat(value: Any) -> bool:
+    return (
+        isinstance(value, list | tuple)
+        and len(value) > 0
+        and all(isinstance(m, Mapping) and "role" in m for m in value)
+    )
+
+
+def to_prompt(value: Any) -> PromptInput:
+    """One prompt in any accepted form -> its canonical form; TypeError for anything else."""
+    if isinstance(value, str | ChatPrompt):
+        return value
+    if _is_token_ids(value):
+        return [int(t) for t in value]
+    if _is_chat(value):
+        return ChatPrompt([{"role": m["role"], "content": m.get("content", "")} for m in value])
+    if isinstance(value, Mapping):
+        if "prompt_token_ids" in value:
+            return [int(t) for t in value["prompt_token_ids"]]
+        if "messages" in value:
+            chat = to_prompt(list(value["messages"]))
+            assert isinstance(chat, ChatPrompt)
+            chat.add_generation_prompt = bool(value.get("add_generation_prompt", True))
+            return chat
+        if "prompt" in value:
+            return str(value["prompt"])
+    raise TypeError(
+        "a prompt must be a string, a list of token ids, a list of chat messages or a dict "
+        f"with 'prompt', 'prompt_token_ids' or 'messages'; got {type(value).__name__}"
+    )
+
+
+def normalize_prompts(prompts: Any) -> list[PromptInput]:
+    """A single prompt or a batch of prompts -> a list of canonical prompts.
+
+    A flat list of ints is one token-id prompt and a flat list of messages is one chat, so
+    callers can pass a single prompt of either kind without wrapping it.
+    """
+    if isinstance(prompts, str | ChatPrompt | Mapping) or _is_token_ids(prompts):
+        return [to_prompt(prompts)]
+    if _is_chat(prompts):
+        return [to_prompt(prompts)]
+    if isinstance(prompts, Sequence):
+        return [to_prompt(p) for p in prompts]
+    raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+
+
+def broadcast_params(
+    params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    """One SamplingParams per prompt: a single one is shared, a list must match the prompts."""
+    if params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    params = list(params)
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
+    return params
+
+
+def build_request(
+    prompt: PromptInput,
+    params: SamplingParams,
+    *,
+    request_id: str | None = None,
+    priority: int = 0,
+    detached: bool = False,
+) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(
+        request_id=request_id or "",
+        params=params.to_proto(),
+        priority=priority,
+        detached=detached,
+    )
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif isinstance(prompt, ChatPrompt):
+        req.chat.CopyFrom(
+            pb.ChatPrompt(
+                messages=[
+                    pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt.messages
+                ],
+                add_generation_prompt=prompt.add_generation_prompt,
+            )
+        )
+    else:
+        req.token_ids.CopyFrom(pb.TokenIds(ids=prompt))
+    return req
