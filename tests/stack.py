@@ -168,9 +168,11 @@ def llmserve_stack(tmp_path_factory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("stack")
     redis = RedisServer(data_dir=tmp / "redis")
     redis.start()
-    stack = make_stack(tmp, redis)
     try:
-        yield stack
+        stack = make_stack(tmp, redis)
+        try:
+            yield stack
+        finally:
+            stack.stop()
     finally:
-        stack.stop()
         redis.close()
