@@ -98,6 +98,12 @@ def test_linear_rope_scaling(tmp_path):
     assert_logits_match_hf(model_dir, make_prompts([50, 5]))
 
 
+def test_llama_attention_and_mlp_bias(tmp_path):
+    model_dir = make_tiny_checkpoint(tmp_path / "bias", "llama", attention_bias=True, mlp_bias=True)
+    runner = assert_logits_match_hf(model_dir, make_prompts([7, 3]))
+    assert runner.model.layers[0].self_attn.o_proj.bias is not None
+
+
 def test_sharded_checkpoint(tmp_path):
     model_dir = make_tiny_checkpoint(tmp_path / "sharded", "qwen3", max_shard_size="60KB")
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())

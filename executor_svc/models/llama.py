@@ -45,6 +45,7 @@ class LlamaConfig:
     rope_scaling: dict[str, Any] | None = None  # None = default rope
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias)
+    o_bias: bool = False  # attention_bias also covers o_proj (not Qwen2's built-in qkv bias)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
     mlp_bias: bool = False
 
@@ -73,6 +74,7 @@ class LlamaConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=bool(cfg.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
         )
@@ -235,7 +237,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(
             cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, cfg.qkv_bias
         )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
