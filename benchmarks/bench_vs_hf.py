@@ -26,6 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from scheduler_svc.redis_server import RedisServer  # noqa: E402
 
+THREADS = 1
+
 SMOLLM_135M = {
     "hidden_size": 576,
     "num_hidden_layers": 30,
@@ -43,6 +45,8 @@ def env() -> dict[str, str]:
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e.setdefault("HF_HUB_OFFLINE", "1")
     e.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # The same number of torch threads for the executor and for HF (set by --threads).
+    e["OMP_NUM_THREADS"] = str(THREADS)
     return e
 
 
@@ -157,7 +161,10 @@ def main() -> None:
     p.add_argument("--question-len", type=int, default=32)
     p.add_argument("--prefix-output", type=int, default=32)
     p.add_argument("--only", nargs="*", help="subset of: sharegpt random prefix prefix-off")
+    p.add_argument("--threads", type=int, default=1, help="torch threads, executor and HF alike")
     args = p.parse_args()
+    global THREADS
+    THREADS = args.threads
     args.out.mkdir(parents=True, exist_ok=True)
     model = build_model(ROOT / ".cache")
     work = Path(tempfile.mkdtemp(prefix="bench-vs-hf-"))

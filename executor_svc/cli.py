@@ -41,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swap-space", type=float, default=1.0, help="CPU swap pool size in GiB")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads for CPU inference (default: torch's choice); on a small "
+        "host shared with the scheduler, 1 per executor avoids threads waiting on a busy core",
+    )
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM/SIGINT")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -74,6 +81,10 @@ def _write_port_file(path: Path, port: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    if args.cpu_threads:
+        import torch
+
+        torch.set_num_threads(args.cpu_threads)
     server = ExecutorServer(
         args.model,
         args.host,

@@ -107,7 +107,7 @@ class ExecutorServer:
             model=model_name,
             architecture=str(info.architecture),
             device=str(info.device),
-            dtype=str(info.dtype),
+            dtype=info.dtype_name,
             block_size=runner.block_size,
             num_device_blocks=runner.num_device_blocks,
             num_cpu_blocks=runner.num_cpu_blocks,
