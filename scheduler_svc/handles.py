@@ -65,7 +65,8 @@ class EngineStep:
     after: list[Any] = field(default_factory=list)  # callables run once acknowledged
 
     def to_record(self) -> StepRecord:
-        return StepRecord(self.appends, self.finishes, self.publish)
+        has_work = self.deltas or self.after
+        return StepRecord(self.appends, self.finishes, self.publish if has_work else None)
 
     def publish(self) -> None:
         touched: dict[str, RequestHandle] = {}

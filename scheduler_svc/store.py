@@ -28,22 +28,33 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 FORMAT_VERSION = 1
 UNFINISHED_KEY = "llmserve:index:unfinished"
 
-# KEYS: tokens list, logprobs list. ARGV: offset, count, tokens..., [logprob json...].
-# Appends only the part of the batch not stored yet; returns the new length, or -1 when the
-# stored list is shorter than `offset` (a gap: the caller must resynchronise).
+# One call per engine step for every sequence's new tokens. KEYS: (tokens list, logprobs list)
+# per append. ARGV per append: offset, count, has_logprobs, tokens..., [logprob json...].
+# Each append adds only the part not stored yet, so a retried write never duplicates a token.
+# Returns one value per append: the new length, or -1 when the stored list is shorter than
+# `offset` (a gap: Redis lost data and the caller must resynchronise).
 _APPEND_LUA = """
-local have = redis.call('LLEN', KEYS[1])
-local offset = tonumber(ARGV[1])
-local count = tonumber(ARGV[2])
-if have < offset then return -1 end
-local skip = have - offset
-if skip >= count then return have end
-local with_lp = #ARGV > 2 + count
-for i = skip + 1, count do
-  redis.call('RPUSH', KEYS[1], ARGV[2 + i])
-  if with_lp then redis.call('RPUSH', KEYS[2], ARGV[2 + count + i]) end
+local out = {}
+local a = 1
+for k = 1, #KEYS, 2 do
+  local offset = tonumber(ARGV[a])
+  local count = tonumber(ARGV[a + 1])
+  local with_lp = ARGV[a + 2] == '1'
+  local first = a + 3
+  local have = redis.call('LLEN', KEYS[k])
+  if have < offset then
+    out[#out + 1] = -1
+  else
+    local skip = have - offset
+    for i = skip + 1, count do
+      redis.call('RPUSH', KEYS[k], ARGV[first + i - 1])
+      if with_lp then redis.call('RPUSH', KEYS[k + 1], ARGV[first + count + i - 1]) end
+    end
+    out[#out + 1] = math.max(have, offset + count)
+  end
+  a = first + count * (with_lp and 2 or 1)
 end
-return have + count - skip
+return out
 """
 
 # KEYS: request hash, unfinished set. ARGV: req_id, field, value, ... Claims the id atomically.
@@ -163,26 +174,34 @@ class RequestStore:
             raise StoreUnavailable(f"redis unavailable: {e}") from e
 
     async def write_step(self, appends: list[TokenAppend], finishes: list[FinishRecord]) -> None:
-        """One round trip per engine step: token appends, then finish records."""
+        """One engine step: every append in one script call, then finish records.
+
+        The script is called directly (EVALSHA, loaded on first use), not from a pipeline:
+        redis-py checks a pipeline's scripts with an extra round trip on every execute.
+        """
         if not appends and not finishes:
             return
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
+            results: list[int] = []
+            if appends:
+                keys: list[str] = []
+                args: list[Any] = []
                 for a in appends:
-                    args: list[Any] = [a.offset, len(a.token_ids), *a.token_ids]
+                    keys.append(_tokens_key(a.req_id, a.index))
+                    keys.append(_logprobs_key(a.req_id, a.index))
+                    args.extend((a.offset, len(a.token_ids), 1 if a.logprobs is not None else 0))
+                    args.extend(a.token_ids)
                     if a.logprobs is not None:
                         args.extend(json.dumps(lp) for lp in a.logprobs)
-                    await self._append(
-                        keys=[_tokens_key(a.req_id, a.index), _logprobs_key(a.req_id, a.index)],
-                        args=args,
-                        client=pipe,
-                    )
-                for f in finishes:
-                    self._queue_finish(pipe, f)
-                results = await pipe.execute()
+                results = await self._append(keys=keys, args=args)
+            if finishes:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for f in finishes:
+                        self._queue_finish(pipe, f)
+                    await pipe.execute()
         except (RedisConnectionError, RedisTimeoutError, OSError) as e:
             raise StoreUnavailable(f"redis unavailable: {e}") from e
-        for a, res in zip(appends, results, strict=False):
+        for a, res in zip(appends, results, strict=True):
             if res == -1:
                 raise StoreGapError(f"stored tokens of {a.req_id}/{a.index} end before {a.offset}")
 

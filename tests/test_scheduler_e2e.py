@@ -279,3 +279,65 @@ def test_tiny_cache_preempts_and_outputs_stay_identical(tmp_path, mode):
     finally:
         stack.stop()
         redis.close()
+
+
+def test_grpcurl_generates_through_reflection_alone(llmserve_stack):
+    """A client with no copy of the protos (grpcurl, Go) discovers the API by reflection."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+    listed = subprocess.run(
+        [grpcurl, "-plaintext", llmserve_stack.address, "list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert "llmserve.v1.Scheduler" in listed.stdout.split()
+    body = {
+        "request_id": "from-grpcurl",
+        "token_ids": {"ids": [5, 6, 7]},
+        "params": {"max_tokens": 5, "temperature": 0, "ignore_eos": True},
+    }
+    out = subprocess.run(
+        [
+            grpcurl,
+            "-plaintext",
+            "-d",
+            json.dumps(body),
+            llmserve_stack.address,
+            "llmserve.v1.Scheduler/Generate",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    decoder = json.JSONDecoder()
+    messages, text = [], out.stdout.strip()
+    while text:
+        msg, end = decoder.raw_decode(text)
+        messages.append(msg)
+        text = text[end:].strip()
+    tokens = [t for m in messages for t in m.get("tokenIds", [])]
+    assert len(tokens) == 5
+    assert messages[-1]["finishReason"] == "FINISH_REASON_LENGTH"
+    bad = subprocess.run(
+        [
+            grpcurl,
+            "-plaintext",
+            "-d",
+            '{"token_ids": {"ids": []}}',
+            llmserve_stack.address,
+            "llmserve.v1.Scheduler/Generate",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode != 0
+    assert "InvalidArgument" in bad.stderr and "prompt" in bad.stderr
