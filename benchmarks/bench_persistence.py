@@ -193,7 +193,7 @@ async def run_trial(
     admitted: list[float] = []
 
     async def consume(inp: GenerateInput) -> int:
-        handle = await engine.submit(inp)
+        handle, _ = await engine.submit(inp)
         admitted.append(time.perf_counter())
         n = 0
         async for event in engine.events(handle, 0):

@@ -233,7 +233,9 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
 
-    async def submit(self, inp: GenerateInput) -> RequestHandle:
+    async def submit(self, inp: GenerateInput) -> tuple[RequestHandle, bool]:
+        """The request's handle, and whether this call created it (False: attached to an
+        existing request with the same id)."""
         self._check_available()
         req_id = inp.req_id or uuid.uuid4().hex
         if len(req_id) > MAX_REQUEST_ID_LEN or not req_id.isprintable():
@@ -242,7 +244,7 @@ class Engine:
             )
         existing = self.requests.get(req_id)
         if existing is not None:
-            return existing  # same id again: attach, never a second generation
+            return existing, False  # same id again: attach, never a second generation
         prompt = await self._prompt_token_ids(inp)
         inp.params.validate(max_logprobs=self.config.max_logprobs, vocab_size=self.vocab_size)
         if sum(ex.sched.num_waiting for ex in self.executors) >= self.config.max_waiting:
@@ -270,9 +272,9 @@ class Engine:
             ) from e
         if not created:
             # Stored by an earlier call (possibly finished): attach to what is stored.
-            return await self.attach(req_id)
+            return await self.attach(req_id), False
         if req_id in self.requests:  # a concurrent duplicate won the race in memory
-            return self.requests[req_id]
+            return self.requests[req_id], False
         handle.init_outputs(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests[req_id] = handle
         self._enqueue(
@@ -282,7 +284,7 @@ class Engine:
             ),
         )
         log.info("request.admitted", req_id=req_id, num_prompt_tokens=len(prompt), n=inp.params.n)
-        return handle
+        return handle, True
 
     async def _prompt_token_ids(self, inp: GenerateInput) -> list[int]:
         if inp.token_ids is not None:

@@ -45,11 +45,14 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             inp = convert.generate_input_from_proto(request)
-            handle = await self.engine.submit(inp)
+            handle, created = await self.engine.submit(inp)
         except (EngineError, ValueError) as e:
             await _abort_with(context, e)
             return
-        async for msg in self._stream(handle, 0, context, detached=request.detached):
+        # Only the call that started the request may abort it by going away; a call that
+        # attached to an existing id leaves it running.
+        detached = request.detached or not created
+        async for msg in self._stream(handle, 0, context, detached=detached):
             yield msg
 
     async def Resume(

@@ -323,9 +323,11 @@ def test_grpcurl_generates_through_reflection_alone(llmserve_stack):
         msg, end = decoder.raw_decode(text)
         messages.append(msg)
         text = text[end:].strip()
-    tokens = [t for m in messages for t in m.get("tokenIds", [])]
+    # grpcurl prints the proto's field names; other JSON encoders use lowerCamelCase.
+    tokens = [t for m in messages for t in m.get("token_ids", m.get("tokenIds", []))]
     assert len(tokens) == 5
-    assert messages[-1]["finishReason"] == "FINISH_REASON_LENGTH"
+    last = messages[-1]
+    assert last.get("finish_reason", last.get("finishReason")) == "FINISH_REASON_LENGTH"
     bad = subprocess.run(
         [
             grpcurl,
@@ -341,3 +343,17 @@ def test_grpcurl_generates_through_reflection_alone(llmserve_stack):
     )
     assert bad.returncode != 0
     assert "InvalidArgument" in bad.stderr and "prompt" in bad.stderr
+
+
+def test_cancelling_an_attached_call_leaves_the_request_running(api):
+    owner = api.Generate(gen_request([4, 4], request_id="shared", max_tokens=80, ignore_eos=True))
+    first = Collected()
+    for msg in owner:
+        first.add(msg)
+        break
+    attached = api.Generate(gen_request([4, 4], request_id="shared", max_tokens=80))
+    next(iter(attached))
+    attached.cancel()  # a second caller going away must not abort the owner's request
+    collect(owner, first)
+    assert first.finish[0] == pb.FINISH_REASON_LENGTH
+    assert len(first.tokens[0]) == 80
