@@ -380,7 +380,7 @@ def table(results: dict[str, list[dict[str, Any]]], iso: dict[str, Any], num_seq
         "",
         "Where the cost goes: per engine step the scheduler process burns "
         f"{med(a, 'cpu_sched_ms') - med(b, 'cpu_sched_ms'):.2f} ms more CPU (redis-py builds "
-        f"and parses one EVALSHA per sequence plus a SCRIPT EXISTS per write; "
+        "and parses the step's one EVALSHA of every sequence's tokens; "
         f"{iso['cpu_ms']:.2f} ms per decode-step write_step measured alone) and redis-server "
         f"{med(a, 'cpu_redis_ms') - med(b, 'cpu_redis_ms'):.2f} ms. Redis latency itself is "
         "off the critical path (the write overlaps the next step), but that CPU competes with "
