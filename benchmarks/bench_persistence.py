@@ -196,7 +196,7 @@ async def run_trial(
         handle, _ = await engine.submit(inp)
         admitted.append(time.perf_counter())
         n = 0
-        async for event in engine.events(handle, 0):
+        async for event in handle.events(0):
             n += len(event.token_ids)
         return n
 

@@ -150,17 +150,6 @@ def executor_params(params: SamplingParams, seed: int | None) -> epb.SamplingPar
     return msg
 
 
-def is_empty(out: Any) -> bool:
-    return not (
-        out.new_seqs
-        or out.cached_seqs
-        or out.finished_seq_ids
-        or out.blocks_to_swap_out
-        or out.blocks_to_swap_in
-        or out.blocks_to_copy
-    )
-
-
 def execute_request(out: Any, step_id: int) -> epb.ExecuteModelRequest:
     """The step message: new sequences in full, running ones as differences."""
     msg = epb.ExecuteModelRequest(step_id=step_id, finished_seq_ids=list(out.finished_seq_ids))

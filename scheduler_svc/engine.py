@@ -13,7 +13,7 @@ import contextlib
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -23,7 +23,7 @@ from protos import executor_pb2 as epb
 from protos import executor_pb2_grpc as epb_grpc
 from scheduler_svc import convert
 from scheduler_svc.errors import NotFound, QueueFull, Unavailable, ValidationError
-from scheduler_svc.handles import EngineEvent, EngineStep, RequestHandle, RequestView
+from scheduler_svc.handles import EngineStep, RequestHandle, RequestView
 from scheduler_svc.persister import Persister
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.sampling_params import SamplingParams
@@ -346,10 +346,6 @@ class Engine:
             handle.close(f"request {req_id!r} is not running on this scheduler yet; retry")
         return handle
 
-    async def events(self, handle: RequestHandle, from_index: int) -> AsyncIterator[EngineEvent]:
-        async for event in handle.events(from_index):
-            yield event
-
     async def abort(self, req_id: str, *, missing_ok: bool = False) -> bool:
         handle = self.requests.get(req_id)
         if handle is None or handle.finished_in_engine:
@@ -494,7 +490,7 @@ class Engine:
             async with ex.lock:
                 out = ex.sched.schedule()
                 self._handle_scheduler_finished(ex)
-                if convert.is_empty(out):
+                if out.is_empty:
                     idle = True
                 else:
                     idle = False

@@ -211,7 +211,7 @@ class RequestHandle:
         return FinishRecord(
             self.req_id,
             self.n,
-            [s.finish_status.value if s.finish_status else None for s in self.states],
+            self.finish_reasons(),
             [None if s.stop_reason is None else str(s.stop_reason) for s in self.states],
             self.error,
         )

@@ -85,7 +85,6 @@ class Persister:
 
     async def wait_below_backlog(self) -> None:
         while self.over_backlog:
-            self._drained.clear()
             await asyncio.sleep(self.retry_interval_s)
 
     def start(self) -> None:

@@ -70,7 +70,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def _stream(self, handle, from_index: int, context, *, detached: bool):
         finished_normally = False
         try:
-            async for event in self.engine.events(handle, from_index):
+            async for event in handle.events(from_index):
                 yield convert.event_to_proto(handle, event)
             finished_normally = True
         except EngineError as e:
