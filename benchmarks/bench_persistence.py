@@ -136,13 +136,20 @@ def instrument(engine: Engine) -> StepTrace:
     rpc = ex.stub.ExecuteModel
     process = engine._process_step
 
-    async def execute_model(msg: Any, timeout: float | None = None) -> Any:
+    def execute_model(msg: Any, timeout: float | None = None) -> Any:
+        # Like the real stub, the call starts here (the engine kicks the persister only after
+        # the call exists); only waiting for its reply is left to the caller's await.
         t0 = time.perf_counter()
-        resp = await rpc(msg, timeout=timeout)
-        # Decode-only steps count their sequences; a step with a prefill in it counts -1.
-        n = -1 if msg.new_sequences else len(msg.cached_sequences)
-        trace.calls.append((t0, time.perf_counter(), n))
-        return resp
+        call = rpc(msg, timeout=timeout)
+
+        async def reply() -> Any:
+            resp = await call
+            # Decode-only steps count their sequences; a step with a prefill in it counts -1.
+            n = -1 if msg.new_sequences else len(msg.cached_sequences)
+            trace.calls.append((t0, time.perf_counter(), n))
+            return resp
+
+        return reply()
 
     def process_step(ex_: Any, out: Any, resp: Any) -> None:
         t0 = time.perf_counter()
@@ -256,7 +263,7 @@ async def bench(args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]
     num_blocks = args.num_seqs * blocks_per_seq + 64
     with tempfile.TemporaryDirectory(prefix="bench-persistence-") as tmp:
         workdir = Path(tmp)
-        server = RedisServer(data_dir=workdir / "redis")
+        server = RedisServer(data_dir=workdir / "redis", appendfsync=args.appendfsync)
         server.start()
         executor, port = start_executor(model_dir, workdir, num_blocks, args.executor_threads)
         engine = Engine(
@@ -407,6 +414,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5, help="trials per arm after the warm-up")
     ap.add_argument("--executor-threads", type=int, default=1, help="OMP_NUM_THREADS")
+    ap.add_argument(
+        "--appendfsync",
+        default="always",
+        choices=("always", "everysec"),
+        help="the Redis server's fsync policy (make run uses always)",
+    )
     ap.add_argument("--write-notes", action="store_true", help=f"write {NOTES}")
     args = ap.parse_args()
     configure_logging("warning")

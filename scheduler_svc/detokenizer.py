@@ -9,10 +9,21 @@ leading space of the first token they see, and a decode that starts one token ea
 Byte-level tokens can end in the middle of a UTF-8 character, which decodes to a trailing
 U+FFFD. Such a tail is held back (and the window not advanced) until a later token completes it;
 `flush()` releases whatever is left when the sequence ends.
+
+Fast path: when the tokenizer's decoder is byte-level (GPT-2, Llama 3, Qwen, SmolLM and the demo
+model), decoding is plain concatenation of each token's bytes followed by a lossy UTF-8 decode.
+Then no window is needed: a table of token bytes (built and checked against the real decoder once
+per tokenizer) feeds Python's incremental UTF-8 decoder, which holds an incomplete character
+back by itself. That is a dict-free list lookup and one C call per token instead of a decode
+call into the tokenizer. Other decoders (SentencePiece-style byte fallback groups invalid bytes
+differently) keep the window algorithm.
 """
 
 from __future__ import annotations
 
+import codecs
+import json
+import random
 import weakref
 from collections.abc import Iterable, Sequence
 
@@ -34,6 +45,69 @@ _COMPACT_AT = 1024
 _token_text_caches: weakref.WeakKeyDictionary[PreTrainedTokenizerFast, dict[int, str]] = (
     weakref.WeakKeyDictionary()
 )
+# Byte tables of byte-level tokenizers (None: this tokenizer needs the window algorithm).
+_byte_tables: weakref.WeakKeyDictionary[PreTrainedTokenizerFast, list[bytes] | None] = (
+    weakref.WeakKeyDictionary()
+)
+_Utf8Decoder = codecs.getincrementaldecoder("utf-8")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet: each byte is shown as a printable character.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes (controls, space, ...) are
+    assigned the code points from U+0100 upwards, in byte order.
+    """
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            chars[chr(0x100 + extra)] = b
+            extra += 1
+    return chars
+
+
+def token_byte_table(tokenizer: PreTrainedTokenizerFast) -> list[bytes] | None:
+    """Bytes of every token id if `tokenizer` decodes by concatenating token bytes, else None.
+
+    Only a plain byte-level decoder qualifies, and the table is checked against the tokenizer's
+    own decode on random id sequences (special tokens included) before it is trusted.
+    """
+    if tokenizer in _byte_tables:
+        return _byte_tables[tokenizer]
+    backend = tokenizer.backend_tokenizer
+    table = None
+    if (json.loads(backend.to_str()).get("decoder") or {}).get("type") == "ByteLevel":
+        table = _build_byte_table(backend)
+    _byte_tables[tokenizer] = table
+    return table
+
+
+def _build_byte_table(backend) -> list[bytes] | None:
+    alphabet = _byte_level_alphabet()
+    vocab = backend.get_vocab(with_added_tokens=True)
+    added = backend.get_added_tokens_decoder()
+    table = [b""] * (max(vocab.values(), default=-1) + 1)
+    for token, i in vocab.items():
+        if i in added:
+            # Added tokens are whole strings; the decoder shows their text.
+            table[i] = backend.decode([i], skip_special_tokens=False).encode()
+            continue
+        try:
+            table[i] = bytes(alphabet[c] for c in token)
+        except KeyError:
+            table[i] = token.encode()  # a character outside the alphabet stands for itself
+    # Trust it only if it reproduces the real decoder, invalid byte sequences included.
+    rng = random.Random(0)
+    ids = list(vocab.values())
+    samples = [list(added)] if added else []
+    samples += [[rng.choice(ids) for _ in range(rng.randint(1, 8))] for _ in range(300)]
+    expected = backend.decode_batch(samples, skip_special_tokens=False)
+    for sample, text in zip(samples, expected, strict=True):
+        if b"".join(table[i] for i in sample).decode("utf-8", "replace") != text:
+            return None
+    return table
 
 
 class IncrementalDetokenizer:
@@ -65,6 +139,16 @@ class IncrementalDetokenizer:
         self._chunks: list[str] = []
         self._num_chars = 0
         self._token_text = _token_text_caches.setdefault(tokenizer, {})
+        # Fast path (see the module docstring): token bytes into an incremental UTF-8 decoder.
+        self._table = token_byte_table(tokenizer)
+        self._utf8 = None
+        if self._table is not None:
+            utf8 = _Utf8Decoder("replace")
+            # The context's bytes go in first; if they end inside a character, the window
+            # algorithm is used instead, so both paths agree on where the output starts.
+            utf8.decode(b"".join(self._table_bytes(t) for t in self._ids))
+            if not utf8.getstate()[0]:
+                self._utf8 = utf8.decode
 
     @property
     def text(self) -> str:
@@ -79,8 +163,28 @@ class IncrementalDetokenizer:
         """len(self.text), without joining."""
         return self._num_chars
 
+    def _table_bytes(self, token_id: int) -> bytes:
+        table = self._table
+        return table[token_id] if 0 <= token_id < len(table) else b""
+
+    def add_one(self, token_id: int) -> str:
+        """`add([token_id])`, cheaper: the per-step call of the engine."""
+        if self._utf8 is None:
+            return self.add((token_id,))
+        if token_id in self._skipped_ids:
+            return ""
+        table = self._table
+        # Ids past the tokenizer's vocabulary (a model's padded embedding) decode to nothing.
+        text = self._utf8(table[token_id] if token_id < len(table) else b"")
+        if text:
+            self._chunks.append(text)
+            self._num_chars += len(text)
+        return text
+
     def add(self, token_ids: Iterable[int]) -> str:
         """Append output tokens; return the text that became complete with them."""
+        if self._utf8 is not None:
+            return "".join([self.add_one(t) for t in token_ids])
         pieces = []
         for token_id in token_ids:
             if token_id in self._skipped_ids:
@@ -93,6 +197,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Release held-back text (an incomplete character decodes to U+FFFD) at the end."""
+        if self._utf8 is not None:
+            return self._emit(self._utf8(b"", True))
         return self._emit(self._step(final=True))
 
     def decode_token(self, token_id: int) -> str:

@@ -481,6 +481,7 @@ class Engine:
     async def _loop(self, ex: ExecutorHandle) -> None:
         while not self._stopping:
             if not ex.healthy:
+                self.persister.kick()
                 await self._reconnect(ex)
                 continue
             if self.persister.over_backlog:
@@ -496,17 +497,22 @@ class Engine:
                     idle = False
                     ex.step_id += 1
                     msg = convert.execute_request(out, ex.step_id)
+                    call = ex.stub.ExecuteModel(msg, timeout=self.config.step_timeout_s)
+                    # The previous step's Redis write goes out now, while the executor computes
+                    # (its record was queued without waking the writer).
+                    self.persister.kick()
                     try:
-                        resp = await ex.stub.ExecuteModel(msg, timeout=self.config.step_timeout_s)
+                        resp = await call
                     except grpc.aio.AioRpcError as e:
+                        self.persister.kick()
                         self._executor_failed(ex, e)
                         continue
                     ex.consecutive_failures = 0
                     self._process_step(ex, out, resp)
             if idle:
+                self.persister.kick()
                 await ex.wake.wait()
-            else:
-                await asyncio.sleep(0)  # let RPC handlers (new requests, aborts) run
+            # Busy: RPC handlers (new requests, aborts) run while the next step is awaited.
 
     def _process_step(self, ex: ExecutorHandle, out, resp: epb.ExecuteModelResponse) -> None:
         sampled = {s.seq_id: s for s in resp.sampled}
@@ -527,7 +533,8 @@ class Engine:
         for handle in touched.values():
             if handle.all_finished and not handle.finished_in_engine:
                 self._finish_request(handle, record)
-        self.persister.submit(record.to_record())
+        # Written once the next step is on its way (see _loop), or when the loop goes idle.
+        self.persister.submit(record.to_record(), wake=False)
 
     def _handle_scheduler_finished(self, ex: ExecutorHandle, record: EngineStep | None = None):
         """Requests the scheduler core ended on its own (e.g. can never fit the cache)."""

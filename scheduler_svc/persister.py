@@ -73,17 +73,31 @@ class Persister:
     def over_backlog(self) -> bool:
         return len(self._queue) >= self.max_backlog_steps
 
-    def submit(self, rec: StepRecord) -> None:
+    def submit(self, rec: StepRecord, *, wake: bool = True) -> None:
+        """Queue a record. With wake=False it waits for the next kick() (or a later submit).
+
+        The engine queues a step's record without waking the writer and kicks it once the next
+        ExecuteModel is on its way: building and sending the Redis command then overlaps the
+        executor's forward pass instead of delaying the next step.
+        """
         if not rec.appends and not rec.finishes and rec.on_ack is None:
             return
         self._queue.append(rec)
         self._drained.clear()
-        self._has_work.set()
+        if wake:
+            self._has_work.set()
+
+    def kick(self) -> None:
+        """Wake the writer if anything is queued."""
+        if self._queue:
+            self._has_work.set()
 
     async def wait_drained(self) -> None:
+        self.kick()
         await self._drained.wait()
 
     async def wait_below_backlog(self) -> None:
+        self.kick()
         while self.over_backlog:
             await asyncio.sleep(self.retry_interval_s)
 

@@ -49,7 +49,15 @@ class RedisServer:
     exercise a Redis outage.
     """
 
-    def __init__(self, data_dir: str | Path | None = None, port: int = 0) -> None:
+    def __init__(
+        self, data_dir: str | Path | None = None, port: int = 0, *, appendfsync: str = "always"
+    ) -> None:
+        """`appendfsync`: "always" (default) fsyncs every write before replying, so an
+        acknowledged token survives even a power cut; "everysec" (Redis's own default) survives
+        a Redis crash but may lose the last second of writes to a machine crash."""
+        if appendfsync not in ("always", "everysec", "no"):
+            raise ValueError(f"appendfsync must be always, everysec or no, not {appendfsync!r}")
+        self.appendfsync = appendfsync
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="llmserve-redis-")
         self.data_dir = Path(data_dir or self._tmp.name)
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -68,7 +76,7 @@ class RedisServer:
             "--port", str(self.port),
             "--dir", str(self.data_dir),
             "--appendonly", "yes",
-            "--appendfsync", "always",
+            "--appendfsync", self.appendfsync,
             "--save", "",
             "--protected-mode", "no",
             "--daemonize", "no",

@@ -22,36 +22,55 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 FORMAT_VERSION = 1
 UNFINISHED_KEY = "llmserve:index:unfinished"
 
-# One call per engine step for every sequence's new tokens. KEYS: (tokens list, logprobs list)
-# per append. ARGV per append: offset, count, has_logprobs, tokens..., [logprob json...].
-# Each append adds only the part not stored yet, so a retried write never duplicates a token.
-# Returns one value per append: the new length, or -1 when the stored list is shorter than
-# `offset` (a gap: Redis lost data and the caller must resynchronise).
+# One call per engine step for every sequence's new tokens. KEYS per append: the tokens list,
+# then the logprobs list when the append has logprobs. ARGV per append: offset, count,
+# has_logprobs, tokens..., [logprob json...]. Returns one value per append: the stored length
+# afterwards, or -1 when the stored list was shorter than `offset` (a gap: Redis lost data and
+# the caller must resynchronise; nothing is written then).
+#
+# The common case costs one RPUSH: the tokens are pushed first and the reply (the new length)
+# shows whether they were all new. If the list already held some of them (a write retried after
+# a lost reply), the duplicates are trimmed off again; if it held fewer than `offset`, the push
+# is undone. Either way the stored list ends exactly as if every token had been written once.
 _APPEND_LUA = """
 local out = {}
 local a = 1
-for k = 1, #KEYS, 2 do
+local k = 1
+while k <= #KEYS do
   local offset = tonumber(ARGV[a])
   local count = tonumber(ARGV[a + 1])
   local with_lp = ARGV[a + 2] == '1'
   local first = a + 3
-  local have = redis.call('LLEN', KEYS[k])
-  if have < offset then
-    out[#out + 1] = -1
-  else
-    local skip = have - offset
-    for i = skip + 1, count do
-      redis.call('RPUSH', KEYS[k], ARGV[first + i - 1])
-      if with_lp then redis.call('RPUSH', KEYS[k + 1], ARGV[first + count + i - 1]) end
+  local key = KEYS[k]
+  local had = redis.call('RPUSH', key, unpack(ARGV, first, first + count - 1)) - count
+  local result = offset + count
+  if had ~= offset then
+    if had == 0 then redis.call('DEL', key) else redis.call('LTRIM', key, 0, had - 1) end
+    if had < offset then
+      result = -1
+    else
+      for i = had - offset + 1, count do redis.call('RPUSH', key, ARGV[first + i - 1]) end
+      result = math.max(had, offset + count)
     end
-    out[#out + 1] = math.max(have, offset + count)
   end
+  if with_lp then
+    if result ~= -1 then
+      local lp_key = KEYS[k + 1]
+      for i = math.max(1, redis.call('LLEN', lp_key) - offset + 1), count do
+        redis.call('RPUSH', lp_key, ARGV[first + count + i - 1])
+      end
+    end
+    k = k + 2
+  else
+    k = k + 1
+  end
+  out[#out + 1] = result
   a = first + count * (with_lp and 2 or 1)
 end
 return out
@@ -114,6 +133,49 @@ class FinishRecord:
     error: str = ""
 
 
+def _bulk(data: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+# RESP bulk strings of small integers (token ids, offsets, counts), built once.
+_INT_BULKS: dict[int, bytes] = {}
+
+
+def _int_bulk(value: int) -> bytes:
+    b = _INT_BULKS.get(value)
+    if b is None:
+        b = _bulk(b"%d" % value)
+        if len(_INT_BULKS) < 1 << 20:
+            _INT_BULKS[value] = b
+    return b
+
+
+def _pack_appends(sha: str, appends: list[TokenAppend]) -> bytes:
+    """The RESP encoding of `EVALSHA sha numkeys KEYS... ARGV...` for the append script."""
+    keys: list[bytes] = []
+    args: list[bytes] = []
+    one, zero = _int_bulk(1), _int_bulk(0)
+    for a in appends:
+        keys.append(_bulk(_tokens_key(a.req_id, a.index).encode()))
+        tokens = a.token_ids
+        args.append(_int_bulk(a.offset))
+        args.append(_int_bulk(len(tokens)))
+        if a.logprobs is None:
+            args.append(zero)
+            args.extend(map(_int_bulk, tokens))
+        else:
+            keys.append(_bulk(_logprobs_key(a.req_id, a.index).encode()))
+            args.append(one)
+            args.extend(map(_int_bulk, tokens))
+            args.extend(_bulk(json.dumps(lp).encode()) for lp in a.logprobs)
+    head = b"*%d\r\n$7\r\nEVALSHA\r\n%s%s" % (
+        3 + len(keys) + len(args),
+        _bulk(sha.encode()),
+        _int_bulk(len(keys)),
+    )
+    return b"".join((head, *keys, *args))
+
+
 def _request_key(req_id: str) -> str:
     return f"llmserve:request:{req_id}"
 
@@ -174,26 +236,14 @@ class RequestStore:
             raise StoreUnavailable(f"redis unavailable: {e}") from e
 
     async def write_step(self, appends: list[TokenAppend], finishes: list[FinishRecord]) -> None:
-        """One engine step: every append in one script call, then finish records.
-
-        The script is called directly (EVALSHA, loaded on first use), not from a pipeline:
-        redis-py checks a pipeline's scripts with an extra round trip on every execute.
-        """
+        """One engine step: every append in one script call, then finish records."""
+        appends = [a for a in appends if a.token_ids]
         if not appends and not finishes:
             return
         try:
             results: list[int] = []
             if appends:
-                keys: list[str] = []
-                args: list[Any] = []
-                for a in appends:
-                    keys.append(_tokens_key(a.req_id, a.index))
-                    keys.append(_logprobs_key(a.req_id, a.index))
-                    args.extend((a.offset, len(a.token_ids), 1 if a.logprobs is not None else 0))
-                    args.extend(a.token_ids)
-                    if a.logprobs is not None:
-                        args.extend(json.dumps(lp) for lp in a.logprobs)
-                results = await self._append(keys=keys, args=args)
+                results = await self._run_append(_pack_appends(self._append.sha, appends))
             if finishes:
                 async with self._redis.pipeline(transaction=False) as pipe:
                     for f in finishes:
@@ -204,6 +254,30 @@ class RequestStore:
         for a, res in zip(appends, results, strict=True):
             if res == -1:
                 raise StoreGapError(f"stored tokens of {a.req_id}/{a.index} end before {a.offset}")
+
+    async def _run_append(self, packed: bytes) -> list[int]:
+        """Send a pre-packed EVALSHA of the append script on a pooled connection.
+
+        The step's command is packed here (`_pack_appends`) rather than by redis-py, whose
+        per-argument packing costs more scheduler CPU than the rest of the write together.
+        """
+        pool = self._redis.connection_pool
+        for attempt in range(2):
+            conn = await pool.get_connection()
+            try:
+                await conn.send_packed_command(packed)
+                return await conn.read_response()
+            except NoScriptError:
+                if attempt:
+                    raise
+                # A restarted Redis forgot the script: load it and send the command again.
+                await self._redis.script_load(_APPEND_LUA)
+            except BaseException:
+                await conn.disconnect()
+                raise
+            finally:
+                await pool.release(conn)
+        raise AssertionError("unreachable")
 
     def _queue_finish(self, pipe: Any, f: FinishRecord) -> None:
         key = _request_key(f.req_id)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.detokenizer import IncrementalDetokenizer, token_byte_table
 from scheduler_svc.tokenizer import (
     encode_chat,
     encode_prompt,
@@ -186,6 +186,38 @@ def test_property_arbitrary_ids_match_decode_after_flush(ids: list[int]):
     tok = byte_level_tokenizer()
     detok = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
     assert "".join(stream(detok, ids)) == tok.decode(ids, skip_special_tokens=False)
+
+
+def test_byte_table_only_for_byte_level_decoders():
+    tok = byte_level_tokenizer()
+    table = token_byte_table(tok)
+    assert table is not None
+    assert table[tok.convert_tokens_to_ids("Ġ")] == b" "
+    assert table[tok.eos_token_id] == b"<|eos|>"
+    # Byte fallback turns invalid bytes into U+FFFD per byte group, not per maximal subpart:
+    # that decoder keeps the window algorithm.
+    assert token_byte_table(metaspace_tokenizer()) is None
+    assert IncrementalDetokenizer(tok, [])._utf8 is not None  # white-box: fast path taken
+    assert IncrementalDetokenizer(metaspace_tokenizer(), [])._utf8 is None
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.integers(0, 345), min_size=1, max_size=24),  # 340..345: past the vocabulary
+    st.lists(st.integers(0, 339), max_size=4),
+    st.booleans(),
+)
+def test_property_fast_path_equals_window_algorithm(ids: list[int], prompt: list[int], skip: bool):
+    tok = byte_level_tokenizer()
+    fast = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    slow = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    slow._utf8 = None  # white-box: force the window algorithm
+    if fast._utf8 is None:  # the prompt ends inside a character: both use the window
+        return
+    # Same text in the end. The fast path may emit sooner: a byte that can never start a valid
+    # character is U+FFFD at once, where the window waits for the end of the run.
+    assert "".join(stream(fast, ids)) == "".join(stream(slow, ids))
+    assert fast.text == slow.text
 
 
 def test_spacing_kept_with_metaspace_decoder():

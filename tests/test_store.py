@@ -72,6 +72,30 @@ def test_append_is_idempotent_and_detects_gaps(redis_url):
     assert tail.outputs == [[7], []]
 
 
+def test_gap_writes_nothing_and_retried_logprobs_are_not_duplicated(redis_url):
+    lp = [{"logprob": -0.5, "top": []}, {"logprob": -1.0, "top": []}, {"logprob": -2.0, "top": []}]
+
+    async def go():
+        store = RequestStore(redis_url)
+        await store.create(make_record(n=2))
+        with pytest.raises(StoreGapError):  # nothing stored yet, append at offset 3
+            await store.write_step([TokenAppend("r1", 1, 3, [4])], [])
+        await store.write_step([TokenAppend("r1", 0, 0, [5, 6], lp[:2])], [])
+        await store.write_step([TokenAppend("r1", 0, 1, [6, 7], lp[1:])], [])  # overlap
+        # A restarted Redis (or SCRIPT FLUSH) forgets the script: it is loaded again.
+        await store._redis.script_flush()
+        await store.write_step([TokenAppend("r1", 0, 3, [8], [lp[0]])], [])
+        rec = await store.get("r1")
+        await store.close()
+        return rec
+
+    rec = run(go())
+    raw = redis.Redis.from_url(redis_url)
+    assert not raw.exists("llmserve:tokens:r1:1")
+    assert rec.outputs == [[5, 6, 7, 8], []]
+    assert [e["logprob"] for e in rec.logprobs[0]] == [-0.5, -1.0, -2.0, -0.5]
+
+
 def test_logprobs_stored_alongside_tokens(redis_url):
     async def go():
         store = RequestStore(redis_url)
