@@ -165,16 +165,25 @@ def execute_request(out: Any, step_id: int) -> epb.ExecuteModelRequest:
                 num_scheduled_tokens=s.num_scheduled_tokens,
             )
         )
+    # add(...) builds each entry in place; constructing a message and appending it copies it.
+    # Unset fields are left out of the call: an empty list argument costs a conversion.
+    add_cached = msg.cached_sequences.add
     for c in out.cached_seqs:
-        cached = epb.CachedSequence(
-            seq_id=c.seq_id,
-            new_block_ids=c.new_block_ids,
-            num_scheduled_tokens=c.num_scheduled_tokens,
-            num_computed_tokens=c.num_computed_tokens,
-        )
-        for logical_index, block_id in c.replaced_blocks:
-            cached.replaced_blocks.add(logical_index=logical_index, block_id=block_id)
-        msg.cached_sequences.append(cached)
+        if c.new_block_ids or c.replaced_blocks:
+            cached = add_cached(
+                seq_id=c.seq_id,
+                new_block_ids=c.new_block_ids,
+                num_scheduled_tokens=c.num_scheduled_tokens,
+                num_computed_tokens=c.num_computed_tokens,
+            )
+            for logical_index, block_id in c.replaced_blocks:
+                cached.replaced_blocks.add(logical_index=logical_index, block_id=block_id)
+        else:
+            add_cached(
+                seq_id=c.seq_id,
+                num_scheduled_tokens=c.num_scheduled_tokens,
+                num_computed_tokens=c.num_computed_tokens,
+            )
     for src, dst in out.blocks_to_swap_out:
         msg.blocks_to_swap_out.add(src=src, dst=dst)
     for src, dst in out.blocks_to_swap_in:

@@ -136,8 +136,6 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._prefix_text: str | None = None  # decode of ids[prefix:read], computed lazily
         self._num_emitted = 0  # chars of the current window's new text already returned
-        self._chunks: list[str] = []
-        self._num_chars = 0
         self._token_text = _token_text_caches.setdefault(tokenizer, {})
         # Fast path (see the module docstring): token bytes into an incremental UTF-8 decoder.
         self._table = token_byte_table(tokenizer)
@@ -149,19 +147,6 @@ class IncrementalDetokenizer:
             utf8.decode(b"".join(self._table_bytes(t) for t in self._ids))
             if not utf8.getstate()[0]:
                 self._utf8 = utf8.decode
-
-    @property
-    def text(self) -> str:
-        """The whole output text emitted so far."""
-        # Joined lazily: the engine streams deltas and rarely needs the whole text.
-        if len(self._chunks) > 1:
-            self._chunks = ["".join(self._chunks)]
-        return self._chunks[0] if self._chunks else ""
-
-    @property
-    def num_chars(self) -> int:
-        """len(self.text), without joining."""
-        return self._num_chars
 
     def _table_bytes(self, token_id: int) -> bytes:
         table = self._table
@@ -175,11 +160,7 @@ class IncrementalDetokenizer:
             return ""
         table = self._table
         # Ids past the tokenizer's vocabulary (a model's padded embedding) decode to nothing.
-        text = self._utf8(table[token_id] if token_id < len(table) else b"")
-        if text:
-            self._chunks.append(text)
-            self._num_chars += len(text)
-        return text
+        return self._utf8(table[token_id] if token_id < len(table) else b"")
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Append output tokens; return the text that became complete with them."""
@@ -193,13 +174,13 @@ class IncrementalDetokenizer:
             piece = self._step(final=False)
             if piece:
                 pieces.append(piece)
-        return self._emit("".join(pieces))
+        return "".join(pieces)
 
     def flush(self) -> str:
         """Release held-back text (an incomplete character decodes to U+FFFD) at the end."""
         if self._utf8 is not None:
-            return self._emit(self._utf8(b"", True))
-        return self._emit(self._step(final=True))
+            return self._utf8(b"", True)
+        return self._step(final=True)
 
     def decode_token(self, token_id: int) -> str:
         """Text of one token on its own, special tokens included (for logprob alternatives).
@@ -247,9 +228,3 @@ class IncrementalDetokenizer:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
         return full[start:]
-
-    def _emit(self, text: str) -> str:
-        if text:
-            self._chunks.append(text)
-            self._num_chars += len(text)
-        return text

@@ -28,6 +28,7 @@ from scheduler_svc.persister import Persister
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.step_outputs import process_step_outputs
 from scheduler_svc.store import RequestStore, StoredRequest, StoreUnavailable
 from scheduler_svc.tokenizer import encode_chat, encode_prompt, load_tokenizer
 
@@ -515,23 +516,11 @@ class Engine:
             # Busy: RPC handlers (new requests, aborts) run while the next step is awaited.
 
     def _process_step(self, ex: ExecutorHandle, out, resp: epb.ExecuteModelResponse) -> None:
-        sampled = {s.seq_id: s for s in resp.sampled}
-        seqs = ex.sched.update_from_output(out, {k: v.token_id for k, v in sampled.items()})
         record = EngineStep()
-        touched: dict[str, RequestHandle] = {}
-        for seq in seqs:
-            handle = self.requests.get(seq.req_id)
-            if handle is None or handle.finished_in_engine:
-                continue
-            s = sampled[seq.seq_id]
-            finish = handle.process_token(seq.index, s.token_id, s.logprob, s.top_logprobs, record)
-            if finish is not None:
-                status, stop_reason = finish
-                ex.sched.finish_sequence(seq.seq_id, status, stop_reason)
-            touched[handle.req_id] = handle
+        done = process_step_outputs(ex.sched, self.requests, out, resp, record)
         self._handle_scheduler_finished(ex, record)
-        for handle in touched.values():
-            if handle.all_finished and not handle.finished_in_engine:
+        for handle in done:
+            if not handle.finished_in_engine:
                 self._finish_request(handle, record)
         # Written once the next step is on its way (see _loop), or when the loop goes idle.
         self.persister.submit(record.to_record(), wake=False)

@@ -55,13 +55,19 @@ def _lp_entry(delta: OutputDelta, i: int) -> dict[str, Any]:
     }
 
 
+# What one step adds to one sequence's acknowledged log: (handle, index, token ids, text,
+# logprob entries or None, finish reason or None, stop reason, error). Plain tuples: one is made
+# per sequence per step.
+AckedDelta = tuple
+
+
 @dataclass(slots=True)
 class EngineStep:
     """What one engine step (or an abort) produced: Redis writes, then publication."""
 
     appends: list[TokenAppend] = field(default_factory=list)
     finishes: list[FinishRecord] = field(default_factory=list)
-    deltas: list[tuple[RequestHandle, int, OutputDelta, str]] = field(default_factory=list)
+    deltas: list[AckedDelta] = field(default_factory=list)
     after: list[Any] = field(default_factory=list)  # callables run once acknowledged
 
     def to_record(self) -> StepRecord:
@@ -70,8 +76,27 @@ class EngineStep:
 
     def publish(self) -> None:
         touched: dict[str, RequestHandle] = {}
-        for handle, index, delta, error in self.deltas:
-            handle.apply_acked(index, delta, error)
+        for handle, index, tokens, text, lps, finish_reason, stop_reason, error in self.deltas:
+            log = handle.acked[index]
+            if tokens:
+                # The text goes with the last token: a resume from any token index replays
+                # exactly the text released from there on.
+                if len(tokens) == 1:
+                    log.tokens.append(tokens[0])
+                    log.chunks.append(text)
+                else:
+                    log.tokens.extend(tokens)
+                    log.chunks.extend([""] * (len(tokens) - 1))
+                    log.chunks.append(text)
+                if lps:
+                    log.logprobs.extend(lps)
+            elif text:
+                log.tail += text
+            if finish_reason is not None:
+                log.finish_reason = finish_reason
+                log.stop_reason = stop_reason
+            if error:
+                handle.error = error
             touched[handle.req_id] = handle
         for fn in self.after:
             fn()
@@ -100,7 +125,7 @@ class RequestHandle:
         self.finished_in_engine = False
         self.error = ""
         self._closed: str | None = None
-        self._changed = asyncio.Event()
+        self._waiters: list[asyncio.Future[None]] = []
 
     # ------------------------------------------------------------ construction
 
@@ -167,22 +192,37 @@ class RequestHandle:
         logprob: float,
         top_logprobs: Any,
         step: EngineStep,
-    ) -> tuple[RequestStatus, int | str | None] | None:
+    ) -> FinishStatus | None:
+        """One sampled token of sequence `index`: stop checks, text, the step's records.
+
+        Returns the finish status when the token ended the sequence.
+        """
         state = self.states[index]
-        if self.params.logprobs is not None:
+        offset = len(state.output_token_ids)
+        if self.params.logprobs is None:
+            text = state.append_token(token_id)
+            tokens = [token_id]
+            lps = None
+        else:
             top = [(t.token_id, t.logprob) for t in top_logprobs]
             delta = state.append([token_id], [logprob], [top])
-            lps = [_lp_entry(delta, i) for i in range(len(delta.token_ids))]
-        else:
-            delta = state.append([token_id])
-            lps = None
-        step.appends.append(
-            TokenAppend(self.req_id, index, delta.token_offset, delta.token_ids, lps)
+            text, tokens = delta.text, delta.token_ids
+            lps = [_lp_entry(delta, i) for i in range(len(tokens))]
+        step.appends.append(TokenAppend(self.req_id, index, offset, tokens, lps))
+        status = state.finish_status
+        step.deltas.append(
+            (
+                self,
+                index,
+                tokens,
+                text,
+                lps,
+                None if status is None else status.value,
+                state.stop_reason,
+                "",
+            )
         )
-        step.deltas.append((self, index, delta, ""))
-        if delta.finished:
-            return RequestStatus[delta.finish_status.name], delta.stop_reason
-        return None
+        return status
 
     def finish_seq(
         self,
@@ -198,7 +238,9 @@ class RequestHandle:
         delta = state.finish(FinishStatus[status.name], stop_reason)
         if error:
             self.error = error
-        step.deltas.append((self, index, delta, error))
+        step.deltas.append(
+            (self, index, [], delta.text, None, delta.finish_status.value, delta.stop_reason, error)
+        )
 
     def seq_finished(self, index: int) -> bool:
         return self.states[index].finished
@@ -221,23 +263,6 @@ class RequestHandle:
 
     # ------------------------------------------------------------ acknowledged side
 
-    def apply_acked(self, index: int, delta: OutputDelta, error: str) -> None:
-        log = self.acked[index]
-        if delta.token_ids:
-            # One step appends one token per sequence; its text is that token's chunk.
-            for j, tok in enumerate(delta.token_ids):
-                log.tokens.append(tok)
-                log.chunks.append(delta.text if j == len(delta.token_ids) - 1 else "")
-                if delta.logprobs:
-                    log.logprobs.append(_lp_entry(delta, j))
-        else:
-            log.tail += delta.text
-        if delta.finished:
-            log.finish_reason = delta.finish_status.value
-            log.stop_reason = delta.stop_reason
-        if error:
-            self.error = error
-
     def acked_outputs(self) -> list[list[int]]:
         return [list(log.tokens) for log in self.acked]
 
@@ -246,8 +271,13 @@ class RequestHandle:
         return sum(len(log.tokens) for log in self.acked)
 
     def notify(self) -> None:
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+        # Each waiting listener parks on its own future (a cancelled stream then cancels only
+        # its own); a step with nobody waiting costs nothing here.
+        if self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     def close(self, reason: str) -> None:
         """Wake every listener with `reason` (shutdown); the request itself stays stored."""
@@ -258,7 +288,6 @@ class RequestHandle:
         cursors = [from_index] * self.n
         done = [False] * self.n
         while True:
-            waiter = self._changed
             for i, log in enumerate(self.acked):
                 if done[i]:
                     continue
@@ -285,7 +314,11 @@ class RequestHandle:
                 return
             if self._closed is not None:
                 raise Unavailable(self._closed)
-            await waiter.wait()
+            # Nothing new was published since the loop above looked (no await in between), so
+            # waiting for the next notify() cannot miss anything.
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
 
     def view(self) -> RequestView:
         if all(log.finish_reason is not None for log in self.acked):

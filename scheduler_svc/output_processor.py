@@ -112,6 +112,13 @@ class SequenceOutputState:
         self._stops = [s for s in params.stop if s]
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._hold_back = bool(self._stops) and not params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
+        # Tokens that may end the sequence by id; any other token, with no stop strings set,
+        # takes append_token's short path.
+        self._stop_or_eos = self._eos_ids | self._stop_ids
+        self._decode_one = self.detokenizer.add_one
+        # The output may grow to the smaller of max_tokens and what max model length leaves.
+        self._max_output = min(params.max_tokens, max_model_len - self.num_prompt_tokens)
         self.output_token_ids: list[int] = []
         self.finish_status: FinishStatus | None = None
         self.stop_reason: int | str | None = None
@@ -196,29 +203,58 @@ class SequenceOutputState:
             stop_reason=self.stop_reason,
         )
 
+    def append_token(self, token_id: int) -> str:
+        """One sampled token without logprobs; returns only the delta's text.
+
+        The engine's per-step call: `append([token_id]).text` without building a delta. Whether
+        it finished the sequence is in `finish_status` / `stop_reason` afterwards.
+        """
+        if self.finish_status is not None:
+            raise RuntimeError(f"sequence already finished ({self.finish_status.name})")
+        if self._stops or token_id in self._stop_or_eos:
+            self._append_one(token_id)
+            return self._take_stream_text()
+        # Short path, same result: no stop string can match and this id stops nothing, so the
+        # only checks left are the length limits, and no text is ever held back.
+        output = self.output_token_ids
+        output.append(token_id)
+        text = self._decode_one(token_id)
+        if text:
+            self._parts.append(text)
+            self._num_chars += len(text)
+        if self._pending:  # a resume's override of the streamed position, or flushed bytes
+            text = self._pending + text
+            self._pending = ""
+        if len(output) >= self._max_output:
+            self._finish(FinishStatus.FINISHED_LENGTH, None)
+            text += self._pending
+            self._pending = ""
+        return text
+
     def _append_one(self, token_id: int) -> bool:
         """Apply one token and the stop checks; True when it finished the sequence."""
-        self.output_token_ids.append(token_id)
-        num_output = len(self.output_token_ids)
-        may_stop = num_output >= self.params.min_tokens
-        if may_stop and token_id in self._eos_ids:
-            self._finish(FinishStatus.FINISHED_STOPPED, None)
-            return True
-        if may_stop and token_id in self._stop_ids:
-            if self.params.include_stop_str_in_output:
-                self._add_text(self.detokenizer.add((token_id,)))
-            self._finish(FinishStatus.FINISHED_STOPPED, token_id)
-            return True
-        new_text = self.detokenizer.add((token_id,))
-        if new_text:
-            tail = self._tail
-            self._add_text(new_text)
-            if may_stop and self._stops and self._check_stop_strings(tail, new_text):
+        output = self.output_token_ids
+        output.append(token_id)
+        num_output = len(output)
+        if num_output >= self._min_tokens:
+            if token_id in self._eos_ids:
+                self._finish(FinishStatus.FINISHED_STOPPED, None)
                 return True
-        if num_output >= self.params.max_tokens:
-            self._finish(FinishStatus.FINISHED_LENGTH, None)
-            return True
-        if self.num_prompt_tokens + num_output >= self.max_model_len:
+            if token_id in self._stop_ids:
+                if self.params.include_stop_str_in_output:
+                    self._add_text(self.detokenizer.add_one(token_id))
+                self._finish(FinishStatus.FINISHED_STOPPED, token_id)
+                return True
+            new_text = self.detokenizer.add_one(token_id)
+            if new_text:
+                tail = self._tail
+                self._add_text(new_text)
+                if self._stops and self._check_stop_strings(tail, new_text):
+                    return True
+        else:
+            self._add_text(self.detokenizer.add_one(token_id))
+        if num_output >= self._max_output:
+            # max_tokens, or prompt + output reached max model length.
             self._finish(FinishStatus.FINISHED_LENGTH, None)
             return True
         return False
@@ -252,7 +288,10 @@ class SequenceOutputState:
             return
         self._parts.append(text)
         self._num_chars += len(text)
-        self._pending += text
+        if self._pending:
+            self._pending += text
+        else:
+            self._pending = text
         if self._max_stop_len > 1:
             self._tail = (self._tail + text)[-(self._max_stop_len - 1) :]
 

@@ -150,28 +150,44 @@ def _int_bulk(value: int) -> bytes:
     return b
 
 
+# RESP bulk strings of the token-list keys of active sequences; entries go when a request
+# finishes (and all at once should this ever grow past its bound).
+_KEY_BULKS: dict[tuple[str, int], bytes] = {}
+
+
+def _tokens_key_bulk(req_id: str, index: int) -> bytes:
+    b = _KEY_BULKS.get((req_id, index))
+    if b is None:
+        if len(_KEY_BULKS) >= 1 << 18:
+            _KEY_BULKS.clear()
+        b = _KEY_BULKS[(req_id, index)] = _bulk(_tokens_key(req_id, index).encode())
+    return b
+
+
 def _pack_appends(sha: str, appends: list[TokenAppend]) -> bytes:
     """The RESP encoding of `EVALSHA sha numkeys KEYS... ARGV...` for the append script."""
     keys: list[bytes] = []
     args: list[bytes] = []
     one, zero = _int_bulk(1), _int_bulk(0)
+    int_bulk = _int_bulk
     for a in appends:
-        keys.append(_bulk(_tokens_key(a.req_id, a.index).encode()))
+        keys.append(_KEY_BULKS.get((a.req_id, a.index)) or _tokens_key_bulk(a.req_id, a.index))
         tokens = a.token_ids
-        args.append(_int_bulk(a.offset))
-        args.append(_int_bulk(len(tokens)))
         if a.logprobs is None:
-            args.append(zero)
-            args.extend(map(_int_bulk, tokens))
+            if len(tokens) == 1:  # the common case: one decode step
+                args.extend((int_bulk(a.offset), one, zero, int_bulk(tokens[0])))
+            else:
+                args.extend((int_bulk(a.offset), int_bulk(len(tokens)), zero))
+                args.extend(map(int_bulk, tokens))
         else:
             keys.append(_bulk(_logprobs_key(a.req_id, a.index).encode()))
-            args.append(one)
-            args.extend(map(_int_bulk, tokens))
+            args.extend((int_bulk(a.offset), int_bulk(len(tokens)), one))
+            args.extend(map(int_bulk, tokens))
             args.extend(_bulk(json.dumps(lp).encode()) for lp in a.logprobs)
     head = b"*%d\r\n$7\r\nEVALSHA\r\n%s%s" % (
         3 + len(keys) + len(args),
         _bulk(sha.encode()),
-        _int_bulk(len(keys)),
+        int_bulk(len(keys)),
     )
     return b"".join((head, *keys, *args))
 
@@ -291,6 +307,8 @@ class RequestStore:
             },
         )
         pipe.srem(UNFINISHED_KEY, f.req_id)
+        for i in range(f.n):
+            _KEY_BULKS.pop((f.req_id, i), None)
         ttl_ms = max(1, int(self.finished_ttl_s * 1000))
         pipe.pexpire(key, ttl_ms)
         for i in range(f.n):

@@ -353,3 +353,52 @@ def test_resume_of_a_finished_sequence_is_finished():
     )
     assert state.finished and state.stop_reason == "b" and state.text == "a"
     assert state.output_token_ids == ids("ab")
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    words=st.lists(st.sampled_from([*RESUME_ALPHABET, "<stop-id>", "<bos>"]), max_size=14),
+    stop=st.sampled_from([[], ["bc"], ["c 日", "ab"]]),
+    min_tokens=st.integers(0, 4),
+    max_tokens=st.integers(1, 30),
+    ignore_eos=st.booleans(),
+    include=st.booleans(),
+    streamed=st.one_of(st.none(), st.integers(0, 3)),
+)
+def test_append_token_equals_append(
+    words, stop, min_tokens, max_tokens, ignore_eos, include, streamed
+):
+    """The engine's per-token call (with its short path) gives append()'s text and finish."""
+    special = {"<eos>": [EOS], "<stop-id>": ids("z"), "<bos>": [BOS]}
+    tokens = [t for w in words for t in special.get(w, ids(w))] + ids("abc 日本😀") * 3
+    params = SamplingParams(
+        stop=stop,
+        stop_token_ids=ids("z"),
+        min_tokens=min(min_tokens, max_tokens),
+        max_tokens=max_tokens,
+        ignore_eos=ignore_eos,
+        include_stop_str_in_output=include,
+    )
+
+    def state() -> SequenceOutputState:
+        # Resumed from two tokens with a stream position, to cover text owed from a resume.
+        return SequenceOutputState(
+            TOK,
+            params,
+            PROMPT,
+            eos_token_ids=[EOS],
+            max_model_len=len(PROMPT) + 25,
+            output_token_ids=ids("é"),
+            num_streamed_chars=streamed,
+        )
+
+    a, b = state(), state()
+    for t in tokens:
+        if a.finished:
+            break
+        assert b.append_token(t) == a.append([t]).text
+        assert (b.finish_status, b.stop_reason) == (a.finish_status, a.stop_reason)
+    assert a.finished and b.finished
+    assert (a.text, a.output_token_ids) == (b.text, b.output_token_ids)
+    with pytest.raises(RuntimeError, match="finished"):
+        b.append_token(tokens[0])

@@ -1,0 +1,157 @@
+"""The scheduler's whole CPU cost of one decode step, measured on the engine's own code.
+
+For N running sequences (the demo model's tokenizer, random sampled tokens, so the text has
+multi-byte characters and spaces like real output), every timed step runs what Engine._loop and
+the persister run, minus the network and the executor:
+
+* schedule: `Scheduler.schedule()`;
+* build: `convert.execute_request(...)` and its serialization (what gRPC sends);
+* process: parse the executor's reply (serialized here, not timed), `process_step_outputs`
+  (scheduler core update, stop checks, incremental detokenization, step records), the step's
+  Redis command as the store packs it, and the publication to the acknowledged per-request logs
+  that client streams read (`on_ack`);
+* total = schedule + build + process: the issue's "schedule + build message + process outputs".
+
+A second figure, `streams`, is what the event loop then spends waking one listener per request
+and building its GenerateResponse (`convert.event_to_proto`), the per-client share of a
+streaming step. It is reported beside the total, not in it: it scales with attached clients, not
+with the batch, and it runs while the executor computes the next step.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_engine_step.py [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from executor_svc.demo_model import ensure_demo_model  # noqa: E402
+from protos import executor_pb2 as epb  # noqa: E402
+from scheduler_svc import convert  # noqa: E402
+from scheduler_svc.handles import EngineStep, RequestHandle  # noqa: E402
+from scheduler_svc.request import Request  # noqa: E402
+from scheduler_svc.sampling_params import SamplingParams  # noqa: E402
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from scheduler_svc.step_outputs import process_step_outputs  # noqa: E402
+from scheduler_svc.store import _pack_appends  # noqa: E402
+from scheduler_svc.tokenizer import load_tokenizer  # noqa: E402
+
+PROMPT_LEN = 32
+SHA = "0" * 40  # the script's digest only changes the bytes, not the work
+
+
+def reply_bytes(out, rng: random.Random, vocab: int) -> bytes:
+    resp = epb.ExecuteModelResponse(step_id=out.step_id)
+    for seq, _ in out.scheduled:
+        resp.sampled.add(seq_id=seq.seq_id, token_id=rng.randrange(6, vocab), logprob=-1.0)
+    return resp.SerializeToString()
+
+
+async def listen(handle: RequestHandle, counts: list[int]) -> None:
+    async for event in handle.events(0):
+        convert.event_to_proto(handle, event).SerializeToString()  # what gRPC sends
+        counts[0] += 1
+
+
+async def run(batch: int, steps: int, stop: list[str], streams: bool) -> dict[str, list[float]]:
+    model = ensure_demo_model(size="demo")
+    files = {p.name: p.read_bytes() for p in model.iterdir() if p.suffix in (".json", ".jinja")}
+    tok = load_tokenizer(files)
+    vocab = len(tok)
+    rng = random.Random(0)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=batch,
+            max_num_batched_tokens=batch * PROMPT_LEN,
+            num_device_blocks=batch * (PROMPT_LEN + steps + 64) // 16 * 2,
+            max_model_len=4096,
+        )
+    )
+    params = SamplingParams(max_tokens=steps + 16, ignore_eos=True, stop=stop)
+    requests: dict[str, RequestHandle] = {}
+    for i in range(batch):
+        prompt = [rng.randrange(6, vocab) for _ in range(PROMPT_LEN)]
+        h = RequestHandle(f"{i:032x}", prompt, params, 0, float(i))
+        h.init_outputs(tok, [1], 4096)
+        requests[h.req_id] = h
+        sched.add_request(Request(h.req_id, prompt, params, arrival_time=float(i)))
+    counts = [0]
+    tasks = [asyncio.create_task(listen(h, counts)) for h in requests.values()] if streams else []
+    times: dict[str, list[float]] = {k: [] for k in ("schedule", "build", "process", "streams")}
+    clock = time.perf_counter
+    gc.collect()
+    for step in range(steps + 1):
+        t0 = clock()
+        out = sched.schedule()
+        t1 = clock()
+        convert.execute_request(out, out.step_id).SerializeToString()
+        t2 = clock()
+        payload = reply_bytes(out, rng, vocab)
+        t3 = clock()
+        resp = epb.ExecuteModelResponse.FromString(payload)
+        record = EngineStep()
+        for handle in process_step_outputs(sched, requests, out, resp, record):
+            handle.finished_in_engine = True
+            record.finishes.append(handle.finish_record())
+        rec = record.to_record()
+        _pack_appends(SHA, rec.appends)
+        if rec.on_ack is not None:
+            rec.on_ack()
+        t4 = clock()
+        for _ in range(3):  # listeners wake, build their responses and wait again
+            await asyncio.sleep(0)
+        t5 = clock()
+        if step == 0:
+            continue  # the prefill step
+        times["schedule"].append(t1 - t0)
+        times["build"].append(t2 - t1)
+        times["process"].append(t4 - t3)
+        times["streams"].append(t5 - t4)
+    assert counts[0] >= batch * steps or not streams, "listeners fell behind"
+    for h in requests.values():
+        h.close("done")
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per row; medians over all")
+    args = ap.parse_args()
+    print(
+        "| running seqs | stop strings | schedule µs | build µs | process µs | **total µs** |"
+        " total p90 µs | streams µs (one listener per request) |"
+    )
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for batch in (int(b) for b in args.batches.split(",")):
+        for stop in ([], ["###", "\n\n"]):
+            t: dict[str, list[float]] = {}
+            for _ in range(args.repeats):
+                for k, v in asyncio.run(run(batch, args.steps, stop, streams=True)).items():
+                    t.setdefault(k, []).extend(v)
+            total = sorted(
+                a + b + c for a, b, c in zip(t["schedule"], t["build"], t["process"], strict=True)
+            )
+
+            med = {k: statistics.median(v) * 1e6 for k, v in t.items()}
+            label = ", ".join(repr(s) for s in stop) or "none"
+            print(
+                f"| {batch} | {label} | {med['schedule']:.0f} | {med['build']:.0f} |"
+                f" {med['process']:.0f} | **{statistics.median(total) * 1e6:.0f}** |"
+                f" {total[int(len(total) * 0.9)] * 1e6:.0f} | {med['streams']:.0f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""What the engine does with one ExecuteModel reply, as a function the benchmarks call too.
+
+Per sequence that got a token: the scheduler core appends it (update_from_output), the request's
+output state applies the stop checks and detokenizes it, and the step's records collect the
+Redis append and the acknowledged-stream delta. This runs once per step for every running
+sequence, so it is kept to plain loops over plain data.
+"""
+
+from __future__ import annotations
+
+from protos import executor_pb2 as epb
+from scheduler_svc.handles import EngineStep, RequestHandle
+from scheduler_svc.request import RequestStatus
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.scheduler_output import SchedulerOutput
+
+__all__ = ["process_step_outputs"]
+
+
+def process_step_outputs(
+    sched: Scheduler,
+    requests: dict[str, RequestHandle],
+    out: SchedulerOutput,
+    resp: epb.ExecuteModelResponse,
+    record: EngineStep,
+) -> list[RequestHandle]:
+    """Apply one step's sampled tokens; returns the requests whose last sequence just ended.
+
+    Sequences the stop checks end are finished in the scheduler core at once (their blocks are
+    free for the next step). The caller records the returned requests' finish.
+    """
+    sampled = resp.sampled
+    tokens = {s.seq_id: s.token_id for s in sampled}
+    by_id = None  # the full SampledToken, only needed for logprobs
+    seqs = sched.update_from_output(out, tokens)
+    get = requests.get
+    done: list[RequestHandle] = []
+    for seq in seqs:
+        handle = get(seq.req_id)
+        if handle is None or handle.finished_in_engine:
+            continue
+        if handle.params.logprobs is None:
+            status = handle.process_token(seq.index, tokens[seq.seq_id], 0.0, (), record)
+        else:
+            if by_id is None:
+                by_id = {s.seq_id: s for s in sampled}
+            s = by_id[seq.seq_id]
+            status = handle.process_token(seq.index, s.token_id, s.logprob, s.top_logprobs, record)
+        if status is not None:
+            state = handle.states[seq.index]
+            sched.finish_sequence(seq.seq_id, RequestStatus[status.name], state.stop_reason)
+            if handle.all_finished:
+                done.append(handle)
+    return done
