@@ -229,12 +229,15 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 by_id = {r.seq_id: r for r in results}
                 if len(by_id) != len(results) or not by_id.keys() <= plan.states.keys():
                     raise RuntimeError("model runner returned results for unexpected sequences")
+                if any(s.seq_id not in by_id for s in plan.lane):
+                    raise RuntimeError("model runner sampled nothing for a decode lane sequence")
             except Exception:
                 self._rollback(undo)
                 log.exception("step.failed", step_id=request.step_id, num_seqs=len(scheduled))
                 raise _StepFailed() from None
             sampled = []
-            for s, n in plan.scheduled:
+            num_regular = len(plan.scheduled) - len(plan.lane)
+            for s, n in plan.scheduled[:num_regular]:
                 s.num_computed_tokens += n
                 r = by_id.get(s.seq_id)
                 if r is None:
@@ -250,17 +253,29 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                         ],
                     )
                 )
+            lane_tokens: list[int] = []
+            lane_logprobs: list[float] = []
+            for s in plan.lane:
+                r = by_id[s.seq_id]  # a lane entry always computes its last token: it samples
+                s.num_computed_tokens += 1
+                s.token_ids.append(r.token_id)
+                lane_tokens.append(r.token_id)
+                lane_logprobs.append(r.logprob)
             elapsed = time.perf_counter() - t0
         log.debug(
             "step.done",
             step_id=request.step_id,
             num_seqs=len(scheduled),
             num_tokens=sum(n for _, n in plan.scheduled),
-            num_sampled=len(sampled),
+            num_sampled=len(sampled) + len(lane_tokens),
             ms=round(elapsed * 1e3, 3),
         )
         return pb.ExecuteModelResponse(
-            step_id=request.step_id, sampled=sampled, execute_time_us=int(elapsed * 1e6)
+            step_id=request.step_id,
+            sampled=sampled,
+            execute_time_us=int(elapsed * 1e6),
+            decode_token_ids=lane_tokens,
+            decode_logprobs=lane_logprobs,
         )
 
     # ---------------------------------------------------------------- state changes
@@ -308,6 +323,8 @@ class _Plan:
     # num_scheduled_tokens; the SeqState objects are the live ones once applied.
     scheduled: list[tuple[SeqState, int]]
     states: dict[str, SeqState]
+    # The decode lane's sequences, in request order (also the tail of `scheduled`).
+    lane: list[SeqState] = dc_field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -433,8 +450,82 @@ def _validate(
         )  # fmt: skip
         scheduled.append((s, c.num_scheduled_tokens))
 
+    lane = _validate_decode_lane(request, seqs, in_step, finished, block_size)
+    scheduled.extend((s, 1) for s in lane)
     states = {s.seq_id: s for s, _ in scheduled}
-    return _Plan(new_states=new_states, scheduled=scheduled, states=states)
+    return _Plan(new_states=new_states, scheduled=scheduled, states=states, lane=lane)
+
+
+def _validate_decode_lane(
+    request: pb.ExecuteModelRequest,
+    seqs: dict[str, SeqState],
+    in_step: set[str],
+    finished: set[str],
+    block_size: int,
+) -> list[SeqState]:
+    """The decode lane's sequences, checked in one tight loop (it carries most of a batch)."""
+    ids = request.decode_seq_ids
+    computed = request.decode_num_computed_tokens
+    if len(computed) != len(ids):
+        raise InvalidStep(
+            f"decode_num_computed_tokens: {len(computed)} entries for {len(ids)} decode_seq_ids"
+        )
+    lane: list[SeqState] = []
+    get = seqs.get
+    for seq_id, nc in zip(ids, computed, strict=True):
+        s = get(seq_id)
+        if (
+            s is None
+            or seq_id in in_step
+            or nc != s.num_computed_tokens
+            or nc + 1 != len(s.token_ids)
+            or nc // block_size >= len(s.block_table)
+            or s.sampling_params.num_logprobs
+            or seq_id in finished
+        ):
+            _lane_error(len(lane), seq_id, nc, s, in_step, finished, block_size)
+        in_step.add(seq_id)
+        lane.append(s)
+    return lane
+
+
+def _lane_error(
+    i: int,
+    seq_id: str,
+    nc: int,
+    s: SeqState | None,
+    in_step: set[str],
+    finished: set[str],
+    block_size: int,
+) -> None:
+    """Raise the precise InvalidStep for decode lane entry `i` (which failed a check)."""
+    field = f"decode_seq_ids[{i}]"
+    if s is None:
+        raise InvalidStep(f"{field}: unknown seq_id {seq_id!r}")
+    if seq_id in in_step:
+        raise InvalidStep(f"{field}: {seq_id!r} appears twice in this step")
+    if seq_id in finished:
+        raise InvalidStep(f"{field}: {seq_id!r} is also in finished_seq_ids")
+    if nc != s.num_computed_tokens:
+        raise InvalidStep(
+            f"decode_num_computed_tokens[{i}]: {nc} does not match the executor's "
+            f"{s.num_computed_tokens}"
+        )
+    if nc + 1 != len(s.token_ids):
+        raise InvalidStep(
+            f"{field}: {seq_id!r} has {len(s.token_ids) - nc} tokens to compute; the decode "
+            "lane computes exactly one (send it in cached_sequences)"
+        )
+    if nc // block_size >= len(s.block_table):
+        raise InvalidStep(
+            f"{field}: block table has {len(s.block_table)} blocks, {nc // block_size + 1} "
+            f"needed for {nc + 1} tokens at block size {block_size} (new blocks go in "
+            "cached_sequences)"
+        )
+    raise InvalidStep(
+        f"{field}: {seq_id!r} asks for {s.sampling_params.num_logprobs} top logprobs, which "
+        "the decode lane does not return (send it in cached_sequences)"
+    )
 
 
 def _check_schedule(

@@ -113,7 +113,7 @@ class BlockMapping(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class ExecuteModelRequest(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "cached_sequences", "finished_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
+    __slots__ = ("step_id", "new_sequences", "cached_sequences", "finished_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "decode_seq_ids", "decode_num_computed_tokens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     CACHED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,8 @@ class ExecuteModelRequest(_message.Message):
     BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     cached_sequences: _containers.RepeatedCompositeFieldContainer[CachedSequence]
@@ -128,7 +130,9 @@ class ExecuteModelRequest(_message.Message):
     blocks_to_swap_out: _containers.RepeatedCompositeFieldContainer[BlockMapping]
     blocks_to_swap_in: _containers.RepeatedCompositeFieldContainer[BlockMapping]
     blocks_to_copy: _containers.RepeatedCompositeFieldContainer[BlockMapping]
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_sequences: _Optional[_Iterable[_Union[CachedSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ...) -> None: ...
+    decode_seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    decode_num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_sequences: _Optional[_Iterable[_Union[CachedSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[str]] = ..., decode_num_computed_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -151,14 +155,18 @@ class SampledToken(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ExecuteModelResponse(_message.Message):
-    __slots__ = ("step_id", "sampled", "execute_time_us")
+    __slots__ = ("step_id", "sampled", "execute_time_us", "decode_token_ids", "decode_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_time_us: int
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_time_us: _Optional[int] = ...) -> None: ...
+    decode_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    decode_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_time_us: _Optional[int] = ..., decode_token_ids: _Optional[_Iterable[int]] = ..., decode_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

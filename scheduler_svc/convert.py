@@ -152,7 +152,12 @@ def executor_params(params: SamplingParams, seed: int | None) -> epb.SamplingPar
 
 def execute_request(out: Any, step_id: int) -> epb.ExecuteModelRequest:
     """The step message: new sequences in full, running ones as differences."""
-    msg = epb.ExecuteModelRequest(step_id=step_id, finished_seq_ids=list(out.finished_seq_ids))
+    msg = epb.ExecuteModelRequest(
+        step_id=step_id,
+        finished_seq_ids=out.finished_seq_ids,
+        decode_seq_ids=out.decode_seq_ids,
+        decode_num_computed_tokens=out.decode_num_computed_tokens,
+    )
     for s in out.new_seqs:
         msg.new_sequences.append(
             epb.NewSequence(

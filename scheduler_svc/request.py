@@ -132,10 +132,14 @@ class Request:
     forked: bool = True
     # Queue order under the scheduler's policy; set by the scheduler on add_request.
     sort_key: tuple = ()
+    # Its plain decode steps may use the step message's packed decode lane (which carries no
+    # top logprobs, so only requests that ask for none).
+    decode_lane: bool = field(init=False, default=True)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.req_id!r} has an empty prompt")
+        self.decode_lane = self.sampling_params.logprobs is None
         n = self.sampling_params.n
         outputs = self.output_token_ids
         if outputs is not None and len(outputs) != n:

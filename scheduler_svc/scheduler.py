@@ -202,6 +202,8 @@ class Scheduler:
         scheduled = out.scheduled
         cached_seqs = out.cached_seqs
         num_scheduled = out.num_scheduled_tokens
+        lane_ids = out.decode_seq_ids
+        lane_computed = out.decode_num_computed_tokens
         while i < end:
             req = running[i]
             i += 1
@@ -230,10 +232,12 @@ class Scheduler:
                     if grow:
                         bid = pool.allocate().block_id
                         table.append(bid)
-                        new_ids = [bid]
+                        cached_seqs.append(CachedSeqData(seq.seq_id, [bid], [], 1, nc))
+                    elif req.decode_lane:
+                        lane_ids.append(seq.seq_id)
+                        lane_computed.append(nc)
                     else:
-                        new_ids = []
-                    cached_seqs.append(CachedSeqData(seq.seq_id, new_ids, [], 1, nc))
+                        cached_seqs.append(CachedSeqData(seq.seq_id, [], [], 1, nc))
                     num_scheduled[seq.seq_id] = 1
                     scheduled.append((seq, 1))
                     continue
@@ -435,7 +439,17 @@ class Scheduler:
     def _schedule_seq(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
         new_ids, replaced = self.block_manager.prepare_compute(seq, num_tokens, out.blocks_to_copy)
         sid = seq.seq_id
-        if seq.sent:
+        if (
+            seq.sent
+            and num_tokens == 1
+            and not new_ids
+            and not replaced
+            and seq.num_computed_tokens + 1 == len(seq.token_ids)
+            and self._requests[seq.req_id].decode_lane
+        ):
+            out.decode_seq_ids.append(sid)
+            out.decode_num_computed_tokens.append(seq.num_computed_tokens)
+        elif seq.sent:
             out.cached_seqs.append(
                 CachedSeqData(
                     sid,

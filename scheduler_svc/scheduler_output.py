@@ -44,6 +44,11 @@ class SchedulerOutput:
     step_id: int
     new_seqs: list[NewSeqData] = field(default_factory=list)
     cached_seqs: list[CachedSeqData] = field(default_factory=list)
+    # The decode lane (ExecuteModelRequest.decode_seq_ids): running sequences decoding their last
+    # token with no block-table change and no logprobs asked, as parallel lists. Each entry
+    # means CachedSeqData(seq_id, [], [], 1, num_computed_tokens).
+    decode_seq_ids: list[str] = field(default_factory=list)
+    decode_num_computed_tokens: list[int] = field(default_factory=list)
     # Sequences the executor drops before this step: finished, aborted (also between steps) or
     # preempted (by recompute or swap).
     finished_seq_ids: list[str] = field(default_factory=list)

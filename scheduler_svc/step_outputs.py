@@ -30,7 +30,10 @@ def process_step_outputs(
     free for the next step). The caller records the returned requests' finish.
     """
     sampled = resp.sampled
-    tokens = {s.seq_id: s.token_id for s in sampled}
+    # The decode lane's tokens come back as one packed list in the lane's order.
+    tokens = dict(zip(out.decode_seq_ids, resp.decode_token_ids, strict=True))
+    if sampled:
+        tokens.update({s.seq_id: s.token_id for s in sampled})
     by_id = None  # the full SampledToken, only needed for logprobs
     seqs = sched.update_from_output(out, tokens)
     get = requests.get

@@ -52,8 +52,17 @@ class DriverSeq:
 class ExecutorDriver:
     """A deliberately simple scheduler: every live, non-swapped sequence runs every step."""
 
-    def __init__(self, stub: pb_grpc.ExecutorStub, info: pb.DescribeResponse | None = None):
+    def __init__(
+        self,
+        stub: pb_grpc.ExecutorStub,
+        info: pb.DescribeResponse | None = None,
+        *,
+        decode_lane: bool = True,
+    ):
+        """`decode_lane`: send plain one-token decodes in the packed decode lane, as the
+        scheduler does (else every running sequence goes in cached_sequences)."""
         self.stub = stub
+        self.decode_lane = decode_lane
         self.info = info or stub.Describe(pb.DescribeRequest())
         self.block_size = self.info.block_size
         self.free_device = list(range(self.info.num_device_blocks))
@@ -66,6 +75,7 @@ class ExecutorDriver:
         self.swap_in: list[tuple[int, int]] = []
         self.copy: list[tuple[int, int]] = []
         self.free_after_step: list[int] = []
+        self._lane_ids: list[str] = []  # the decode lane of the last built request
 
     # ------------------------------------------------------------ sequences
 
@@ -166,6 +176,17 @@ class ExecutorDriver:
                         num_scheduled_tokens=n,
                     )
                 )
+            elif (
+                self.decode_lane
+                and n == 1
+                and not grow
+                and not seq.new_block_ids
+                and not seq.replaced
+                and seq.num_computed_tokens + 1 == len(seq.token_ids)
+                and not seq.params.num_logprobs
+            ):
+                req.decode_seq_ids.append(seq.seq_id)
+                req.decode_num_computed_tokens.append(seq.num_computed_tokens)
             else:
                 seq.new_block_ids += grow
                 req.cached_sequences.append(
@@ -180,6 +201,7 @@ class ExecutorDriver:
                         ],
                     )
                 )
+        self._lane_ids = list(req.decode_seq_ids)
         return req, num_scheduled
 
     def step(self) -> pb.ExecuteModelResponse:
@@ -200,7 +222,13 @@ class ExecutorDriver:
             seq.sent = True
             seq.new_block_ids, seq.replaced = [], {}
             seq.num_computed_tokens += n
-        for s in resp.sampled:
+        lane = [
+            pb.SampledToken(seq_id=seq_id, token_id=t, logprob=lp)
+            for seq_id, t, lp in zip(
+                self._lane_ids, resp.decode_token_ids, resp.decode_logprobs, strict=True
+            )
+        ]
+        for s in [*resp.sampled, *lane]:
             seq = self.seqs[s.seq_id]
             assert seq.num_computed_tokens == len(seq.token_ids), "sampled mid-prefill"
             seq.token_ids.append(s.token_id)

@@ -82,8 +82,29 @@ def cached(req: pb.ExecuteModelRequest, seq_id: str) -> tuple[int, pb.CachedSequ
 
 
 def drop_cached(req: pb.ExecuteModelRequest, seq_id: str) -> None:
+    """Take a running sequence out of the step, from cached_sequences or the decode lane."""
+    if seq_id in req.decode_seq_ids:
+        i = list(req.decode_seq_ids).index(seq_id)
+        del req.decode_seq_ids[i]
+        del req.decode_num_computed_tokens[i]
+        return
     i, _ = cached(req, seq_id)
     del req.cached_sequences[i]
+
+
+def to_lane(req: pb.ExecuteModelRequest, seq_id: str) -> int:
+    """Move a cached sequence into the decode lane as is; returns its lane index."""
+    _, c = cached(req, seq_id)
+    nc = c.num_computed_tokens
+    drop_cached(req, seq_id)
+    req.decode_seq_ids.append(seq_id)
+    req.decode_num_computed_tokens.append(nc)
+    return len(req.decode_seq_ids) - 1
+
+
+def _lane_is_b(req: pb.ExecuteModelRequest) -> None:
+    # The scenario's plain decode goes in the lane; a (logprobs) and c (prefill) do not.
+    assert list(req.decode_seq_ids) == ["b"], req.decode_seq_ids
 
 
 def bad_params(**params) -> Callable[[pb.ExecuteModelRequest, ExecutorDriver], str]:
@@ -140,7 +161,31 @@ def _dup_finished(req, d):
 
 def _dup_in_step(req, d):
     req.cached_sequences.append(req.cached_sequences[0])
-    return f"cached_sequences[3].seq_id: {req.cached_sequences[0].seq_id!r} appears twice"
+    k = len(req.cached_sequences) - 1
+    return f"cached_sequences[{k}].seq_id: {req.cached_sequences[0].seq_id!r} appears twice"
+
+
+def _lane_prefill(req, d):
+    i = to_lane(req, "c")
+    return f"decode_seq_ids[{i}]: 'c' has 5 tokens to compute; the decode lane computes exactly one"
+
+
+def _lane_top_logprobs(req, d):
+    i = to_lane(req, "a")
+    return f"decode_seq_ids[{i}]: 'a' asks for 2 top logprobs"
+
+
+def _lane_also_cached(req, d):
+    _, c = cached(req, "a")
+    req.decode_seq_ids.append("a")
+    req.decode_num_computed_tokens.append(c.num_computed_tokens)
+    return "decode_seq_ids[1]: 'a' appears twice in this step"
+
+
+def _lane_computed_mismatch(req, d):
+    _lane_is_b(req)
+    req.decode_num_computed_tokens[0] += 1
+    return f"decode_num_computed_tokens[0]: {req.decode_num_computed_tokens[0]} does not match"
 
 
 def _last(*effects: object) -> str:
@@ -269,6 +314,25 @@ CASES: dict[str, Callable[[pb.ExecuteModelRequest, ExecutorDriver], str]] = {
         r.new_sequences.append(new_seq(d, num_prompt_tokens=0)),
         "new_sequences[0].num_prompt_tokens: 0 not in [1, 6]",
     ),
+    "lane_length_mismatch": lambda r, d: _last(
+        _lane_is_b(r),
+        r.decode_num_computed_tokens.append(3),
+        "decode_num_computed_tokens: 2 entries for 1 decode_seq_ids",
+    ),
+    "lane_unknown_id": lambda r, d: _last(
+        _lane_is_b(r),
+        r.decode_seq_ids.__setitem__(0, "ghost"),
+        "decode_seq_ids[0]: unknown seq_id 'ghost'",
+    ),
+    "lane_and_finished": lambda r, d: _last(
+        _lane_is_b(r),
+        r.finished_seq_ids.append("b"),
+        "decode_seq_ids[0]: 'b' is also in finished_seq_ids",
+    ),
+    "lane_also_cached": _lane_also_cached,
+    "lane_computed_mismatch": _lane_computed_mismatch,
+    "lane_prefill": _lane_prefill,
+    "lane_top_logprobs": _lane_top_logprobs,
     "too_many_logprobs": bad_params(num_logprobs=21),
     "negative_temperature": bad_params(temperature=-1.0),
     "nan_temperature": bad_params(temperature=float("nan")),

@@ -273,6 +273,25 @@ def test_get_tokenizer_without_tokenizer(served: Served, driver: ExecutorDriver)
     assert [f.name for f in files] == ["generation_config.json"]
 
 
+def test_decode_lane_gives_what_cached_sequences_give(served: Served, driver: ExecutorDriver):
+    params = pb.SamplingParams(temperature=0.9, seed=5)
+    prompts = {k: PROMPTS[k] for k in ("p1", "p2", "p3")}
+    lane_sizes: list[int] = []
+
+    def watch(i: int, d: ExecutorDriver) -> None:
+        lane_sizes.append(len(d._lane_ids))
+
+    with_lane = driver.generate(prompts, 6, params, before_step=watch)
+    lane_logprobs = {k: [o.logprob for o in s.outputs] for k, s in driver.seqs.items()}
+    driver.stub.Reset(pb.ResetRequest())
+    plain = ExecutorDriver(driver.stub, decode_lane=False)
+    assert plain.generate(prompts, 6, params) == with_lane
+    assert {k: [o.logprob for o in s.outputs] for k, s in plain.seqs.items()} == pytest.approx(
+        lane_logprobs
+    )
+    assert max(lane_sizes) == 3  # the lane really carried the decodes
+
+
 def test_reset_drops_state(served: Served, driver: ExecutorDriver) -> None:
     for seq_id in ("p1", "p2", "p3"):
         driver.add(seq_id, PROMPTS[seq_id])
@@ -282,7 +301,7 @@ def test_reset_drops_state(served: Served, driver: ExecutorDriver) -> None:
     with pytest.raises(grpc.RpcError) as err:
         driver.stub.ExecuteModel(req)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "cached_sequences[0].seq_id: unknown seq_id 'p1'" in err.value.details()
+    assert "decode_seq_ids[0]: unknown seq_id 'p1'" in err.value.details()
     assert driver.stub.Reset(pb.ResetRequest()).num_dropped == 0
 
 

@@ -69,6 +69,28 @@ def scheduled(out: SchedulerOutput) -> dict[str, int]:
     return out.num_scheduled_tokens
 
 
+def cached(out: SchedulerOutput) -> list[CachedSeqData]:
+    """Every running sequence sent as a difference, decode lane entries spelled out, in
+    batch order."""
+    lane = {
+        sid: CachedSeqData(sid, [], [], 1, nc)
+        for sid, nc in zip(out.decode_seq_ids, out.decode_num_computed_tokens, strict=True)
+    }
+    by_id = {c.seq_id: c for c in out.cached_seqs} | lane
+    assert len(by_id) == len(out.cached_seqs) + len(lane), "a sequence in both forms"
+    return [by_id[seq.seq_id] for seq, _ in out.scheduled if seq.seq_id in by_id]
+
+
+def test_decode_lane_only_for_requests_without_logprobs():
+    sched = make_scheduler()
+    sched.add_request(Request("plain", [1, 2, 3], SamplingParams(max_tokens=8)))
+    sched.add_request(Request("lp", [4, 5, 6], SamplingParams(max_tokens=8, logprobs=2)))
+    step(sched)
+    out = step(sched)
+    assert out.decode_seq_ids == ["plain/0"]
+    assert [c.seq_id for c in out.cached_seqs] == ["lp/0"]  # the lane carries no top logprobs
+
+
 def test_prefill_is_sent_in_full_then_decodes_as_differences():
     sched = make_scheduler()
     (r0,) = add(sched, make_requests(1, prompt_len=6))
@@ -79,7 +101,8 @@ def test_prefill_is_sent_in_full_then_decodes_as_differences():
     assert out.cached_seqs == [] and out.total_num_scheduled_tokens == 6
     assert r0.seqs[0].token_ids[-1] == TOKEN
     out = step(sched)  # position 6 still fits block 1
-    assert out.new_seqs == [] and out.cached_seqs == [CachedSeqData("r0/0", [], [], 1, 6)]
+    assert out.new_seqs == [] and out.cached_seqs == []
+    assert (out.decode_seq_ids, out.decode_num_computed_tokens) == (["r0/0"], [6])  # the lane
     step(sched)
     out = step(sched)  # position 8 opens a block
     assert out.cached_seqs == [CachedSeqData("r0/0", [2], [], 1, 8)]
@@ -93,7 +116,7 @@ def test_chunked_prefill_keeps_decodes_flowing():
     assert scheduled(step(sched)) == {"r0/0": 1, "r1/0": 7}
     out = step(sched)
     assert scheduled(out) == {"r0/0": 1, "r1/0": 1}  # r1's last prompt token, then it samples
-    assert [c.num_computed_tokens for c in out.cached_seqs] == [5, 19]
+    assert [c.num_computed_tokens for c in cached(out)] == [5, 19]
     assert sched.get_request("r1").seqs[0].output_token_ids == [TOKEN]
 
 
@@ -148,7 +171,7 @@ def test_preemption_by_recompute_takes_the_latest_arrival():
     out = step(sched)
     assert out.preempted_req_ids == ["r2"]
     assert out.finished_seq_ids == ["r2/0"]  # the executor forgets it
-    assert out.cached_seqs == [
+    assert cached(out) == [
         CachedSeqData("r0/0", [3], [], 1, 4),
         CachedSeqData("r1/0", [2], [], 1, 4),  # the victim's block
     ]
@@ -191,7 +214,7 @@ def test_preemption_by_swap_moves_blocks_and_resumes_before_new_work():
     assert out.preempted_req_ids == ["r2"] and out.finished_seq_ids == ["r2/0"]
     assert out.blocks_to_swap_out == [(2, 0)]
     assert sched.swapped_request_ids() == ["r2"]
-    assert [c.new_block_ids for c in out.cached_seqs] == [[3], [2]]
+    assert [c.new_block_ids for c in cached(out)] == [[3], [2]]
 
     sched.finish_sequence("r0/0", RequestStatus.FINISHED_STOPPED)
     out = step(sched)
@@ -405,7 +428,7 @@ def test_a_running_decode_step_is_independent_of_context_length():
     for _ in range(10):
         out = step(sched)
         assert out.new_seqs == []
-        assert all(len(c.new_block_ids) <= 1 and not c.replaced_blocks for c in out.cached_seqs)
+        assert all(len(c.new_block_ids) <= 1 and not c.replaced_blocks for c in cached(out))
 
 
 def test_schedule_twice_without_update_is_an_error():

@@ -70,18 +70,24 @@ def test_text_prompt_and_streamed_text(api):
 
 
 def test_short_request_after_long_one_finishes_first(api):
-    finished_at: dict[str, float] = {}
-
-    def run(name: str, max_tokens: int) -> None:
-        generate(api, [11, 12, 13, 14], max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        finished_at[name] = time.monotonic()
-
-    long = threading.Thread(target=run, args=("long", 200))
-    long.start()
-    time.sleep(0.3)  # the long request is decoding by now
-    run("short", 3)
-    long.join(timeout=120)
-    assert finished_at["short"] < finished_at["long"]
+    """Continuous batching: a short request joins a running long one and finishes first."""
+    long = Collected()
+    stream = api.Generate(
+        gen_request([11, 12, 13, 14], request_id="long", max_tokens=5000, ignore_eos=True),
+        timeout=120,
+    )
+    reader = threading.Thread(target=collect, args=(stream, long))
+    reader.start()
+    deadline = time.monotonic() + 60
+    while len(long.tokens.get(0, [])) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)  # the long request is decoding
+    short = generate(api, [21, 22, 23], max_tokens=3, temperature=0.0, ignore_eos=True)
+    long_tokens_then = len(long.tokens.get(0, []))
+    assert short.finish[0] == pb.FINISH_REASON_LENGTH and len(short.tokens[0]) == 3
+    assert 3 <= long_tokens_then < 5000 and 0 not in long.finish  # still running
+    api.Abort(pb.AbortRequest(request_id="long"))
+    reader.join(timeout=60)
+    assert long.finish[0] == pb.FINISH_REASON_ABORT
 
 
 def test_n_with_seed_is_reproducible(api):

@@ -80,6 +80,13 @@ class FakeExecutor:
                 e.table[idx] = bid
             e.table.extend(c.new_block_ids)
             batch.append((c.seq_id, c.num_scheduled_tokens))
+        for sid, nc in zip(out.decode_seq_ids, out.decode_num_computed_tokens, strict=True):
+            # The decode lane: exactly the last token, the block table as it is.
+            assert sid in self.seqs, f"{sid} in the decode lane but never sent as new"
+            e = self.seqs[sid]
+            assert e.num_computed == nc == len(e.tokens) - 1, sid
+            batch.append((sid, 1))
+        assert len({sid for sid, _ in batch}) == len(batch), "a sequence sent twice in a step"
         assert out.total_num_scheduled_tokens == sum(n for _, n in batch)
         assert {sid: n for sid, n in batch} == out.num_scheduled_tokens
         written: set[tuple[int, int]] = set()
