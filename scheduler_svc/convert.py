@@ -84,17 +84,22 @@ def params_from_dict(d: dict[str, Any]) -> SamplingParams:
 
 
 def event_to_proto(handle: RequestHandle, e: EngineEvent) -> pb.GenerateResponse:
+    # One per streamed delta: fields that keep their default on most deltas are set only when
+    # they carry something (each keyword costs a conversion).
     msg = pb.GenerateResponse(
         request_id=handle.req_id,
         index=e.index,
         text=e.text,
         token_ids=e.token_ids,
         token_offset=e.token_offset,
-        finish_reason=_FINISH[e.finish_reason],
-        stop_reason="" if e.stop_reason is None else str(e.stop_reason),
         num_prompt_tokens=len(handle.prompt_token_ids),
-        error=e.error,
     )
+    if e.finish_reason is not None:
+        msg.finish_reason = _FINISH[e.finish_reason]
+        if e.stop_reason is not None:
+            msg.stop_reason = str(e.stop_reason)
+        if e.error:
+            msg.error = e.error
     if e.logprobs:
         for lp in e.logprobs:
             entry = msg.logprobs.add(token_id=lp["token_id"], logprob=lp["logprob"])

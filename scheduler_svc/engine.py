@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
 import time
 import uuid
@@ -22,6 +23,7 @@ import structlog
 from protos import executor_pb2 as epb
 from protos import executor_pb2_grpc as epb_grpc
 from scheduler_svc import convert
+from scheduler_svc.detokenizer import token_byte_table
 from scheduler_svc.errors import NotFound, QueueFull, Unavailable, ValidationError
 from scheduler_svc.handles import EngineStep, RequestHandle, RequestView
 from scheduler_svc.persister import Persister
@@ -139,6 +141,8 @@ class Engine:
                 reply = await handle.stub.GetTokenizer(epb.GetTokenizerRequest())
                 files = {f.name: f.content for f in reply.files}
                 self.tokenizer = await asyncio.to_thread(load_tokenizer, files)
+                # Built here, off the loop, rather than by the first request's detokenizer.
+                await asyncio.to_thread(token_byte_table, self.tokenizer)
         first = self.executors[0].describe
         self.eos_token_ids = list(first.eos_token_ids)
         self.vocab_size = first.vocab_size
@@ -147,6 +151,10 @@ class Engine:
             first.max_model_len, self.config.max_model_len or first.max_model_len
         )
         await self._recover()
+        # Start-up built long-lived objects (tokenizer, tables, recovered requests): move them out
+        # of the collector's way so the steps' young-object collections do not rescan them.
+        gc.collect()
+        gc.freeze()
         for ex in self.executors:
             self._tasks.append(asyncio.create_task(self._loop(ex), name=f"engine.{ex.address}"))
         self.ready = True

@@ -17,7 +17,7 @@ from scheduler_svc.output_processor import FinishStatus, OutputDelta, SequenceOu
 from scheduler_svc.persister import StepRecord
 from scheduler_svc.request import RequestStatus
 from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.store import FinishRecord, StoredRequest, TokenAppend
+from scheduler_svc.store import FinishRecord, StoredRequest, TokenAppend, tokens_key_bulk
 
 
 @dataclass(slots=True)
@@ -126,6 +126,7 @@ class RequestHandle:
         self.error = ""
         self._closed: str | None = None
         self._waiters: list[asyncio.Future[None]] = []
+        self._key_bulks = [tokens_key_bulk(req_id, i) for i in range(self.n)]
 
     # ------------------------------------------------------------ construction
 
@@ -208,7 +209,9 @@ class RequestHandle:
             delta = state.append([token_id], [logprob], [top])
             text, tokens = delta.text, delta.token_ids
             lps = [_lp_entry(delta, i) for i in range(len(tokens))]
-        step.appends.append(TokenAppend(self.req_id, index, offset, tokens, lps))
+        step.appends.append(
+            TokenAppend(self.req_id, index, offset, tokens, lps, self._key_bulks[index])
+        )
         status = state.finish_status
         step.deltas.append(
             (

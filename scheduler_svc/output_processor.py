@@ -111,6 +111,10 @@ class SequenceOutputState:
         self._stop_ids = frozenset(params.stop_token_ids)
         self._stops = [s for s in params.stop if s]
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        # Cheap rejections (set.isdisjoint runs in C): a match ending in new text needs a stop
+        # string's last character there, and held-back text starts with a first character.
+        self._stop_last_chars = frozenset(s[-1] for s in self._stops)
+        self._stop_first_chars = frozenset(s[0] for s in self._stops)
         self._hold_back = bool(self._stops) and not params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         # Tokens that may end the sequence by id; any other token, with no stop strings set,
@@ -211,14 +215,27 @@ class SequenceOutputState:
         """
         if self.finish_status is not None:
             raise RuntimeError(f"sequence already finished ({self.finish_status.name})")
-        if self._stops or token_id in self._stop_or_eos:
+        if token_id in self._stop_or_eos:
             self._append_one(token_id)
             return self._take_stream_text()
-        # Short path, same result: no stop string can match and this id stops nothing, so the
-        # only checks left are the length limits, and no text is ever held back.
+        # Short paths, same result as _append_one: this id stops nothing by itself.
         output = self.output_token_ids
         output.append(token_id)
         text = self._decode_one(token_id)
+        if self._stops:
+            if text:
+                tail = self._tail
+                self._add_text(text)
+                if (
+                    len(output) >= self._min_tokens
+                    and not self._stop_last_chars.isdisjoint(text)
+                    and self._check_stop_strings(tail, text)
+                ):
+                    return self._take_stream_text()
+            if len(output) >= self._max_output:
+                self._finish(FinishStatus.FINISHED_LENGTH, None)
+            return self._take_stream_text()
+        # No stop strings: only the length limits are left, and no text is ever held back.
         if text:
             self._parts.append(text)
             self._num_chars += len(text)
@@ -249,7 +266,11 @@ class SequenceOutputState:
             if new_text:
                 tail = self._tail
                 self._add_text(new_text)
-                if self._stops and self._check_stop_strings(tail, new_text):
+                if (
+                    self._stops
+                    and not self._stop_last_chars.isdisjoint(new_text)
+                    and self._check_stop_strings(tail, new_text)
+                ):
                     return True
         else:
             self._add_text(self.detokenizer.add_one(token_id))
@@ -316,6 +337,8 @@ class SequenceOutputState:
         text = self._pending
         n = len(text)
         lo = max(0, n - self._max_stop_len + 1)
+        if self._stop_first_chars.isdisjoint(text[lo:]):
+            return n  # no stop string can start in the tail: nothing to hold back
         best = n
         for stop in self._stops:
             first = stop[0]

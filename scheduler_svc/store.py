@@ -122,6 +122,8 @@ class TokenAppend:
     offset: int
     token_ids: list[int]
     logprobs: list[Any] | None = None  # JSON-able entries, one per token, when requested
+    # tokens_key_bulk(req_id, index) when the caller keeps it (saves a lookup per step).
+    key_bulk: bytes = b""
 
 
 @dataclass(slots=True)
@@ -155,7 +157,8 @@ def _int_bulk(value: int) -> bytes:
 _KEY_BULKS: dict[tuple[str, int], bytes] = {}
 
 
-def _tokens_key_bulk(req_id: str, index: int) -> bytes:
+def tokens_key_bulk(req_id: str, index: int) -> bytes:
+    """The RESP form of a sequence's token-list key, for TokenAppend.key_bulk."""
     b = _KEY_BULKS.get((req_id, index))
     if b is None:
         if len(_KEY_BULKS) >= 1 << 18:
@@ -170,12 +173,17 @@ def _pack_appends(sha: str, appends: list[TokenAppend]) -> bytes:
     args: list[bytes] = []
     one, zero = _int_bulk(1), _int_bulk(0)
     int_bulk = _int_bulk
+    cached = _INT_BULKS.get
     for a in appends:
-        keys.append(_KEY_BULKS.get((a.req_id, a.index)) or _tokens_key_bulk(a.req_id, a.index))
+        keys.append(a.key_bulk or tokens_key_bulk(a.req_id, a.index))
         tokens = a.token_ids
         if a.logprobs is None:
             if len(tokens) == 1:  # the common case: one decode step
-                args.extend((int_bulk(a.offset), one, zero, int_bulk(tokens[0])))
+                offset, token = a.offset, tokens[0]
+                args.append(cached(offset) or int_bulk(offset))
+                args.append(one)
+                args.append(zero)
+                args.append(cached(token) or int_bulk(token))
             else:
                 args.extend((int_bulk(a.offset), int_bulk(len(tokens)), zero))
                 args.extend(map(int_bulk, tokens))
