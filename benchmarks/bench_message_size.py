@@ -76,7 +76,12 @@ def step(sched: Scheduler, token: int = 11) -> tuple[Any, int]:
 
 
 def is_decode(out: Any, batch: int) -> bool:
-    return not out.new_seqs and len(out.cached_seqs) == batch == out.total_num_scheduled_tokens
+    return (
+        not out.new_seqs
+        and len(out.cached_seqs) + len(out.decode_seq_ids)
+        == batch
+        == out.total_num_scheduled_tokens
+    )
 
 
 def measure_context(batch: int, context: int, *, num_blocks: int, max_len: int) -> dict[str, float]:

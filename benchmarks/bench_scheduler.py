@@ -47,7 +47,10 @@ def make_decoding_scheduler(
     while True:  # prefill until every sequence decodes
         out = sched.schedule()
         sched.update_from_output(out, {seq.seq_id: 1 for seq, _ in out.scheduled})
-        if len(out.cached_seqs) == num_seqs and out.total_num_scheduled_tokens == num_seqs:
+        if (
+            len(out.cached_seqs) + len(out.decode_seq_ids) == num_seqs
+            and out.total_num_scheduled_tokens == num_seqs
+        ):
             return sched
 
 
