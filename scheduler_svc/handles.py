@@ -75,7 +75,6 @@ class EngineStep:
         return StepRecord(self.appends, self.finishes, self.publish if has_work else None)
 
     def publish(self) -> None:
-        touched: dict[str, RequestHandle] = {}
         for handle, index, tokens, text, lps, finish_reason, stop_reason, error in self.deltas:
             log = handle.acked[index]
             if tokens:
@@ -97,11 +96,10 @@ class EngineStep:
                 log.stop_reason = stop_reason
             if error:
                 handle.error = error
-            touched[handle.req_id] = handle
+            if handle._waiters:  # notify() inlined: most steps find a listener parked here
+                handle.notify()
         for fn in self.after:
             fn()
-        for handle in touched.values():
-            handle.notify()
 
 
 class RequestHandle:
