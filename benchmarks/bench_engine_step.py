@@ -46,6 +46,7 @@ from scheduler_svc.store import _pack_appends  # noqa: E402
 from scheduler_svc.tokenizer import load_tokenizer  # noqa: E402
 
 PROMPT_LEN = 32
+NOTES = ROOT / "docs" / "bench-notes" / "engine_step.md"
 SHA = "0" * 40  # the script's digest only changes the bytes, not the work
 
 
@@ -138,12 +139,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--repeats", type=int, default=3, help="runs per row; medians over all")
+    ap.add_argument("--write-notes", action="store_true", help=f"write {NOTES}")
     args = ap.parse_args()
-    print(
+    lines = [
         "| running seqs | stop strings | stream listeners | schedule µs | build µs | process µs |"
-        " **total µs** | total p90 µs | streams µs |"
-    )
-    print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        " **total µs** | total p90 µs | streams µs |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for line in lines:
+        print(line)
     for batch in (int(b) for b in args.batches.split(",")):
         for stop in ([], ["###", "\n\n"]):
             for streams in (False, True):
@@ -159,12 +163,25 @@ def main() -> None:
                 label = ", ".join(repr(s) for s in stop) or "none"
                 listeners = "one per request" if streams else "none"
                 streams_us = f"{med['streams']:.0f}" if streams else "-"
-                print(
+                lines.append(
                     f"| {batch} | {label} | {listeners} | {med['schedule']:.0f} |"
                     f" {med['build']:.0f} | {med['process']:.0f} |"
                     f" **{statistics.median(total) * 1e6:.0f}** |"
                     f" {total[int(len(total) * 0.9)] * 1e6:.0f} | {streams_us} |"
                 )
+                print(lines[-1])
+    if args.write_notes:
+        cmd = "HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_engine_step.py " + " ".join(
+            sys.argv[1:]
+        )
+        body = "\n".join(lines)
+        NOTES.write_text(
+            "# Scheduler CPU per engine step (issue 3)\n\n"
+            f"{__doc__.split(chr(10) + chr(10), 1)[1].rsplit(chr(10) + chr(10), 1)[0]}\n\n"
+            f"{args.steps} decode steps per run, {args.repeats} runs per row, medians over all "
+            "steps; the demo model's tokenizer (byte-level BPE, 4096 tokens), prompts of "
+            f"{PROMPT_LEN} tokens. Shared 2-core machine.\n\n```\n{cmd}\n```\n\n{body}\n"
+        )
 
 
 if __name__ == "__main__":

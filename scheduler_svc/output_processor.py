@@ -224,8 +224,14 @@ class SequenceOutputState:
         text = self._decode_one(token_id)
         if self._stops:
             if text:
+                # _add_text, inlined.
                 tail = self._tail
-                self._add_text(text)
+                self._parts.append(text)
+                self._num_chars += len(text)
+                pending = self._pending + text if self._pending else text
+                self._pending = pending
+                if self._max_stop_len > 1:
+                    self._tail = (tail + text)[1 - self._max_stop_len :]
                 if (
                     len(output) >= self._min_tokens
                     and not self._stop_last_chars.isdisjoint(text)
@@ -234,7 +240,16 @@ class SequenceOutputState:
                     return self._take_stream_text()
             if len(output) >= self._max_output:
                 self._finish(FinishStatus.FINISHED_LENGTH, None)
-            return self._take_stream_text()
+                return self._take_stream_text()
+            pending = self._pending
+            if not pending:
+                return ""
+            if self._hold_back and not self._stop_first_chars.isdisjoint(
+                pending[1 - self._max_stop_len :] if self._max_stop_len > 1 else ""
+            ):
+                return self._take_stream_text()  # part of it may start a stop string
+            self._pending = ""
+            return pending
         # No stop strings: only the length limits are left, and no text is ever held back.
         if text:
             self._parts.append(text)
