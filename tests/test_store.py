@@ -183,3 +183,39 @@ def test_unavailable_while_redis_down_and_data_survives_restart(redis_server, re
         return rec
 
     assert run(back()).outputs == [[1, 2, 3]]
+
+
+def test_persister_writes_in_order_publishes_after_ack_and_waits_for_kick(redis_url):
+    """Steps go to Redis in order; a step queued without waking waits for kick()."""
+    from scheduler_svc.persister import Persister, StepRecord
+
+    raw = redis.Redis.from_url(redis_url)
+    published: list[tuple[int, list[int]]] = []
+
+    def on_ack(i: int):
+        # What Redis holds at the moment step i is published (a blocking read, fine here).
+        return lambda: published.append(
+            (i, [int(t) for t in raw.lrange("llmserve:tokens:r1:0", 0, -1)])
+        )
+
+    async def go():
+        store = RequestStore(redis_url)
+        await store.create(make_record())
+        persister = Persister(store)
+        persister.start()
+        persister.submit(StepRecord([TokenAppend("r1", 0, 0, [5])], [], on_ack(0)))
+        await persister.wait_drained()
+        persister.submit(StepRecord([TokenAppend("r1", 0, 1, [6])], [], on_ack(1)), wake=False)
+        persister.submit(StepRecord([TokenAppend("r1", 0, 2, [7])], [], on_ack(2)), wake=False)
+        await asyncio.sleep(0.2)
+        held = list(published)
+        persister.kick()
+        await persister.wait_drained()
+        await persister.stop()
+        await store.close()
+        return held
+
+    held = run(go())
+    assert held == [(0, [5])]  # nothing of steps 1 and 2 written or published before the kick
+    # Written together after the kick, published in order, each only once Redis held it.
+    assert published == [(0, [5]), (1, [5, 6, 7]), (2, [5, 6, 7])]
