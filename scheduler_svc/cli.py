@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--finished-ttl", type=float, default=3600.0, help="seconds")
     p.add_argument("--max-backlog-steps", type=int, default=1024)
+    p.add_argument(
+        "--executor-failover",
+        type=float,
+        default=10.0,
+        help="seconds an executor may be unreachable before its requests move to live ones",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-json", action="store_true")
     return p
@@ -68,6 +74,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         max_logprobs=args.max_logprobs,
         finished_ttl_s=args.finished_ttl,
         max_backlog_steps=args.max_backlog_steps,
+        executor_failover_s=args.executor_failover,
         num_device_blocks=args.num_device_blocks,
         num_cpu_blocks=args.num_cpu_blocks,
         max_model_len=args.max_model_len,

@@ -54,6 +54,8 @@ class EngineConfig:
     finished_ttl_s: float = 3600.0
     max_backlog_steps: int = 1024
     step_timeout_s: float = 120.0
+    # An executor unreachable this long hands its requests to the live ones (recomputed there).
+    executor_failover_s: float = 10.0
     # Caps below what the executor reports (tests use them to force preemption).
     num_device_blocks: int | None = None
     num_cpu_blocks: int | None = None
@@ -85,6 +87,7 @@ class ExecutorHandle:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     consecutive_failures: int = 0
+    unhealthy_since: float = 0.0  # time.monotonic() of the failure that made it unhealthy
 
 
 def expand_addresses(addresses: list[str]) -> list[str]:
@@ -457,19 +460,24 @@ class Engine:
                 self._finish_request(handle, record)
                 self.persister.submit(record.to_record())
                 continue
-            req = Request(
-                rec.req_id,
-                rec.prompt_token_ids,
-                params,
-                priority=rec.priority,
-                arrival_time=rec.arrival_time,
-                output_token_ids=[list(o) for o in handle.acked_outputs()],
-            )
-            for seq, state in zip(req.seqs, handle.states, strict=True):
-                if state.finished:  # n > 1: this one had finished before the restart
-                    seq.status = RequestStatus[state.finish_status.name]
-            self._enqueue(handle, req)
+            self._enqueue(handle, self._resumed_request(handle, handle.acked_outputs()))
             log.info("request.resumed", req_id=rec.req_id, num_output_tokens=handle.num_acked)
+
+    @staticmethod
+    def _resumed_request(handle: RequestHandle, outputs: list[list[int]]) -> Request:
+        """A scheduler-core request that recomputes `handle`'s prompt plus `outputs`."""
+        req = Request(
+            handle.req_id,
+            handle.prompt_token_ids,
+            handle.params,
+            priority=handle.priority,
+            arrival_time=handle.arrival_time,
+            output_token_ids=[list(o) for o in outputs],
+        )
+        for seq, state in zip(req.seqs, handle.states, strict=True):
+            if state.finished:  # n > 1: this one had finished already
+                seq.status = RequestStatus[state.finish_status.name]
+        return req
 
     async def _resync_store(self) -> None:
         """Rewrite every active request to Redis from memory (Redis lost acknowledged data)."""
@@ -492,6 +500,8 @@ class Engine:
             if not ex.healthy:
                 self.persister.kick()
                 await self._reconnect(ex)
+                if not ex.healthy:
+                    self._fail_over(ex)
                 continue
             if self.persister.over_backlog:
                 await self.persister.wait_below_backlog()
@@ -539,8 +549,8 @@ class Engine:
         record = record or EngineStep()
         for req in ex.sched.take_finished_requests():
             handle = self.requests.get(req.req_id)
-            if handle is None or handle.finished_in_engine:
-                continue
+            if handle is None or handle.finished_in_engine or handle.executor is not ex:
+                continue  # gone, already final, or moved to another executor
             for seq in req.seqs:
                 if not handle.seq_finished(seq.index):
                     handle.finish_seq(seq.index, seq.status, seq.stop_reason, record, req.error)
@@ -560,9 +570,34 @@ class Engine:
         log.error(
             "executor.step_failed", address=ex.address, code=e.code().name, details=e.details()
         )
+        if ex.healthy:
+            ex.unhealthy_since = time.monotonic()
         ex.healthy = False
         # Its KV cache (or our view of it) can no longer be trusted: recompute everything.
         ex.sched.reset_executor()
+
+    def _fail_over(self, ex: ExecutorHandle) -> None:
+        """Move the requests of an executor unreachable for `executor_failover_s` to live ones.
+
+        Its KV cache is gone either way; elsewhere each request is recomputed from its prompt
+        and the tokens produced so far, so its output continues exactly as it would have.
+        """
+        if time.monotonic() - ex.unhealthy_since < self.config.executor_failover_s:
+            return
+        if not any(e.healthy for e in self.executors if e is not ex):
+            return
+        moved = 0
+        for req_id in ex.sched.unfinished_request_ids():
+            handle = self.requests.get(req_id)
+            ex.sched.abort_request(req_id)  # frees its blocks here; not reported (see below)
+            if handle is None or handle.finished_in_engine:
+                continue
+            # _enqueue points handle.executor elsewhere, which is how
+            # _handle_scheduler_finished knows to ignore the abort above.
+            self._enqueue(handle, self._resumed_request(handle, handle.produced_outputs()))
+            moved += 1
+        if moved:
+            log.warning("executor.failed_over", address=ex.address, moved_requests=moved)
 
     async def _reconnect(self, ex: ExecutorHandle) -> None:
         await asyncio.sleep(min(0.1 * 2**ex.consecutive_failures, 2.0))

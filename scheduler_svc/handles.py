@@ -264,6 +264,10 @@ class RequestHandle:
 
     # ------------------------------------------------------------ acknowledged side
 
+    def produced_outputs(self) -> list[list[int]]:
+        """Every token processed so far per sequence (acknowledged by Redis or still queued)."""
+        return [list(state.output_token_ids) for state in self.states]
+
     def acked_outputs(self) -> list[list[int]]:
         return [list(log.tokens) for log in self.acked]
 

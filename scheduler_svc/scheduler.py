@@ -582,6 +582,10 @@ class Scheduler:
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
+    def unfinished_request_ids(self) -> list[str]:
+        """Every request not ended yet: waiting, running or swapped."""
+        return list(self._requests)
+
     def running_request_ids(self) -> list[str]:
         return [r.req_id for r in self._running if r.status == _RUNNING]
 
