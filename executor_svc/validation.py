@@ -1,0 +1,353 @@
+"""Checks of one ExecuteModelRequest against the executor's per-sequence state.
+
+`validate_step` looks at the whole request without changing anything and returns the plan the
+servicer applies; any problem is an `InvalidStep` whose message names the field (it goes back
+to the client as INVALID_ARGUMENT). The decode lane, which carries most of a busy batch, is
+checked in one tight loop and only a failing entry pays for the precise message.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from executor_svc.model_runner import ModelRunner
+from executor_svc.sampler import SamplingParams
+from protos import executor_pb2 as pb
+
+__all__ = ["InvalidStep", "SeqState", "StepPlan", "validate_step"]
+
+
+class InvalidStep(ValueError):
+    """A request the executor refuses; the message names the field and is safe for clients."""
+
+
+@dataclass(slots=True)
+class SeqState:
+    seq_id: str
+    token_ids: list[int]  # prompt + outputs known so far; the executor appends what it samples
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_table: list[int]  # physical device block ids in logical order
+    num_computed_tokens: int  # tokens whose KV is in the cache
+
+
+@dataclass(slots=True)
+class StepPlan:
+    new_states: list[SeqState]
+    # Every sequence run this step (new ones first, then cached, in request order) with its
+    # num_scheduled_tokens; the SeqState objects are the live ones once applied.
+    scheduled: list[tuple[SeqState, int]]
+    states: dict[str, SeqState]
+    # The decode lane's sequences, in request order (also the tail of `scheduled`).
+    lane: list[SeqState] = field(default_factory=list)
+
+
+def validate_step(
+    request: pb.ExecuteModelRequest,
+    seqs: dict[str, SeqState],
+    runner: ModelRunner,
+    max_logprobs: int,
+) -> StepPlan:
+    """Check the whole request against the current state without changing anything."""
+    info = runner.info
+    vocab_size = info.vocab_size
+    max_model_len = info.max_model_len
+    block_size = runner.block_size
+    num_device = runner.num_device_blocks
+    num_cpu = runner.num_cpu_blocks
+    max_blocks = -(-max_model_len // block_size)
+
+    finished: set[str] = set()
+    for i, seq_id in enumerate(request.finished_seq_ids):
+        field = f"finished_seq_ids[{i}]"
+        if seq_id in finished:
+            raise InvalidStep(f"{field}: duplicate seq_id {seq_id!r}")
+        if seq_id not in seqs:
+            raise InvalidStep(f"{field}: unknown seq_id {seq_id!r}")
+        finished.add(seq_id)
+
+    _check_mappings(request, num_device, num_cpu)
+
+    in_step: set[str] = set()
+    new_states: list[SeqState] = []
+    scheduled: list[tuple[SeqState, int]] = []
+    for i, n in enumerate(request.new_sequences):
+        field = f"new_sequences[{i}]"
+        if not n.seq_id:
+            raise InvalidStep(f"{field}.seq_id: must not be empty")
+        if n.seq_id in in_step:
+            raise InvalidStep(f"{field}.seq_id: {n.seq_id!r} appears twice in this step")
+        if n.seq_id in seqs and n.seq_id not in finished:
+            raise InvalidStep(f"{field}.seq_id: {n.seq_id!r} is already live")
+        in_step.add(n.seq_id)
+        token_ids = list(n.token_ids)
+        if not token_ids:
+            raise InvalidStep(f"{field}.token_ids: must not be empty")
+        _check_len(f"{field}.token_ids", len(token_ids), max_model_len)
+        _check_tokens(f"{field}.token_ids", token_ids, vocab_size)
+        if not 1 <= n.num_prompt_tokens <= len(token_ids):
+            raise InvalidStep(
+                f"{field}.num_prompt_tokens: {n.num_prompt_tokens} not in [1, {len(token_ids)}]"
+            )
+        params = _check_params(f"{field}.sampling_params", n.sampling_params, max_logprobs)
+        _check_blocks(f"{field}.block_table", n.block_table, num_device)
+        if len(set(n.block_table)) != len(n.block_table):
+            raise InvalidStep(f"{field}.block_table: a block id appears twice")
+        if len(n.block_table) > max_blocks:
+            raise InvalidStep(
+                f"{field}.block_table: {len(n.block_table)} blocks exceed the {max_blocks} "
+                f"needed for max_model_len {max_model_len}"
+            )
+        _check_schedule(
+            field, n.num_computed_tokens, n.num_scheduled_tokens, len(token_ids),
+            len(n.block_table), block_size,
+        )  # fmt: skip
+        state = SeqState(
+            seq_id=n.seq_id,
+            token_ids=token_ids,
+            num_prompt_tokens=n.num_prompt_tokens,
+            sampling_params=params,
+            block_table=list(n.block_table),
+            num_computed_tokens=n.num_computed_tokens,
+        )
+        new_states.append(state)
+        scheduled.append((state, n.num_scheduled_tokens))
+
+    for i, c in enumerate(request.cached_sequences):
+        field = f"cached_sequences[{i}]"
+        if c.seq_id in in_step:
+            raise InvalidStep(f"{field}.seq_id: {c.seq_id!r} appears twice in this step")
+        in_step.add(c.seq_id)
+        s = seqs.get(c.seq_id)
+        if s is None:
+            raise InvalidStep(f"{field}.seq_id: unknown seq_id {c.seq_id!r}")
+        if c.seq_id in finished:
+            raise InvalidStep(f"{field}.seq_id: {c.seq_id!r} is also in finished_seq_ids")
+        if c.num_computed_tokens != s.num_computed_tokens:
+            raise InvalidStep(
+                f"{field}.num_computed_tokens: {c.num_computed_tokens} does not match the "
+                f"executor's {s.num_computed_tokens}"
+            )
+        seen_idx: set[int] = set()
+        for j, r in enumerate(c.replaced_blocks):
+            rf = f"{field}.replaced_blocks[{j}]"
+            if r.logical_index >= len(s.block_table):
+                raise InvalidStep(
+                    f"{rf}.logical_index: {r.logical_index} out of range [0, {len(s.block_table)})"
+                )
+            if r.logical_index in seen_idx:
+                raise InvalidStep(f"{rf}.logical_index: {r.logical_index} replaced twice")
+            seen_idx.add(r.logical_index)
+            _check_block(f"{rf}.block_id", r.block_id, num_device)
+        _check_blocks(f"{field}.new_block_ids", c.new_block_ids, num_device)
+        num_blocks = len(s.block_table) + len(c.new_block_ids)
+        if num_blocks > max_blocks:
+            raise InvalidStep(
+                f"{field}.new_block_ids: block table of {num_blocks} blocks exceeds the "
+                f"{max_blocks} needed for max_model_len {max_model_len}"
+            )
+        num_tokens = len(s.token_ids) + len(c.new_token_ids)
+        _check_len(f"{field}.new_token_ids", num_tokens, max_model_len)
+        _check_tokens(f"{field}.new_token_ids", c.new_token_ids, vocab_size)
+        _check_schedule(
+            field, s.num_computed_tokens, c.num_scheduled_tokens, num_tokens, num_blocks,
+            block_size,
+        )  # fmt: skip
+        scheduled.append((s, c.num_scheduled_tokens))
+
+    lane = _validate_decode_lane(request, seqs, in_step, finished, block_size)
+    scheduled.extend((s, 1) for s in lane)
+    states = {s.seq_id: s for s, _ in scheduled}
+    return StepPlan(new_states=new_states, scheduled=scheduled, states=states, lane=lane)
+
+
+def _validate_decode_lane(
+    request: pb.ExecuteModelRequest,
+    seqs: dict[str, SeqState],
+    in_step: set[str],
+    finished: set[str],
+    block_size: int,
+) -> list[SeqState]:
+    """The decode lane's sequences, checked in one tight loop (it carries most of a batch)."""
+    ids = request.decode_seq_ids
+    computed = request.decode_num_computed_tokens
+    if len(computed) != len(ids):
+        raise InvalidStep(
+            f"decode_num_computed_tokens: {len(computed)} entries for {len(ids)} decode_seq_ids"
+        )
+    lane: list[SeqState] = []
+    get = seqs.get
+    for seq_id, nc in zip(ids, computed, strict=True):
+        s = get(seq_id)
+        if (
+            s is None
+            or seq_id in in_step
+            or nc != s.num_computed_tokens
+            or nc + 1 != len(s.token_ids)
+            or nc // block_size >= len(s.block_table)
+            or s.sampling_params.num_logprobs
+            or seq_id in finished
+        ):
+            _lane_error(len(lane), seq_id, nc, s, in_step, finished, block_size)
+        in_step.add(seq_id)
+        lane.append(s)
+    return lane
+
+
+def _lane_error(
+    i: int,
+    seq_id: str,
+    nc: int,
+    s: SeqState | None,
+    in_step: set[str],
+    finished: set[str],
+    block_size: int,
+) -> None:
+    """Raise the precise InvalidStep for decode lane entry `i` (which failed a check)."""
+    field = f"decode_seq_ids[{i}]"
+    if s is None:
+        raise InvalidStep(f"{field}: unknown seq_id {seq_id!r}")
+    if seq_id in in_step:
+        raise InvalidStep(f"{field}: {seq_id!r} appears twice in this step")
+    if seq_id in finished:
+        raise InvalidStep(f"{field}: {seq_id!r} is also in finished_seq_ids")
+    if nc != s.num_computed_tokens:
+        raise InvalidStep(
+            f"decode_num_computed_tokens[{i}]: {nc} does not match the executor's "
+            f"{s.num_computed_tokens}"
+        )
+    if nc + 1 != len(s.token_ids):
+        raise InvalidStep(
+            f"{field}: {seq_id!r} has {len(s.token_ids) - nc} tokens to compute; the decode "
+            "lane computes exactly one (send it in cached_sequences)"
+        )
+    if nc // block_size >= len(s.block_table):
+        raise InvalidStep(
+            f"{field}: block table has {len(s.block_table)} blocks, {nc // block_size + 1} "
+            f"needed for {nc + 1} tokens at block size {block_size} (new blocks go in "
+            "cached_sequences)"
+        )
+    raise InvalidStep(
+        f"{field}: {seq_id!r} asks for {s.sampling_params.num_logprobs} top logprobs, which "
+        "the decode lane does not return (send it in cached_sequences)"
+    )
+
+
+def _check_schedule(
+    field: str,
+    num_computed: int,
+    num_scheduled: int,
+    num_tokens: int,
+    num_blocks: int,
+    block_size: int,
+) -> None:
+    if num_computed >= num_tokens:
+        # At least the last known token must be computed to produce logits for it.
+        raise InvalidStep(
+            f"{field}.num_computed_tokens: {num_computed} must be below the {num_tokens} "
+            "known tokens"
+        )
+    if num_scheduled == 0:
+        raise InvalidStep(f"{field}.num_scheduled_tokens: must be >= 1")
+    if num_computed + num_scheduled > num_tokens:
+        raise InvalidStep(
+            f"{field}.num_scheduled_tokens: {num_computed} computed + {num_scheduled} scheduled "
+            f"exceeds the {num_tokens} known tokens"
+        )
+    needed = -(-(num_computed + num_scheduled) // block_size)
+    if num_blocks < needed:
+        raise InvalidStep(
+            f"{field}: block table has {num_blocks} blocks, {needed} needed for "
+            f"{num_computed + num_scheduled} tokens at block size {block_size}"
+        )
+
+
+def _check_len(field: str, num_tokens: int, max_model_len: int) -> None:
+    if num_tokens > max_model_len:
+        raise InvalidStep(
+            f"{field}: sequence of {num_tokens} tokens exceeds max_model_len {max_model_len}"
+        )
+
+
+def _check_tokens(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    # max() runs in C; the loop that finds the offending index only runs on bad input.
+    if not token_ids or max(token_ids) < vocab_size:
+        return
+    for j, t in enumerate(token_ids):
+        if t >= vocab_size:
+            raise InvalidStep(f"{field}[{j}]: token id {t} out of range [0, {vocab_size})")
+
+
+def _check_block(field: str, block_id: int, num_blocks: int) -> None:
+    if block_id >= num_blocks:
+        raise InvalidStep(f"{field}: block id {block_id} out of range [0, {num_blocks})")
+
+
+def _check_blocks(field: str, block_ids: Sequence[int], num_blocks: int) -> None:
+    for j, b in enumerate(block_ids):
+        _check_block(f"{field}[{j}]", b, num_blocks)
+
+
+def _check_mappings(request: pb.ExecuteModelRequest, num_device: int, num_cpu: int) -> None:
+    """Ranges per pool, and no write conflicts between the three ordered cache operations."""
+    lists = (
+        ("blocks_to_swap_out", request.blocks_to_swap_out, num_device, num_cpu),
+        ("blocks_to_swap_in", request.blocks_to_swap_in, num_cpu, num_device),
+        ("blocks_to_copy", request.blocks_to_copy, num_device, num_device),
+    )
+    dsts: dict[str, set[int]] = {}
+    for name, mappings, num_src, num_dst in lists:
+        seen: set[int] = set()
+        for j, m in enumerate(mappings):
+            _check_block(f"{name}[{j}].src", m.src, num_src)
+            _check_block(f"{name}[{j}].dst", m.dst, num_dst)
+            if m.dst in seen:
+                raise InvalidStep(f"{name}[{j}].dst: block {m.dst} is written twice")
+            seen.add(m.dst)
+        dsts[name] = seen
+    # Swap-out reads device blocks before swap-in or copy write them, so reusing a freed block
+    # in the same step is well defined. Two writers of one device block are not.
+    for j, m in enumerate(request.blocks_to_copy):
+        if m.dst in dsts["blocks_to_swap_in"]:
+            raise InvalidStep(
+                f"blocks_to_copy[{j}].dst: block {m.dst} is also a blocks_to_swap_in destination"
+            )
+        if m.src == m.dst:
+            raise InvalidStep(f"blocks_to_copy[{j}]: src and dst are both {m.src}")
+        # Copies have no order among themselves: a block both read and written would make the
+        # result depend on it.
+        if m.src in dsts["blocks_to_copy"]:
+            raise InvalidStep(
+                f"blocks_to_copy[{j}].src: block {m.src} is also a blocks_to_copy destination"
+            )
+
+
+def _check_params(field: str, p: pb.SamplingParams, max_logprobs: int) -> SamplingParams:
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
+        if not math.isfinite(getattr(p, name)):
+            raise InvalidStep(f"{field}.{name}: must be a finite number")
+    if p.temperature < 0:
+        raise InvalidStep(f"{field}.temperature: {p.temperature} must be >= 0")
+    if p.top_k < -1:
+        raise InvalidStep(f"{field}.top_k: {p.top_k} must be -1, 0 (disabled) or positive")
+    if not 0 <= p.top_p <= 1:
+        raise InvalidStep(f"{field}.top_p: {p.top_p} not in [0, 1]")
+    if not 0 <= p.min_p <= 1:
+        raise InvalidStep(f"{field}.min_p: {p.min_p} not in [0, 1]")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(p, name) <= 2:
+            raise InvalidStep(f"{field}.{name}: {getattr(p, name)} not in [-2, 2]")
+    if not 0 <= p.repetition_penalty <= 2:
+        raise InvalidStep(f"{field}.repetition_penalty: {p.repetition_penalty} not in [0, 2]")
+    if p.num_logprobs > max_logprobs:
+        raise InvalidStep(f"{field}.num_logprobs: {p.num_logprobs} exceeds max {max_logprobs}")
+    return SamplingParams.from_proto(p)
