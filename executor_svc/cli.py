@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -47,6 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch intra-op threads for CPU inference (default: torch's choice); on a small "
         "host shared with the scheduler, 1 per executor avoids threads waiting on a busy core",
+    )
+    p.add_argument(
+        "--redis-url",
+        help="register in this Redis (heartbeat) so schedulers started with "
+        "--discover-executors find this executor",
+    )
+    p.add_argument(
+        "--advertise-address",
+        help="host:port schedulers should dial (default: --host:port, or this machine's "
+        "address when --host is 0.0.0.0)",
     )
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM/SIGINT")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -112,10 +123,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmserve-executor: could not load {args.model}: {e}", file=sys.stderr)
         server.stop(0)
         return 1
+    registration = None
+    if args.redis_url:
+        from scheduler_svc.store import ExecutorRegistration  # the one module that knows Redis
+
+        address = args.advertise_address or advertised_address(args.host, port)
+        registration = ExecutorRegistration(args.redis_url, server.servicer.instance_id, address)
+        registration.start()
+        log.info("executor.registered", address=address, healthy=registration.healthy)
     if args.port_file is not None:
         _write_port_file(args.port_file, port)
-    server.wait()
+    try:
+        server.wait()
+    finally:
+        if registration is not None:
+            registration.stop()
     return 0
+
+
+def advertised_address(host: str, port: int) -> str:
+    """Where other machines reach this executor: the bind host, unless it binds everything."""
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = socket.gethostname()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 if __name__ == "__main__":

@@ -26,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="executor address host:port (repeat for several; default 127.0.0.1:50061)",
     )
+    p.add_argument(
+        "--discover-executors",
+        action="store_true",
+        help="serve the executors registered in Redis (llmserve-executor --redis-url), "
+        "including ones that start later; instead of --executor",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
@@ -62,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
     return EngineConfig(
-        executor_addresses=args.executor or ["127.0.0.1:50061"],
+        executor_addresses=[] if args.discover_executors else args.executor or ["127.0.0.1:50061"],
+        discover_executors=args.discover_executors,
         redis_url=redis_url,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -109,7 +116,12 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.discover_executors and args.executor:
+        # One executor known under two names (a static alias and its registered address) could
+        # end up with two block managers for one KV cache: pick one way of finding executors.
+        parser.error("--discover-executors and --executor exclude each other")
     configure_logging(args.log_level, json=args.log_json)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run(args))

@@ -56,6 +56,10 @@ class EngineConfig:
     step_timeout_s: float = 120.0
     # An executor unreachable this long hands its requests to the live ones (recomputed there).
     executor_failover_s: float = 10.0
+    # Also serve executors that register themselves in Redis (llmserve-executor --redis-url),
+    # checked every discovery_interval_s; with no executor_addresses, wait for the first one.
+    discover_executors: bool = False
+    discovery_interval_s: float = 2.0
     # Caps below what the executor reports (tests use them to force preemption).
     num_device_blocks: int | None = None
     num_cpu_blocks: int | None = None
@@ -137,8 +141,12 @@ class Engine:
         self._tasks.append(asyncio.create_task(self._connect_all(), name="engine.connect"))
 
     async def _connect_all(self) -> None:
-        for address in await asyncio.to_thread(expand_addresses, self.config.executor_addresses):
+        addresses = await asyncio.to_thread(expand_addresses, self.config.executor_addresses)
+        if self.config.discover_executors and not addresses:
+            addresses = await self._wait_for_registrations()
+        for address in addresses:
             handle = await self._connect(address)
+            assert handle is not None
             self.executors.append(handle)
             if self.tokenizer is None:
                 reply = await handle.stub.GetTokenizer(epb.GetTokenizerRequest())
@@ -160,11 +168,15 @@ class Engine:
         gc.freeze()
         for ex in self.executors:
             self._tasks.append(asyncio.create_task(self._loop(ex), name=f"engine.{ex.address}"))
+        if self.config.discover_executors:
+            self._tasks.append(asyncio.create_task(self._discover(), name="engine.discover"))
         self.ready = True
         self._on_ready_change(True)
         log.info("engine.ready", executors=len(self.executors), recovered=len(self.requests))
 
-    async def _connect(self, address: str) -> ExecutorHandle:
+    async def _connect(self, address: str, *, retry: bool = True) -> ExecutorHandle | None:
+        """Connect to an executor and reset it; keeps trying unless `retry` is False (then
+        None when it cannot be reached)."""
         delay = 0.1
         while True:
             channel = grpc.aio.insecure_channel(
@@ -181,6 +193,9 @@ class Engine:
                 await stub.Reset(epb.ResetRequest(), timeout=5)
             except grpc.aio.AioRpcError as e:
                 await channel.close()
+                if not retry:
+                    log.warning("executor.unreachable", address=address, code=e.code().name)
+                    return None
                 log.info("executor.waiting", address=address, code=e.code().name)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
@@ -192,6 +207,57 @@ class Engine:
                 blocks=describe.num_device_blocks,
             )
             return ExecutorHandle(address, channel, stub, describe, self._new_scheduler(describe))
+
+    async def _wait_for_registrations(self) -> list[str]:
+        """Addresses of the executors registered in Redis, once there is at least one."""
+        log.info("engine.waiting_for_executor_registrations")
+        while True:
+            try:
+                entries = await self.store.list_executors()
+            except StoreUnavailable:
+                entries = []
+            if entries:
+                return sorted({address for _, address in entries})
+            await asyncio.sleep(self.config.discovery_interval_s)
+
+    async def _discover(self) -> None:
+        """Serve executors that register in Redis after start-up (scaling out at run time).
+
+        Executors are known by the address they advertise and by their instance id; one that
+        restarts comes back under the same address and is picked up by its existing loop.
+        """
+        while not self._stopping:
+            await asyncio.sleep(self.config.discovery_interval_s)
+            try:
+                entries = await self.store.list_executors()
+            except StoreUnavailable:
+                continue
+            for instance_id, address in entries:
+                known = {(ex.address, ex.describe.instance_id) for ex in self.executors}
+                if any(address == a or instance_id == i for a, i in known):
+                    continue
+                ex = await self._connect(address, retry=False)
+                if ex is None:
+                    continue
+                first = self.executors[0].describe
+                if (ex.describe.model_name, ex.describe.vocab_size) != (
+                    first.model_name,
+                    first.vocab_size,
+                ):
+                    log.error(
+                        "executor.incompatible",
+                        address=address,
+                        model=ex.describe.model_name,
+                        expected=first.model_name,
+                    )
+                    await ex.channel.close()
+                    continue
+                if any(e.describe.instance_id == ex.describe.instance_id for e in self.executors):
+                    await ex.channel.close()  # one already served under another address
+                    continue
+                self.executors.append(ex)
+                self._tasks.append(asyncio.create_task(self._loop(ex), name=f"engine.{ex.address}"))
+                log.info("executor.discovered", address=address, instance_id=instance_id)
 
     def _new_scheduler(self, d: epb.DescribeResponse) -> Scheduler:
         c = self.config

@@ -9,6 +9,8 @@ Layout (format version 1), all keys `llmserve:<entity>:<id>`:
 - `llmserve:logprobs:<req_id>:<index>` list: one JSON entry per output token (only when the
   request asked for logprobs).
 - `llmserve:index:unfinished` set: ids of requests a restarted scheduler must resume.
+- `llmserve:executor:<instance_id>` string (JSON: address): an executor's registration, which
+  expires unless its heartbeat renews it; `llmserve:index:executors` set: the registered ids.
 
 Appends carry the offset they start at and are applied by a server-side script that only adds
 what is missing, so a write retried after a lost reply never duplicates a token.
@@ -17,6 +19,7 @@ what is missing, so a write retried after a lost reply never duplicates a token.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 FORMAT_VERSION = 1
 UNFINISHED_KEY = "llmserve:index:unfinished"
+EXECUTORS_KEY = "llmserve:index:executors"
 
 # One call per engine step for every sequence's new tokens. KEYS per append: the tokens list,
 # then the logprobs list when the append has logprobs. ARGV per append: offset, count,
@@ -200,6 +204,10 @@ def _pack_appends(sha: str, appends: list[TokenAppend]) -> bytes:
     return b"".join((head, *keys, *args))
 
 
+def _executor_key(instance_id: str) -> str:
+    return f"llmserve:executor:{instance_id}"
+
+
 def _request_key(req_id: str) -> str:
     return f"llmserve:request:{req_id}"
 
@@ -353,6 +361,22 @@ class RequestStore:
         rec.logprobs = [[json.loads(x) for x in lists[2 * i + 1]] for i in range(rec.n)]
         return rec
 
+    async def list_executors(self) -> list[tuple[str, str]]:
+        """(instance_id, address) of every executor whose registration is alive."""
+        try:
+            ids = sorted(m.decode() for m in await self._redis.smembers(EXECUTORS_KEY))
+            if not ids:
+                return []
+            values = await self._redis.mget([_executor_key(i) for i in ids])
+            gone = [i for i, v in zip(ids, values, strict=True) if v is None]
+            if gone:  # expired: the executor stopped renewing it
+                await self._redis.srem(EXECUTORS_KEY, *gone)
+        except (RedisError, OSError) as e:
+            raise StoreUnavailable(f"redis unavailable: {e}") from e
+        return [
+            (i, json.loads(v)["address"]) for i, v in zip(ids, values, strict=True) if v is not None
+        ]
+
     async def exists(self, req_id: str) -> bool:
         try:
             return bool(await self._redis.exists(_request_key(req_id)))
@@ -396,3 +420,72 @@ def _decode_record(req_id: str, fields: dict[bytes, bytes]) -> StoredRequest:
         stop_reasons=json.loads(f.get("stop_reasons", "[]")),
         error=f.get("error", ""),
     )
+
+
+class ExecutorRegistration:
+    """An executor's entry in the registry, kept alive by a heartbeat thread.
+
+    The executor process has no event loop of its own to spare, so this uses the synchronous
+    client. The entry expires `ttl_s` after the last heartbeat: an executor that dies drops out
+    of the registry by itself; one that stops cleanly removes it at once.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        instance_id: str,
+        address: str,
+        *,
+        ttl_s: float = 10.0,
+        interval_s: float = 2.0,
+    ) -> None:
+        import redis as sync_redis
+
+        self.instance_id = instance_id
+        self.address = address
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.interval_s = interval_s
+        self._redis = sync_redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.healthy = False
+
+    def beat(self) -> bool:
+        """Write (or renew) the entry once; False while Redis cannot be reached."""
+        try:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.set(
+                _executor_key(self.instance_id),
+                json.dumps({"address": self.address}),
+                px=self.ttl_ms,
+            )
+            pipe.sadd(EXECUTORS_KEY, self.instance_id)
+            pipe.execute()
+        except (RedisError, OSError):
+            self.healthy = False
+            return False
+        self.healthy = True
+        return True
+
+    def start(self) -> None:
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name="registry-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.beat()
+
+    def stop(self) -> None:
+        """Stop the heartbeat and remove the entry (best effort: it expires anyway)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.delete(_executor_key(self.instance_id))
+            pipe.srem(EXECUTORS_KEY, self.instance_id)
+            pipe.execute()
+        except (RedisError, OSError):
+            pass
+        self._redis.close()

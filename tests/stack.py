@@ -72,6 +72,9 @@ class Stack:
     scheduler_proc: subprocess.Popen | None = None
     executor_port: int = 0
     port: int = 0
+    # The scheduler finds executors in the Redis registry (--discover-executors) instead of
+    # being given this stack's executor address.
+    discover: bool = False
     _restarts: int = 0
 
     @property
@@ -99,7 +102,8 @@ class Stack:
         log = open(self.workdir / "scheduler.log", "ab")  # noqa: SIM115
         cmd = [
             sys.executable, "-m", "scheduler_svc",
-            "--executor", self.executor_address, "--redis-url", self.redis.url,
+            *(["--discover-executors"] if self.discover else ["--executor", self.executor_address]),
+            "--redis-url", self.redis.url,
             "--port", str(self.port), "--port-file", str(port_file),
             "--log-level", "warning", *self.scheduler_args,
         ]  # fmt: skip

@@ -12,6 +12,8 @@ import random
 import threading
 import time
 
+import redis as redis_lib
+
 from protos import scheduler_pb2 as pb
 from scheduler_svc.redis_server import RedisServer
 from tests.api_helpers import Collected, collect, gen_request, run_in_threads, stub_for
@@ -87,4 +89,75 @@ def test_requests_of_a_dead_executor_finish_on_a_live_one(tmp_path):
     finally:
         stack.stop()
         second.stop()
+        redis.close()
+
+
+def test_executors_found_through_the_redis_registry_including_late_ones(tmp_path):
+    """--discover-executors: executors register themselves (heartbeat in Redis); one started
+    after the scheduler joins, takes work, and when it dies its requests move on."""
+    redis = RedisServer(data_dir=tmp_path / "redis")
+    redis.start()
+    registry_args = [*EXECUTOR_ARGS, "--redis-url", redis.url]
+    first = Stack(
+        workdir=tmp_path,
+        model_dir=tiny_model_dir(tmp_path.parent / "models"),
+        redis=redis,
+        executor_args=registry_args,
+        scheduler_args=["--executor-failover", "0.5"],
+        discover=True,
+    )
+    (tmp_path / "late").mkdir()
+    late = Stack(
+        workdir=tmp_path / "late",
+        model_dir=first.model_dir,
+        redis=redis,
+        executor_args=registry_args,
+    )
+    raw = redis_lib.Redis.from_url(redis.url)
+    try:
+        first.start_executor()
+        first.start_scheduler()
+        channel, stub = stub_for(first.address)
+        reference = run_in_threads([lambda r=r: collect(stub.Generate(r)) for r in workload("a")])
+        assert all(r.error is None and len(r.tokens[0]) == MAX_TOKENS for r in reference)
+
+        late.start_executor()
+        deadline = time.monotonic() + 30
+        while len(stub.GetServerInfo(pb.GetServerInfoRequest()).executors) < 2:
+            assert time.monotonic() < deadline, "the late executor was not discovered"
+            time.sleep(0.1)
+        assert raw.scard("llmserve:index:executors") == 2
+
+        results = [Collected() for _ in range(NUM_REQUESTS)]
+        threads = [
+            threading.Thread(target=collect, args=(stub.Generate(r, timeout=180), results[i]))
+            for i, r in enumerate(workload("b"))
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while min(len(r.tokens.get(0, [])) for r in results) < 3:
+            assert time.monotonic() < deadline, "requests did not start"
+            time.sleep(0.01)
+        info = stub.GetServerInfo(pb.GetServerInfoRequest())
+        first_id = next(e.instance_id for e in info.executors if e.address != late.executor_address)
+        joined = next(e for e in info.executors if e.address == late.executor_address)
+        assert joined.num_free_blocks < joined.num_device_blocks, "the late executor got no work"
+        late.executor_proc.kill()
+        late.executor_proc.wait()
+        for t in threads:
+            t.join(timeout=180)
+        for got, ref in zip(results, reference, strict=True):
+            assert got.error is None, got.error
+            assert got.offsets_ok
+            assert got.tokens[0] == ref.tokens[0]
+        channel.close()
+        first.stop()
+        # A clean stop removes the registration at once (a killed executor's merely expires).
+        assert not raw.exists(f"llmserve:executor:{first_id}")
+        assert first_id.encode() not in raw.smembers("llmserve:index:executors")
+    finally:
+        first.stop()
+        late.stop()
+        raw.close()
         redis.close()
