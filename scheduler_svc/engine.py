@@ -11,25 +11,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import socket
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 
 import grpc
 import structlog
 
 from protos import executor_pb2 as epb
-from protos import executor_pb2_grpc as epb_grpc
 from scheduler_svc import convert
 from scheduler_svc.detokenizer import token_byte_table
 from scheduler_svc.errors import NotFound, QueueFull, Unavailable, ValidationError
+from scheduler_svc.executor_pool import ExecutorHandle, ExecutorPool
 from scheduler_svc.handles import EngineStep, RequestHandle, RequestView
 from scheduler_svc.persister import Persister
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.step_outputs import process_step_outputs
 from scheduler_svc.store import RequestStore, StoredRequest, StoreUnavailable
 from scheduler_svc.tokenizer import encode_chat, encode_prompt, load_tokenizer
@@ -79,40 +77,6 @@ class GenerateInput:
     priority: int = 0
 
 
-@dataclass(slots=True)
-class ExecutorHandle:
-    address: str
-    channel: grpc.aio.Channel
-    stub: epb_grpc.ExecutorStub
-    describe: epb.DescribeResponse
-    sched: Scheduler
-    healthy: bool = True
-    step_id: int = 0
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    consecutive_failures: int = 0
-    unhealthy_since: float = 0.0  # time.monotonic() of the failure that made it unhealthy
-
-
-def expand_addresses(addresses: list[str]) -> list[str]:
-    """Each host:port once per address its name resolves to, so that one service name behind
-    which several executors run (`docker compose up --scale executor=N`) reaches all of them."""
-    out: list[str] = []
-    for address in addresses:
-        host, _, port = address.rpartition(":")
-        try:
-            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-            ips = sorted({info[4][0] for info in infos})
-        except (OSError, ValueError):
-            ips = []
-        if len(ips) <= 1 or host in ("localhost", "127.0.0.1", "::1"):
-            expanded = [address]
-        else:
-            expanded = [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
-        out.extend(a for a in expanded if a not in out)
-    return out
-
-
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -120,7 +84,8 @@ class Engine:
         self.persister = Persister(
             self.store, max_backlog_steps=config.max_backlog_steps, resync=self._resync_store
         )
-        self.executors: list[ExecutorHandle] = []
+        self.pool = ExecutorPool(config, self.store)
+        self.executors = self.pool.executors  # the same list
         self.requests: dict[str, RequestHandle] = {}  # active (unfinished or unacknowledged)
         self.tokenizer = None
         self.ready = False
@@ -138,15 +103,18 @@ class Engine:
         if on_ready_change is not None:
             self._on_ready_change = on_ready_change
         self.persister.start()
-        self._tasks.append(asyncio.create_task(self._connect_all(), name="engine.connect"))
+        self._spawn(self._connect_all(), "engine.connect")
+
+    def _spawn(self, coro: Coroutine[object, object, None], name: str) -> None:
+        """Run one of the engine's own tasks; one that dies of an error says so in the log."""
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(_log_task_failure)
+        self._tasks.append(task)
 
     async def _connect_all(self) -> None:
-        addresses = await asyncio.to_thread(expand_addresses, self.config.executor_addresses)
-        if self.config.discover_executors and not addresses:
-            addresses = await self._wait_for_registrations()
-        for address in addresses:
-            handle = await self._connect(address)
-            assert handle is not None
+        for address in await self.pool.initial_addresses():
+            handle = await self.pool.connect(address)
+            assert handle is not None  # connect() keeps trying
             self.executors.append(handle)
             if self.tokenizer is None:
                 reply = await handle.stub.GetTokenizer(epb.GetTokenizerRequest())
@@ -167,120 +135,19 @@ class Engine:
         gc.collect()
         gc.freeze()
         for ex in self.executors:
-            self._tasks.append(asyncio.create_task(self._loop(ex), name=f"engine.{ex.address}"))
+            self._spawn(self._loop(ex), f"engine.{ex.address}")
         if self.config.discover_executors:
-            self._tasks.append(asyncio.create_task(self._discover(), name="engine.discover"))
+            self._spawn(self._discover(), "engine.discover")
         self.ready = True
         self._on_ready_change(True)
         log.info("engine.ready", executors=len(self.executors), recovered=len(self.requests))
 
-    async def _connect(self, address: str, *, retry: bool = True) -> ExecutorHandle | None:
-        """Connect to an executor and reset it; keeps trying unless `retry` is False (then
-        None when it cannot be reached)."""
-        delay = 0.1
-        while True:
-            channel = grpc.aio.insecure_channel(
-                address,
-                options=[
-                    ("grpc.max_send_message_length", 256 * 1024 * 1024),
-                    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-                ],
-            )
-            stub = epb_grpc.ExecutorStub(channel)
-            try:
-                describe = await stub.Describe(epb.DescribeRequest(), timeout=5)
-                # A fresh scheduler owns no blocks: make sure the executor agrees.
-                await stub.Reset(epb.ResetRequest(), timeout=5)
-            except grpc.aio.AioRpcError as e:
-                await channel.close()
-                if not retry:
-                    log.warning("executor.unreachable", address=address, code=e.code().name)
-                    return None
-                log.info("executor.waiting", address=address, code=e.code().name)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-                continue
-            log.info(
-                "executor.connected",
-                address=address,
-                instance_id=describe.instance_id,
-                blocks=describe.num_device_blocks,
-            )
-            return ExecutorHandle(address, channel, stub, describe, self._new_scheduler(describe))
-
-    async def _wait_for_registrations(self) -> list[str]:
-        """Addresses of the executors registered in Redis, once there is at least one."""
-        log.info("engine.waiting_for_executor_registrations")
-        while True:
-            try:
-                entries = await self.store.list_executors()
-            except StoreUnavailable:
-                entries = []
-            if entries:
-                return sorted({address for _, address in entries})
-            await asyncio.sleep(self.config.discovery_interval_s)
-
     async def _discover(self) -> None:
-        """Serve executors that register in Redis after start-up (scaling out at run time).
-
-        Executors are known by the address they advertise and by their instance id; one that
-        restarts comes back under the same address and is picked up by its existing loop.
-        """
+        """Serve executors that register in Redis after start-up (scaling out at run time)."""
         while not self._stopping:
             await asyncio.sleep(self.config.discovery_interval_s)
-            try:
-                entries = await self.store.list_executors()
-            except StoreUnavailable:
-                continue
-            for instance_id, address in entries:
-                known = {(ex.address, ex.describe.instance_id) for ex in self.executors}
-                if any(address == a or instance_id == i for a, i in known):
-                    continue
-                ex = await self._connect(address, retry=False)
-                if ex is None:
-                    continue
-                first = self.executors[0].describe
-                if (ex.describe.model_name, ex.describe.vocab_size) != (
-                    first.model_name,
-                    first.vocab_size,
-                ):
-                    log.error(
-                        "executor.incompatible",
-                        address=address,
-                        model=ex.describe.model_name,
-                        expected=first.model_name,
-                    )
-                    await ex.channel.close()
-                    continue
-                if any(e.describe.instance_id == ex.describe.instance_id for e in self.executors):
-                    await ex.channel.close()  # one already served under another address
-                    continue
-                self.executors.append(ex)
-                self._tasks.append(asyncio.create_task(self._loop(ex), name=f"engine.{ex.address}"))
-                log.info("executor.discovered", address=address, instance_id=instance_id)
-
-    def _new_scheduler(self, d: epb.DescribeResponse) -> Scheduler:
-        c = self.config
-        num_device = min(d.num_device_blocks, c.num_device_blocks or d.num_device_blocks)
-        num_cpu = min(
-            d.num_cpu_blocks, c.num_cpu_blocks if c.num_cpu_blocks is not None else 1 << 30
-        )
-        return Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=c.max_num_batched_tokens,
-                max_num_seqs=c.max_num_seqs,
-                block_size=d.block_size,
-                num_device_blocks=num_device,
-                num_cpu_blocks=num_cpu,
-                max_model_len=min(d.max_model_len, c.max_model_len or d.max_model_len),
-                policy=c.policy,
-                preemption_mode=c.preemption_mode,
-                enable_prefix_caching=c.enable_prefix_caching,
-                watermark=c.watermark,
-                # The engine enforces the queue cap across executors; never refuse here.
-                max_waiting=1 << 30,
-            )
-        )
+            for ex in await self.pool.discover():
+                self._spawn(self._loop(ex), f"engine.{ex.address}")
 
     async def stop(self, drain_timeout_s: float = 5.0) -> None:
         """Stop taking requests, let running ones finish for up to `drain_timeout_s`, then stop.
@@ -695,6 +562,16 @@ class Engine:
                     self._finish_request(handle, record)
             self.persister.submit(record.to_record())
             ex.consecutive_failures = 0
+
+
+def _log_task_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error(
+            "engine.task_failed",
+            task=task.get_name(),
+            error=repr(task.exception()),
+            exc_info=task.exception(),
+        )
 
 
 __all__ = ["Engine", "EngineConfig", "GenerateInput"]

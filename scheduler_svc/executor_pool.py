@@ -1,0 +1,187 @@
+"""The executors one scheduler drives: their handles, connecting, and the Redis registry.
+
+Executors come from `--executor` addresses (a name that resolves to several addresses, as
+`docker compose up --scale executor=N` makes, counts once per address) or, with
+`--discover-executors`, from the registry executors keep alive in Redis. Each executor gets its
+own scheduler core, sized from what it reports in Describe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+import structlog
+
+from protos import executor_pb2 as epb
+from protos import executor_pb2_grpc as epb_grpc
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.store import RequestStore, StoreUnavailable
+
+if TYPE_CHECKING:
+    from scheduler_svc.engine import EngineConfig
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["ExecutorHandle", "ExecutorPool", "expand_addresses"]
+
+
+@dataclass(slots=True)
+class ExecutorHandle:
+    address: str
+    channel: grpc.aio.Channel
+    stub: epb_grpc.ExecutorStub
+    describe: epb.DescribeResponse
+    sched: Scheduler
+    healthy: bool = True
+    step_id: int = 0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    consecutive_failures: int = 0
+    unhealthy_since: float = 0.0  # time.monotonic() of the failure that made it unhealthy
+
+
+def expand_addresses(addresses: list[str]) -> list[str]:
+    """Each host:port once per address its name resolves to, so that one service name behind
+    which several executors run (`docker compose up --scale executor=N`) reaches all of them."""
+    out: list[str] = []
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            ips = sorted({info[4][0] for info in infos})
+        except (OSError, ValueError):
+            ips = []
+        if len(ips) <= 1 or host in ("localhost", "127.0.0.1", "::1"):
+            expanded = [address]
+        else:
+            expanded = [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
+        out.extend(a for a in expanded if a not in out)
+    return out
+
+
+class ExecutorPool:
+    def __init__(self, config: EngineConfig, store: RequestStore) -> None:
+        self.config = config
+        self.store = store
+        self.executors: list[ExecutorHandle] = []
+
+    async def initial_addresses(self) -> list[str]:
+        """The executors to connect at start-up (with discovery and no addresses: the
+        registered ones, waiting for the first)."""
+        addresses = await asyncio.to_thread(expand_addresses, self.config.executor_addresses)
+        if self.config.discover_executors and not addresses:
+            addresses = await self.wait_for_registrations()
+        return addresses
+
+    async def connect(self, address: str, *, retry: bool = True) -> ExecutorHandle | None:
+        """Connect to an executor and reset it; keeps trying unless `retry` is False (then
+        None when it cannot be reached)."""
+        delay = 0.1
+        while True:
+            channel = grpc.aio.insecure_channel(
+                address,
+                options=[
+                    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+                    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+                ],
+            )
+            stub = epb_grpc.ExecutorStub(channel)
+            try:
+                describe = await stub.Describe(epb.DescribeRequest(), timeout=5)
+                # A fresh scheduler owns no blocks: make sure the executor agrees.
+                await stub.Reset(epb.ResetRequest(), timeout=5)
+            except grpc.aio.AioRpcError as e:
+                await channel.close()
+                if not retry:
+                    log.warning("executor.unreachable", address=address, code=e.code().name)
+                    return None
+                log.info("executor.waiting", address=address, code=e.code().name)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            log.info(
+                "executor.connected",
+                address=address,
+                instance_id=describe.instance_id,
+                blocks=describe.num_device_blocks,
+            )
+            return ExecutorHandle(address, channel, stub, describe, self.new_scheduler(describe))
+
+    def new_scheduler(self, d: epb.DescribeResponse) -> Scheduler:
+        c = self.config
+        num_device = min(d.num_device_blocks, c.num_device_blocks or d.num_device_blocks)
+        num_cpu = min(
+            d.num_cpu_blocks, c.num_cpu_blocks if c.num_cpu_blocks is not None else 1 << 30
+        )
+        return Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=c.max_num_batched_tokens,
+                max_num_seqs=c.max_num_seqs,
+                block_size=d.block_size,
+                num_device_blocks=num_device,
+                num_cpu_blocks=num_cpu,
+                max_model_len=min(d.max_model_len, c.max_model_len or d.max_model_len),
+                policy=c.policy,
+                preemption_mode=c.preemption_mode,
+                enable_prefix_caching=c.enable_prefix_caching,
+                watermark=c.watermark,
+                # The engine enforces the queue cap across executors; never refuse here.
+                max_waiting=1 << 30,
+            )
+        )
+
+    async def wait_for_registrations(self) -> list[str]:
+        """Addresses of the executors registered in Redis, once there is at least one."""
+        log.info("engine.waiting_for_executor_registrations")
+        while True:
+            try:
+                entries = await self.store.list_executors()
+            except StoreUnavailable:
+                entries = []
+            if entries:
+                return sorted({address for _, address in entries})
+            await asyncio.sleep(self.config.discovery_interval_s)
+
+    async def discover(self) -> list[ExecutorHandle]:
+        """One look at the Redis registry: connect the executors not served yet.
+
+        Executors are known by the address they advertise and by their instance id; one that
+        restarts comes back under the same address and is picked up by its existing loop.
+        Returns the handles added (the caller starts their loops).
+        """
+        try:
+            entries = await self.store.list_executors()
+        except StoreUnavailable:
+            return []
+        added = []
+        for instance_id, address in entries:
+            known = {(ex.address, ex.describe.instance_id) for ex in self.executors}
+            if any(address == a or instance_id == i for a, i in known):
+                continue
+            ex = await self.connect(address, retry=False)
+            if ex is None:
+                continue
+            first = self.executors[0].describe
+            if (ex.describe.model_name, ex.describe.vocab_size) != (
+                first.model_name,
+                first.vocab_size,
+            ):
+                log.error(
+                    "executor.incompatible",
+                    address=address,
+                    model=ex.describe.model_name,
+                    expected=first.model_name,
+                )
+                await ex.channel.close()
+                continue
+            if any(e.describe.instance_id == ex.describe.instance_id for e in self.executors):
+                await ex.channel.close()  # one already served under another address
+                continue
+            self.executors.append(ex)
+            added.append(ex)
+            log.info("executor.discovered", address=address, instance_id=instance_id)
+        return added
