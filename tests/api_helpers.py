@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,3 +113,38 @@ def run_in_threads(fns) -> list:
     for t in threads:
         t.join(timeout=300)
     return results
+
+
+def mixed_workload(
+    prefix: str, num: int, max_tokens: int, *, rng_seed: int, max_prompt_len: int = 20
+) -> list[pb.GenerateRequest]:
+    """`num` requests `{prefix}-{i}` with distinct random prompts: even ones greedy, odd ones
+    seeded sampling (both must reproduce exactly after any recovery)."""
+    rng = random.Random(rng_seed)
+    reqs = []
+    for i in range(num):
+        prompt = [rng.randrange(5, 500) for _ in range(rng.randint(4, max_prompt_len))]
+        params = dict(max_tokens=max_tokens, ignore_eos=True)
+        params |= {"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.9, "seed": 100 + i}
+        reqs.append(gen_request(prompt, request_id=f"{prefix}-{i}", **params))
+    return reqs
+
+
+def stream_in_threads(
+    stub: pb_grpc.SchedulerStub, reqs: list[pb.GenerateRequest], *, min_tokens: int = 3
+) -> tuple[list[Collected], list[threading.Thread]]:
+    """Start one streaming Generate per request in its own thread; return once every stream
+    has delivered `min_tokens` tokens (the threads keep collecting into the results)."""
+    results = [Collected() for _ in reqs]
+    threads = [
+        threading.Thread(target=collect, args=(stub.Generate(r, timeout=180), results[i]))
+        for i, r in enumerate(reqs)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while min(len(r.tokens.get(0, [])) for r in results) < min_tokens:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the streams did not start")
+        time.sleep(0.01)
+    return results, threads

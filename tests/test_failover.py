@@ -8,15 +8,20 @@ seeded sampling), streamed without a gap or a repeated token.
 
 from __future__ import annotations
 
-import random
-import threading
 import time
 
 import redis as redis_lib
 
 from protos import scheduler_pb2 as pb
 from scheduler_svc.redis_server import RedisServer
-from tests.api_helpers import Collected, collect, gen_request, run_in_threads, stub_for
+from tests.api_helpers import (
+    Collected,
+    collect,
+    mixed_workload,
+    run_in_threads,
+    stream_in_threads,
+    stub_for,
+)
 from tests.stack import Stack, make_stack, tiny_model_dir
 
 MAX_TOKENS = 60
@@ -25,14 +30,15 @@ EXECUTOR_ARGS = ["--num-device-blocks", "256", "--swap-space", "0.01"]
 
 
 def workload(prefix: str) -> list[pb.GenerateRequest]:
-    rng = random.Random(11)
-    reqs = []
-    for i in range(NUM_REQUESTS):
-        prompt = [rng.randrange(5, 500) for _ in range(rng.randint(4, 16))]
-        params = dict(max_tokens=MAX_TOKENS, ignore_eos=True)
-        params |= {"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.9, "seed": 7 + i}
-        reqs.append(gen_request(prompt, request_id=f"{prefix}-{i}", **params))
-    return reqs
+    return mixed_workload(prefix, NUM_REQUESTS, MAX_TOKENS, rng_seed=11, max_prompt_len=16)
+
+
+def check_outputs(results: list[Collected], reference: list[Collected]) -> None:
+    for got, ref in zip(results, reference, strict=True):
+        assert got.error is None, got.error
+        assert got.offsets_ok  # no token missed or repeated across the move
+        assert got.finish[0] == pb.FINISH_REASON_LENGTH
+        assert got.tokens[0] == ref.tokens[0]
 
 
 def test_requests_of_a_dead_executor_finish_on_a_live_one(tmp_path):
@@ -57,17 +63,7 @@ def test_requests_of_a_dead_executor_finish_on_a_live_one(tmp_path):
         reference = run_in_threads([lambda r=r: collect(stub.Generate(r)) for r in workload("a")])
         assert all(r.error is None and len(r.tokens[0]) == MAX_TOKENS for r in reference)
 
-        results = [Collected() for _ in range(NUM_REQUESTS)]
-        threads = [
-            threading.Thread(target=collect, args=(stub.Generate(r, timeout=180), results[i]))
-            for i, r in enumerate(workload("b"))
-        ]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while min(len(r.tokens.get(0, [])) for r in results) < 3:
-            assert time.monotonic() < deadline, "requests did not start"
-            time.sleep(0.01)
+        results, threads = stream_in_threads(stub, workload("b"))
         info = stub.GetServerInfo(pb.GetServerInfoRequest())
         doomed = next(e for e in info.executors if e.address == second.executor_address)
         assert doomed.num_free_blocks < doomed.num_device_blocks, "nothing ran on it"
@@ -76,11 +72,7 @@ def test_requests_of_a_dead_executor_finish_on_a_live_one(tmp_path):
         for t in threads:
             t.join(timeout=180)
 
-        for got, ref in zip(results, reference, strict=True):
-            assert got.error is None, got.error
-            assert got.offsets_ok  # no token missed or repeated across the move
-            assert got.finish[0] == pb.FINISH_REASON_LENGTH
-            assert got.tokens[0] == ref.tokens[0]
+        check_outputs(results, reference)
         info = stub.GetServerInfo(pb.GetServerInfoRequest())
         health = {e.address: e.healthy for e in info.executors}
         assert health == {stack.executor_address: True, second.executor_address: False}
@@ -128,17 +120,7 @@ def test_executors_found_through_the_redis_registry_including_late_ones(tmp_path
             time.sleep(0.1)
         assert raw.scard("llmserve:index:executors") == 2
 
-        results = [Collected() for _ in range(NUM_REQUESTS)]
-        threads = [
-            threading.Thread(target=collect, args=(stub.Generate(r, timeout=180), results[i]))
-            for i, r in enumerate(workload("b"))
-        ]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while min(len(r.tokens.get(0, [])) for r in results) < 3:
-            assert time.monotonic() < deadline, "requests did not start"
-            time.sleep(0.01)
+        results, threads = stream_in_threads(stub, workload("b"))
         info = stub.GetServerInfo(pb.GetServerInfoRequest())
         first_id = next(e.instance_id for e in info.executors if e.address != late.executor_address)
         joined = next(e for e in info.executors if e.address == late.executor_address)
@@ -147,10 +129,7 @@ def test_executors_found_through_the_redis_registry_including_late_ones(tmp_path
         late.executor_proc.wait()
         for t in threads:
             t.join(timeout=180)
-        for got, ref in zip(results, reference, strict=True):
-            assert got.error is None, got.error
-            assert got.offsets_ok
-            assert got.tokens[0] == ref.tokens[0]
+        check_outputs(results, reference)
         channel.close()
         first.stop()
         # A clean stop removes the registration at once (a killed executor's merely expires).

@@ -6,7 +6,6 @@ a scheduler process that the tests kill and restart.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 
@@ -16,7 +15,15 @@ import redis as redis_lib
 
 from protos import scheduler_pb2 as pb
 from scheduler_svc.redis_server import RedisServer
-from tests.api_helpers import Collected, collect, gen_request, generate, run_in_threads, stub_for
+from tests.api_helpers import (
+    Collected,
+    collect,
+    gen_request,
+    generate,
+    mixed_workload,
+    run_in_threads,
+    stub_for,
+)
 from tests.stack import make_stack
 
 NUM_CLIENTS = 20
@@ -37,15 +44,7 @@ def stack(tmp_path):
 
 
 def workload(prefix: str) -> list[pb.GenerateRequest]:
-    """Half greedy, half seeded sampling; distinct prompts."""
-    rng = random.Random(5)
-    reqs = []
-    for i in range(NUM_CLIENTS):
-        prompt = [rng.randrange(5, 500) for _ in range(rng.randint(4, 20))]
-        params = dict(max_tokens=MAX_TOKENS, ignore_eos=True)
-        params |= {"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.9, "seed": 100 + i}
-        reqs.append(gen_request(prompt, request_id=f"{prefix}-{i}", **params))
-    return reqs
+    return mixed_workload(prefix, NUM_CLIENTS, MAX_TOKENS, rng_seed=5)
 
 
 def test_kill_9_scheduler_mid_generation_loses_nothing(stack):
