@@ -290,12 +290,21 @@ class RequestHandle:
         self.notify()
 
     async def events(self, from_index: int) -> AsyncIterator[EngineEvent]:
-        cursors = [from_index] * self.n
-        done = [False] * self.n
+        """Acknowledged output from token `from_index` on, one event per sequence and wake-up
+        (a listener that falls behind gets several tokens in one event), until every sequence
+        has finished. Runs once per listener per step, so it is kept lean."""
+        n = self.n
+        acked = self.acked
+        want_lp = self.params.logprobs is not None
+        cursors = [from_index] * n
+        done = [False] * n
+        remaining = n
+        loop = asyncio.get_running_loop()
         while True:
-            for i, log in enumerate(self.acked):
+            for i in range(n):
                 if done[i]:
                     continue
+                log = acked[i]
                 c = cursors[i]
                 # Snapshot before yielding: more tokens may be published while suspended, and
                 # they belong to the next event, not to a cursor jump past them.
@@ -303,25 +312,32 @@ class RequestHandle:
                 finished = log.finish_reason is not None
                 if c >= end and not finished:
                     continue
-                cursors[i] = max(c, end)
-                done[i] = finished
+                if end > c:
+                    cursors[i] = end
+                if finished:
+                    done[i] = True
+                    remaining -= 1
+                chunks = log.chunks
+                text = chunks[c] if end - c == 1 else "".join(chunks[c:end])
+                if finished and log.tail:
+                    text += log.tail
                 yield EngineEvent(
-                    index=i,
-                    token_offset=c,
-                    token_ids=log.tokens[c:end],
-                    text="".join(log.chunks[c:end]) + (log.tail if finished else ""),
-                    logprobs=log.logprobs[c:end] if self.params.logprobs is not None else None,
-                    finish_reason=log.finish_reason,
-                    stop_reason=log.stop_reason,
-                    error=self.error if finished else "",
+                    i,
+                    c,
+                    log.tokens[c:end],
+                    text,
+                    log.logprobs[c:end] if want_lp else None,
+                    log.finish_reason,
+                    log.stop_reason,
+                    self.error if finished else "",
                 )
-            if all(done):
+            if not remaining:
                 return
             if self._closed is not None:
                 raise Unavailable(self._closed)
             # Nothing new was published since the loop above looked (no await in between), so
             # waiting for the next notify() cannot miss anything.
-            waiter = asyncio.get_running_loop().create_future()
+            waiter = loop.create_future()
             self._waiters.append(waiter)
             await waiter
 
