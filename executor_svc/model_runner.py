@@ -219,12 +219,19 @@ class ModelRunner:
             from executor_svc.sampler import Sampler
 
             self._sampler = Sampler()
-        out = self._sampler(
-            logits,
-            [s.sampling_params for s in seqs],
-            [s.token_ids[: s.num_prompt_tokens] for s in seqs],
-            [s.token_ids[s.num_prompt_tokens :] for s in seqs],
-        )
+        prompts: list = []
+        outputs: list = []
+        for s in seqs:
+            p, n = s.sampling_params, s.num_prompt_tokens
+            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+                prompts.append(s.token_ids[:n])
+                outputs.append(s.token_ids[n:])
+            else:
+                # The sampler reads only the output's length here (the seeded position): no
+                # copy of the whole context per sequence per step.
+                prompts.append(())
+                outputs.append(range(len(s.token_ids) - n))
+        out = self._sampler(logits, [s.sampling_params for s in seqs], prompts, outputs)
         token_ids = out.token_ids.tolist()
         logprobs = out.logprobs.tolist()
         top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None

@@ -273,6 +273,43 @@ def test_get_tokenizer_without_tokenizer(served: Served, driver: ExecutorDriver)
     assert [f.name for f in files] == ["generation_config.json"]
 
 
+PENALTY = 2.0  # the most the API allows
+
+
+def test_repetition_penalty_in_a_mixed_batch_matches_hf(served: Served, driver: ExecutorDriver):
+    """Penalised rows next to plain ones: the runner hands the sampler token lists only for
+    the penalised rows, and their output still equals HF's generate(repetition_penalty=...)."""
+
+    def hf_generate(prompt: list[int], **kw) -> list[int]:
+        ids = torch.tensor([prompt])
+        config = copy.deepcopy(served.hf.generation_config)
+        config.eos_token_id = None
+        out = served.hf.generate(
+            ids,
+            generation_config=config,
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            pad_token_id=0,
+            attention_mask=torch.ones_like(ids),
+            **kw,
+        )
+        return out[0, ids.shape[1] :].tolist()
+
+    # Prompts that already hold the tokens greedy decoding wants next: the penalty has to bite.
+    penalised = {k: PROMPTS[k] + served.hf_greedy(k)[:6] for k in ("p1", "p3", "p5")}
+    for seq_id, prompt in penalised.items():
+        driver.add(seq_id, prompt, pb.SamplingParams(repetition_penalty=PENALTY))
+    plain = {k: v for k, v in PROMPTS.items() if k not in penalised}
+    outputs = driver.generate(plain, MAX_NEW)
+    changed = 0
+    for seq_id, prompt in penalised.items():
+        ref = hf_generate(prompt, repetition_penalty=PENALTY)
+        assert driver.seqs[seq_id].token_ids[len(prompt) :][:MAX_NEW] == ref, seq_id
+        changed += ref != hf_generate(prompt)
+    assert changed  # the penalty really changed an output
+    assert_matches_hf(served, outputs)
+
+
 def test_decode_lane_gives_what_cached_sequences_give(served: Served, driver: ExecutorDriver):
     params = pb.SamplingParams(temperature=0.9, seed=5)
     prompts = {k: PROMPTS[k] for k in ("p1", "p2", "p3")}
