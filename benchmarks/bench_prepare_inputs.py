@@ -4,7 +4,9 @@
 sits between two forward passes, so its cost is pure overhead. This times it for decode steps
 (one token per sequence) at several batch sizes and context lengths, on the tiny demo model
 (the model does not matter here, only block size and batch shape), and, for comparison, the
-block table built the way it was before (`torch.tensor` of nested Python lists).
+block table built the way it was before: per-sequence Python lists into `torch.tensor`. The
+executor now keeps each sequence's block ids in a growable int32 array (`BlockTable`) and copies
+rows into a numpy buffer.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_prepare_inputs.py
 """
@@ -25,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 from executor_svc.demo_model import ensure_demo_model  # noqa: E402
 from executor_svc.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
 from executor_svc.sampler import SamplingParams  # noqa: E402
+from executor_svc.validation import BlockTable  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -36,7 +39,7 @@ def decode_batch(num_seqs: int, context: int) -> list[ScheduledSequence]:
             seq_id=f"{i:032x}/0",
             token_ids=[5] * (context + 1),
             num_prompt_tokens=context,
-            block_table=list(range(i * num_blocks, (i + 1) * num_blocks)),
+            block_table=BlockTable(range(i * num_blocks, (i + 1) * num_blocks)),
             num_computed_tokens=context,
             num_scheduled_tokens=1,
             sampling_params=SamplingParams(),
@@ -63,7 +66,9 @@ def main() -> None:
     runner = ModelRunner(
         model, device="cpu", block_size=BLOCK_SIZE, num_device_blocks=8, attention_backend="torch"
     )
-    print("| seqs | context | prepare_inputs ms | of which block table ms | old block table ms |")
+    print(
+        "| seqs | context | prepare_inputs ms | of which block table ms | lists + torch.tensor ms |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: |")
     for num_seqs in (64, 256):
         for context in (128, 1024, 4096):
@@ -82,8 +87,10 @@ def main() -> None:
                     table[i, :n] = q.block_table[:n]
                 return torch.from_numpy(table)
 
-            def old_table(s=seqs, n=n):
-                return torch.tensor([q.block_table[:n] for q in s], dtype=torch.int32)
+            lists = [q.block_table.tolist() for q in seqs]
+
+            def old_table(rows=lists, n=n):
+                return torch.tensor([r[:n] for r in rows], dtype=torch.int32)
 
             print(
                 f"| {num_seqs} | {context} | {total:.2f} | {timed(new_table, args.repeats):.2f} |"

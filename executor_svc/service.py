@@ -276,7 +276,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         for c in request.cached_sequences:
             s = self._seqs[c.seq_id]
             undo.cached.append(
-                _CachedUndo(s, len(s.token_ids), list(s.block_table), s.num_computed_tokens)
+                _CachedUndo(s, len(s.token_ids), s.block_table.tolist(), s.num_computed_tokens)
             )
             for r in c.replaced_blocks:
                 s.block_table[r.logical_index] = r.block_id
