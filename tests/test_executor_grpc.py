@@ -69,22 +69,28 @@ class Served:
             self._hf = load_hf_model(self.model_dir)
         return self._hf
 
+    def hf_generate(self, prompt: list[int], **kwargs: object) -> list[int]:
+        """HF greedy generate of MAX_NEW tokens (extra generate() arguments allowed)."""
+        ids = torch.tensor([prompt])
+        # No EOS: the reference must not stop early on the (random) EOS id.
+        config = copy.deepcopy(self.hf.generation_config)
+        config.eos_token_id = None
+        out = self.hf.generate(
+            ids,
+            generation_config=config,
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            pad_token_id=0,
+            attention_mask=torch.ones_like(ids),
+            **kwargs,
+        )
+        tokens = out[0, ids.shape[1] :].tolist()
+        assert len(tokens) == MAX_NEW
+        return tokens
+
     def hf_greedy(self, seq_id: str) -> list[int]:
         if seq_id not in self._greedy:
-            ids = torch.tensor([PROMPTS[seq_id]])
-            # No EOS: the reference must not stop early on the (random) EOS id.
-            config = copy.deepcopy(self.hf.generation_config)
-            config.eos_token_id = None
-            out = self.hf.generate(
-                ids,
-                generation_config=config,
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                pad_token_id=0,
-                attention_mask=torch.ones_like(ids),
-            )
-            self._greedy[seq_id] = out[0, ids.shape[1] :].tolist()
-            assert len(self._greedy[seq_id]) == MAX_NEW
+            self._greedy[seq_id] = self.hf_generate(PROMPTS[seq_id])
         return self._greedy[seq_id]
 
     def hf_logprobs(self, token_ids: list[int]) -> torch.Tensor:
@@ -280,21 +286,6 @@ def test_repetition_penalty_in_a_mixed_batch_matches_hf(served: Served, driver: 
     """Penalised rows next to plain ones: the runner hands the sampler token lists only for
     the penalised rows, and their output still equals HF's generate(repetition_penalty=...)."""
 
-    def hf_generate(prompt: list[int], **kw) -> list[int]:
-        ids = torch.tensor([prompt])
-        config = copy.deepcopy(served.hf.generation_config)
-        config.eos_token_id = None
-        out = served.hf.generate(
-            ids,
-            generation_config=config,
-            max_new_tokens=MAX_NEW,
-            do_sample=False,
-            pad_token_id=0,
-            attention_mask=torch.ones_like(ids),
-            **kw,
-        )
-        return out[0, ids.shape[1] :].tolist()
-
     # Prompts that already hold the tokens greedy decoding wants next: the penalty has to bite.
     penalised = {k: PROMPTS[k] + served.hf_greedy(k)[:6] for k in ("p1", "p3", "p5")}
     for seq_id, prompt in penalised.items():
@@ -303,9 +294,9 @@ def test_repetition_penalty_in_a_mixed_batch_matches_hf(served: Served, driver: 
     outputs = driver.generate(plain, MAX_NEW)
     changed = 0
     for seq_id, prompt in penalised.items():
-        ref = hf_generate(prompt, repetition_penalty=PENALTY)
+        ref = served.hf_generate(prompt, repetition_penalty=PENALTY)
         assert driver.seqs[seq_id].token_ids[len(prompt) :][:MAX_NEW] == ref, seq_id
-        changed += ref != hf_generate(prompt)
+        changed += ref != served.hf_generate(prompt)
     assert changed  # the penalty really changed an output
     assert_matches_hf(served, outputs)
 
