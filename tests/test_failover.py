@@ -8,7 +8,10 @@ seeded sampling), streamed without a gap or a repeated token.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import redis as redis_lib
 
@@ -140,3 +143,15 @@ def test_executors_found_through_the_redis_registry_including_late_ones(tmp_path
         late.stop()
         raw.close()
         redis.close()
+
+
+def test_discovery_and_static_executors_exclude_each_other():
+    proc = subprocess.run(
+        [sys.executable, "-m", "scheduler_svc", "--discover-executors", "--executor", "h:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 2
+    assert "--discover-executors and --executor exclude each other" in proc.stderr
