@@ -126,7 +126,7 @@ class TokenAppend:
     offset: int
     token_ids: list[int]
     logprobs: list[Any] | None = None  # JSON-able entries, one per token, when requested
-    # tokens_key_bulk(req_id, index) when the caller keeps it (saves a lookup per step).
+    # tokens_key_bulk(req_id, index) when the caller keeps it (saves building it every step).
     key_bulk: bytes = b""
 
 
@@ -156,19 +156,9 @@ def _int_bulk(value: int) -> bytes:
     return b
 
 
-# RESP bulk strings of the token-list keys of active sequences; entries go when a request
-# finishes (and all at once should this ever grow past its bound).
-_KEY_BULKS: dict[tuple[str, int], bytes] = {}
-
-
 def tokens_key_bulk(req_id: str, index: int) -> bytes:
     """The RESP form of a sequence's token-list key, for TokenAppend.key_bulk."""
-    b = _KEY_BULKS.get((req_id, index))
-    if b is None:
-        if len(_KEY_BULKS) >= 1 << 18:
-            _KEY_BULKS.clear()
-        b = _KEY_BULKS[(req_id, index)] = _bulk(_tokens_key(req_id, index).encode())
-    return b
+    return _bulk(_tokens_key(req_id, index).encode())
 
 
 def _pack_appends(sha: str, appends: list[TokenAppend]) -> bytes:
@@ -323,8 +313,6 @@ class RequestStore:
             },
         )
         pipe.srem(UNFINISHED_KEY, f.req_id)
-        for i in range(f.n):
-            _KEY_BULKS.pop((f.req_id, i), None)
         ttl_ms = max(1, int(self.finished_ttl_s * 1000))
         pipe.pexpire(key, ttl_ms)
         for i in range(f.n):
