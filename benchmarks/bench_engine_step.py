@@ -97,8 +97,9 @@ async def run(batch: int, steps: int, stop: list[str], streams: bool) -> dict[st
     counts = [0]
     tasks = [asyncio.create_task(listen(h, counts)) for h in requests.values()] if streams else []
     times: dict[str, list[float]] = {
-        k: [] for k in ("schedule", "build", "process", "redis_pack", "streams")
+        k: [] for k in ("schedule", "build", "process", "redis_pack", "publish", "streams")
     }
+    opens: list[bool] = []  # steps on which the lockstep batch opens new blocks
     clock = time.perf_counter
     gc.collect()
     gc.freeze()  # as Engine.start does once start-up is over
@@ -119,6 +120,7 @@ async def run(batch: int, steps: int, stop: list[str], streams: bool) -> dict[st
         tp = clock()
         _pack_appends(SHA, rec.appends)
         tp = clock() - tp
+        tq = clock()
         if rec.on_ack is not None:
             rec.on_ack()
         t4 = clock()
@@ -131,12 +133,18 @@ async def run(batch: int, steps: int, stop: list[str], streams: bool) -> dict[st
         times["build"].append(t2 - t1)
         times["process"].append(t4 - t3)
         times["redis_pack"].append(tp)
+        times["publish"].append(t4 - tq)
+        opens.append(bool(out.cached_seqs))
         times["streams"].append(t5 - t4)
     assert counts[0] >= batch * steps or not streams, "listeners fell behind"
     for h in requests.values():
         h.close("done")
     await asyncio.gather(*tasks, return_exceptions=True)
     gc.unfreeze()
+    # A block is filled (and hashed for the prefix cache) on the step before it is opened.
+    times["block_step"] = [
+        float(o or nxt) for o, nxt in zip(opens, [*opens[1:], False], strict=True)
+    ]
     return times
 
 
@@ -149,11 +157,13 @@ def main() -> None:
     args = ap.parse_args()
     lines = [
         "| running seqs | stop strings | stream listeners | schedule µs | build µs | process µs |"
-        " of which Redis packing µs | **total µs** | total p90 µs | streams µs |",
-        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        " of which Redis packing µs | of which publication µs | **total µs** | total p90 µs |"
+        " streams µs |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for line in lines:
         print(line)
+    tails: list[str] = []
     for batch in (int(b) for b in args.batches.split(",")):
         for stop in ([], ["###", "\n\n"]):
             for streams in (False, True):
@@ -161,9 +171,17 @@ def main() -> None:
                 for _ in range(args.repeats):
                     for k, v in asyncio.run(run(batch, args.steps, stop, streams)).items():
                         t.setdefault(k, []).extend(v)
-                total = sorted(
+                totals = [
                     a + b + c
                     for a, b, c in zip(t["schedule"], t["build"], t["process"], strict=True)
+                ]
+                total = sorted(totals)
+                slowest = sorted(range(len(totals)), key=totals.__getitem__)[-len(totals) // 10 :]
+                tails.append(
+                    f"{batch} seqs, stop {stop or 'none'}, listeners {streams}: "
+                    f"{sum(t['block_step'][i] > 0 for i in slowest)} of the {len(slowest)} "
+                    f"slowest steps fill or open blocks ({statistics.mean(t['block_step']):.0%} "
+                    "of all steps do)"
                 )
                 med = {k: statistics.median(v) * 1e6 for k, v in t.items()}
                 label = ", ".join(repr(s) for s in stop) or "none"
@@ -172,10 +190,15 @@ def main() -> None:
                 lines.append(
                     f"| {batch} | {label} | {listeners} | {med['schedule']:.0f} |"
                     f" {med['build']:.0f} | {med['process']:.0f} | {med['redis_pack']:.0f} |"
+                    f" {med['publish']:.0f} |"
                     f" **{statistics.median(total) * 1e6:.0f}** |"
                     f" {total[int(len(total) * 0.9)] * 1e6:.0f} | {streams_us} |"
                 )
                 print(lines[-1])
+    lines += ["", "Where the slowest 10 % of steps fall (all sequences decode in lockstep):", ""]
+    lines += [f"- {t}" for t in tails]
+    for line in lines[-len(tails) - 3 :]:
+        print(line)
     if args.write_notes:
         cmd = "HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_engine_step.py " + " ".join(
             sys.argv[1:]
