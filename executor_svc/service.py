@@ -72,6 +72,8 @@ def _rpc(method: F) -> F:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except _NotReady:
             context.abort(grpc.StatusCode.UNAVAILABLE, "executor is still loading its model")
+        except _WrongInstance as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except _StepFailed:
             # Already logged with its traceback; the step was rolled back.
             context.abort(
@@ -86,6 +88,10 @@ def _rpc(method: F) -> F:
 
 
 class _NotReady(Exception):
+    pass
+
+
+class _WrongInstance(Exception):
     pass
 
 
@@ -188,6 +194,11 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     @_rpc
     def ExecuteModel(self, request: pb.ExecuteModelRequest, context: grpc.ServicerContext) -> Any:
         runner = self.runner
+        if request.instance_id and request.instance_id != self.instance_id:
+            raise _WrongInstance(
+                f"step planned for executor instance {request.instance_id}, this is "
+                f"{self.instance_id} (restarted: its KV cache is gone); Describe and Reset first"
+            )
         with self._lock:
             t0 = time.perf_counter()
             plan = validate_step(request, self._seqs, runner, self.max_logprobs)

@@ -113,7 +113,7 @@ class BlockMapping(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class ExecuteModelRequest(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "cached_sequences", "finished_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "decode_seq_ids", "decode_num_computed_tokens")
+    __slots__ = ("step_id", "new_sequences", "cached_sequences", "finished_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "decode_seq_ids", "decode_num_computed_tokens", "instance_id")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     CACHED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class ExecuteModelRequest(_message.Message):
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
     DECODE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     cached_sequences: _containers.RepeatedCompositeFieldContainer[CachedSequence]
@@ -132,7 +133,8 @@ class ExecuteModelRequest(_message.Message):
     blocks_to_copy: _containers.RepeatedCompositeFieldContainer[BlockMapping]
     decode_seq_ids: _containers.RepeatedScalarFieldContainer[str]
     decode_num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_sequences: _Optional[_Iterable[_Union[CachedSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[str]] = ..., decode_num_computed_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_sequences: _Optional[_Iterable[_Union[CachedSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[str]] = ..., decode_num_computed_tokens: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds an executor may be unreachable before its requests move to live ones",
     )
+    p.add_argument(
+        "--health-interval",
+        type=float,
+        default=0.5,
+        help="seconds between health probes of Redis (a write) and of idle executors",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-json", action="store_true")
     return p
@@ -82,6 +88,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         finished_ttl_s=args.finished_ttl,
         max_backlog_steps=args.max_backlog_steps,
         executor_failover_s=args.executor_failover,
+        health_interval_s=args.health_interval,
         num_device_blocks=args.num_device_blocks,
         num_cpu_blocks=args.num_cpu_blocks,
         max_model_len=args.max_model_len,

@@ -20,14 +20,16 @@ import grpc
 import structlog
 
 from protos import executor_pb2 as epb
-from scheduler_svc import convert
+from scheduler_svc import convert, failpoints
 from scheduler_svc.detokenizer import token_byte_table
 from scheduler_svc.errors import NotFound, QueueFull, Unavailable, ValidationError
 from scheduler_svc.executor_pool import ExecutorHandle, ExecutorPool
 from scheduler_svc.handles import EngineStep, RequestHandle, RequestView
+from scheduler_svc.health import HealthMonitor
 from scheduler_svc.persister import Persister
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.scheduler_output import SchedulerOutput
 from scheduler_svc.step_outputs import process_step_outputs
 from scheduler_svc.store import RequestStore, StoredRequest, StoreUnavailable
 from scheduler_svc.tokenizer import encode_chat, encode_prompt, load_tokenizer
@@ -58,6 +60,8 @@ class EngineConfig:
     # checked every discovery_interval_s; with no executor_addresses, wait for the first one.
     discover_executors: bool = False
     discovery_interval_s: float = 2.0
+    # How often health probes Redis (a write) and idle executors (Describe).
+    health_interval_s: float = 0.5
     # Caps below what the executor reports (tests use them to force preemption).
     num_device_blocks: int | None = None
     num_cpu_blocks: int | None = None
@@ -91,7 +95,7 @@ class Engine:
         self.ready = False
         self._stopping = False
         self._tasks: list[asyncio.Task] = []
-        self._on_ready_change: Callable[[bool], None] = lambda ready: None
+        self.health = HealthMonitor(self, lambda serving: None, interval_s=config.health_interval_s)
         self.eos_token_ids: list[int] = []
         self.max_model_len = 0
         self.vocab_size = 0
@@ -101,9 +105,15 @@ class Engine:
 
     async def start(self, on_ready_change: Callable[[bool], None] | None = None) -> None:
         if on_ready_change is not None:
-            self._on_ready_change = on_ready_change
+            self.health.on_change = on_ready_change
+        self.health.update()
         self.persister.start()
         self._spawn(self._connect_all(), "engine.connect")
+        self._spawn(self.health.run(), "engine.health")
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     def _spawn(self, coro: Coroutine[object, object, None], name: str) -> None:
         """Run one of the engine's own tasks; one that dies of an error says so in the log."""
@@ -122,6 +132,8 @@ class Engine:
                 self.tokenizer = await asyncio.to_thread(load_tokenizer, files)
                 # Built here, off the loop, rather than by the first request's detokenizer.
                 await asyncio.to_thread(token_byte_table, self.tokenizer)
+                if failpoints.ARMED:  # tests widen the window before the limits are known
+                    await asyncio.sleep(failpoints.delay("engine.start"))
         first = self.executors[0].describe
         self.eos_token_ids = list(first.eos_token_ids)
         self.vocab_size = first.vocab_size
@@ -139,7 +151,7 @@ class Engine:
         if self.config.discover_executors:
             self._spawn(self._discover(), "engine.discover")
         self.ready = True
-        self._on_ready_change(True)
+        self.health.update()
         log.info("engine.ready", executors=len(self.executors), recovered=len(self.requests))
 
     async def _discover(self) -> None:
@@ -156,6 +168,7 @@ class Engine:
         """
         self._stopping = True
         self.ready = False
+        self.health.update()
         deadline = time.monotonic() + drain_timeout_s
         while self.requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -258,10 +271,7 @@ class Engine:
         return prompt
 
     def _check_available(self) -> None:
-        if self._stopping:
-            raise Unavailable("scheduler is shutting down")
-        if not self.ready:
-            raise Unavailable("no executor connected yet")
+        self._check_ready()
         if not any(ex.healthy for ex in self.executors):
             raise Unavailable("no executor is reachable")
         if not self.persister.healthy:
@@ -274,7 +284,18 @@ class Engine:
         ex.sched.add_request(req)
         ex.wake.set()
 
+    def _check_ready(self) -> None:
+        """Requests that read engine state wait for start-up: until recovery has finished, the
+        tokenizer, the model's limits and the set of resumed requests are incomplete."""
+        if self._stopping:
+            raise Unavailable("scheduler is shutting down")
+        if not self.ready:
+            raise Unavailable(
+                "scheduler is starting (connecting executors, recovering requests); retry shortly"
+            )
+
     async def attach(self, req_id: str) -> RequestHandle:
+        self._check_ready()
         handle = self.requests.get(req_id)
         if handle is not None:
             return handle
@@ -292,6 +313,7 @@ class Engine:
         return handle
 
     async def abort(self, req_id: str, *, missing_ok: bool = False) -> bool:
+        self._check_ready()
         handle = self.requests.get(req_id)
         if handle is None or handle.finished_in_engine:
             if missing_ok or handle is not None:
@@ -317,6 +339,7 @@ class Engine:
         return True
 
     async def get_request(self, req_id: str) -> RequestView:
+        self._check_ready()
         try:
             rec = await self.store.get(req_id)
         except StoreUnavailable as e:
@@ -335,8 +358,7 @@ class Engine:
         )
 
     def server_info(self) -> dict:
-        if not self.executors:
-            raise Unavailable("no executor connected yet")
+        self._check_ready()
         d = self.executors[0].describe
         stats = [ex.sched.get_stats() for ex in self.executors]
         hits = sum(st.prefix_cache_hits for st in stats)
@@ -441,33 +463,128 @@ class Engine:
                 continue
             ex.wake.clear()
             async with ex.lock:
-                out = ex.sched.schedule()
-                self._handle_scheduler_finished(ex)
-                if out.is_empty:
-                    idle = True
-                else:
-                    idle = False
-                    ex.step_id += 1
-                    msg = convert.execute_request(out, ex.step_id)
-                    call = ex.stub.ExecuteModel(msg, timeout=self.config.step_timeout_s)
-                    # The previous step's Redis write goes out now, while the executor computes
-                    # (its record was queued without waking the writer).
-                    self.persister.kick()
-                    try:
-                        resp = await call
-                    except grpc.aio.AioRpcError as e:
-                        self.persister.kick()
-                        self._executor_failed(ex, e)
-                        continue
-                    ex.consecutive_failures = 0
-                    self._process_step(ex, out, resp)
+                idle = await self._step(ex)
             if idle:
                 self.persister.kick()
+                ex.idle = True
                 await ex.wake.wait()
+                ex.idle = False
             # Busy: RPC handlers (new requests, aborts) run while the next step is awaited.
 
-    def _process_step(self, ex: ExecutorHandle, out, resp: epb.ExecuteModelResponse) -> None:
+    async def _step(self, ex: ExecutorHandle) -> bool:
+        """One engine step on `ex` (its lock held); True when there was nothing to do."""
+        out = None
         record = EngineStep()
+        try:
+            if failpoints.ARMED:
+                failpoints.hit("engine.schedule")
+            out = ex.sched.schedule()
+            self._handle_scheduler_finished(ex)
+            if out.is_empty:
+                return True
+            ex.step_id += 1
+            msg = convert.execute_request(out, ex.step_id)
+            msg.instance_id = ex.describe.instance_id
+            call = ex.stub.ExecuteModel(msg, timeout=self.config.step_timeout_s)
+            # The previous step's Redis write goes out now, while the executor computes (its
+            # record was queued without waking the writer).
+            self.persister.kick()
+            try:
+                resp = await call
+            except grpc.aio.AioRpcError as e:
+                self.persister.kick()
+                self._executor_failed(ex, e)
+                return False
+            ex.consecutive_failures = 0
+            if failpoints.ARMED:
+                failpoints.hit("engine.process_step")
+            self._process_step(ex, out, resp, record)
+            ex.num_crashed_steps = 0
+        except Exception as e:
+            self._step_crashed(ex, out, record, e)
+            await self._reset_executor(ex)
+        return False
+
+    def _step_crashed(
+        self, ex: ExecutorHandle, out: SchedulerOutput | None, record: EngineStep, error: Exception
+    ) -> None:
+        """A step raised inside the scheduler (a bug): log it once, keep serving.
+
+        The requests of the step end with an error finish: what the step did to their state is
+        unknown, and one of them may be what triggers the bug. What the step had already
+        recorded is still written, so clients and Redis agree on every token. Every other
+        request of the executor is recomputed on a fresh scheduler core, whose state is known.
+        A step that cannot even be planned fails nobody, unless it fails three times in a row.
+        """
+        ex.num_crashed_steps += 1
+        log.error(
+            "engine.step_crashed",
+            address=ex.address,
+            error=repr(error),
+            num_crashed_steps=ex.num_crashed_steps,
+            exc_info=error,
+        )
+        give_up = out is None and ex.num_crashed_steps >= 3
+        in_step = {seq.req_id for seq, _ in out.scheduled} if out is not None else set()
+        for handle in list(self.requests.values()):
+            if handle.executor is not ex or handle.finished_in_engine:
+                continue
+            if give_up or handle.req_id in in_step:
+                for i in range(handle.n):
+                    handle.finish_seq(
+                        i,
+                        RequestStatus.FINISHED_ERROR,
+                        None,
+                        record,
+                        "internal error in the scheduler while running this request",
+                    )
+                self._finish_request(handle, record)
+        self.persister.submit(record.to_record())
+        self._rebuild_core(ex)
+
+    def _rebuild_core(self, ex: ExecutorHandle) -> None:
+        """Give `ex` a fresh scheduler core sized from its current Describe and queue its
+        unfinished requests there, to be recomputed from the tokens they have produced. The
+        executor must be Reset before its next step (the caller's job)."""
+        ex.sched = self.pool.new_scheduler(ex.describe)
+        record = EngineStep()
+        handles = [h for h in self.requests.values() if h.executor is ex]
+        for handle in sorted(handles, key=lambda h: h.arrival_time):
+            if handle.finished_in_engine:
+                continue
+            if handle.all_finished:  # its last token was processed, its finish was not
+                self._finish_request(handle, record)
+                continue
+            ex.sched.add_request(self._resumed_request(handle, handle.produced_outputs()))
+        self.persister.submit(record.to_record())
+        ex.wake.set()
+        log.warning("executor.core_rebuilt", address=ex.address, requeued=ex.sched.num_waiting)
+
+    async def _reset_executor(self, ex: ExecutorHandle) -> None:
+        try:
+            await ex.stub.Reset(epb.ResetRequest(), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            self._executor_failed(ex, e)
+
+    async def executor_lost(self, ex: ExecutorHandle, reason: str) -> None:
+        """`ex` stopped answering or restarted while idle: reconnect it (and recompute)."""
+        async with ex.lock:
+            if not ex.healthy:
+                return
+            log.warning("executor.lost", address=ex.address, reason=reason)
+            ex.unhealthy_since = time.monotonic()
+            ex.healthy = False
+            ex.sched.reset_executor()
+        self.health.update()
+        ex.wake.set()
+
+    def _process_step(
+        self,
+        ex: ExecutorHandle,
+        out: SchedulerOutput,
+        resp: epb.ExecuteModelResponse,
+        record: EngineStep,
+    ) -> None:
         done = process_step_outputs(ex.sched, self.requests, out, resp, record)
         self._handle_scheduler_finished(ex, record)
         for handle in done:
@@ -508,6 +625,7 @@ class Engine:
         ex.healthy = False
         # Its KV cache (or our view of it) can no longer be trusted: recompute everything.
         ex.sched.reset_executor()
+        self.health.update()
 
     def _fail_over(self, ex: ExecutorHandle) -> None:
         """Move the requests of an executor unreachable for `executor_failover_s` to live ones.
@@ -541,8 +659,14 @@ class Engine:
             return
         if describe.instance_id != ex.describe.instance_id:
             log.warning("executor.restarted", address=ex.address, instance_id=describe.instance_id)
-        ex.describe = describe
+        old, ex.describe = ex.describe, describe
+        if _capacity(describe) != _capacity(old):
+            # Restarted with another cache shape: the old core's block ids may not even exist
+            # there. A fresh core sized for it; the requests are recomputed.
+            async with ex.lock:
+                self._rebuild_core(ex)
         ex.healthy = True
+        self.health.update()
         ex.wake.set()
         if ex.consecutive_failures >= 3:
             # The same step keeps failing: fail what is running rather than loop forever.
@@ -562,6 +686,10 @@ class Engine:
                     self._finish_request(handle, record)
             self.persister.submit(record.to_record())
             ex.consecutive_failures = 0
+
+
+def _capacity(d: epb.DescribeResponse) -> tuple[int, int, int, int]:
+    return (d.block_size, d.num_device_blocks, d.num_cpu_blocks, d.max_model_len)
 
 
 def _log_task_failure(task: asyncio.Task) -> None:

@@ -42,6 +42,10 @@ class ExecutorHandle:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     consecutive_failures: int = 0
     unhealthy_since: float = 0.0  # time.monotonic() of the failure that made it unhealthy
+    # Its loop is parked with nothing to schedule (the health monitor probes only these).
+    idle: bool = False
+    # Steps that raised inside the scheduler since the last one that completed.
+    num_crashed_steps: int = 0
 
 
 def expand_addresses(addresses: list[str]) -> list[str]:

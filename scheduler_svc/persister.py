@@ -126,23 +126,25 @@ class Persister:
             t0 = time.perf_counter()
             try:
                 await self.store.write_step(appends, finishes)
-            except StoreUnavailable as e:
-                self.stats.num_failures += 1
-                if self.healthy:
-                    log.warning("store.unavailable", error=str(e), backlog=len(batch))
-                self.healthy = False
-                await asyncio.sleep(self.retry_interval_s)
-                continue
             except StoreGapError as e:
                 # Redis lost acknowledged data (restarted without persistence): rewrite every
                 # active request from memory, then retry the batch.
                 log.error("store.gap", error=str(e))
-                if self._resync is None:
-                    raise
-                try:
-                    await self._resync()
-                except StoreUnavailable:
-                    await asyncio.sleep(self.retry_interval_s)
+                if self._resync is not None:
+                    try:
+                        await self._resync()
+                        continue
+                    except Exception as resync_error:  # retried below
+                        e = resync_error
+                self._failed(e, len(batch))
+                await asyncio.sleep(self.retry_interval_s)
+                continue
+            except Exception as e:
+                # Any failure (Redis down or refusing writes, or a bug) only pauses the writer:
+                # the batch stays queued, streams wait, and it is retried until Redis takes it.
+                # Letting the task die instead would stall every stream for good.
+                self._failed(e, len(batch))
+                await asyncio.sleep(self.retry_interval_s)
                 continue
             if not self.healthy:
                 log.info("store.recovered", flushed_steps=len(batch))
@@ -151,7 +153,22 @@ class Persister:
             self.stats.num_steps += len(batch)
             self.stats.num_ops += len(appends) + len(finishes)
             self.stats.write_time_s += time.perf_counter() - t0
-            for _ in batch:
-                rec = self._queue.popleft()
-                if rec.on_ack is not None:
-                    rec.on_ack()
+            acks = [self._queue.popleft().on_ack for _ in batch]
+            for on_ack in acks:
+                if on_ack is None:
+                    continue
+                try:
+                    on_ack()
+                except Exception:  # one bad publication must not stop the writer
+                    log.exception("persister.publish_failed")
+
+    def _failed(self, error: BaseException, backlog: int) -> None:
+        """Note a failed write: logged once per outage (with the traceback when it is not a
+        plain store outage), then retried quietly."""
+        self.stats.num_failures += 1
+        if self.healthy:
+            if isinstance(error, StoreUnavailable):
+                log.warning("store.unavailable", error=str(error), backlog=backlog)
+            else:
+                log.error("store.write_failed", error=repr(error), backlog=backlog, exc_info=error)
+        self.healthy = False

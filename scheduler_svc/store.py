@@ -9,6 +9,7 @@ Layout (format version 1), all keys `llmserve:<entity>:<id>`:
 - `llmserve:logprobs:<req_id>:<index>` list: one JSON entry per output token (only when the
   request asked for logprobs).
 - `llmserve:index:unfinished` set: ids of requests a restarted scheduler must resume.
+- `llmserve:health:probe` string: written by health checks to learn whether Redis accepts writes.
 - `llmserve:executor:<instance_id>` string (JSON: address): an executor's registration, which
   expires unless its heartbeat renews it; `llmserve:index:executors` set: the registered ids.
 
@@ -24,13 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 FORMAT_VERSION = 1
 UNFINISHED_KEY = "llmserve:index:unfinished"
 EXECUTORS_KEY = "llmserve:index:executors"
+HEALTH_PROBE_KEY = "llmserve:health:probe"
 
 # One call per engine step for every sequence's new tokens. KEYS per append: the tokens list,
 # then the logprobs list when the append has logprobs. ARGV per append: offset, count,
@@ -234,6 +234,15 @@ class RequestStore:
         except (RedisError, OSError):
             return False
 
+    async def probe_write(self) -> str | None:
+        """None when Redis accepts a write now, else why not (health checks use this: a Redis
+        that answers PING may still refuse every write)."""
+        try:
+            await self._redis.set(HEALTH_PROBE_KEY, "1", px=60_000)
+        except (RedisError, OSError) as e:
+            return str(e) or type(e).__name__
+        return None
+
     async def create(self, rec: StoredRequest) -> bool:
         """Store a new request; False (and nothing written) if the id already exists."""
         key = _request_key(rec.req_id)
@@ -271,7 +280,9 @@ class RequestStore:
                     for f in finishes:
                         self._queue_finish(pipe, f)
                     await pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+        except (RedisError, OSError) as e:
+            # Not only lost connections: a Redis that refuses writes (READONLY replica, OOM,
+            # MISCONF, NOREPLICAS, BUSY script) is as unavailable to us as one that is down.
             raise StoreUnavailable(f"redis unavailable: {e}") from e
         for a, res in zip(appends, results, strict=True):
             if res == -1:
