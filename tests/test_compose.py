@@ -87,10 +87,17 @@ def test_redis_is_persistent_and_health_checked() -> None:
     command = redis["command"]
     assert command[0] == "redis-server"
     assert command[command.index("--appendonly") + 1] == "yes"
+    # Every write fsynced before Redis replies: an acknowledged token survives a host crash.
+    assert command[command.index("--appendfsync") + 1] == "always"
     [volume] = redis["volumes"]
     assert volume["type"] == "volume" and volume["target"] == "/data"
     assert volume["source"] in config["volumes"]
     assert redis["healthcheck"]["test"][1:] == ["redis-cli", "ping"]
+
+
+def test_every_service_restarts_after_a_crash() -> None:
+    for name, service in resolved()["services"].items():
+        assert service.get("restart") in ("always", "unless-stopped"), name
 
 
 def test_executor_is_scalable() -> None:
