@@ -313,7 +313,10 @@ class Engine:
         return handle
 
     async def abort(self, req_id: str, *, missing_ok: bool = False) -> bool:
-        self._check_ready()
+        if not self.ready and not self._stopping:  # while stopping, the state is still whole
+            if missing_ok:  # a stream that went away during start-up: nothing of it runs yet
+                return False
+            self._check_ready()
         handle = self.requests.get(req_id)
         if handle is None or handle.finished_in_engine:
             if missing_ok or handle is not None:
