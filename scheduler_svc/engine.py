@@ -533,15 +533,9 @@ class Engine:
             if handle.executor is not ex or handle.finished_in_engine:
                 continue
             if give_up or handle.req_id in in_step:
-                for i in range(handle.n):
-                    handle.finish_seq(
-                        i,
-                        RequestStatus.FINISHED_ERROR,
-                        None,
-                        record,
-                        "internal error in the scheduler while running this request",
-                    )
-                self._finish_request(handle, record)
+                self._fail_request(
+                    handle, record, "internal error in the scheduler while running this request"
+                )
         self.persister.submit(record.to_record())
         self._rebuild_core(ex)
 
@@ -611,6 +605,12 @@ class Engine:
         if own:
             self.persister.submit(record.to_record())
 
+    def _fail_request(self, handle: RequestHandle, record: EngineStep, error: str) -> None:
+        """End every sequence of `handle` with an error finish that tells the client why."""
+        for i in range(handle.n):
+            handle.finish_seq(i, RequestStatus.FINISHED_ERROR, None, record, error)
+        self._finish_request(handle, record)
+
     def _finish_request(self, handle: RequestHandle, record: EngineStep) -> None:
         handle.finished_in_engine = True
         record.finishes.append(handle.finish_record())
@@ -678,15 +678,7 @@ class Engine:
                 handle = self.requests.get(req_id)
                 if handle is not None and not handle.finished_in_engine:
                     ex.sched.abort_request(req_id)
-                    for i in range(handle.n):
-                        handle.finish_seq(
-                            i,
-                            RequestStatus.FINISHED_ERROR,
-                            None,
-                            record,
-                            "executor rejected the request repeatedly",
-                        )
-                    self._finish_request(handle, record)
+                    self._fail_request(handle, record, "executor rejected the request repeatedly")
             self.persister.submit(record.to_record())
             ex.consecutive_failures = 0
 

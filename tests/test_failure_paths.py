@@ -250,49 +250,52 @@ def test_streams_pause_while_redis_refuses_writes_and_lose_nothing(tmp_path, red
 # ---------------------------------------------------------------- a step that raises
 
 
-def test_a_step_that_cannot_be_planned_is_retried_by_recompute(tmp_path, redis, monkeypatch):
-    monkeypatch.setenv("LLMSERVE_FAILPOINTS", "engine.schedule=1@20")
+def run_through_a_crash(
+    tmp_path, redis, monkeypatch, failpoint: str, prefix: str, rng_seed: int
+) -> tuple[list[Collected], list[Collected], list[int]]:
+    """Six requests while `failpoint` raises once, on the 21st step (inside this run), then the
+    same requests undisturbed. Returns both runs and the stored status of each request."""
+    monkeypatch.setenv("LLMSERVE_FAILPOINTS", f"{failpoint}=1@20")
     stack = make_stack(tmp_path, redis)
     try:
-        reqs = mixed_workload("plan", 6, 60, rng_seed=4)
+        reqs = mixed_workload(prefix, 6, 60, rng_seed=rng_seed)
         channel, stub = stub_for(stack.address)
-        # The failpoint fires on the 21st step: inside this run, not in the reference run.
         results = run_in_threads([lambda r=r: collect(stub.Generate(r, timeout=120)) for r in reqs])
-        log = (tmp_path / "scheduler.log").read_text()
-        assert log.count("engine.step_crashed") == 1 and log.count("Traceback") == 1, log
-        reference = reference_run(stack.address, reqs)
-        for i, (got, ref) in enumerate(zip(results, reference, strict=True)):
-            assert_same(got, ref, f"request {i}")
+        reference = reference_run(stack.address, reqs)  # and the loop still serves
+        states = [
+            stub.GetRequest(pb.GetRequestRequest(request_id=r.request_id)).status for r in reqs
+        ]
         channel.close()
     finally:
         stack.stop()
+    log = (tmp_path / "scheduler.log").read_text()
+    assert log.count("engine.step_crashed") == 1 and log.count("Traceback") == 1, log
+    return results, reference, states
+
+
+def test_a_step_that_cannot_be_planned_is_retried_by_recompute(tmp_path, redis, monkeypatch):
+    results, reference, _ = run_through_a_crash(
+        tmp_path, redis, monkeypatch, "engine.schedule", "plan", rng_seed=4
+    )
+    for i, (got, ref) in enumerate(zip(results, reference, strict=True)):
+        assert_same(got, ref, f"request {i}")
 
 
 def test_a_step_that_raises_fails_its_requests_and_the_loop_goes_on(tmp_path, redis, monkeypatch):
-    monkeypatch.setenv("LLMSERVE_FAILPOINTS", "engine.process_step=1@20")
-    stack = make_stack(tmp_path, redis)
-    try:
-        reqs = mixed_workload("proc", 6, 60, rng_seed=6)
-        channel, stub = stub_for(stack.address)
-        results = run_in_threads([lambda r=r: collect(stub.Generate(r, timeout=120)) for r in reqs])
-        reference = reference_run(stack.address, reqs)  # the loop still serves
-        failed = 0
-        for got, ref in zip(results, reference, strict=True):
-            assert got.error is None and got.offsets_ok
-            if got.finish[0] == pb.FINISH_REASON_ERROR:
-                failed += 1
-                # What it had streamed is exactly what an undisturbed run produced so far.
-                assert got.tokens[0] == ref.tokens[0][: len(got.tokens[0])]
-            else:
-                assert got.tokens[0] == ref.tokens[0]
-        assert failed >= 1
-        state = stub.GetRequest(pb.GetRequestRequest(request_id=reqs[0].request_id))
-        assert state.status == pb.REQUEST_STATUS_FINISHED
-        log = (tmp_path / "scheduler.log").read_text()
-        assert log.count("engine.step_crashed") == 1 and log.count("Traceback") == 1, log
-        channel.close()
-    finally:
-        stack.stop()
+    results, reference, states = run_through_a_crash(
+        tmp_path, redis, monkeypatch, "engine.process_step", "proc", rng_seed=6
+    )
+    failed = 0
+    for got, ref in zip(results, reference, strict=True):
+        assert got.error is None and got.offsets_ok
+        if got.finish[0] == pb.FINISH_REASON_ERROR:
+            failed += 1
+            # What it had streamed is exactly what an undisturbed run produced so far.
+            assert got.tokens[0] == ref.tokens[0][: len(got.tokens[0])]
+        else:
+            assert got.tokens[0] == ref.tokens[0]
+    assert failed >= 1
+    assert states == [pb.REQUEST_STATUS_FINISHED] * len(results)
 
 
 # ---------------------------------------------------------------- executors that come back
