@@ -38,11 +38,11 @@ sys.path.insert(0, str(ROOT))
 from executor_svc.demo_model import ensure_demo_model  # noqa: E402
 from protos import executor_pb2 as epb  # noqa: E402
 from scheduler_svc import convert  # noqa: E402
-from scheduler_svc.handles import EngineStep, RequestHandle  # noqa: E402
+from scheduler_svc.engine.step_results import process_step_outputs  # noqa: E402
+from scheduler_svc.engine.streams import EngineStep, RequestHandle  # noqa: E402
 from scheduler_svc.request import Request  # noqa: E402
 from scheduler_svc.sampling_params import SamplingParams  # noqa: E402
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from scheduler_svc.step_outputs import process_step_outputs  # noqa: E402
 from scheduler_svc.store import _pack_appends  # noqa: E402
 from scheduler_svc.tokenizer import load_tokenizer  # noqa: E402
 

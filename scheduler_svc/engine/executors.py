@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.store import RequestStore, StoreUnavailable
 
 if TYPE_CHECKING:
-    from scheduler_svc.engine import EngineConfig
+    from scheduler_svc.engine.config import EngineConfig
 
 log = structlog.get_logger(__name__)
 
@@ -95,9 +96,7 @@ class ExecutorPool:
             )
             stub = epb_grpc.ExecutorStub(channel)
             try:
-                describe = await stub.Describe(epb.DescribeRequest(), timeout=5)
-                # A fresh scheduler owns no blocks: make sure the executor agrees.
-                await stub.Reset(epb.ResetRequest(), timeout=5)
+                describe = await _handshake(stub)
             except grpc.aio.AioRpcError as e:
                 await channel.close()
                 if not retry:
@@ -114,6 +113,45 @@ class ExecutorPool:
                 blocks=describe.num_device_blocks,
             )
             return ExecutorHandle(address, channel, stub, describe, self.new_scheduler(describe))
+
+    async def reconnect(self, ex: ExecutorHandle) -> bool | None:
+        """One attempt (after a back-off) to bring an unhealthy executor back: None while it
+        stays unreachable, else whether its cache shape changed (then its scheduler core no
+        longer fits it). It is not marked healthy here: the caller first fixes the core."""
+        await asyncio.sleep(min(0.1 * 2**ex.consecutive_failures, 2.0))
+        try:
+            describe = await _handshake(ex.stub)
+        except grpc.aio.AioRpcError:
+            return None
+        if describe.instance_id != ex.describe.instance_id:
+            log.warning("executor.restarted", address=ex.address, instance_id=describe.instance_id)
+        old, ex.describe = ex.describe, describe
+        return _capacity(describe) != _capacity(old)
+
+    async def probe(self, ex: ExecutorHandle, timeout_s: float) -> str | None:
+        """Why `ex` is lost (unreachable, or restarted: its KV cache is gone), or None."""
+        try:
+            describe = await ex.stub.Describe(epb.DescribeRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            return f"health probe: {e.code().name}"
+        if describe.instance_id != ex.describe.instance_id:
+            return "restarted"
+        return None
+
+    def mark_failed(self, ex: ExecutorHandle) -> None:
+        """`ex` failed a step or a probe: unhealthy until reconnected, and everything it held
+        (or our view of it) is untrusted, so its requests will be recomputed."""
+        if ex.healthy:
+            ex.unhealthy_since = time.monotonic()
+        ex.healthy = False
+        ex.sched.reset_executor()
+        ex.wake.set()
+
+    def failover_due(self, ex: ExecutorHandle) -> bool:
+        """Unreachable for `executor_failover_s` while another executor is live."""
+        if time.monotonic() - ex.unhealthy_since < self.config.executor_failover_s:
+            return False
+        return any(e.healthy for e in self.executors if e is not ex)
 
     def new_scheduler(self, d: epb.DescribeResponse) -> Scheduler:
         c = self.config
@@ -189,3 +227,15 @@ class ExecutorPool:
             added.append(ex)
             log.info("executor.discovered", address=address, instance_id=instance_id)
         return added
+
+
+async def _handshake(stub: epb_grpc.ExecutorStub) -> epb.DescribeResponse:
+    """Describe, then Reset: a scheduler (re)connecting owns no blocks on the executor yet,
+    and the executor must agree before the first step."""
+    describe = await stub.Describe(epb.DescribeRequest(), timeout=5)
+    await stub.Reset(epb.ResetRequest(), timeout=5)
+    return describe
+
+
+def _capacity(d: epb.DescribeResponse) -> tuple[int, int, int, int]:
+    return (d.block_size, d.num_device_blocks, d.num_cpu_blocks, d.max_model_len)

@@ -13,13 +13,10 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import grpc
 import structlog
 
-from protos import executor_pb2 as epb
-
 if TYPE_CHECKING:
-    from scheduler_svc.engine import Engine
+    from scheduler_svc.engine.engine import Engine
 
 log = structlog.get_logger(__name__)
 
@@ -88,11 +85,6 @@ class HealthMonitor:
     async def _probe(self, ex) -> None:
         if not ex.healthy or not ex.idle:
             return  # a busy executor's steps tell; an unhealthy one is being reconnected
-        try:
-            describe = await ex.stub.Describe(epb.DescribeRequest(), timeout=self.probe_timeout_s)
-        except grpc.aio.AioRpcError as e:
-            if ex.idle and ex.healthy:
-                await self.engine.executor_lost(ex, f"health probe: {e.code().name}")
-            return
-        if describe.instance_id != ex.describe.instance_id and ex.healthy:
-            await self.engine.executor_lost(ex, "restarted while idle")
+        reason = await self.engine.pool.probe(ex, self.probe_timeout_s)
+        if reason is not None and ex.healthy:
+            await self.engine.executor_lost(ex, reason)

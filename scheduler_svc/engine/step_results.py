@@ -9,7 +9,7 @@ sequence, so it is kept to plain loops over plain data.
 from __future__ import annotations
 
 from protos import executor_pb2 as epb
-from scheduler_svc.handles import EngineStep, RequestHandle
+from scheduler_svc.engine.streams import EngineStep, RequestHandle
 from scheduler_svc.request import RequestStatus
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.scheduler_output import SchedulerOutput

@@ -1,0 +1,53 @@
+"""What the engine is configured with, and what a Generate call hands it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_svc.sampling_params import SamplingParams
+
+__all__ = ["MAX_REQUEST_ID_LEN", "EngineConfig", "GenerateInput"]
+
+MAX_REQUEST_ID_LEN = 256
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    executor_addresses: list[str]
+    redis_url: str
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_waiting: int = 4096
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
+    max_logprobs: int = 20
+    finished_ttl_s: float = 3600.0
+    max_backlog_steps: int = 1024
+    step_timeout_s: float = 120.0
+    # An executor unreachable this long hands its requests to the live ones (recomputed there).
+    executor_failover_s: float = 10.0
+    # Also serve executors that register themselves in Redis (llmserve-executor --redis-url),
+    # checked every discovery_interval_s; with no executor_addresses, wait for the first one.
+    discover_executors: bool = False
+    discovery_interval_s: float = 2.0
+    # How often health probes Redis (a write) and idle executors (Describe).
+    health_interval_s: float = 0.5
+    # Caps below what the executor reports (tests use them to force preemption).
+    num_device_blocks: int | None = None
+    num_cpu_blocks: int | None = None
+    max_model_len: int | None = None
+
+
+@dataclass(slots=True)
+class GenerateInput:
+    """A Generate call converted from protobuf; exactly one of the prompt fields is set."""
+
+    req_id: str
+    params: SamplingParams
+    text: str | None = None
+    token_ids: list[int] | None = None
+    chat: list[dict[str, str]] | None = None
+    add_generation_prompt: bool = True
+    priority: int = 0

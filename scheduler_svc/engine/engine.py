@@ -1,0 +1,357 @@
+"""The engine: one asyncio loop per executor, schedule -> ExecuteModel -> outputs -> persist.
+
+Each executor has its own scheduler core (queues and block tables for its KV cache). A step's
+output is handed to the persister and the loop moves on: clients see tokens only once Redis
+has acknowledged them, but the next step never waits for Redis unless the write backlog passes
+its bound. Around the loop, in their own modules: the request API the servicer calls
+(`requests`), recompute after any loss (`recovery`), the executors and their faults
+(`executors`), per-request stream state (`streams`), what a reply does (`step_results`) and
+health (`health`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import time
+from collections.abc import Callable, Coroutine
+
+import grpc
+import structlog
+
+from protos import executor_pb2 as epb
+from scheduler_svc import convert, failpoints
+from scheduler_svc.detokenizer import token_byte_table
+from scheduler_svc.engine import recovery, requests
+from scheduler_svc.engine.config import EngineConfig, GenerateInput
+from scheduler_svc.engine.executors import ExecutorHandle, ExecutorPool
+from scheduler_svc.engine.health import HealthMonitor
+from scheduler_svc.engine.step_results import process_step_outputs
+from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
+from scheduler_svc.persister import Persister
+from scheduler_svc.request import RequestStatus
+from scheduler_svc.scheduler_output import SchedulerOutput
+from scheduler_svc.store import RequestStore
+from scheduler_svc.tokenizer import load_tokenizer
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.store = RequestStore(config.redis_url, finished_ttl_s=config.finished_ttl_s)
+        self.persister = Persister(
+            self.store,
+            max_backlog_steps=config.max_backlog_steps,
+            resync=lambda: recovery.resync_store(self),
+        )
+        self.pool = ExecutorPool(config, self.store)
+        self.executors = self.pool.executors  # the same list
+        self.requests: dict[str, RequestHandle] = {}  # active (unfinished or unacknowledged)
+        self.tokenizer = None
+        self.ready = False
+        self._stopping = False
+        self._tasks: list[asyncio.Task] = []
+        self.health = HealthMonitor(self, lambda serving: None, interval_s=config.health_interval_s)
+        self.eos_token_ids: list[int] = []
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.block_size = 0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self, on_ready_change: Callable[[bool], None] | None = None) -> None:
+        if on_ready_change is not None:
+            self.health.on_change = on_ready_change
+        self.health.update()
+        self.persister.start()
+        self._spawn(self._connect_all(), "engine.connect")
+        self._spawn(self.health.run(), "engine.health")
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def _spawn(self, coro: Coroutine[object, object, None], name: str) -> None:
+        """Run one of the engine's own tasks; one that dies of an error says so in the log."""
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(_log_task_failure)
+        self._tasks.append(task)
+
+    async def _connect_all(self) -> None:
+        for address in await self.pool.initial_addresses():
+            handle = await self.pool.connect(address)
+            assert handle is not None  # connect() keeps trying
+            self.executors.append(handle)
+            if self.tokenizer is None:
+                reply = await handle.stub.GetTokenizer(epb.GetTokenizerRequest())
+                files = {f.name: f.content for f in reply.files}
+                self.tokenizer = await asyncio.to_thread(load_tokenizer, files)
+                # Built here, off the loop, rather than by the first request's detokenizer.
+                await asyncio.to_thread(token_byte_table, self.tokenizer)
+                if failpoints.ARMED:  # tests widen the window before the limits are known
+                    await asyncio.sleep(failpoints.delay("engine.start"))
+        first = self.executors[0].describe
+        self.eos_token_ids = list(first.eos_token_ids)
+        self.vocab_size = first.vocab_size
+        self.block_size = first.block_size
+        self.max_model_len = min(
+            first.max_model_len, self.config.max_model_len or first.max_model_len
+        )
+        await recovery.recover(self)
+        # Start-up built long-lived objects (tokenizer, tables, recovered requests): move them out
+        # of the collector's way so the steps' young-object collections do not rescan them.
+        gc.collect()
+        gc.freeze()
+        for ex in self.executors:
+            self._spawn(self._loop(ex), f"engine.{ex.address}")
+        if self.config.discover_executors:
+            self._spawn(self._discover(), "engine.discover")
+        self.ready = True
+        self.health.update()
+        log.info("engine.ready", executors=len(self.executors), recovered=len(self.requests))
+
+    async def _discover(self) -> None:
+        """Serve executors that register in Redis after start-up (scaling out at run time)."""
+        while not self._stopping:
+            await asyncio.sleep(self.config.discovery_interval_s)
+            for ex in await self.pool.discover():
+                self._spawn(self._loop(ex), f"engine.{ex.address}")
+
+    async def stop(self, drain_timeout_s: float = 5.0) -> None:
+        """Stop taking requests, let running ones finish for up to `drain_timeout_s`, then stop.
+
+        Requests still unfinished stay in Redis as they are and resume on the next start.
+        """
+        self._stopping = True
+        self.ready = False
+        self.health.update()
+        deadline = time.monotonic() + drain_timeout_s
+        while self.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # shutting down
+                await task
+        try:
+            await asyncio.wait_for(self.persister.wait_drained(), timeout=drain_timeout_s)
+        except TimeoutError:
+            log.warning("engine.stop.unflushed", backlog=self.persister.backlog)
+        await self.persister.stop()
+        for handle in self.requests.values():
+            handle.close("scheduler shutting down; resume the request by id")
+        for ex in self.executors:
+            await ex.channel.close()
+        await self.store.close()
+        log.info("engine.stopped", unfinished=len(self.requests))
+
+    # ---------------------------------------------------------------- requests (requests.py)
+
+    async def submit(self, inp: GenerateInput) -> tuple[RequestHandle, bool]:
+        """The request's stream state, and whether this call created it (False: attached to
+        an existing request with the same id)."""
+        return await requests.submit(self, inp)
+
+    async def attach(self, req_id: str) -> RequestHandle:
+        return await requests.attach(self, req_id)
+
+    async def abort(self, req_id: str, *, missing_ok: bool = False) -> bool:
+        return await requests.abort(self, req_id, missing_ok=missing_ok)
+
+    async def get_request(self, req_id: str) -> RequestView:
+        return await requests.get_request(self, req_id)
+
+    def server_info(self) -> dict:
+        return requests.server_info(self)
+
+    # ---------------------------------------------------------------- the loop
+
+    async def _loop(self, ex: ExecutorHandle) -> None:
+        while not self._stopping:
+            if not ex.healthy:
+                self.persister.kick()
+                await self._reconnect(ex)
+                continue
+            if self.persister.over_backlog:
+                await self.persister.wait_below_backlog()
+                continue
+            ex.wake.clear()
+            async with ex.lock:
+                idle = await self._step(ex)
+            if idle:
+                self.persister.kick()
+                ex.idle = True
+                await ex.wake.wait()
+                ex.idle = False
+            # Busy: RPC handlers (new requests, aborts) run while the next step is awaited.
+
+    async def _step(self, ex: ExecutorHandle) -> bool:
+        """One engine step on `ex` (its lock held); True when there was nothing to do."""
+        out = None
+        record = EngineStep()
+        try:
+            if failpoints.ARMED:
+                failpoints.hit("engine.schedule")
+            out = ex.sched.schedule()
+            self._handle_scheduler_finished(ex)
+            if out.is_empty:
+                return True
+            ex.step_id += 1
+            msg = convert.execute_request(out, ex.step_id)
+            msg.instance_id = ex.describe.instance_id
+            call = ex.stub.ExecuteModel(msg, timeout=self.config.step_timeout_s)
+            # The previous step's Redis write goes out now, while the executor computes (its
+            # record was queued without waking the writer).
+            self.persister.kick()
+            try:
+                resp = await call
+            except grpc.aio.AioRpcError as e:
+                self.persister.kick()
+                self._step_failed(ex, e)
+                return False
+            ex.consecutive_failures = 0
+            if failpoints.ARMED:
+                failpoints.hit("engine.process_step")
+            self._process_step(ex, out, resp, record)
+            ex.num_crashed_steps = 0
+        except Exception as e:
+            self._step_crashed(ex, out, record, e)
+            try:
+                await ex.stub.Reset(epb.ResetRequest(), timeout=5)
+            except grpc.aio.AioRpcError as reset_error:
+                self._step_failed(ex, reset_error)
+        return False
+
+    def _step_crashed(
+        self, ex: ExecutorHandle, out: SchedulerOutput | None, record: EngineStep, error: Exception
+    ) -> None:
+        """A step raised inside the scheduler (a bug): log it once, keep serving.
+
+        The requests of the step end with an error finish: what the step did to their state is
+        unknown, and one of them may be what triggers the bug. What the step had already
+        recorded is still written, so clients and Redis agree on every token. Every other
+        request of the executor is recomputed on a fresh scheduler core, whose state is known.
+        A step that cannot even be planned fails nobody, unless it fails three times in a row.
+        """
+        ex.num_crashed_steps += 1
+        log.error(
+            "engine.step_crashed",
+            address=ex.address,
+            error=repr(error),
+            num_crashed_steps=ex.num_crashed_steps,
+            exc_info=error,
+        )
+        give_up = out is None and ex.num_crashed_steps >= 3
+        in_step = {seq.req_id for seq, _ in out.scheduled} if out is not None else set()
+        for handle in list(self.requests.values()):
+            if handle.executor is not ex or handle.finished_in_engine:
+                continue
+            if give_up or handle.req_id in in_step:
+                self.fail_request(
+                    handle, record, "internal error in the scheduler while running this request"
+                )
+        self.persister.submit(record.to_record())
+        recovery.rebuild_core(self, ex)
+
+    def _process_step(
+        self,
+        ex: ExecutorHandle,
+        out: SchedulerOutput,
+        resp: epb.ExecuteModelResponse,
+        record: EngineStep,
+    ) -> None:
+        done = process_step_outputs(ex.sched, self.requests, out, resp, record)
+        self._handle_scheduler_finished(ex, record)
+        for handle in done:
+            if not handle.finished_in_engine:
+                self.finish_request(handle, record)
+        # Written once the next step is on its way (see _loop), or when the loop goes idle.
+        self.persister.submit(record.to_record(), wake=False)
+
+    def _handle_scheduler_finished(self, ex: ExecutorHandle, record: EngineStep | None = None):
+        """Requests the scheduler core ended on its own (e.g. can never fit the cache)."""
+        own = record is None
+        record = record or EngineStep()
+        for req in ex.sched.take_finished_requests():
+            handle = self.requests.get(req.req_id)
+            if handle is None or handle.finished_in_engine or handle.executor is not ex:
+                continue  # gone, already final, or moved to another executor
+            for seq in req.seqs:
+                if not handle.seq_finished(seq.index):
+                    handle.finish_seq(seq.index, seq.status, seq.stop_reason, record, req.error)
+            self.finish_request(handle, record)
+        if own:
+            self.persister.submit(record.to_record())
+
+    def fail_request(self, handle: RequestHandle, record: EngineStep, error: str) -> None:
+        """End every sequence of `handle` with an error finish that tells the client why."""
+        for i in range(handle.n):
+            handle.finish_seq(i, RequestStatus.FINISHED_ERROR, None, record, error)
+        self.finish_request(handle, record)
+
+    def finish_request(self, handle: RequestHandle, record: EngineStep) -> None:
+        handle.finished_in_engine = True
+        record.finishes.append(handle.finish_record())
+        # Forget it only once Redis has it: until then it must stay resumable from memory.
+        record.after.append(lambda: self.requests.pop(handle.req_id, None))
+        log.info("request.finished", req_id=handle.req_id, reasons=handle.finish_reasons())
+
+    # ---------------------------------------------------------------- executor faults
+
+    def _step_failed(self, ex: ExecutorHandle, e: grpc.aio.AioRpcError) -> None:
+        ex.consecutive_failures += 1
+        log.error(
+            "executor.step_failed", address=ex.address, code=e.code().name, details=e.details()
+        )
+        self.pool.mark_failed(ex)
+        self.health.update()
+
+    async def executor_lost(self, ex: ExecutorHandle, reason: str) -> None:
+        """`ex` stopped answering or restarted while idle: reconnect it (and recompute)."""
+        async with ex.lock:
+            if not ex.healthy:
+                return
+            log.warning("executor.lost", address=ex.address, reason=reason)
+            self.pool.mark_failed(ex)
+        self.health.update()
+
+    async def _reconnect(self, ex: ExecutorHandle) -> None:
+        """One attempt to bring `ex` back; past the fail-over time, its requests move."""
+        reshaped = await self.pool.reconnect(ex)
+        if reshaped is None:  # still unreachable
+            if self.pool.failover_due(ex):
+                recovery.fail_over(self, ex)
+            return
+        if reshaped:
+            # Back with another cache shape: the old core's block ids may not even exist
+            # there. A fresh core sized for it; the requests are recomputed.
+            async with ex.lock:
+                recovery.rebuild_core(self, ex)
+        ex.healthy = True
+        self.health.update()
+        ex.wake.set()
+        if ex.consecutive_failures >= 3:
+            # The same step keeps failing: fail what is running rather than loop forever.
+            record = EngineStep()
+            for req_id in list(ex.sched.running_request_ids()):
+                handle = self.requests.get(req_id)
+                if handle is not None and not handle.finished_in_engine:
+                    ex.sched.abort_request(req_id)
+                    self.fail_request(handle, record, "executor rejected the request repeatedly")
+            self.persister.submit(record.to_record())
+            ex.consecutive_failures = 0
+
+
+def _log_task_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error(
+            "engine.task_failed",
+            task=task.get_name(),
+            error=repr(task.exception()),
+            exc_info=task.exception(),
+        )

@@ -1,0 +1,252 @@
+"""The engine's request API: what the servicer calls (submit, attach, abort, get, info).
+
+Each function takes the engine whose state it reads; none of them runs a step. Everything that
+reads engine state first checks that start-up has finished (`check_ready`): until recovery is
+done the tokenizer, the model's limits and the set of resumed requests are incomplete.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import structlog
+
+from scheduler_svc import convert
+from scheduler_svc.engine.config import MAX_REQUEST_ID_LEN, GenerateInput
+from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
+from scheduler_svc.errors import NotFound, QueueFull, Unavailable, ValidationError
+from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.store import StoredRequest, StoreUnavailable
+from scheduler_svc.tokenizer import encode_chat, encode_prompt
+
+if TYPE_CHECKING:
+    from scheduler_svc.engine.engine import Engine
+
+log = structlog.get_logger(__name__)
+
+__all__ = [
+    "abort",
+    "attach",
+    "check_available",
+    "check_ready",
+    "enqueue",
+    "get_request",
+    "server_info",
+    "submit",
+]
+
+
+async def submit(engine: Engine, inp: GenerateInput) -> tuple[RequestHandle, bool]:
+    """The request's handle, and whether this call created it (False: attached to an
+    existing request with the same id)."""
+    check_available(engine)
+    req_id = inp.req_id or uuid.uuid4().hex
+    if len(req_id) > MAX_REQUEST_ID_LEN or not req_id.isprintable():
+        raise ValidationError(
+            f"request_id must be printable and at most {MAX_REQUEST_ID_LEN} characters"
+        )
+    existing = engine.requests.get(req_id)
+    if existing is not None:
+        return existing, False  # same id again: attach, never a second generation
+    prompt = await _prompt_token_ids(engine, inp)
+    inp.params.validate(max_logprobs=engine.config.max_logprobs, vocab_size=engine.vocab_size)
+    if sum(ex.sched.num_waiting for ex in engine.executors) >= engine.config.max_waiting:
+        raise QueueFull(f"waiting queue is full ({engine.config.max_waiting} requests)")
+    handle = RequestHandle(
+        req_id=req_id,
+        prompt_token_ids=prompt,
+        params=inp.params,
+        priority=inp.priority,
+        arrival_time=time.time(),
+    )
+    record = StoredRequest(
+        req_id=req_id,
+        prompt_token_ids=prompt,
+        params=convert.params_to_dict(inp.params),
+        priority=inp.priority,
+        arrival_time=handle.arrival_time,
+        n=inp.params.n,
+    )
+    try:
+        created = await engine.store.create(record)
+    except StoreUnavailable as e:
+        raise Unavailable(
+            "request store (Redis) is unavailable; the request was not accepted, retry later"
+        ) from e
+    if not created:
+        # Stored by an earlier call (possibly finished): attach to what is stored.
+        return await attach(engine, req_id), False
+    if req_id in engine.requests:  # a concurrent duplicate won the race in memory
+        return engine.requests[req_id], False
+    handle.init_outputs(engine.tokenizer, engine.eos_token_ids, engine.max_model_len)
+    engine.requests[req_id] = handle
+    enqueue(
+        engine,
+        handle,
+        Request(
+            req_id, prompt, inp.params, priority=inp.priority, arrival_time=handle.arrival_time
+        ),
+    )
+    log.info("request.admitted", req_id=req_id, num_prompt_tokens=len(prompt), n=inp.params.n)
+    return handle, True
+
+
+async def _prompt_token_ids(engine: Engine, inp: GenerateInput) -> list[int]:
+    if inp.token_ids is not None:
+        prompt = list(inp.token_ids)
+        bad = next((t for t in prompt if not 0 <= t < engine.vocab_size), None)
+        if bad is not None:
+            raise ValidationError(
+                f"prompt.token_ids contains {bad}, outside the vocabulary [0, {engine.vocab_size})"
+            )
+    elif inp.chat is not None:
+        try:
+            prompt = encode_chat(
+                engine.tokenizer, inp.chat, add_generation_prompt=inp.add_generation_prompt
+            )
+        except ValueError as e:
+            raise ValidationError(f"prompt.chat: {e}") from e
+    else:
+        prompt = encode_prompt(engine.tokenizer, inp.text or "")
+    if not prompt or (inp.text is not None and not inp.text):
+        raise ValidationError("prompt must not be empty")
+    if len(prompt) >= engine.max_model_len:
+        raise ValidationError(
+            f"prompt is {len(prompt)} tokens; the maximum model length is "
+            f"{engine.max_model_len} (prompt + at least one output token)"
+        )
+    return prompt
+
+
+def check_available(engine: Engine) -> None:
+    check_ready(engine)
+    if not any(ex.healthy for ex in engine.executors):
+        raise Unavailable("no executor is reachable")
+    if not engine.persister.healthy:
+        raise Unavailable("request store (Redis) is unavailable; retry later")
+
+
+def enqueue(engine: Engine, handle: RequestHandle, req: Request) -> None:
+    healthy = [ex for ex in engine.executors if ex.healthy] or engine.executors
+    ex = max(healthy, key=lambda e: (e.sched.num_free_blocks, -e.sched.num_waiting))
+    handle.executor = ex
+    ex.sched.add_request(req)
+    ex.wake.set()
+
+
+def check_ready(engine: Engine) -> None:
+    """Requests that read engine state wait for start-up: until recovery has finished, the
+    tokenizer, the model's limits and the set of resumed requests are incomplete."""
+    if engine.stopping:
+        raise Unavailable("scheduler is shutting down")
+    if not engine.ready:
+        raise Unavailable(
+            "scheduler is starting (connecting executors, recovering requests); retry shortly"
+        )
+
+
+async def attach(engine: Engine, req_id: str) -> RequestHandle:
+    check_ready(engine)
+    handle = engine.requests.get(req_id)
+    if handle is not None:
+        return handle
+    try:
+        rec = await engine.store.get(req_id)
+    except StoreUnavailable as e:
+        raise Unavailable("request store (Redis) is unavailable; retry later") from e
+    if rec is None:
+        raise NotFound(f"request {req_id!r} not found (unknown or expired)")
+    handle = RequestHandle.from_stored(rec, convert.params_from_dict(rec.params))
+    handle.replay_outputs(engine.tokenizer, engine.eos_token_ids, engine.max_model_len, rec)
+    if not rec.finished:
+        # Stored but not (yet) resumed in this process: nothing new will arrive here.
+        handle.close(f"request {req_id!r} is not running on this scheduler yet; retry")
+    return handle
+
+
+async def abort(engine: Engine, req_id: str, *, missing_ok: bool = False) -> bool:
+    if not engine.ready and not engine.stopping:  # while stopping, the state is still whole
+        if missing_ok:  # a stream that went away during start-up: nothing of it runs yet
+            return False
+        check_ready(engine)
+    handle = engine.requests.get(req_id)
+    if handle is None or handle.finished_in_engine:
+        if missing_ok or handle is not None:
+            return False
+        try:
+            if await engine.store.exists(req_id):
+                return False
+        except StoreUnavailable as e:
+            raise Unavailable("request store (Redis) is unavailable") from e
+        raise NotFound(f"request {req_id!r} not found (unknown or expired)")
+    ex = handle.executor
+    async with ex.lock:  # never in the middle of this executor's step
+        if handle.finished_in_engine:
+            return False
+        ex.sched.abort_request(req_id)
+        record = EngineStep()
+        for index in range(handle.n):
+            handle.finish_seq(index, RequestStatus.FINISHED_ABORTED, None, record)
+        engine.finish_request(handle, record)
+        engine.persister.submit(record.to_record())
+    ex.wake.set()
+    log.info("request.aborted", req_id=req_id)
+    return True
+
+
+async def get_request(engine: Engine, req_id: str) -> RequestView:
+    check_ready(engine)
+    try:
+        rec = await engine.store.get(req_id)
+    except StoreUnavailable as e:
+        handle = engine.requests.get(req_id)
+        if handle is None:
+            raise Unavailable("request store (Redis) is unavailable") from e
+        return handle.view()
+    if rec is None:
+        raise NotFound(f"request {req_id!r} not found (unknown or expired)")
+    handle = engine.requests.get(req_id)
+    if handle is not None:
+        return handle.view()
+    params = convert.params_from_dict(rec.params)
+    return RequestView.from_stored(
+        rec, params, engine.tokenizer, engine.eos_token_ids, engine.max_model_len
+    )
+
+
+def server_info(engine: Engine) -> dict:
+    check_ready(engine)
+    d = engine.executors[0].describe
+    stats = [ex.sched.get_stats() for ex in engine.executors]
+    hits = sum(st.prefix_cache_hits for st in stats)
+    queries = sum(st.prefix_cache_queries for st in stats)
+    total = sum(ex.sched.num_device_blocks for ex in engine.executors)
+    free = sum(ex.sched.num_free_blocks for ex in engine.executors)
+    return {
+        "model": d.model_name,
+        "max_model_len": engine.max_model_len,
+        "block_size": d.block_size,
+        "num_waiting": sum(ex.sched.num_waiting for ex in engine.executors),
+        "num_running": sum(ex.sched.num_running for ex in engine.executors),
+        "num_swapped": sum(ex.sched.num_swapped for ex in engine.executors),
+        "kv_cache_usage": 1.0 - free / total if total else 0.0,
+        "executors": [
+            {
+                "address": ex.address,
+                "instance_id": ex.describe.instance_id,
+                "num_device_blocks": ex.sched.num_device_blocks,
+                "num_free_blocks": ex.sched.num_free_blocks,
+                "num_cpu_blocks": ex.describe.num_cpu_blocks,
+                "healthy": ex.healthy,
+            }
+            for ex in engine.executors
+        ],
+        "max_logprobs": engine.config.max_logprobs,
+        "vocab_size": engine.vocab_size,
+        "policy": engine.config.policy,
+        "preemption_mode": engine.config.preemption_mode,
+        "num_preemptions": sum(ex.sched.num_preemptions for ex in engine.executors),
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+    }
