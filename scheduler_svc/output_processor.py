@@ -23,31 +23,21 @@ calls; that is what makes `output_token_ids=` replay (resume after a restart) ex
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerFast
 
 from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.request import RequestStatus
 from scheduler_svc.sampling_params import SamplingParams
 
 __all__ = [
-    "FinishStatus",
     "OutputDelta",
     "SequenceOutputState",
     "TokenAlternative",
     "TokenLogprob",
 ]
-
-
-class FinishStatus(enum.Enum):
-    """Why a sequence ended. Member names match request.RequestStatus's finished members."""
-
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
-    FINISHED_ERROR = "error"
 
 
 @dataclass(slots=True)
@@ -72,7 +62,7 @@ class OutputDelta:
     token_ids: list[int]  # new output tokens, up to and including the one that finished it
     token_offset: int  # index of token_ids[0] in the output
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when requested
-    finish_status: FinishStatus | None = None
+    finish_status: RequestStatus | None = None
     stop_reason: int | str | None = None  # stop token id or stop string that ended it
 
     @property
@@ -124,7 +114,7 @@ class SequenceOutputState:
         # The output may grow to the smaller of max_tokens and what max model length leaves.
         self._max_output = min(params.max_tokens, max_model_len - self.num_prompt_tokens)
         self.output_token_ids: list[int] = []
-        self.finish_status: FinishStatus | None = None
+        self.finish_status: RequestStatus | None = None
         self.stop_reason: int | str | None = None
         # The text is kept in parts and joined only when read: `str +=` on an attribute copies
         # the whole string, O(n) per token. Stop handling only ever looks at the end of it.
@@ -195,7 +185,7 @@ class SequenceOutputState:
             stop_reason=self.stop_reason,
         )
 
-    def finish(self, status: FinishStatus, stop_reason: int | str | None = None) -> OutputDelta:
+    def finish(self, status: RequestStatus, stop_reason: int | str | None = None) -> OutputDelta:
         """End the sequence from outside (abort, error) and release any held-back text."""
         if not self.finished:
             self._finish(status, stop_reason)
@@ -239,7 +229,7 @@ class SequenceOutputState:
                 ):
                     return self._take_stream_text()
             if len(output) >= self._max_output:
-                self._finish(FinishStatus.FINISHED_LENGTH, None)
+                self._finish(RequestStatus.FINISHED_LENGTH, None)
                 return self._take_stream_text()
             pending = self._pending
             if not pending:
@@ -258,7 +248,7 @@ class SequenceOutputState:
             text = self._pending + text
             self._pending = ""
         if len(output) >= self._max_output:
-            self._finish(FinishStatus.FINISHED_LENGTH, None)
+            self._finish(RequestStatus.FINISHED_LENGTH, None)
             text += self._pending
             self._pending = ""
         return text
@@ -270,12 +260,12 @@ class SequenceOutputState:
         num_output = len(output)
         if num_output >= self._min_tokens:
             if token_id in self._eos_ids:
-                self._finish(FinishStatus.FINISHED_STOPPED, None)
+                self._finish(RequestStatus.FINISHED_STOPPED, None)
                 return True
             if token_id in self._stop_ids:
                 if self.params.include_stop_str_in_output:
                     self._add_text(self.detokenizer.add_one(token_id))
-                self._finish(FinishStatus.FINISHED_STOPPED, token_id)
+                self._finish(RequestStatus.FINISHED_STOPPED, token_id)
                 return True
             new_text = self.detokenizer.add_one(token_id)
             if new_text:
@@ -291,7 +281,7 @@ class SequenceOutputState:
             self._add_text(self.detokenizer.add_one(token_id))
         if num_output >= self._max_output:
             # max_tokens, or prompt + output reached max model length.
-            self._finish(FinishStatus.FINISHED_LENGTH, None)
+            self._finish(RequestStatus.FINISHED_LENGTH, None)
             return True
         return False
 
@@ -309,11 +299,11 @@ class SequenceOutputState:
             return False
         end = best_pos + len(best_stop) if self.params.include_stop_str_in_output else best_pos
         self._truncate(self._num_chars - len(window) + end)
-        self.finish_status = FinishStatus.FINISHED_STOPPED
+        self.finish_status = RequestStatus.FINISHED_STOPPED
         self.stop_reason = best_stop
         return True
 
-    def _finish(self, status: FinishStatus, stop_reason: int | str | None) -> None:
+    def _finish(self, status: RequestStatus, stop_reason: int | str | None) -> None:
         # Bytes of an unfinished character are released as U+FFFD: nothing can complete them.
         self._add_text(self.detokenizer.flush())
         self.finish_status = status

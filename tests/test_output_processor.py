@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_svc.output_processor import (
-    FinishStatus,
     OutputDelta,
     SequenceOutputState,
     TokenAlternative,
 )
+from scheduler_svc.request import RequestStatus
 from scheduler_svc.sampling_params import SamplingParams
 from tests.test_detokenizer import byte_level_tokenizer
 
@@ -25,7 +25,7 @@ TOK = byte_level_tokenizer()
 EOS = TOK.convert_tokens_to_ids("<|eos|>")
 BOS = TOK.convert_tokens_to_ids("<|bos|>")
 PROMPT = TOK.encode("the cat", add_special_tokens=False)
-STOPPED, LENGTH = FinishStatus.FINISHED_STOPPED, FinishStatus.FINISHED_LENGTH
+STOPPED, LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
 
 
 def _byte_token_ids() -> list[int]:
@@ -171,9 +171,9 @@ def test_held_back_text_released_on_length_finish():
 def test_held_back_text_released_on_abort():
     state = make_state(stop=["abc"])
     assert texts(feed(state, ids("xa"))) == ["x", ""]
-    delta = state.finish(FinishStatus.FINISHED_ABORTED)
+    delta = state.finish(RequestStatus.FINISHED_ABORTED)
     assert (delta.text, delta.token_ids, delta.token_offset) == ("a", [], 2)
-    assert state.finish_status is FinishStatus.FINISHED_ABORTED
+    assert state.finish_status is RequestStatus.FINISHED_ABORTED
 
 
 def test_hold_back_only_what_could_start_a_stop_string():

@@ -22,7 +22,7 @@ import structlog
 from scheduler_svc import convert
 from scheduler_svc.engine.requests import enqueue
 from scheduler_svc.engine.streams import EngineStep, RequestHandle
-from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.request import Request
 from scheduler_svc.store import StoredRequest, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def resumed_request(handle: RequestHandle, outputs: list[list[int]]) -> Request:
     )
     for seq, state in zip(req.seqs, handle.states, strict=True):
         if state.finished:  # n > 1: this one had finished already
-            seq.status = RequestStatus[state.finish_status.name]
+            seq.status = state.finish_status
     return req
 
 

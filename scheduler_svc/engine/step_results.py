@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from protos import executor_pb2 as epb
 from scheduler_svc.engine.streams import EngineStep, RequestHandle
-from scheduler_svc.request import RequestStatus
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.scheduler_output import SchedulerOutput
 
@@ -51,7 +50,7 @@ def process_step_outputs(
             status = handle.process_token(seq.index, s.token_id, s.logprob, s.top_logprobs, record)
         if status is not None:
             state = handle.states[seq.index]
-            sched.finish_sequence(seq.seq_id, RequestStatus[status.name], state.stop_reason)
+            sched.finish_sequence(seq.seq_id, status, state.stop_reason)
             if handle.all_finished:
                 done.append(handle)
     return done

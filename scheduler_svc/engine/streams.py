@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler_svc.errors import Unavailable
-from scheduler_svc.output_processor import FinishStatus, OutputDelta, SequenceOutputState
+from scheduler_svc.output_processor import OutputDelta, SequenceOutputState
 from scheduler_svc.persister import StepRecord
-from scheduler_svc.request import RequestStatus
+from scheduler_svc.request import FinishReason, RequestStatus
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.store import FinishRecord, StoredRequest, TokenAppend, tokens_key_bulk
 
@@ -29,7 +29,7 @@ class EngineEvent:
     token_ids: list[int]
     text: str
     logprobs: list[dict[str, Any]] | None
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None
     stop_reason: int | str | None
     error: str = ""
 
@@ -42,8 +42,14 @@ class SeqLog:
     chunks: list[str] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     tail: str = ""  # text released at finish without a token (abort of held-back text)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+
+
+# The finished status each finish reason stands for (stored records hold the reason).
+_STATUS_OF_REASON = {
+    status.finish_reason(): status for status in RequestStatus if RequestStatus.is_finished(status)
+}
 
 
 def _lp_entry(delta: OutputDelta, i: int) -> dict[str, Any]:
@@ -172,14 +178,15 @@ class RequestHandle:
                 if want_lp:
                     log.logprobs.append(_lp_entry(delta, 0))
                 if delta.finished:
-                    log.finish_reason = delta.finish_status.value
+                    log.finish_reason = delta.finish_status.finish_reason()
                     log.stop_reason = delta.stop_reason
             stored_reason = rec.finish_reasons[i] if i < len(rec.finish_reasons) else None
             if stored_reason is not None and not state.finished:
                 stop = rec.stop_reasons[i] if i < len(rec.stop_reasons) else None
-                delta = state.finish(FinishStatus(stored_reason), stop)
+                reason = FinishReason(stored_reason)
+                delta = state.finish(_STATUS_OF_REASON[reason], stop)
                 log.tail += delta.text
-                log.finish_reason, log.stop_reason = stored_reason, delta.stop_reason
+                log.finish_reason, log.stop_reason = reason, delta.stop_reason
         self.finished_in_engine = rec.finished
 
     # ------------------------------------------------------------ engine side
@@ -191,7 +198,7 @@ class RequestHandle:
         logprob: float,
         top_logprobs: Any,
         step: EngineStep,
-    ) -> FinishStatus | None:
+    ) -> RequestStatus | None:
         """One sampled token of sequence `index`: stop checks, text, the step's records.
 
         Returns the finish status when the token ended the sequence.
@@ -218,7 +225,7 @@ class RequestHandle:
                 tokens,
                 text,
                 lps,
-                None if status is None else status.value,
+                None if status is None else status.finish_reason(),
                 state.stop_reason,
                 "",
             )
@@ -236,11 +243,11 @@ class RequestHandle:
         state = self.states[index]
         if state.finished:
             return
-        delta = state.finish(FinishStatus[status.name], stop_reason)
+        delta = state.finish(status, stop_reason)
         if error:
             self.error = error
         step.deltas.append(
-            (self, index, [], delta.text, None, delta.finish_status.value, delta.stop_reason, error)
+            (self, index, [], delta.text, None, status.finish_reason(), delta.stop_reason, error)
         )
 
     def seq_finished(self, index: int) -> bool:
@@ -260,7 +267,7 @@ class RequestHandle:
         )
 
     def finish_reasons(self) -> list[str | None]:
-        return [s.finish_status.value if s.finish_status else None for s in self.states]
+        return [s.finish_status.finish_reason() if s.finish_status else None for s in self.states]
 
     # ------------------------------------------------------------ acknowledged side
 
