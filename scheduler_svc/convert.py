@@ -27,6 +27,7 @@ _STATUS = {
     "finished": pb.REQUEST_STATUS_FINISHED,
 }
 _MAX_U32 = 2**32 - 1
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
 # ------------------------------------------------------------------ public API, inbound
@@ -65,6 +66,12 @@ def generate_input_from_proto(r: pb.GenerateRequest) -> GenerateInput:
     elif kind == "token_ids":
         inp.token_ids = list(r.token_ids.ids)
     else:
+        for i, m in enumerate(r.chat.messages):
+            if m.role not in CHAT_ROLES:
+                raise ValidationError(
+                    f"prompt.chat.messages[{i}].role must be one of "
+                    f"{', '.join(sorted(CHAT_ROLES))}, got {m.role[:32]!r}"
+                )
         inp.chat = [{"role": m.role, "content": m.content} for m in r.chat.messages]
         if r.chat.HasField("add_generation_prompt"):
             inp.add_generation_prompt = r.chat.add_generation_prompt

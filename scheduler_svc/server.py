@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -9,6 +11,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.rpc_guard import MalformedRequestGuard
 from scheduler_svc.service import SchedulerServicer
 
 log = structlog.get_logger(__name__)
@@ -27,24 +30,28 @@ class SchedulerServer:
         self.port = 0
         self.engine = Engine(config)
         self._server: grpc.aio.Server | None = None
+        # The asyncio health servicer: every behaviour on this server is a coroutine.
+        self._health = health.aio.HealthServicer()
+        self._health_updates: set[asyncio.Task] = set()
 
     async def start(self) -> int:
         self._server = grpc.aio.server(
+            interceptors=[MalformedRequestGuard(self_checked=frozenset({SERVICE_NAME}))],
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(
             SchedulerServicer(self.engine), self._server
         )
-        self._health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )
-        self._set_serving(False)
+        for service in ("", SERVICE_NAME):  # it starts out SERVING
+            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
         if self.port == 0:
             raise RuntimeError(f"could not bind {self.host}:{self.requested_port}")
@@ -61,8 +68,11 @@ class SchedulerServer:
             if ready
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        self._health.set("", status)
-        self._health.set(SERVICE_NAME, status)
+        # Called from sync code (the engine's health monitor); tasks run in order of creation.
+        for service in ("", SERVICE_NAME):
+            task = asyncio.get_running_loop().create_task(self._health.set(service, status))
+            self._health_updates.add(task)
+            task.add_done_callback(self._health_updates.discard)
 
     async def wait(self) -> None:
         assert self._server is not None

@@ -13,6 +13,7 @@ from protos import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc import convert
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import EngineError, NotFound, QueueFull, Unavailable, ValidationError
+from scheduler_svc.rpc_guard import Malformed, RateLimitedLog, reject_malformed
 
 log = structlog.get_logger(__name__)
 
@@ -26,13 +27,15 @@ _STATUS = {
 
 
 _background: set[asyncio.Task] = set()
+# A bug that every request of a flood hits must not fill the disk with tracebacks either.
+_internal_errors = RateLimitedLog(per_second=2.0)
 
 
 async def _abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     for cls, code in _STATUS.items():
         if isinstance(exc, cls):
             await context.abort(code, str(exc))
-    log.exception("rpc.internal_error", error=str(exc))
+    _internal_errors.warning("rpc.internal_error", error=repr(exc), exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
 
@@ -43,6 +46,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        if isinstance(request, Malformed):
+            await reject_malformed(request, context)
         try:
             inp = convert.generate_input_from_proto(request)
             handle, created = await self.engine.submit(inp)
@@ -58,6 +63,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def Resume(
         self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        if isinstance(request, Malformed):
+            await reject_malformed(request, context)
         try:
             handle = await self.engine.attach(request.request_id)
         except (EngineError, ValueError) as e:
@@ -86,6 +93,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 task.add_done_callback(_background.discard)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        if isinstance(request, Malformed):
+            await reject_malformed(request, context)
         try:
             aborted = await self.engine.abort(request.request_id)
         except (EngineError, ValueError) as e:
@@ -94,6 +103,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         return pb.AbortResponse(aborted=aborted)
 
     async def GetRequest(self, request: pb.GetRequestRequest, context) -> pb.GetRequestResponse:
+        if isinstance(request, Malformed):
+            await reject_malformed(request, context)
         try:
             view = await self.engine.get_request(request.request_id)
         except (EngineError, ValueError) as e:
@@ -102,6 +113,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         return convert.request_view_to_proto(view)
 
     async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
+        if isinstance(request, Malformed):
+            await reject_malformed(request, context)
         try:
             return convert.server_info_to_proto(self.engine.server_info())
         except (EngineError, ValueError) as e:
