@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m scheduler_svc.launch --model $(MODEL) --host $(HOST) \
+	$(PY) -m scheduler_svc.local.launch --model $(MODEL) --host $(HOST) \
 		--executor-port $(EXECUTOR_PORT) --scheduler-port $(SCHEDULER_PORT)
 
 test: $(STAMP)

@@ -5,7 +5,7 @@ multi-byte characters and spaces like real output), every timed step runs what E
 the persister run, minus the network and the executor:
 
 * schedule: `Scheduler.schedule()`;
-* build: `convert.execute_request(...)` and its serialization (what gRPC sends);
+* build: `step_message.execute_request(...)` and its serialization (what gRPC sends);
 * process: parse the executor's reply (serialized here, not timed), `process_step_outputs`
   (scheduler core update, stop checks, incremental detokenization, step records), the step's
   Redis command as the store packs it (also shown on its own: persistence's share, run by the
@@ -37,14 +37,15 @@ sys.path.insert(0, str(ROOT))
 
 from executor_svc.demo_model import ensure_demo_model  # noqa: E402
 from protos import executor_pb2 as epb  # noqa: E402
-from scheduler_svc import convert  # noqa: E402
+from scheduler_svc.api import convert  # noqa: E402
+from scheduler_svc.core.request import Request  # noqa: E402
+from scheduler_svc.core.sampling_params import SamplingParams  # noqa: E402
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from scheduler_svc.engine import step_message  # noqa: E402
 from scheduler_svc.engine.step_results import process_step_outputs  # noqa: E402
 from scheduler_svc.engine.streams import EngineStep, RequestHandle  # noqa: E402
-from scheduler_svc.request import Request  # noqa: E402
-from scheduler_svc.sampling_params import SamplingParams  # noqa: E402
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from scheduler_svc.store import _pack_appends  # noqa: E402
-from scheduler_svc.tokenizer import load_tokenizer  # noqa: E402
+from scheduler_svc.output.tokenizer import load_tokenizer  # noqa: E402
+from scheduler_svc.state.store import _pack_appends  # noqa: E402
 
 PROMPT_LEN = 32
 NOTES = ROOT / "docs" / "bench-notes" / "engine_step.md"
@@ -107,7 +108,7 @@ async def run(batch: int, steps: int, stop: list[str], streams: bool) -> dict[st
         t0 = clock()
         out = sched.schedule()
         t1 = clock()
-        convert.execute_request(out, out.step_id).SerializeToString()
+        step_message.execute_request(out, out.step_id).SerializeToString()
         t2 = clock()
         payload = reply_bytes(out, rng, vocab)
         t3 = clock()

@@ -2,7 +2,7 @@
 
 Part 1 drives the scheduler core (no executor, no network) with fake sampled tokens: BATCH
 requests with distinct prompts of CONTEXT tokens each, prefilled, then decoded. It records
-`convert.execute_request(out, step).ByteSize()` of every step:
+`step_message.execute_request(out, step).ByteSize()` of every step:
 
 * prefill (one step): the token budget admits the whole batch at once, so the first step carries
   every prompt in full (the only time the executor sees the tokens);
@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_scheduler import bench_step  # noqa: E402
 
-from scheduler_svc import convert  # noqa: E402
-from scheduler_svc.request import Request  # noqa: E402
-from scheduler_svc.sampling_params import SamplingParams  # noqa: E402
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from scheduler_svc.core.request import Request  # noqa: E402
+from scheduler_svc.core.sampling_params import SamplingParams  # noqa: E402
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from scheduler_svc.engine import step_message  # noqa: E402
 
 NOTES = ROOT / "docs" / "bench-notes" / "message_size.md"
 BLOCK_SIZE = 16
@@ -69,7 +69,7 @@ def make_scheduler(batch: int, context: int, *, budget: int, num_blocks: int, ma
 def step(sched: Scheduler, token: int = 11) -> tuple[Any, int]:
     """One scheduled step with fake sampled tokens; returns (SchedulerOutput, message bytes)."""
     out = sched.schedule()
-    size = convert.execute_request(out, out.step_id).ByteSize()
+    size = step_message.execute_request(out, out.step_id).ByteSize()
     sampled = {seq.seq_id: token for seq, _ in out.scheduled}
     sched.update_from_output(out, sampled)
     return out, size
@@ -165,7 +165,7 @@ def size_table(batch: int, contexts: list[int]) -> str:
 
 def cpu_table(batches: list[int], steps: int, repeats: int) -> str:
     def build(out: Any) -> object:
-        return convert.execute_request(out, 0)
+        return step_message.execute_request(out, 0)
 
     runs: dict[int, list[dict[str, float]]] = {n: [] for n in batches}
     for _ in range(repeats):  # interleaved so background load hits both sizes alike
@@ -212,11 +212,11 @@ def main() -> None:
             "# ExecuteModel message size and scheduler CPU per step (issue 3)\n\n"
             f"```\n{cmd}\n```\n\n"
             "## Message size against context length\n\n"
-            "`convert.execute_request(out, step).ByteSize()` of steps planned by the scheduler "
+            "`step_message.execute_request(out, step).ByteSize()` of steps planned by the scheduler "
             "core with fake sampled tokens; request ids of 32 hex characters.\n\n"
             f"{sizes}\n\n"
             "## Scheduler CPU per step\n\n"
-            "`bench_step(n, steps, build_message=lambda out: convert.execute_request(out, 0))` "
+            "`bench_step(n, steps, build_message=lambda out: step_message.execute_request(out, 0))` "
             f"from bench_scheduler.py, {args.steps} steady-decode steps per run, "
             f"{args.repeats} runs per size interleaved, medians of the per-run medians. "
             "Shared 2-core machine. Target: <= 1000 us per step at 256 sequences.\n\n"

@@ -39,12 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from executor_svc.demo_model import ensure_demo_model  # noqa: E402
+from scheduler_svc.core.sampling_params import SamplingParams  # noqa: E402
 from scheduler_svc.engine import Engine, EngineConfig, GenerateInput  # noqa: E402
+from scheduler_svc.local.redis_server import RedisServer  # noqa: E402
 from scheduler_svc.logging import configure_logging  # noqa: E402
-from scheduler_svc.persister import PersisterStats  # noqa: E402
-from scheduler_svc.redis_server import RedisServer  # noqa: E402
-from scheduler_svc.sampling_params import SamplingParams  # noqa: E402
-from scheduler_svc.store import FinishRecord, RequestStore, StoredRequest, TokenAppend  # noqa: E402
+from scheduler_svc.state.persister import PersisterStats  # noqa: E402
+from scheduler_svc.state.store import FinishRecord, RequestStore, StoredRequest, TokenAppend  # noqa: E402
 
 NOTES = ROOT / "docs" / "bench-notes" / "persistence.md"
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from executor_svc.demo_model import ensure_demo_model  # noqa: E402
 from executor_svc.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
 from executor_svc.sampler import SamplingParams  # noqa: E402
-from executor_svc.validation import BlockTable  # noqa: E402
+from executor_svc.seq_state import BlockTable  # noqa: E402
 
 BLOCK_SIZE = 16
 

@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from scheduler_svc.request import Request
-from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.scheduler_output import SchedulerOutput
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.scheduler_output import SchedulerOutput
 
 NOTES = Path(__file__).resolve().parent.parent / "docs" / "bench-notes" / "scheduler.md"
 
@@ -101,12 +101,12 @@ def main() -> None:
     ap.add_argument(
         "--proto",
         action="store_true",
-        help="also time the engine's ExecuteModelRequest build (scheduler_svc.convert)",
+        help="also time the engine's ExecuteModelRequest build (scheduler_svc.api.convert)",
     )
     args = ap.parse_args()
     build = None
     if args.proto:
-        from scheduler_svc.convert import execute_request
+        from scheduler_svc.engine.step_message import execute_request
 
         def build(out: SchedulerOutput) -> object:
             return execute_request(out, out.step_id)
@@ -139,7 +139,7 @@ def main() -> None:
             "Median and p99 of schedule() + update_from_output() in pure Python"
             + (
                 "; with `--proto` also with the engine's ExecuteModelRequest build "
-                "(scheduler_svc.convert.execute_request)"
+                "(scheduler_svc.engine.step_message.execute_request)"
                 if build
                 else ""
             )

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scheduler_svc.redis_server import RedisServer  # noqa: E402
+from scheduler_svc.local.redis_server import RedisServer  # noqa: E402
 
 THREADS = 1
 

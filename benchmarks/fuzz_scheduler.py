@@ -333,7 +333,7 @@ def main() -> None:
     if address is None:
         import tempfile
 
-        from scheduler_svc.redis_server import RedisServer
+        from scheduler_svc.local.redis_server import RedisServer
         from tests.stack import make_stack
 
         tmp = Path(tempfile.mkdtemp(prefix="llmserve-fuzz-"))

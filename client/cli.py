@@ -5,32 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from client.async_client import default_address
 from client.bench.cli import add_bench_parser, run_bench
-from client.errors import LLMServeError
+from client.errors import run_guarded
 from client.outputs import RequestOutput, StreamDelta
 from client.params import SamplingParams
 from client.prompts import ChatPrompt
 from client.sync_client import LLMClient
-
-
-def run_guarded(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """Run a command, turning expected failures into one line on stderr and an exit code
-    instead of a traceback."""
-    try:
-        return func(args)
-    except LLMServeError as err:
-        print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
-        return 1
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import sys
+from collections.abc import Callable
+
 import grpc
 
 
@@ -22,3 +26,19 @@ class LLMServeError(Exception):
         code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
         details = err.details() if hasattr(err, "details") else str(err)
         return cls(code or grpc.StatusCode.UNKNOWN, details or "", request_id=request_id)
+
+
+def run_guarded(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a command, turning expected failures into one line on stderr and an exit code
+    instead of a traceback."""
+    try:
+        return func(args)
+    except LLMServeError as err:
+        print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     registration = None
     if args.redis_url:
-        from scheduler_svc.store import ExecutorRegistration  # the one module that knows Redis
+        from executor_svc.registry import ExecutorRegistration
 
         address = args.advertise_address or advertised_address(args.host, port)
         registration = ExecutorRegistration(args.redis_url, server.servicer.instance_id, address)

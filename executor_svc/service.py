@@ -22,7 +22,8 @@ import grpc
 import structlog
 
 from executor_svc.model_runner import ModelRunner, ScheduledSequence
-from executor_svc.validation import InvalidStep, SeqState, StepPlan, validate_step
+from executor_svc.seq_state import SeqState
+from executor_svc.validation import InvalidStep, StepPlan, validate_step
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import structlog
 
+from scheduler_svc.api.server import SchedulerServer
 from scheduler_svc.engine import EngineConfig
 from scheduler_svc.logging import configure_logging
-from scheduler_svc.server import SchedulerServer
 
 log = structlog.get_logger(__name__)
 
@@ -99,7 +99,7 @@ async def run(args: argparse.Namespace) -> None:
     redis = None
     redis_url = args.redis_url
     if not redis_url:
-        from scheduler_svc.redis_server import RedisServer
+        from scheduler_svc.local.redis_server import RedisServer
 
         redis = RedisServer(data_dir=args.redis_dir)
         redis.start()

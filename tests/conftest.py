@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def redis_server():
     """A real Redis server on loopback (REDIS_URL is not used: tests must own their server)."""
-    from scheduler_svc.redis_server import RedisServer
+    from scheduler_svc.local.redis_server import RedisServer
 
     server = RedisServer()
     server.start()

@@ -20,7 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from scheduler_svc.redis_server import RedisServer
+from scheduler_svc.local.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.block_pool import hash_block_tokens
-from scheduler_svc.request import Sequence
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.block_pool import hash_block_tokens
+from scheduler_svc.core.request import Sequence
 
 
 def make_bm(**kw) -> BlockManager:

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from scheduler_svc.detokenizer import IncrementalDetokenizer, token_byte_table
-from scheduler_svc.tokenizer import (
+from scheduler_svc.output.detokenizer import IncrementalDetokenizer, token_byte_table
+from scheduler_svc.output.tokenizer import (
     encode_chat,
     encode_prompt,
     eos_token_ids,
@@ -336,7 +336,7 @@ def test_chat_without_template_is_a_clear_error(tmp_path: Path):
 
 def test_scheduler_modules_do_not_import_torch():
     code = (
-        "import sys, scheduler_svc.tokenizer, scheduler_svc.detokenizer, "
-        "scheduler_svc.output_processor; assert 'torch' not in sys.modules, 'torch imported'"
+        "import sys, scheduler_svc.output.tokenizer, scheduler_svc.output.detokenizer, "
+        "scheduler_svc.output.processor; assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])

@@ -16,7 +16,7 @@ from pathlib import Path
 import redis as redis_lib
 
 from protos import scheduler_pb2 as pb
-from scheduler_svc.redis_server import RedisServer
+from scheduler_svc.local.redis_server import RedisServer
 from tests.api_helpers import (
     Collected,
     collect,

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.redis_server import RedisServer
+from scheduler_svc.local.redis_server import RedisServer
 from tests.api_helpers import (
     Collected,
     collect,

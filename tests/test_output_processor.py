@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.output_processor import (
+from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.output.processor import (
     OutputDelta,
     SequenceOutputState,
     TokenAlternative,
 )
-from scheduler_svc.request import RequestStatus
-from scheduler_svc.sampling_params import SamplingParams
 from tests.test_detokenizer import byte_level_tokenizer
 
 TOK = byte_level_tokenizer()

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from scheduler_svc.sampling_params import (
+from scheduler_svc.core.sampling_params import (
     MAX_N,
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,

@@ -2,11 +2,11 @@
 
 import pytest
 
-from scheduler_svc.errors import QueueFull
-from scheduler_svc.request import Request, RequestStatus, sequence_seed
-from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.scheduler_output import CachedSeqData, NewSeqData, SchedulerOutput
+from scheduler_svc.core.errors import QueueFull
+from scheduler_svc.core.request import Request, RequestStatus, sequence_seed
+from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.scheduler_output import CachedSeqData, NewSeqData, SchedulerOutput
 
 TOKEN = 7  # what the fake executor samples
 

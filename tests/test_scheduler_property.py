@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.scheduler_output import SchedulerOutput
+from scheduler_svc.core.request import Request, RequestStatus
+from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.scheduler_output import SchedulerOutput
 
 MAX_STEPS = 600
 VOCAB = 3  # small, so prompts share prefixes and the cache gets hits

@@ -2,12 +2,11 @@
 
 import asyncio
 import json
-import time
 
 import pytest
 import redis
 
-from scheduler_svc.store import (
+from scheduler_svc.state.store import (
     FORMAT_VERSION,
     FinishRecord,
     RequestStore,
@@ -188,7 +187,7 @@ def test_unavailable_while_redis_down_and_data_survives_restart(redis_server, re
 
 def test_persister_writes_in_order_publishes_after_ack_and_waits_for_kick(redis_url):
     """Steps go to Redis in order; a step queued without waking waits for kick()."""
-    from scheduler_svc.persister import Persister, StepRecord
+    from scheduler_svc.state.persister import Persister, StepRecord
 
     raw = redis.Redis.from_url(redis_url)
     published: list[tuple[int, list[int]]] = []
@@ -220,22 +219,3 @@ def test_persister_writes_in_order_publishes_after_ack_and_waits_for_kick(redis_
     assert held == [(0, [5])]  # nothing of steps 1 and 2 written or published before the kick
     # Written together after the kick, published in order, each only once Redis held it.
     assert published == [(0, [5]), (1, [5, 6, 7]), (2, [5, 6, 7])]
-
-
-def test_executor_registry_entries_expire_without_heartbeat(redis_url):
-    from scheduler_svc.store import ExecutorRegistration
-
-    reg = ExecutorRegistration(redis_url, "ex1", "10.0.0.7:50061", ttl_s=0.3, interval_s=60)
-    assert reg.beat() and reg.healthy  # one heartbeat, then silence (as if killed)
-
-    async def listed():
-        store = RequestStore(redis_url)
-        try:
-            return await store.list_executors()
-        finally:
-            await store.close()
-
-    assert run(listed()) == [("ex1", "10.0.0.7:50061")]
-    time.sleep(0.5)
-    assert run(listed()) == []
-    assert not redis.Redis.from_url(redis_url).smembers("llmserve:index:executors")  # cleaned

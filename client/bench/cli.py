@@ -13,6 +13,7 @@ from client.bench.report import build_report, plot_sweep, to_markdown, write_rep
 from client.bench.serve import parse_rate, run_serve, run_sweep
 from client.bench.throughput import run_throughput
 from client.bench.workloads import WORKLOADS, make_workload
+from client.errors import run_guarded
 
 
 def _backends(value: str) -> list[str]:
@@ -209,6 +210,4 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "bench":
         argv = ["bench", *argv]
-    from client.cli import run_guarded
-
     return run_guarded(run_bench, parser.parse_args(argv))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.core.sampling_params import SamplingParams
 
 __all__ = ["MAX_REQUEST_ID_LEN", "EngineConfig", "GenerateInput"]
 

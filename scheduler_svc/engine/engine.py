@@ -21,19 +21,20 @@ import grpc
 import structlog
 
 from protos import executor_pb2 as epb
-from scheduler_svc import convert, failpoints
-from scheduler_svc.detokenizer import token_byte_table
+from scheduler_svc import failpoints
+from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine import recovery, requests
 from scheduler_svc.engine.config import EngineConfig, GenerateInput
 from scheduler_svc.engine.executors import ExecutorHandle, ExecutorPool
 from scheduler_svc.engine.health import HealthMonitor
+from scheduler_svc.engine.step_message import execute_request
 from scheduler_svc.engine.step_results import process_step_outputs
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
-from scheduler_svc.persister import Persister
-from scheduler_svc.request import RequestStatus
-from scheduler_svc.scheduler_output import SchedulerOutput
-from scheduler_svc.store import RequestStore
-from scheduler_svc.tokenizer import load_tokenizer
+from scheduler_svc.output.detokenizer import token_byte_table
+from scheduler_svc.output.tokenizer import load_tokenizer
+from scheduler_svc.state.persister import Persister
+from scheduler_svc.state.store import RequestStore
 
 log = structlog.get_logger(__name__)
 
@@ -202,7 +203,7 @@ class Engine:
             if out.is_empty:
                 return True
             ex.step_id += 1
-            msg = convert.execute_request(out, ex.step_id)
+            msg = execute_request(out, ex.step_id)
             msg.instance_id = ex.describe.instance_id
             call = ex.stub.ExecuteModel(msg, timeout=self.config.step_timeout_s)
             # The previous step's Redis write goes out now, while the executor computes (its

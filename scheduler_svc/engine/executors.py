@@ -19,8 +19,8 @@ import structlog
 
 from protos import executor_pb2 as epb
 from protos import executor_pb2_grpc as epb_grpc
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.store import RequestStore, StoreUnavailable
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.state.store import RequestStore, StoreUnavailable
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.config import EngineConfig

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from scheduler_svc import convert
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.engine.requests import enqueue
 from scheduler_svc.engine.streams import EngineStep, RequestHandle
-from scheduler_svc.request import Request
-from scheduler_svc.store import StoredRequest, StoreUnavailable
+from scheduler_svc.state.store import StoredRequest, StoreUnavailable
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.engine import Engine
@@ -60,7 +60,7 @@ async def recover(engine: Engine) -> None:
             log.warning("engine.recover.waiting_for_store")
             await asyncio.sleep(0.5)
     for rec in stored:
-        handle = RequestHandle.from_stored(rec, convert.params_from_dict(rec.params))
+        handle = RequestHandle.from_stored(rec, SamplingParams.from_dict(rec.params))
         handle.replay_outputs(engine.tokenizer, engine.eos_token_ids, engine.max_model_len, rec)
         engine.requests[rec.req_id] = handle
         if handle.all_finished:
@@ -119,7 +119,7 @@ async def resync_store(engine: Engine) -> None:
         rec = StoredRequest(
             req_id=handle.req_id,
             prompt_token_ids=handle.prompt_token_ids,
-            params=convert.params_to_dict(handle.params),
+            params=handle.params.to_dict(),
             priority=handle.priority,
             arrival_time=handle.arrival_time,
             n=handle.n,

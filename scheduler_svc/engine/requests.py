@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from scheduler_svc import convert
+from scheduler_svc.core.errors import NotFound, QueueFull, Unavailable, ValidationError
+from scheduler_svc.core.request import Request, RequestStatus
+from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.engine.config import MAX_REQUEST_ID_LEN, GenerateInput
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
-from scheduler_svc.errors import NotFound, QueueFull, Unavailable, ValidationError
-from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.store import StoredRequest, StoreUnavailable
-from scheduler_svc.tokenizer import encode_chat, encode_prompt
+from scheduler_svc.output.tokenizer import encode_chat, encode_prompt
+from scheduler_svc.state.store import StoredRequest, StoreUnavailable
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.engine import Engine
@@ -64,7 +64,7 @@ async def submit(engine: Engine, inp: GenerateInput) -> tuple[RequestHandle, boo
     record = StoredRequest(
         req_id=req_id,
         prompt_token_ids=prompt,
-        params=convert.params_to_dict(inp.params),
+        params=inp.params.to_dict(),
         priority=inp.priority,
         arrival_time=handle.arrival_time,
         n=inp.params.n,
@@ -158,7 +158,7 @@ async def attach(engine: Engine, req_id: str) -> RequestHandle:
         raise Unavailable("request store (Redis) is unavailable; retry later") from e
     if rec is None:
         raise NotFound(f"request {req_id!r} not found (unknown or expired)")
-    handle = RequestHandle.from_stored(rec, convert.params_from_dict(rec.params))
+    handle = RequestHandle.from_stored(rec, SamplingParams.from_dict(rec.params))
     handle.replay_outputs(engine.tokenizer, engine.eos_token_ids, engine.max_model_len, rec)
     if not rec.finished:
         # Stored but not (yet) resumed in this process: nothing new will arrive here.
@@ -210,7 +210,7 @@ async def get_request(engine: Engine, req_id: str) -> RequestView:
     handle = engine.requests.get(req_id)
     if handle is not None:
         return handle.view()
-    params = convert.params_from_dict(rec.params)
+    params = SamplingParams.from_dict(rec.params)
     return RequestView.from_stored(
         rec, params, engine.tokenizer, engine.eos_token_ids, engine.max_model_len
     )

@@ -9,9 +9,9 @@ sequence, so it is kept to plain loops over plain data.
 from __future__ import annotations
 
 from protos import executor_pb2 as epb
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.streams import EngineStep, RequestHandle
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.scheduler_output import SchedulerOutput
 
 __all__ = ["process_step_outputs"]
 

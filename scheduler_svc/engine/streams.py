@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler_svc.errors import Unavailable
-from scheduler_svc.output_processor import OutputDelta, SequenceOutputState
-from scheduler_svc.persister import StepRecord
-from scheduler_svc.request import FinishReason, RequestStatus
-from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.store import FinishRecord, StoredRequest, TokenAppend, tokens_key_bulk
+from scheduler_svc.core.errors import Unavailable
+from scheduler_svc.core.request import FinishReason, RequestStatus
+from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.output.processor import OutputDelta, SequenceOutputState
+from scheduler_svc.state.persister import StepRecord
+from scheduler_svc.state.store import FinishRecord, StoredRequest, TokenAppend, tokens_key_bulk
 
 
 @dataclass(slots=True)

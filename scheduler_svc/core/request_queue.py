@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 
-from scheduler_svc.request import Request
+from scheduler_svc.core.request import Request
 
 
 class RequestQueue:

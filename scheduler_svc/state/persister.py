@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from scheduler_svc.store import (
+from scheduler_svc.state.store import (
     FinishRecord,
     RequestStore,
     StoreGapError,

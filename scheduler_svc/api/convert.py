@@ -1,17 +1,18 @@
-"""Protobuf <-> internal dataclasses for the scheduler; no other module builds messages."""
+"""Public API protobuf <-> the engine's records; no other module builds public messages.
+
+(The executor's step message is built on the engine's side, in engine/step_message.py.)
+"""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from protos import executor_pb2 as epb
 from protos import scheduler_pb2 as pb
-from scheduler_svc.sampling_params import SamplingParams, ValidationError
+from scheduler_svc.core.sampling_params import SamplingParams, ValidationError
+from scheduler_svc.engine.config import GenerateInput
 
 if TYPE_CHECKING:
-    from scheduler_svc.engine import GenerateInput
-    from scheduler_svc.handles import EngineEvent, RequestHandle, RequestView
+    from scheduler_svc.engine.streams import EngineEvent, RequestHandle, RequestView
 
 _FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -54,8 +55,6 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
 
 
 def generate_input_from_proto(r: pb.GenerateRequest) -> GenerateInput:
-    from scheduler_svc.engine import GenerateInput
-
     params = params_from_proto(r.params)
     kind = r.WhichOneof("prompt")
     if kind is None:
@@ -76,15 +75,6 @@ def generate_input_from_proto(r: pb.GenerateRequest) -> GenerateInput:
         if r.chat.HasField("add_generation_prompt"):
             inp.add_generation_prompt = r.chat.add_generation_prompt
     return inp
-
-
-def params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    return dataclasses.asdict(params)
-
-
-def params_from_dict(d: dict[str, Any]) -> SamplingParams:
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
-    return SamplingParams(**{k: v for k, v in d.items() if k in known})
 
 
 # ------------------------------------------------------------------ public API, outbound
@@ -141,70 +131,3 @@ def server_info_to_proto(info: dict[str, Any]) -> pb.GetServerInfoResponse:
     executors = [pb.ExecutorInfo(**e) for e in info["executors"]]
     fields = {k: v for k, v in info.items() if k != "executors"}
     return pb.GetServerInfoResponse(executors=executors, version=__version__, **fields)
-
-
-# ------------------------------------------------------------------ executor step
-
-
-def executor_params(params: SamplingParams, seed: int | None) -> epb.SamplingParams:
-    msg = epb.SamplingParams(
-        temperature=params.temperature,
-        top_k=params.top_k if params.top_k > 0 else 0,
-        top_p=params.top_p,
-        min_p=params.min_p,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
-        num_logprobs=params.logprobs or 0,
-    )
-    if seed is not None:
-        msg.seed = seed
-    return msg
-
-
-def execute_request(out: Any, step_id: int) -> epb.ExecuteModelRequest:
-    """The step message: new sequences in full, running ones as differences."""
-    msg = epb.ExecuteModelRequest(
-        step_id=step_id,
-        finished_seq_ids=out.finished_seq_ids,
-        decode_seq_ids=out.decode_seq_ids,
-        decode_num_computed_tokens=out.decode_num_computed_tokens,
-    )
-    for s in out.new_seqs:
-        msg.new_sequences.append(
-            epb.NewSequence(
-                seq_id=s.seq_id,
-                token_ids=s.token_ids,
-                num_prompt_tokens=s.num_prompt_tokens,
-                sampling_params=executor_params(s.sampling_params, s.seed),
-                block_table=s.block_table,
-                num_computed_tokens=s.num_computed_tokens,
-                num_scheduled_tokens=s.num_scheduled_tokens,
-            )
-        )
-    # add(...) builds each entry in place; constructing a message and appending it copies it.
-    # Unset fields are left out of the call: an empty list argument costs a conversion.
-    add_cached = msg.cached_sequences.add
-    for c in out.cached_seqs:
-        if c.new_block_ids or c.replaced_blocks:
-            cached = add_cached(
-                seq_id=c.seq_id,
-                new_block_ids=c.new_block_ids,
-                num_scheduled_tokens=c.num_scheduled_tokens,
-                num_computed_tokens=c.num_computed_tokens,
-            )
-            for logical_index, block_id in c.replaced_blocks:
-                cached.replaced_blocks.add(logical_index=logical_index, block_id=block_id)
-        else:
-            add_cached(
-                seq_id=c.seq_id,
-                num_scheduled_tokens=c.num_scheduled_tokens,
-                num_computed_tokens=c.num_computed_tokens,
-            )
-    for src, dst in out.blocks_to_swap_out:
-        msg.blocks_to_swap_out.add(src=src, dst=dst)
-    for src, dst in out.blocks_to_swap_in:
-        msg.blocks_to_swap_in.add(src=src, dst=dst)
-    for src, dst in out.blocks_to_copy:
-        msg.blocks_to_copy.add(src=src, dst=dst)
-    return msg

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerFast
 
-from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.request import RequestStatus
-from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.output.detokenizer import IncrementalDetokenizer
 
 __all__ = [
     "OutputDelta",

@@ -10,9 +10,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.api.rpc_guard import MalformedRequestGuard
+from scheduler_svc.api.servicer import SchedulerServicer
 from scheduler_svc.engine import Engine, EngineConfig
-from scheduler_svc.rpc_guard import MalformedRequestGuard
-from scheduler_svc.service import SchedulerServicer
 
 log = structlog.get_logger(__name__)
 

@@ -12,6 +12,7 @@ Layout (format version 1), all keys `llmserve:<entity>:<id>`:
 - `llmserve:health:probe` string: written by health checks to learn whether Redis accepts writes.
 - `llmserve:executor:<instance_id>` string (JSON: address): an executor's registration, which
   expires unless its heartbeat renews it; `llmserve:index:executors` set: the registered ids.
+  Executors write these (protos/executor_registry.md is the contract); this module only reads.
 
 Appends carry the offset they start at and are applied by a server-side script that only adds
 what is missing, so a write retried after a lost reply never duplicates a token.
@@ -20,7 +21,6 @@ what is missing, so a write retried after a lost reply never duplicates a token.
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -419,72 +419,3 @@ def _decode_record(req_id: str, fields: dict[bytes, bytes]) -> StoredRequest:
         stop_reasons=json.loads(f.get("stop_reasons", "[]")),
         error=f.get("error", ""),
     )
-
-
-class ExecutorRegistration:
-    """An executor's entry in the registry, kept alive by a heartbeat thread.
-
-    The executor process has no event loop of its own to spare, so this uses the synchronous
-    client. The entry expires `ttl_s` after the last heartbeat: an executor that dies drops out
-    of the registry by itself; one that stops cleanly removes it at once.
-    """
-
-    def __init__(
-        self,
-        url: str,
-        instance_id: str,
-        address: str,
-        *,
-        ttl_s: float = 10.0,
-        interval_s: float = 2.0,
-    ) -> None:
-        import redis as sync_redis
-
-        self.instance_id = instance_id
-        self.address = address
-        self.ttl_ms = max(1, int(ttl_s * 1000))
-        self.interval_s = interval_s
-        self._redis = sync_redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.healthy = False
-
-    def beat(self) -> bool:
-        """Write (or renew) the entry once; False while Redis cannot be reached."""
-        try:
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.set(
-                _executor_key(self.instance_id),
-                json.dumps({"address": self.address}),
-                px=self.ttl_ms,
-            )
-            pipe.sadd(EXECUTORS_KEY, self.instance_id)
-            pipe.execute()
-        except (RedisError, OSError):
-            self.healthy = False
-            return False
-        self.healthy = True
-        return True
-
-    def start(self) -> None:
-        self.beat()
-        self._thread = threading.Thread(target=self._run, name="registry-heartbeat", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.beat()
-
-    def stop(self) -> None:
-        """Stop the heartbeat and remove the entry (best effort: it expires anyway)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        try:
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.delete(_executor_key(self.instance_id))
-            pipe.srem(EXECUTORS_KEY, self.instance_id)
-            pipe.execute()
-        except (RedisError, OSError):
-            pass
-        self._redis.close()

@@ -16,12 +16,12 @@ blocks and only decodes (and the fork of n > 1) can run out; that is where preem
 
 from __future__ import annotations
 
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.errors import QueueFull
-from scheduler_svc.request import Request, RequestStatus, Sequence
-from scheduler_svc.request_queue import RequestQueue
-from scheduler_svc.scheduler_config import SchedulerConfig
-from scheduler_svc.scheduler_output import (
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.errors import QueueFull
+from scheduler_svc.core.request import Request, RequestStatus, Sequence
+from scheduler_svc.core.request_queue import RequestQueue
+from scheduler_svc.core.scheduler_output import (
     CachedSeqData,
     NewSeqData,
     SchedulerOutput,

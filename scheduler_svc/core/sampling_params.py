@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -98,6 +100,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (how the store keeps a request's parameters)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """From `to_dict`'s form; fields this version does not know are ignored."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 def _finite(name: str, value: float) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from scheduler_svc.block_pool import Block, BlockPool, hash_block_tokens
-from scheduler_svc.request import Sequence
+from scheduler_svc.core.block_pool import Block, BlockPool, hash_block_tokens
+from scheduler_svc.core.request import Sequence
 
 
 class BlockManager:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_svc.request import Request, Sequence
+from scheduler_svc.core.request import Request, Sequence
 
 
 @dataclass(slots=True)

@@ -10,10 +10,10 @@ import structlog
 
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc import convert
+from scheduler_svc.api import convert
+from scheduler_svc.api.rpc_guard import Malformed, RateLimitedLog, reject_malformed
+from scheduler_svc.core.errors import EngineError, NotFound, QueueFull, Unavailable, ValidationError
 from scheduler_svc.engine import Engine
-from scheduler_svc.errors import EngineError, NotFound, QueueFull, Unavailable, ValidationError
-from scheduler_svc.rpc_guard import Malformed, RateLimitedLog, reject_malformed
 
 log = structlog.get_logger(__name__)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_svc.request import Sequence
-from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.core.request import Sequence
+from scheduler_svc.core.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

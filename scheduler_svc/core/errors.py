@@ -1,6 +1,6 @@
 """Errors the engine raises for the servicer to map onto gRPC status codes."""
 
-from scheduler_svc.sampling_params import ValidationError
+from scheduler_svc.core.sampling_params import ValidationError
 
 
 class EngineError(Exception):

@@ -1,0 +1,150 @@
+"""The layout's rules, checked on the source: no import circles, the scheduling core imports no
+I/O, and the two services share nothing but contracts (protos).
+
+Imports are read with `ast`: every `import` and `from ... import`, including ones inside
+functions (a deferred import that hides a circle is still a circle), but not those under
+`if TYPE_CHECKING:`, which never run (a module that annotates with the class that calls it is
+not a circle). A package's `__init__` counts as imported by anything that imports a module
+inside it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("scheduler_svc", "executor_svc", "client")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Modules of this repository that `name` imports (resolved to known module names)."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for inner in ast.walk(node)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_pkg else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        for target in targets:
+            # The deepest known module the target names, plus every package on the way.
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                candidate = ".".join(parts[:i])
+                if candidate in known and candidate != name:
+                    out.add(candidate)
+    # A module inside a package also runs that package's __init__ first; that is not an
+    # edge from the module to its own parents, so drop ancestors.
+    return {m for m in out if not name.startswith(m + ".")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = all_modules()
+    known = set(mods)
+    return {name: imports_of(name, path, known) for name, path in mods.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+GRAPH = import_graph()
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_circles(package: str) -> None:
+    inside = {m: {d for d in deps if d.split(".")[0] == package} for m, deps in GRAPH.items()}
+    cycles = [c for c in find_cycles(inside) if c[0].split(".")[0] == package]
+    assert not cycles, f"import circles in {package}: {cycles}"
+
+
+def test_the_services_import_nothing_of_each_other() -> None:
+    crossing = [
+        (m, d)
+        for m, deps in GRAPH.items()
+        for d in deps
+        if {m.split(".")[0], d.split(".")[0]} == {"scheduler_svc", "executor_svc"}
+    ]
+    assert not crossing, f"imports between the two services: {crossing}"
+
+
+def test_scheduling_core_imports_no_io() -> None:
+    forbidden = {"grpc", "redis", "asyncio", "torch", "protos"}
+    found = []
+    for path in sorted((ROOT / "scheduler_svc" / "core").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            for n in names:
+                if n.split(".")[0] in forbidden:
+                    found.append(f"{path.relative_to(ROOT)}: {n}")
+                if n.startswith("scheduler_svc.") and not n.startswith("scheduler_svc.core"):
+                    found.append(f"{path.relative_to(ROOT)}: {n} (outside the core)")
+    assert not found, found
+
+
+def test_the_checker_sees_a_circle() -> None:
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert GRAPH["scheduler_svc.engine.engine"] >= {"scheduler_svc.core.request"}
