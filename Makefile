@@ -9,7 +9,7 @@ HOST ?= 127.0.0.1
 EXECUTOR_PORT ?= 50061
 SCHEDULER_PORT ?= 50051
 
-.PHONY: install run test lint format protos bench clean
+.PHONY: install run test test-unit lint format protos bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The unit tier alone (no servers, processes or Redis): well under a minute.
+test-unit: $(STAMP)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

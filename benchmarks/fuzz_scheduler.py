@@ -334,7 +334,7 @@ def main() -> None:
         import tempfile
 
         from scheduler_svc.local.redis_server import RedisServer
-        from tests.stack import make_stack
+        from tests.support.stack import make_stack
 
         tmp = Path(tempfile.mkdtemp(prefix="llmserve-fuzz-"))
         (tmp / "stack").mkdir()

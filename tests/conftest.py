@@ -44,6 +44,14 @@ def redis_url(redis_server) -> str:
     return redis_server.url
 
 
-# The end-to-end stack fixture lives in tests/stack.py; importing it here makes it visible to
-# every test module.
-from tests.stack import llmserve_stack  # noqa: E402, F401
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark each test with its tier, from the folder it lives in (tests/unit, tests/integration)."""
+    for item in items:
+        tier = item.path.parent.name
+        if tier in ("unit", "integration"):
+            item.add_marker(getattr(pytest.mark, tier))
+
+
+# The end-to-end stack fixture lives in tests/support/stack.py; importing it here makes it
+# visible to every test module.
+from tests.support.stack import llmserve_stack  # noqa: E402, F401

@@ -5,27 +5,30 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from typing import TYPE_CHECKING
 
 from protos import scheduler_pb2 as pb
+from scheduler_svc.core.request import FinishReason, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams, ValidationError
-from scheduler_svc.engine.config import GenerateInput
+from scheduler_svc.engine.config import GenerateInput, ServerInfo
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.streams import EngineEvent, RequestHandle, RequestView
 
+# The single map from the engine's vocabulary (core/request.py) to the public proto's.
 _FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
-    "error": pb.FINISH_REASON_ERROR,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
 _STATUS = {
-    "waiting": pb.REQUEST_STATUS_WAITING,
-    "running": pb.REQUEST_STATUS_RUNNING,
-    "swapped": pb.REQUEST_STATUS_SWAPPED,
-    "finished": pb.REQUEST_STATUS_FINISHED,
+    RequestStatus.WAITING: pb.REQUEST_STATUS_WAITING,
+    RequestStatus.RUNNING: pb.REQUEST_STATUS_RUNNING,
+    RequestStatus.SWAPPED: pb.REQUEST_STATUS_SWAPPED,
+    **{s: pb.REQUEST_STATUS_FINISHED for s in RequestStatus if RequestStatus.is_finished(s)},
 }
 _MAX_U32 = 2**32 - 1
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -114,20 +117,20 @@ def request_view_to_proto(v: RequestView) -> pb.GetRequestResponse:
         error=v.error,
         priority=v.priority,
     )
-    for i, (tokens, text, finish, stop) in enumerate(v.sequences):
+    for i, seq in enumerate(v.sequences):
         msg.sequences.add(
             index=i,
-            token_ids=tokens,
-            text=text,
-            finish_reason=_FINISH[finish],
-            stop_reason="" if stop is None else str(stop),
+            token_ids=seq.token_ids,
+            text=seq.text,
+            finish_reason=_FINISH[seq.finish_reason],
+            stop_reason="" if seq.stop_reason is None else str(seq.stop_reason),
         )
     return msg
 
 
-def server_info_to_proto(info: dict[str, Any]) -> pb.GetServerInfoResponse:
+def server_info_to_proto(info: ServerInfo) -> pb.GetServerInfoResponse:
     from scheduler_svc import __version__
 
-    executors = [pb.ExecutorInfo(**e) for e in info["executors"]]
-    fields = {k: v for k, v in info.items() if k != "executors"}
-    return pb.GetServerInfoResponse(executors=executors, version=__version__, **fields)
+    fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+    fields["executors"] = [pb.ExecutorInfo(**dataclasses.asdict(e)) for e in info.executors]
+    return pb.GetServerInfoResponse(version=__version__, **fields)

@@ -1,4 +1,5 @@
-"""What the engine is configured with, and what a Generate call hands it."""
+"""What the engine is configured with, and the records it exchanges with the API layer: what a
+Generate call hands it, and what GetServerInfo reports."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 
 from scheduler_svc.core.sampling_params import SamplingParams
 
-__all__ = ["MAX_REQUEST_ID_LEN", "EngineConfig", "GenerateInput"]
+__all__ = ["MAX_REQUEST_ID_LEN", "EngineConfig", "ExecutorInfo", "GenerateInput", "ServerInfo"]
 
 MAX_REQUEST_ID_LEN = 256
 
@@ -51,3 +52,35 @@ class GenerateInput:
     chat: list[dict[str, str]] | None = None
     add_generation_prompt: bool = True
     priority: int = 0
+
+
+@dataclass(slots=True)
+class ExecutorInfo:
+    """One executor as GetServerInfo reports it."""
+
+    address: str
+    instance_id: str
+    num_device_blocks: int  # what this scheduler uses (at most what the executor reported)
+    num_free_blocks: int
+    num_cpu_blocks: int
+    healthy: bool
+
+
+@dataclass(slots=True)
+class ServerInfo:
+    """The model, the limits and the load, summed over executors (GetServerInfo)."""
+
+    model: str
+    max_model_len: int
+    block_size: int
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    kv_cache_usage: float  # fraction of device blocks in use, over all executors
+    executors: list[ExecutorInfo]
+    max_logprobs: int
+    vocab_size: int
+    policy: str
+    preemption_mode: str
+    num_preemptions: int
+    prefix_cache_hit_rate: float

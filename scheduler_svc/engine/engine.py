@@ -25,7 +25,7 @@ from scheduler_svc import failpoints
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine import recovery, requests
-from scheduler_svc.engine.config import EngineConfig, GenerateInput
+from scheduler_svc.engine.config import EngineConfig, GenerateInput, ServerInfo
 from scheduler_svc.engine.executors import ExecutorHandle, ExecutorPool
 from scheduler_svc.engine.health import HealthMonitor
 from scheduler_svc.engine.step_message import execute_request
@@ -167,7 +167,7 @@ class Engine:
     async def get_request(self, req_id: str) -> RequestView:
         return await requests.get_request(self, req_id)
 
-    def server_info(self) -> dict:
+    def server_info(self) -> ServerInfo:
         return requests.server_info(self)
 
     # ---------------------------------------------------------------- the loop

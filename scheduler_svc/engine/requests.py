@@ -16,7 +16,7 @@ import structlog
 from scheduler_svc.core.errors import NotFound, QueueFull, Unavailable, ValidationError
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
-from scheduler_svc.engine.config import MAX_REQUEST_ID_LEN, GenerateInput
+from scheduler_svc.engine.config import MAX_REQUEST_ID_LEN, ExecutorInfo, GenerateInput, ServerInfo
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
 from scheduler_svc.output.tokenizer import encode_chat, encode_prompt
 from scheduler_svc.state.store import StoredRequest, StoreUnavailable
@@ -216,37 +216,38 @@ async def get_request(engine: Engine, req_id: str) -> RequestView:
     )
 
 
-def server_info(engine: Engine) -> dict:
+def server_info(engine: Engine) -> ServerInfo:
     check_ready(engine)
-    d = engine.executors[0].describe
-    stats = [ex.sched.get_stats() for ex in engine.executors]
+    executors = engine.executors
+    d = executors[0].describe
+    stats = [ex.sched.get_stats() for ex in executors]
     hits = sum(st.prefix_cache_hits for st in stats)
     queries = sum(st.prefix_cache_queries for st in stats)
-    total = sum(ex.sched.num_device_blocks for ex in engine.executors)
-    free = sum(ex.sched.num_free_blocks for ex in engine.executors)
-    return {
-        "model": d.model_name,
-        "max_model_len": engine.max_model_len,
-        "block_size": d.block_size,
-        "num_waiting": sum(ex.sched.num_waiting for ex in engine.executors),
-        "num_running": sum(ex.sched.num_running for ex in engine.executors),
-        "num_swapped": sum(ex.sched.num_swapped for ex in engine.executors),
-        "kv_cache_usage": 1.0 - free / total if total else 0.0,
-        "executors": [
-            {
-                "address": ex.address,
-                "instance_id": ex.describe.instance_id,
-                "num_device_blocks": ex.sched.num_device_blocks,
-                "num_free_blocks": ex.sched.num_free_blocks,
-                "num_cpu_blocks": ex.describe.num_cpu_blocks,
-                "healthy": ex.healthy,
-            }
-            for ex in engine.executors
+    total = sum(ex.sched.num_device_blocks for ex in executors)
+    free = sum(ex.sched.num_free_blocks for ex in executors)
+    return ServerInfo(
+        model=d.model_name,
+        max_model_len=engine.max_model_len,
+        block_size=d.block_size,
+        num_waiting=sum(ex.sched.num_waiting for ex in executors),
+        num_running=sum(ex.sched.num_running for ex in executors),
+        num_swapped=sum(ex.sched.num_swapped for ex in executors),
+        kv_cache_usage=1.0 - free / total if total else 0.0,
+        executors=[
+            ExecutorInfo(
+                address=ex.address,
+                instance_id=ex.describe.instance_id,
+                num_device_blocks=ex.sched.num_device_blocks,
+                num_free_blocks=ex.sched.num_free_blocks,
+                num_cpu_blocks=ex.describe.num_cpu_blocks,
+                healthy=ex.healthy,
+            )
+            for ex in executors
         ],
-        "max_logprobs": engine.config.max_logprobs,
-        "vocab_size": engine.vocab_size,
-        "policy": engine.config.policy,
-        "preemption_mode": engine.config.preemption_mode,
-        "num_preemptions": sum(ex.sched.num_preemptions for ex in engine.executors),
-        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-    }
+        max_logprobs=engine.config.max_logprobs,
+        vocab_size=engine.vocab_size,
+        policy=engine.config.policy,
+        preemption_mode=engine.config.preemption_mode,
+        num_preemptions=sum(ex.sched.num_preemptions for ex in executors),
+        prefix_cache_hit_rate=hits / queries if queries else 0.0,
+    )

@@ -61,10 +61,22 @@ def _lp_entry(delta: OutputDelta, i: int) -> dict[str, Any]:
     }
 
 
-# What one step adds to one sequence's acknowledged log: (handle, index, token ids, text,
-# logprob entries or None, finish reason or None, stop reason, error). Plain tuples: one is made
-# per sequence per step.
-AckedDelta = tuple
+# What one step adds to one sequence's acknowledged log, published once Redis has it:
+# (handle, index, token ids, text released with the last of them (or at finish, with none),
+# logprob entries or None, finish reason or None, stop reason, error). A plain tuple with a
+# typed shape, not a NamedTuple: one is made and unpacked per sequence per step, and a
+# NamedTuple costs 45 us more per step at 256 sequences (measured: 23 vs 68 us to build and
+# unpack 256), about 4 % of the whole step.
+AckedDelta = tuple[
+    "RequestHandle",
+    int,
+    list[int],
+    str,
+    "list[dict[str, Any]] | None",
+    "FinishReason | None",
+    "int | str | None",
+    str,
+]
 
 
 @dataclass(slots=True)
@@ -350,19 +362,19 @@ class RequestHandle:
 
     def view(self) -> RequestView:
         if all(log.finish_reason is not None for log in self.acked):
-            status = "finished"
+            status = _STATUS_OF_REASON[self.acked[0].finish_reason]
         elif self.executor is not None and (req := self.executor.sched.get_request(self.req_id)):
-            status = {RequestStatus.RUNNING: "running", RequestStatus.SWAPPED: "swapped"}.get(
-                req.status, "waiting"
-            )
+            status = req.status
         else:
-            status = "waiting"
+            status = RequestStatus.WAITING
         return RequestView(
             req_id=self.req_id,
             status=status,
             prompt_token_ids=self.prompt_token_ids,
             sequences=[
-                (log.tokens, "".join(log.chunks) + log.tail, log.finish_reason, log.stop_reason)
+                SequenceView(
+                    log.tokens, "".join(log.chunks) + log.tail, log.finish_reason, log.stop_reason
+                )
                 for log in self.acked
             ],
             arrival_time=self.arrival_time,
@@ -372,13 +384,24 @@ class RequestHandle:
 
 
 @dataclass(slots=True)
+class SequenceView:
+    """One sequence's acknowledged output, as GetRequest returns it."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+
+
+@dataclass(slots=True)
 class RequestView:
     """What GetRequest returns."""
 
     req_id: str
-    status: str  # "waiting" | "running" | "swapped" | "finished"
+    # WAITING, RUNNING or SWAPPED, or a finished status (its first sequence's).
+    status: RequestStatus
     prompt_token_ids: list[int]
-    sequences: list[tuple[list[int], str, str | None, int | str | None]]
+    sequences: list[SequenceView]
     arrival_time: float
     error: str
     priority: int
@@ -390,5 +413,7 @@ class RequestView:
         handle = RequestHandle.from_stored(rec, params)
         handle.replay_outputs(tokenizer, eos_ids, max_model_len, rec)
         view = handle.view()
-        view.status = "finished" if rec.finished else "waiting"
+        if not rec.finished:
+            # Stored but not running here (not resumed by this scheduler, or not yet).
+            view.status = RequestStatus.WAITING
         return view

@@ -90,12 +90,17 @@ class RedisServer:
         try:
             while True:
                 try:
-                    if client.ping():
+                    # Ours, not another server that took the port between _free_port() and
+                    # our bind (then ours exits, and clients would talk to a stranger).
+                    if client.info("server")["process_id"] == self.proc.pid:
                         return
                 except redis.RedisError:
                     pass
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+                    raise RuntimeError(
+                        f"redis-server exited with {self.proc.returncode} "
+                        f"(port {self.port} taken?); see {self.data_dir / 'redis.log'}"
+                    )
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"redis-server did not answer on port {self.port}")
                 time.sleep(0.05)

@@ -23,7 +23,7 @@ import grpc
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

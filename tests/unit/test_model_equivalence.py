@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from executor_svc.model_runner import ModelRunner, ScheduledSequence
-from tests.model_factory import load_hf_model, make_tiny_checkpoint
+from tests.support.model_factory import load_hf_model, make_tiny_checkpoint
 
 BLOCK_SIZE = 8
 PROMPT_LENS = [3, 9, 16, 17, 25, 1, 40, 12]

@@ -19,7 +19,7 @@ from scheduler_svc.output.processor import (
     SequenceOutputState,
     TokenAlternative,
 )
-from tests.test_detokenizer import byte_level_tokenizer
+from tests.unit.test_detokenizer import byte_level_tokenizer
 
 TOK = byte_level_tokenizer()
 EOS = TOK.convert_tokens_to_ids("<|eos|>")

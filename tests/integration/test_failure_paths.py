@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.local.redis_server import RedisServer
-from tests.api_helpers import (
+from tests.support.api_helpers import (
     Collected,
     collect,
     generate,
@@ -28,7 +28,7 @@ from tests.api_helpers import (
     stream_in_threads,
     stub_for,
 )
-from tests.stack import make_stack
+from tests.support.stack import make_stack
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.fuzz_scheduler import report, run_fuzz
 from protos import scheduler_pb2 as pb
-from tests.api_helpers import collect, stub_for
+from tests.support.api_helpers import collect, stub_for
 
 GARBAGE = b"\xff\xff\xff\xff\x0f"  # a varint that never ends: no message parses from it
 

@@ -13,7 +13,7 @@ import redis
 from executor_svc.registry import EXECUTORS_KEY, ExecutorRegistration, executor_key
 from scheduler_svc.state import store
 
-CONTRACT = Path(__file__).resolve().parents[1] / "protos" / "executor_registry.md"
+CONTRACT = Path(__file__).resolve().parents[2] / "protos" / "executor_registry.md"
 
 
 def listed(redis_url: str) -> list[tuple[str, str]]:

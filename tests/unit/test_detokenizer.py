@@ -339,4 +339,4 @@ def test_scheduler_modules_do_not_import_torch():
         "import sys, scheduler_svc.output.tokenizer, scheduler_svc.output.detokenizer, "
         "scheduler_svc.output.processor; assert 'torch' not in sys.modules, 'torch imported'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

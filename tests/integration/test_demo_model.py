@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from executor_svc import demo_model
 from executor_svc.demo_model import build_demo_model, ensure_demo_model
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 MULTI_BYTE_TEXTS = [
     "Café, naïve façade — crème brûlée à Zürich.",

@@ -19,13 +19,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
-from tests.executor_driver import (
+from tests.support.executor_driver import (
     ExecutorDriver,
     executor_channel,
     executor_subprocess,
     running_executor,
 )
-from tests.model_factory import load_hf_model, make_tiny_checkpoint
+from tests.support.model_factory import load_hf_model, make_tiny_checkpoint
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 VOCAB = 512

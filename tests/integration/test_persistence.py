@@ -15,7 +15,7 @@ import redis as redis_lib
 
 from protos import scheduler_pb2 as pb
 from scheduler_svc.local.redis_server import RedisServer
-from tests.api_helpers import (
+from tests.support.api_helpers import (
     Collected,
     collect,
     gen_request,
@@ -24,7 +24,7 @@ from tests.api_helpers import (
     run_in_threads,
     stub_for,
 )
-from tests.stack import make_stack
+from tests.support.stack import make_stack
 
 NUM_CLIENTS = 20
 MAX_TOKENS = 120

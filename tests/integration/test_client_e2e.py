@@ -19,7 +19,9 @@ import pytest
 
 from client import AsyncLLMClient, LLMClient, LLMServeError, SamplingParams
 
-stack = pytest.importorskip("tests.stack", reason="tests/stack.py (llmserve_stack) not there yet")
+stack = pytest.importorskip(
+    "tests.support.stack", reason="tests/stack.py (llmserve_stack) not there yet"
+)
 llmserve_stack = stack.llmserve_stack  # registers the fixture in this module
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

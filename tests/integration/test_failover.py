@@ -17,7 +17,7 @@ import redis as redis_lib
 
 from protos import scheduler_pb2 as pb
 from scheduler_svc.local.redis_server import RedisServer
-from tests.api_helpers import (
+from tests.support.api_helpers import (
     Collected,
     collect,
     mixed_workload,
@@ -25,7 +25,7 @@ from tests.api_helpers import (
     stream_in_threads,
     stub_for,
 )
-from tests.stack import Stack, make_stack, tiny_model_dir
+from tests.support.stack import Stack, make_stack, tiny_model_dir
 
 MAX_TOKENS = 60
 NUM_REQUESTS = 8
@@ -151,7 +151,7 @@ def test_discovery_and_static_executors_exclude_each_other():
         capture_output=True,
         text=True,
         timeout=60,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert proc.returncode == 2
     assert "--discover-executors and --executor exclude each other" in proc.stderr

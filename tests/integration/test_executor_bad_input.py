@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from protos import executor_pb2 as pb
-from tests.executor_driver import ExecutorDriver, executor_channel, running_executor
-from tests.model_factory import make_tiny_checkpoint
+from tests.support.executor_driver import ExecutorDriver, executor_channel, running_executor
+from tests.support.model_factory import make_tiny_checkpoint
 
 NUM_DEVICE_BLOCKS = 64
 VOCAB = 512

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import scheduler_pb2 as pb
 from scheduler_svc.local.redis_server import RedisServer
-from tests.api_helpers import (
+from tests.support.api_helpers import (
     Collected,
     collect,
     gen_request,
@@ -21,7 +21,7 @@ from tests.api_helpers import (
     run_in_threads,
     stub_for,
 )
-from tests.stack import make_stack
+from tests.support.stack import make_stack
 
 MAX_TOKENS = 10
 
@@ -207,14 +207,14 @@ def test_unknown_ids_are_not_found(api):
 
 def test_unavailable_without_executor(tmp_path, redis_server):
     """A scheduler whose executor is not up answers UNAVAILABLE, and health is NOT_SERVING."""
-    from tests.stack import Stack, tiny_model_dir
+    from tests.support.stack import Stack, tiny_model_dir
 
     stack = Stack(workdir=tmp_path, model_dir=tiny_model_dir(tmp_path / "m"), redis=redis_server)
     stack.executor_port = 1  # nothing listens there
     import subprocess
     import sys
 
-    from tests.stack import _env, _wait_port_file
+    from tests.support.stack import _env, _wait_port_file
 
     port_file = tmp_path / "s.port"
     proc = subprocess.Popen(

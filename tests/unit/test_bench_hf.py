@@ -11,7 +11,7 @@ from client.bench.backends import HFBackend
 from client.bench.cli import main as bench_main
 from client.bench.workloads import random_workload
 
-model_factory = pytest.importorskip("tests.model_factory")
+model_factory = pytest.importorskip("tests.support.model_factory")
 
 
 @pytest.fixture(scope="module")
