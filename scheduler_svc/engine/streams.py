@@ -320,6 +320,7 @@ class RequestHandle:
         remaining = n
         loop = asyncio.get_running_loop()
         while True:
+            yielded = False
             for i in range(n):
                 if done[i]:
                     continue
@@ -340,6 +341,7 @@ class RequestHandle:
                 text = chunks[c] if end - c == 1 else "".join(chunks[c:end])
                 if finished and log.tail:
                     text += log.tail
+                yielded = True
                 yield EngineEvent(
                     i,
                     c,
@@ -354,8 +356,14 @@ class RequestHandle:
                 return
             if self._closed is not None:
                 raise Unavailable(self._closed)
-            # Nothing new was published since the loop above looked (no await in between), so
-            # waiting for the next notify() cannot miss anything.
+            if yielded:
+                # A yield suspends this generator while the caller writes to the network, and
+                # a step that publishes meanwhile finds no waiter here to wake: look again
+                # before parking, or its tokens (and the finish) wait for a step that never
+                # comes.
+                continue
+            # The pass above found nothing and did not suspend, so nothing was published
+            # since it looked: waiting for the next notify() cannot miss anything.
             waiter = loop.create_future()
             self._waiters.append(waiter)
             await waiter
