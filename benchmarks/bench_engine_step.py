@@ -1,7 +1,7 @@
 """The scheduler's whole CPU cost of one decode step, measured on the engine's own code.
 
 For N running sequences (the demo model's tokenizer, random sampled tokens, so the text has
-multi-byte characters and spaces like real output), every timed step runs what Engine._loop and
+multi-byte characters and spaces like real output), every timed step runs what Engine._step and
 the persister run, minus the network and the executor:
 
 * schedule: `Scheduler.schedule()`;

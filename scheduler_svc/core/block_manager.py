@@ -81,6 +81,23 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def plan_admission(self, seqs: list[Sequence]) -> tuple[list[list[Block]], int]:
+        """Prefix-cache hits of each sequence (for allocate_group) and the free blocks that
+        admitting them all takes: fresh blocks, plus hit blocks that sit in the free list now.
+
+        Each hit stops short of the last token, so at least one token is computed and there is
+        a logit to sample from.
+        """
+        hits = []
+        need = 0
+        free_hits: set[int] = set()
+        for seq in seqs:
+            seq_hits = self.find_cached_prefix(seq, len(seq.token_ids) - 1)
+            hits.append(seq_hits)
+            need += self.num_blocks_for(len(seq.token_ids)) - len(seq_hits)
+            free_hits.update(b.block_id for b in seq_hits if b.ref_cnt == 0)
+        return hits, need + len(free_hits)
+
     def ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
         """Extend seq.block_hashes to its first `num_blocks` full blocks (never re-hashes)."""
         hashes = seq.block_hashes
@@ -114,6 +131,7 @@ class BlockManager:
                 pool.touch(block)
                 seq.block_table.append(block.block_id)
         for seq, seq_hits, n in zip(seqs, hits, num_tokens, strict=True):
+            seq.exclusive_until = 0  # the first grow() vouches for it
             table = seq.block_table
             for _ in range(self.num_blocks_for(n) - len(seq_hits)):
                 table.append(pool.allocate().block_id)
@@ -127,7 +145,9 @@ class BlockManager:
     def fork(self, parent: Sequence, children: Iterable[Sequence]) -> None:
         """Children share every block of the parent (one more reference each)."""
         blocks = self.pool.blocks
+        parent.exclusive_until = 0  # its blocks are shared now
         for child in children:
+            child.exclusive_until = 0
             child.block_table = list(parent.block_table)
             for bid in child.block_table:
                 self.pool.touch(blocks[bid])
@@ -164,36 +184,46 @@ class BlockManager:
                 need += extra
         return need
 
-    def prepare_compute(
+    def grow(
         self, seq: Sequence, num_tokens: int, copies: list[tuple[int, int]]
-    ) -> tuple[list[int], tuple[int, int] | None]:
-        """Make seq's next `num_tokens` slots writable by seq alone.
+    ) -> tuple[list[int], tuple[int, int] | None] | None:
+        """Make seq's next `num_tokens` slots writable by seq alone: the one call through which
+        any path (decode, prefill chunk, fork) gets room.
 
-        Returns (appended block ids, (logical index, new block id) when copy-on-write replaced
-        a shared block) and appends the copy to `copies`. Caller checked the free count with
-        num_blocks_to_compute.
+        A shared block seq is about to write into is replaced by a copy (copy-on-write; the
+        copy is appended to `copies` when earlier tokens of it are computed), then fresh blocks
+        are appended. Returns (appended block ids, (logical index, new block id) of a replaced
+        block or None), or None with nothing changed when the free blocks do not suffice.
+        Afterwards `seq.exclusive_until` says how far seq may write without asking again.
         """
         bs = self.block_size
         pool = self.pool
         table = seq.block_table
         nc = seq.num_computed_tokens
         idx = nc // bs
+        old_len = len(table)
+        shared = idx < old_len and pool.blocks[table[idx]].ref_cnt > 1
+        extra = -(-(nc + num_tokens) // bs) - old_len
+        if shared + max(extra, 0) > pool.num_free:
+            return None
         replaced = None
-        if idx < len(table):
+        if shared:
             old = pool.blocks[table[idx]]
-            if old.ref_cnt > 1:
-                new = pool.allocate()
-                if nc % bs:
-                    # Earlier tokens of this block are computed: the copy must carry them.
-                    copies.append((old.block_id, new.block_id))
-                table[idx] = new.block_id
-                pool.release(old)
-                replaced = (idx, new.block_id)
+            new = pool.allocate()
+            if nc % bs:
+                # Earlier tokens of this block are computed: the copy must carry them.
+                copies.append((old.block_id, new.block_id))
+            table[idx] = new.block_id
+            pool.release(old)
+            replaced = (idx, new.block_id)
         new_ids: list[int] = []
-        for _ in range(-(-(nc + num_tokens) // bs) - len(table)):
+        for _ in range(extra):
             bid = pool.allocate().block_id
             table.append(bid)
             new_ids.append(bid)
+        # Block idx is seq's own now, and so is everything appended; blocks that were already
+        # past idx are not vouched for here (the next grow() checks them).
+        seq.exclusive_until = (len(table) if old_len <= idx + 1 else idx + 1) * bs
         return new_ids, replaced
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -219,6 +249,7 @@ class BlockManager:
         for bid in reversed(seq.block_table):
             self.pool.release(blocks[bid])
         seq.block_table = []
+        seq.exclusive_until = 0
         for cpu in seq.cpu_block_table:
             self._release_cpu(cpu)
         seq.cpu_block_table = []
@@ -255,6 +286,7 @@ class BlockManager:
             for bid in reversed(seq.block_table):
                 self.pool.release(self.pool.blocks[bid])
             seq.block_table = []
+            seq.exclusive_until = 0
             seq.cpu_block_table = cpu_table
         return list(mapping.items())
 
@@ -277,6 +309,7 @@ class BlockManager:
                 self._release_cpu(cpu)
             seq.cpu_block_table = []
             seq.block_table = table
+            seq.exclusive_until = 0  # siblings may share blocks again after swap-in
             if self.enable_prefix_caching:
                 # The content is back on the device: make it findable again if nobody else
                 # holds the same hash.
@@ -291,6 +324,7 @@ class BlockManager:
         for seq in self._holders.values():
             seq.block_table = []
             seq.cpu_block_table = []
+            seq.exclusive_until = 0
         self._holders.clear()
         self.pool.reset()
         self._cpu_ref = [0] * self.num_cpu_blocks

@@ -79,6 +79,9 @@ class Sequence:
     # Device block ids in logical order. Written only by the block manager; append-only except
     # for copy-on-write replacement of a shared block.
     block_table: list[int] = field(default_factory=list)
+    # Slots [num_computed_tokens, exclusive_until) sit in blocks only this sequence holds: a
+    # decode there needs no call to the block manager (which alone sets this; 0 = ask it).
+    exclusive_until: int = 0
     # CPU block ids while swapped out (empty otherwise).
     cpu_block_table: list[int] = field(default_factory=list)
     # Chained prefix-cache hashes of the first len(block_hashes) full blocks of token_ids. They

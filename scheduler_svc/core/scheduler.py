@@ -16,165 +16,42 @@ blocks and only decodes (and the fork of n > 1) can run out; that is where preem
 
 from __future__ import annotations
 
-from scheduler_svc.core.block_manager import BlockManager
+import enum
+from dataclasses import dataclass, field
+
 from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.core.errors import QueueFull
 from scheduler_svc.core.request import Request, RequestStatus, Sequence
-from scheduler_svc.core.request_queue import RequestQueue
-from scheduler_svc.core.scheduler_output import (
-    CachedSeqData,
-    NewSeqData,
-    SchedulerOutput,
-    SchedulerStats,
-)
+from scheduler_svc.core.scheduler_output import CachedSeqData, NewSeqData, SchedulerOutput
+from scheduler_svc.core.scheduler_state import SchedulerState
+
+__all__ = ["Scheduler", "SchedulerConfig"]
 
 _RUNNING = RequestStatus.RUNNING
 
 
-class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
-        self.config = config
-        self.block_manager = BlockManager(
-            block_size=config.block_size,
-            num_device_blocks=config.num_device_blocks,
-            num_cpu_blocks=config.num_cpu_blocks,
-            watermark=config.watermark,
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
-        self._waiting = RequestQueue()
-        self._swapped = RequestQueue()
-        # Running requests in policy order (best first); finished ones are dropped lazily by
-        # the next schedule(), which walks the list anyway.
-        self._running: list[Request] = []
-        self._requests: dict[str, Request] = {}  # unfinished requests
-        self._seqs: dict[str, Sequence] = {}  # unfinished sequences
-        self._pending_drops: list[str] = []  # sent sequences that ended between steps
-        self._finished: list[Request] = []  # since take_finished_requests()
-        self._num_added = 0  # tie-break of equal arrival times: order of add_request
-        self._step_id = 0
-        self._in_flight: SchedulerOutput | None = None
-        self.num_preemptions = 0
+@dataclass(slots=True)
+class _StepBudget:
+    """What one schedule() call has left to give, shared by its phases."""
 
-    # ------------------------------------------------------------------ requests
+    tokens: int  # of max_num_batched_tokens
+    num_seqs: int = 0  # sequences running after this step so far (max_num_seqs caps it)
+    prefills: list[tuple[Request, Sequence]] = field(default_factory=list)  # for phase 2
+    added: list[Request] = field(default_factory=list)  # swapped in or admitted this step
 
-    def add_request(self, req: Request) -> None:
-        """Queue a request. Raises QueueFull at the waiting cap, ValueError on a duplicate id.
 
-        A request that can never run here (too long for max_model_len or the whole cache, or
-        n above max_num_seqs) is finished at once with FINISHED_ERROR and req.error; it shows up
-        in take_finished_requests().
-        """
-        if req.req_id in self._requests:
-            raise ValueError(f"request {req.req_id!r} is already active")
-        if len(self._waiting) >= self.config.max_waiting:
-            raise QueueFull(
-                f"the waiting queue is full ({self.config.max_waiting} requests); retry later"
-            )
-        self._num_added += 1
-        if self.config.policy == "priority":
-            req.sort_key = (-req.priority, req.arrival_time, self._num_added)
-        else:
-            req.sort_key = (req.arrival_time, self._num_added)
-        self._requests[req.req_id] = req
-        live = [s for s in req.seqs if not s.is_finished]
-        for seq in live:
-            seq.status = RequestStatus.WAITING
-            self._seqs[seq.seq_id] = seq
-        error = self.config.never_fits_reason(req, live)
-        if not live or error:
-            status = RequestStatus.FINISHED_ERROR if error else req.seqs[-1].status
-            self._end_request(req, status, error)
-            return
-        req.status = RequestStatus.WAITING
-        self._waiting.push(req)
+class _Admit(enum.Enum):
+    ADMITTED = enum.auto()
+    WAIT = enum.auto()  # head of the line: nothing behind it goes first
+    ENDED = enum.auto()  # could never fit; ended with an error
 
-    def abort_request(self, req_id: str) -> bool:
-        """End a request now and free its blocks; False when it is unknown or already ended.
 
-        The executor is told to drop its sequences in the next step's finished_seq_ids.
-        """
-        req = self._requests.get(req_id)
-        if req is None:
-            return False
-        self._end_request(req, RequestStatus.FINISHED_ABORTED)
-        return True
-
-    def finish_sequence(
-        self, seq_id: str, status: RequestStatus, stop_reason: int | str | None = None
-    ) -> bool:
-        """End one sequence (a stop condition); the request ends with its last sequence.
-
-        Returns False when the sequence is unknown or already ended.
-        """
-        if not RequestStatus.is_finished(status):
-            raise ValueError(f"finish_sequence needs a finished status, got {status!r}")
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            return False
-        req = self._requests[seq.req_id]
-        self._end_seq(seq, status, stop_reason)
-        if not req.forked or all(s.is_finished for s in req.seqs):
-            self._end_request(req, status)
-        return True
-
-    def _end_seq(
-        self, seq: Sequence, status: RequestStatus, stop_reason: int | str | None = None
-    ) -> None:
-        seq.status = status
-        seq.stop_reason = stop_reason
-        self.block_manager.free(seq)
-        if seq.sent:
-            self._pending_drops.append(seq.seq_id)
-            seq.sent = False
-        self._seqs.pop(seq.seq_id, None)
-
-    def _end_request(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self._end_seq(seq, status)
-        if not req.forked:
-            # Sequences 1..n-1 were never forked: they end with the same status, so every one
-            # of the n sequences has a final state to report.
-            for child in req.fork():
-                child.status = req.seqs[0].status
-        req.status = status
-        req.error = error
-        self._waiting.remove(req.req_id)
-        self._swapped.remove(req.req_id)
-        del self._requests[req.req_id]
-        self._finished.append(req)
-
-    def take_finished_requests(self) -> list[Request]:
-        """Requests ended since the last call (by the scheduler itself, abort, or finish)."""
-        out, self._finished = self._finished, []
-        return out
-
-    def reset_executor(self) -> None:
-        """The executor lost its state: everything running or swapped is recomputed from scratch.
-
-        Any step in flight is discarded (its update_from_output becomes a no-op).
-        """
-        self._in_flight = None
-        self._pending_drops.clear()
-        requeue = [r for r in self._running if r.status == _RUNNING]
-        requeue += self._swapped.ordered()
-        self._running = []
-        self._swapped.clear()
-        self.block_manager.reset()
-        for req in requeue:
-            for seq in req.live_seqs:
-                seq.sent = False
-                seq.num_computed_tokens = 0
-                seq.num_cached_blocks = 0
-                seq.status = RequestStatus.WAITING
-            self._unfork_if_untouched(req)
-            req.status = RequestStatus.WAITING
-            self._waiting.push(req)
+class Scheduler(SchedulerState):
+    """Plans each step for one executor (the policy); its state lives in SchedulerState."""
 
     # ------------------------------------------------------------------ step
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step.
+        """Plan the next step: the four phases of the module docstring, in order.
 
         When it schedules any token, update_from_output() must get its result before the next
         schedule(). Whatever it holds (drops, swaps, copies) must reach the executor unless
@@ -184,115 +61,148 @@ class Scheduler:
             raise RuntimeError(
                 f"schedule() called before update_from_output() of step {self._in_flight.step_id}"
             )
-        cfg = self.config
-        bm = self.block_manager
         self._step_id += 1
         out = SchedulerOutput(self._step_id)
-        budget = cfg.max_num_batched_tokens
-        max_len = cfg.max_model_len
+        step = _StepBudget(self.config.max_num_batched_tokens)
+        running = self._schedule_running(step, out)
+        self._schedule_prefill_chunks(step, out)
+        if not out.preempted_req_ids:
+            # New work only when nothing was just pushed out (it would be pushed out again).
+            self._schedule_swapped(step, out)
+            if not self._swapped:
+                self._schedule_waiting(step, out)
+        if step.added:
+            running += step.added
+            running.sort(key=_sort_key)
+        self._running = running
+        # Last, so that sequences ended during this call are dropped in this very step.
+        out.finished_seq_ids.extend(self._pending_drops)
+        self._pending_drops.clear()
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - step.tokens
+        # A step that computes nothing has no result to wait for: the engine may skip it (or
+        # send it for its drops and copies) without calling update_from_output().
+        self._in_flight = out if out.scheduled else None
+        return out
 
-        # 1. Decodes of running requests, best first; victims come off the tail.
+    def _schedule_running(self, step: _StepBudget, out: SchedulerOutput) -> list[Request]:
+        """Phase 1: decodes of running requests, best first; victims come off the tail.
+
+        Prefill chunks are only noted here (phase 2 schedules them). Returns the requests
+        still running. The steady state, one sequence decoding in place into a block of its
+        own, is handled inline: it is most of every busy step.
+        """
         running = [r for r in self._running if r.status == _RUNNING]
-        prefills: list[tuple[Request, Sequence]] = []
-        num_seqs = 0
-        end = len(running)
-        i = 0
-        bs = cfg.block_size
-        pool = bm.pool
-        scheduled = out.scheduled
-        cached_seqs = out.cached_seqs
-        num_scheduled = out.num_scheduled_tokens
-        lane_ids = out.decode_seq_ids
-        lane_computed = out.decode_num_computed_tokens
+        lane_ids, lane_computed = out.decode_seq_ids, out.decode_num_computed_tokens
+        num_scheduled, scheduled = out.num_scheduled_tokens, out.scheduled
+        max_len = self.config.max_model_len
+        tokens, num_seqs = step.tokens, step.num_seqs
+        i, end = 0, len(running)
         while i < end:
             req = running[i]
             i += 1
-            if len(req.seqs) == 1 and req.forked:
-                # Fast path for one sequence (n == 1, the common case): same decisions as the
-                # general path below, with the block arithmetic and the diff inlined.
+            if len(req.seqs) == 1 and req.forked:  # n == 1
                 seq = req.seqs[0]
                 nc = seq.num_computed_tokens
-                num_tokens = len(seq.token_ids)
-                table = seq.block_table
-                if num_tokens - nc > 1:
-                    prefills.append((req, seq))
+                if len(seq.token_ids) - nc > 1:
+                    step.prefills.append((req, seq))
                     num_seqs += 1
                     continue
-                grow = nc >= len(table) * bs
-                if num_tokens <= max_len and (grow or pool.blocks[table[nc // bs]].ref_cnt == 1):
-                    if grow and pool.num_free == 0:
-                        end = self._make_room(1, req, running, i, end, out)
-                        if req.status != _RUNNING:
-                            continue
-                    num_seqs += 1
-                    budget -= 1
-                    if not seq.sent:
-                        self._schedule_seq(seq, 1, out)
-                        continue
-                    if grow:
-                        bid = pool.allocate().block_id
-                        table.append(bid)
-                        cached_seqs.append(CachedSeqData(seq.seq_id, [bid], [], 1, nc))
-                    elif req.decode_lane:
-                        lane_ids.append(seq.seq_id)
-                        lane_computed.append(nc)
-                    else:
-                        cached_seqs.append(CachedSeqData(seq.seq_id, [], [], 1, nc))
+                if nc < seq.exclusive_until and seq.sent and req.decode_lane:
+                    lane_ids.append(seq.seq_id)
+                    lane_computed.append(nc)
                     num_scheduled[seq.seq_id] = 1
                     scheduled.append((seq, 1))
-                    continue
-            if not req.forked:
-                seq0 = req.seqs[0]
-                num_seqs += req.sampling_params.n
-                if seq0.num_computed_tokens < req.num_prompt_tokens - 1:
-                    prefills.append((req, seq0))
-                    continue
-                decode_seqs = None  # fork first
-                need = req.sampling_params.n - 1  # copy-on-write of the shared last block
-            else:
-                decode_seqs = []
-                for seq in req.seqs:
-                    if seq.status != _RUNNING:
-                        continue
-                    if len(seq.token_ids) - seq.num_computed_tokens > 1:
-                        prefills.append((req, seq))
-                    elif len(seq.token_ids) > max_len:  # safety net behind the output processor
-                        self.finish_sequence(seq.seq_id, RequestStatus.FINISHED_LENGTH)
-                        continue
-                    else:
-                        decode_seqs.append(seq)
                     num_seqs += 1
-                if not decode_seqs:
+                    tokens -= 1
                     continue
-                need = bm.num_blocks_to_compute(decode_seqs)
-            if need > bm.num_free_blocks:
-                end = self._make_room(need, req, running, i, end, out)
-                if req.status != _RUNNING:
-                    num_seqs -= req.num_seqs_when_running
+                if len(seq.token_ids) <= max_len:
+                    end = self._decode_one(req, seq, running, i, end, out)
+                    if req.status == _RUNNING:
+                        num_seqs += 1
+                        tokens -= 1
                     continue
-            if decode_seqs is None:
-                decode_seqs = self._fork(req)
-            for seq in decode_seqs:
-                self._schedule_seq(seq, 1, out)
-            budget -= len(decode_seqs)
-        preempted = bool(out.preempted_req_ids)
-        if preempted:
+            end, seqs_added, tokens_used = self._decode_group(req, running, i, end, step, out)
+            num_seqs += seqs_added
+            tokens -= tokens_used
+        step.tokens, step.num_seqs = tokens, num_seqs
+        if out.preempted_req_ids:
             # Prefill entries of a request that preempted itself are stale.
-            prefills = [(r, s) for r, s in prefills if s.status == _RUNNING]
-        kept = [r for r in running[:end] if r.status == _RUNNING]
+            step.prefills = [(r, s) for r, s in step.prefills if s.status == _RUNNING]
+        return [r for r in running[:end] if r.status == _RUNNING]
 
-        # 2. Prefill chunks of running requests (their blocks were allocated on admission).
-        for req, seq in prefills:
-            if budget <= 0:
+    def _decode_one(
+        self, req: Request, seq: Sequence, running: list[Request], i: int, end: int, out
+    ) -> int:
+        """One sequence's decode token, with room made by preempting from the tail of
+        running[i:end] when needed (possibly req itself). Returns the new end."""
+        growth = self.block_manager.grow(seq, 1, out.blocks_to_copy)
+        while growth is None:
+            end = self._make_room(1, req, running, i, end, out)
+            if req.status != _RUNNING:
+                return end
+            growth = self.block_manager.grow(seq, 1, out.blocks_to_copy)
+        self._add_to_step(seq, 1, growth, out)
+        return end
+
+    def _decode_group(
+        self,
+        req: Request,
+        running: list[Request],
+        i: int,
+        end: int,
+        step: _StepBudget,
+        out: SchedulerOutput,
+    ) -> tuple[int, int, int]:
+        """Decodes of a request with several sequences (or one about to fork), as one unit:
+        they share blocks, so the room they need is counted together. Returns the new end,
+        the sequences it adds to the step and the tokens it schedules."""
+        bm = self.block_manager
+        if not req.forked:
+            seq0 = req.seqs[0]
+            num_seqs = req.sampling_params.n
+            if seq0.num_computed_tokens < req.num_prompt_tokens - 1:
+                step.prefills.append((req, seq0))
+                return end, num_seqs, 0
+            decode_seqs = None  # fork first
+            need = req.sampling_params.n - 1  # copy-on-write of the shared last block
+        else:
+            decode_seqs, num_seqs = [], 0
+            for seq in req.seqs:
+                if seq.status != _RUNNING:
+                    continue
+                if len(seq.token_ids) - seq.num_computed_tokens > 1:
+                    step.prefills.append((req, seq))
+                elif len(seq.token_ids) > self.config.max_model_len:  # behind the output checks
+                    self.finish_sequence(seq.seq_id, RequestStatus.FINISHED_LENGTH)
+                    continue
+                else:
+                    decode_seqs.append(seq)
+                num_seqs += 1
+            if not decode_seqs:
+                return end, num_seqs, 0
+            need = bm.num_blocks_to_compute(decode_seqs)
+        if need > bm.num_free_blocks:
+            end = self._make_room(need, req, running, i, end, out)
+            if req.status != _RUNNING:
+                return end, num_seqs - req.num_seqs_when_running, 0
+        for seq in decode_seqs if decode_seqs is not None else self._fork(req):
+            self._schedule_seq(seq, 1, out)
+        return end, num_seqs, len(req.seqs if decode_seqs is None else decode_seqs)
+
+    def _schedule_prefill_chunks(self, step: _StepBudget, out: SchedulerOutput) -> None:
+        """Phase 2: prefill chunks of running requests (their blocks came on admission)."""
+        for req, seq in step.prefills:
+            if step.tokens <= 0:
                 break
-            budget -= self._schedule_chunk(req, seq, budget, out)
+            step.tokens -= self._schedule_chunk(req, seq, step.tokens, out)
 
-        # 3. Swapped requests come back before any new work.
-        added: list[Request] = []
-        while not preempted and budget > 0 and (req := self._swapped.peek()) is not None:
+    def _schedule_swapped(self, step: _StepBudget, out: SchedulerOutput) -> None:
+        """Phase 3: swapped requests come back, oldest first, before any new work."""
+        bm = self.block_manager
+        while step.tokens > 0 and (req := self._swapped.peek()) is not None:
             live = req.live_seqs
             n = req.num_seqs_when_running
-            if num_seqs + n > cfg.max_num_seqs or budget < len(live):
+            if step.num_seqs + n > self.config.max_num_seqs or step.tokens < len(live):
                 break
             need = bm.num_blocks_to_swap_in(live) + self._blocks_to_resume(req, live)
             if not self._can_take(need, req, "swap it back in"):
@@ -305,43 +215,25 @@ class Scheduler:
             if not req.forked and live[0].num_computed_tokens == req.num_prompt_tokens - 1:
                 live = self._fork(req)
             for seq in live:
-                if budget <= 0:
+                if step.tokens <= 0:
                     break
-                budget -= self._schedule_chunk(req, seq, budget, out)
-            num_seqs += n
-            added.append(req)
+                step.tokens -= self._schedule_chunk(req, seq, step.tokens, out)
+            step.num_seqs += n
+            step.added.append(req)
 
-        # 4. New (or recomputed) requests.
-        while (
-            not preempted
-            and not self._swapped
-            and budget > 0
-            and (req := self._waiting.peek()) is not None
-        ):
+    def _schedule_waiting(self, step: _StepBudget, out: SchedulerOutput) -> None:
+        """Phase 4: new (or recomputed) requests in policy order, while they fit."""
+        while step.tokens > 0 and (req := self._waiting.peek()) is not None:
             n = req.num_seqs_when_running
-            if num_seqs + n > cfg.max_num_seqs:
+            if step.num_seqs + n > self.config.max_num_seqs:
                 break
-            admitted = self._admit(req, budget, out)
-            if admitted is None:  # it could never fit and has been ended
+            admitted = self._admit(req, step, out)
+            if admitted is _Admit.ENDED:  # it could never fit and has been ended
                 continue
-            if admitted is False:
+            if admitted is _Admit.WAIT:
                 break
-            budget -= admitted
-            num_seqs += n
-            added.append(req)
-
-        if added:
-            kept += added
-            kept.sort(key=_sort_key)
-        self._running = kept
-        # Last, so that sequences ended during this call are dropped in this very step.
-        out.finished_seq_ids.extend(self._pending_drops)
-        self._pending_drops.clear()
-        out.total_num_scheduled_tokens = cfg.max_num_batched_tokens - budget
-        # A step that computes nothing has no result to wait for: the engine may skip it (or
-        # send it for its drops and copies) without calling update_from_output().
-        self._in_flight = out if out.scheduled else None
-        return out
+            step.num_seqs += n
+            step.added.append(req)
 
     def _make_room(
         self,
@@ -382,35 +274,21 @@ class Scheduler:
             return False
         return free - need >= bm.watermark_blocks
 
-    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int | bool | None:
-        """Give a waiting request its blocks and first chunks.
-
-        Returns the tokens scheduled (possibly 0), False when it must wait (head-of-line), None
-        when it can never fit and was ended.
-        """
+    def _admit(self, req: Request, step: _StepBudget, out: SchedulerOutput) -> _Admit:
+        """Give a waiting request its blocks and first chunks (charged to `step`)."""
         bm = self.block_manager
         live = req.live_seqs
-        hits = []
-        need = 0
-        free_hits: set[int] = set()
-        for seq in live:
-            # Bound the hit below the tokens to compute, so at least one is computed.
-            seq_hits = bm.find_cached_prefix(seq, len(seq.token_ids) - 1)
-            hits.append(seq_hits)
-            need += bm.num_blocks_for(len(seq.token_ids)) - len(seq_hits)
-            free_hits.update(b.block_id for b in seq_hits if b.ref_cnt == 0)
-        need += len(free_hits)
+        hits, need = bm.plan_admission(live)
         if not self._can_take(need, req, "compute its prompt"):
-            return None if req.is_finished else False
+            return _Admit.ENDED if req.is_finished else _Admit.WAIT
         self._waiting.pop()
         bm.allocate_group(live, hits, [len(s.token_ids) for s in live])
         self._set_status(req, live, _RUNNING)
-        used = 0
         for seq in live:
-            if used >= budget:
+            if step.tokens <= 0:
                 break
-            used += self._schedule_chunk(req, seq, budget - used, out)
-        return used
+            step.tokens -= self._schedule_chunk(req, seq, step.tokens, out)
+        return _Admit.ADMITTED
 
     def _blocks_to_resume(self, req: Request, live: list[Sequence]) -> int:
         """Blocks a swapped request needs, beyond its own, to run right after swap-in."""
@@ -437,7 +315,22 @@ class Scheduler:
         return num
 
     def _schedule_seq(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
-        new_ids, replaced = self.block_manager.prepare_compute(seq, num_tokens, out.blocks_to_copy)
+        """Room for seq's next `num_tokens` tokens (the caller checked the free blocks), then
+        its entry in the step."""
+        growth = self.block_manager.grow(seq, num_tokens, out.blocks_to_copy)
+        assert growth is not None, f"{seq.seq_id}: room was checked before scheduling"
+        self._add_to_step(seq, num_tokens, growth, out)
+
+    def _add_to_step(
+        self,
+        seq: Sequence,
+        num_tokens: int,
+        growth: tuple[list[int], tuple[int, int] | None],
+        out: SchedulerOutput,
+    ) -> None:
+        """seq's entry in the step message: in full when the executor does not hold it yet,
+        else as a difference (the decode lane when nothing but one token changes)."""
+        new_ids, replaced = growth
         sid = seq.seq_id
         if (
             seq.sent
@@ -508,23 +401,6 @@ class Scheduler:
         out.preempted_req_ids.append(req.req_id)
         self.num_preemptions += 1
 
-    def _unfork_if_untouched(self, req: Request) -> None:
-        """Undo a fork whose sequences have no output yet: recompute the prompt once again."""
-        if req.sampling_params.n == 1 or not req.forked:
-            return
-        if any(s.num_output_tokens or s.is_finished for s in req.seqs):
-            return
-        for child in req.seqs[1:]:
-            self._seqs.pop(child.seq_id, None)
-        del req.seqs[1:]
-        req.forked = False
-
-    @staticmethod
-    def _set_status(req: Request, live: list[Sequence], status: RequestStatus) -> None:
-        req.status = status
-        for seq in live:
-            seq.status = status
-
     def update_from_output(
         self, output: SchedulerOutput, sampled: dict[str, int]
     ) -> list[Sequence]:
@@ -555,70 +431,6 @@ class Scheduler:
             if caching and nc // bs > seq.num_cached_blocks:
                 bm.cache_full_blocks(seq)
         return got
-
-    # ------------------------------------------------------------------ introspection
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def num_running(self) -> int:
-        return sum(1 for r in self._running if r.status == _RUNNING)
-
-    @property
-    def num_swapped(self) -> int:
-        return len(self._swapped)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._requests)
-
-    @property
-    def num_device_blocks(self) -> int:
-        return self.block_manager.num_device_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_manager.num_free_blocks
-
-    def unfinished_request_ids(self) -> list[str]:
-        """Every request not ended yet: waiting, running or swapped."""
-        return list(self._requests)
-
-    def running_request_ids(self) -> list[str]:
-        return [r.req_id for r in self._running if r.status == _RUNNING]
-
-    def waiting_request_ids(self) -> list[str]:
-        return [r.req_id for r in self._waiting.ordered()]
-
-    def swapped_request_ids(self) -> list[str]:
-        return [r.req_id for r in self._swapped.ordered()]
-
-    def get_request(self, req_id: str) -> Request | None:
-        return self._requests.get(req_id)
-
-    def get_stats(self) -> SchedulerStats:
-        bm = self.block_manager
-        running = [r for r in self._running if r.status == _RUNNING]
-        return SchedulerStats(
-            num_waiting=len(self._waiting),
-            num_running=len(running),
-            num_swapped=len(self._swapped),
-            num_running_seqs=sum(r.num_seqs_when_running for r in running),
-            num_device_blocks=bm.num_device_blocks,
-            num_free_blocks=bm.num_free_blocks,
-            num_cpu_blocks=bm.num_cpu_blocks,
-            num_free_cpu_blocks=bm.num_free_cpu_blocks,
-            kv_cache_usage=bm.usage,
-            prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-        )
-
-    def check_invariants(self) -> None:
-        """Block-level invariants, plus: with no unfinished request, every block is free."""
-        self.block_manager.check_invariants(expect_empty=not self._requests)
 
 
 def _sort_key(req: Request) -> tuple:

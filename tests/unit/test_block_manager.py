@@ -128,8 +128,8 @@ def test_copy_on_write_of_shared_partly_filled_block():
     assert [bm.pool.blocks[i].ref_cnt for i in (0, 1)] == [2, 2]
     assert bm.num_blocks_to_compute([parent, child]) == 1  # the last holder writes in place
     copies: list[tuple[int, int]] = []
-    assert bm.prepare_compute(parent, 1, copies) == ([], (1, 2))
-    assert bm.prepare_compute(child, 1, copies) == ([], None)
+    assert bm.grow(parent, 1, copies) == ([], (1, 2))
+    assert bm.grow(child, 1, copies) == ([], None)
     assert copies == [(1, 2)]  # position 4 is computed: it must travel with the copy
     assert (parent.block_table, child.block_table) == ([0, 2], [0, 1])
     assert [bm.pool.blocks[i].ref_cnt for i in (0, 1, 2)] == [2, 1, 1]
@@ -140,7 +140,7 @@ def test_copy_on_write_without_copy_when_nothing_in_the_block_is_computed():
     bm = make_bm()
     parent, child = forked_pair(bm, 5)  # position 4 opens block 1
     copies: list[tuple[int, int]] = []
-    assert bm.prepare_compute(parent, 1, copies) == ([], (1, 2))
+    assert bm.grow(parent, 1, copies) == ([], (1, 2))
     assert copies == []
 
 
@@ -150,14 +150,14 @@ def test_append_block_when_the_last_one_is_full():
     bm.allocate(seq, [], 8)
     seq.num_computed_tokens = 8
     assert bm.num_blocks_to_compute([seq]) == 1
-    assert bm.prepare_compute(seq, 1, []) == ([2], None)
+    assert bm.grow(seq, 1, []) == ([2], None)
     assert seq.block_table == [0, 1, 2]
 
 
 def test_swap_out_and_in_keep_sharing_within_the_request():
     bm = make_bm()
     parent, child = forked_pair(bm, 6)
-    bm.prepare_compute(parent, 1, [])
+    bm.grow(parent, 1, [])
     assert (parent.block_table, child.block_table) == ([0, 2], [0, 1])
     assert bm.can_swap_out([parent, child])
     assert bm.swap_out([parent, child]) == [(0, 0), (2, 1), (1, 2)]
