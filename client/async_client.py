@@ -15,7 +15,13 @@ from client.errors import LLMServeError
 from client.outputs import RequestOutput, RequestState, ServerInfo, StreamDelta
 from client.params import SamplingParams
 from client.progress import GenerateProgress
-from client.prompts import broadcast_params, build_request, normalize_prompts, to_prompt
+from client.prompts import (
+    ChatPrompt,
+    broadcast_params,
+    build_request,
+    normalize_prompts,
+    to_prompt,
+)
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
 
@@ -48,16 +54,18 @@ class AsyncLLMClient:
         *,
         timeout: float | None = 30.0,
         stream_timeout: float | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
     ):
         self.address = address or default_address()
         self.timeout = timeout
         self.stream_timeout = stream_timeout
+        self._channel_options = [*_CHANNEL_OPTIONS, *channel_options]
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.SchedulerStub | None = None
 
     def _get_stub(self) -> pb_grpc.SchedulerStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(self.address, options=self._channel_options)
             self._stub = pb_grpc.SchedulerStub(self._channel)
         return self._stub
 
@@ -92,6 +100,30 @@ class AsyncLLMClient:
 
     async def server_info(self) -> ServerInfo:
         return ServerInfo.from_proto(await self._unary("GetServerInfo", pb.GetServerInfoRequest()))
+
+    async def tokenize(self, prompt: Any) -> tuple[list[int], int]:
+        """Token ids of a text or chat prompt as Generate would compute them, and the model's
+        maximum length."""
+        p = to_prompt(prompt)
+        req = pb.TokenizeRequest()
+        if isinstance(p, str):
+            req.text = p
+        elif isinstance(p, ChatPrompt):
+            req.chat.CopyFrom(build_request(p, SamplingParams()).chat)
+        else:
+            return list(p), (await self.server_info()).max_model_len
+        resp = await self._unary("Tokenize", req)
+        return list(resp.token_ids), resp.max_model_len
+
+    async def detokenize(
+        self, token_ids: Sequence[int], *, skip_special_tokens: bool = True
+    ) -> tuple[str, list[str]]:
+        """The text of `token_ids`, and each token decoded on its own."""
+        req = pb.DetokenizeRequest(
+            token_ids=list(token_ids), skip_special_tokens=skip_special_tokens
+        )
+        resp = await self._unary("Detokenize", req)
+        return resp.text, list(resp.token_texts)
 
     async def wait_ready(self, timeout: float = 30.0, *, poll_interval: float = 0.2) -> None:
         """Block until the scheduler's health service says SERVING (it does once an executor is
@@ -158,9 +190,18 @@ class AsyncLLMClient:
         call = self._get_stub().Generate(req, timeout=self.stream_timeout)
         return self._iterate(call, request_id)
 
-    def resume(self, request_id: str, from_token_index: int = 0) -> AsyncIterator[StreamDelta]:
-        """Re-attach to a request: stored tokens from `from_token_index` on, then live ones."""
-        req = pb.ResumeRequest(request_id=request_id, from_token_index=from_token_index)
+    def resume(
+        self, request_id: str, from_token_index: int | Sequence[int] = 0
+    ) -> AsyncIterator[StreamDelta]:
+        """Re-attach to a request: stored tokens from `from_token_index` on, then live ones.
+
+        A list gives one first index per sequence (as many as the request has).
+        """
+        req = pb.ResumeRequest(request_id=request_id)
+        if isinstance(from_token_index, int):
+            req.from_token_index = from_token_index
+        else:
+            req.from_token_indices.extend(from_token_index)
         call = self._get_stub().Resume(req, timeout=self.stream_timeout)
         return self._iterate(call, request_id)
 

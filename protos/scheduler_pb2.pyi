@@ -206,12 +206,46 @@ class GetRequestResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[RequestStatus, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[_Union[SequenceState, _Mapping]]] = ..., arrival_time: _Optional[float] = ..., error: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("request_id", "from_token_index")
+    __slots__ = ("request_id", "from_token_index", "from_token_indices")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FROM_TOKEN_INDICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     from_token_index: int
-    def __init__(self, request_id: _Optional[str] = ..., from_token_index: _Optional[int] = ...) -> None: ...
+    from_token_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., from_token_index: _Optional[int] = ..., from_token_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("text", "chat")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    chat: ChatPrompt
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "max_model_len")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_model_len: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("token_ids", "skip_special_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_special_tokens: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text", "token_texts")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TEXTS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, text: _Optional[str] = ..., token_texts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

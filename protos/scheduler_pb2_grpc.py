@@ -59,6 +59,16 @@ class SchedulerStub:
                 request_serializer=protos_dot_scheduler__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_scheduler__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/llmserve.v1.Scheduler/Tokenize',
+                request_serializer=protos_dot_scheduler__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/llmserve.v1.Scheduler/Detokenize',
+                request_serializer=protos_dot_scheduler__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -102,6 +112,20 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Token ids of a prompt exactly as Generate would tokenize it (chat template included).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Text of token ids, and each token's own text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +153,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=protos_dot_scheduler__pb2.GetServerInfoRequest.FromString,
                     response_serializer=protos_dot_scheduler__pb2.GetServerInfoResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=protos_dot_scheduler__pb2.TokenizeRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=protos_dot_scheduler__pb2.DetokenizeRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +300,60 @@ class Scheduler:
             '/llmserve.v1.Scheduler/GetServerInfo',
             protos_dot_scheduler__pb2.GetServerInfoRequest.SerializeToString,
             protos_dot_scheduler__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Scheduler/Tokenize',
+            protos_dot_scheduler__pb2.TokenizeRequest.SerializeToString,
+            protos_dot_scheduler__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Scheduler/Detokenize',
+            protos_dot_scheduler__pb2.DetokenizeRequest.SerializeToString,
+            protos_dot_scheduler__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -80,6 +80,19 @@ def generate_input_from_proto(r: pb.GenerateRequest) -> GenerateInput:
     return inp
 
 
+def tokenize_input_from_proto(r: pb.TokenizeRequest) -> GenerateInput:
+    """A Tokenize request as the prompt part of a GenerateInput (default parameters)."""
+    kind = r.WhichOneof("prompt")
+    if kind is None:
+        raise ValidationError("prompt must be set (text or chat)")
+    gen = pb.GenerateRequest()
+    if kind == "text":
+        gen.text = r.text
+    else:
+        gen.chat.CopyFrom(r.chat)
+    return generate_input_from_proto(gen)
+
+
 # ------------------------------------------------------------------ public API, outbound
 
 

@@ -70,11 +70,20 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         except (EngineError, ValueError) as e:
             await _abort_with(context, e)
             return
+        start: int | list[int] = request.from_token_index
+        if request.from_token_indices:
+            if len(request.from_token_indices) != handle.n:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"from_token_indices has {len(request.from_token_indices)} entries; "
+                    f"the request has {handle.n} sequences",
+                )
+            start = list(request.from_token_indices)
         # A resumed stream never aborts the request when the client goes away again.
-        async for msg in self._stream(handle, request.from_token_index, context, detached=True):
+        async for msg in self._stream(handle, start, context, detached=True):
             yield msg
 
-    async def _stream(self, handle, from_index: int, context, *, detached: bool):
+    async def _stream(self, handle, from_index: int | list[int], context, *, detached: bool):
         finished_normally = False
         try:
             async for event in handle.events(from_index):
@@ -111,6 +120,28 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             await _abort_with(context, e)
             return pb.GetRequestResponse()
         return convert.request_view_to_proto(view)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        if isinstance(request, Malformed):
+            await reject_malformed(request, context)
+        try:
+            inp = convert.tokenize_input_from_proto(request)
+            ids = await self.engine.tokenize(inp)
+        except (EngineError, ValueError) as e:
+            await _abort_with(context, e)
+            return pb.TokenizeResponse()
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=self.engine.max_model_len)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        if isinstance(request, Malformed):
+            await reject_malformed(request, context)
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        try:
+            text, pieces = self.engine.detokenize(list(request.token_ids), skip)
+        except (EngineError, ValueError) as e:
+            await _abort_with(context, e)
+            return pb.DetokenizeResponse()
+        return pb.DetokenizeResponse(text=text, token_texts=pieces)
 
     async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
         if isinstance(request, Malformed):

@@ -170,6 +170,12 @@ class Engine:
     def server_info(self) -> ServerInfo:
         return requests.server_info(self)
 
+    async def tokenize(self, inp: GenerateInput) -> list[int]:
+        return await requests.tokenize(self, inp)
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> tuple[str, list[str]]:
+        return requests.detokenize(self, token_ids, skip_special_tokens)
+
     # ---------------------------------------------------------------- the loop
 
     async def _loop(self, ex: ExecutorHandle) -> None:

@@ -31,10 +31,12 @@ __all__ = [
     "attach",
     "check_available",
     "check_ready",
+    "detokenize",
     "enqueue",
     "get_request",
     "server_info",
     "submit",
+    "tokenize",
 ]
 
 
@@ -93,14 +95,36 @@ async def submit(engine: Engine, inp: GenerateInput) -> tuple[RequestHandle, boo
     return handle, True
 
 
-async def _prompt_token_ids(engine: Engine, inp: GenerateInput) -> list[int]:
+async def tokenize(engine: Engine, inp: GenerateInput) -> list[int]:
+    """The prompt's token ids exactly as submit() would compute them (no length check)."""
+    check_ready(engine)
+    return _encode(engine, inp)
+
+
+def detokenize(
+    engine: Engine, token_ids: list[int], skip_special_tokens: bool
+) -> tuple[str, list[str]]:
+    """The text of `token_ids`, and each token's own text."""
+    check_ready(engine)
+    _check_vocab(engine, token_ids, "token_ids")
+    tok = engine.tokenizer
+    text = tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    pieces = [tok.decode([t], skip_special_tokens=False) for t in token_ids]
+    return text, pieces
+
+
+def _check_vocab(engine: Engine, token_ids: list[int], what: str) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < engine.vocab_size), None)
+    if bad is not None:
+        raise ValidationError(
+            f"{what} contains {bad}, outside the vocabulary [0, {engine.vocab_size})"
+        )
+
+
+def _encode(engine: Engine, inp: GenerateInput) -> list[int]:
     if inp.token_ids is not None:
         prompt = list(inp.token_ids)
-        bad = next((t for t in prompt if not 0 <= t < engine.vocab_size), None)
-        if bad is not None:
-            raise ValidationError(
-                f"prompt.token_ids contains {bad}, outside the vocabulary [0, {engine.vocab_size})"
-            )
+        _check_vocab(engine, prompt, "prompt.token_ids")
     elif inp.chat is not None:
         try:
             prompt = encode_chat(
@@ -110,6 +134,11 @@ async def _prompt_token_ids(engine: Engine, inp: GenerateInput) -> list[int]:
             raise ValidationError(f"prompt.chat: {e}") from e
     else:
         prompt = encode_prompt(engine.tokenizer, inp.text or "")
+    return prompt
+
+
+async def _prompt_token_ids(engine: Engine, inp: GenerateInput) -> list[int]:
+    prompt = _encode(engine, inp)
     if not prompt or (inp.text is not None and not inp.text):
         raise ValidationError("prompt must not be empty")
     if len(prompt) >= engine.max_model_len:

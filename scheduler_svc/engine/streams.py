@@ -308,14 +308,14 @@ class RequestHandle:
         self._closed = reason
         self.notify()
 
-    async def events(self, from_index: int) -> AsyncIterator[EngineEvent]:
+    async def events(self, from_index: int | list[int]) -> AsyncIterator[EngineEvent]:
         """Acknowledged output from token `from_index` on, one event per sequence and wake-up
         (a listener that falls behind gets several tokens in one event), until every sequence
         has finished. Runs once per listener per step, so it is kept lean."""
         n = self.n
         acked = self.acked
         want_lp = self.params.logprobs is not None
-        cursors = [from_index] * n
+        cursors = [from_index] * n if isinstance(from_index, int) else list(from_index)
         done = [False] * n
         remaining = n
         loop = asyncio.get_running_loop()

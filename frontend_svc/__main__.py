@@ -1,0 +1,3 @@
+from frontend_svc.cli import main
+
+raise SystemExit(main())

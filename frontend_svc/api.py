@@ -1,0 +1,394 @@
+"""The OpenAI-compatible routes: completions, chat completions, models, tokenize."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+
+from client.errors import LLMServeError
+from client.prompts import ChatPrompt, to_prompt
+from frontend_svc.errors import APIError, bad_request
+from frontend_svc.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from frontend_svc.responses import chat_logprobs, completion_logprobs, usage
+from frontend_svc.serving import Run, request_id_from, token_texts, until_disconnect
+from frontend_svc.state import FrontendState
+
+router = APIRouter()
+
+
+def _state(request: Request) -> FrontendState:
+    return request.app.state.frontend
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _first_then_rest(it: AsyncIterator, request: Request) -> tuple[Any, AsyncIterator]:
+    """The first item (so that errors before any output get a proper status, not a broken
+    stream), racing the client's disconnect."""
+    first = asyncio.ensure_future(anext(it))
+    gone = asyncio.ensure_future(until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if first not in done:
+        first.cancel()
+        raise asyncio.CancelledError
+    return first.result(), it
+
+
+async def _collect(run: Run, request: Request, on_delta) -> None:
+    """Consume every delta (non-streaming), aborting the requests if the client goes away."""
+
+    async def consume() -> None:
+        async for i, d in run.deltas():
+            await on_delta(i, d)
+
+    work = asyncio.ensure_future(consume())
+    gone = asyncio.ensure_future(until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if work not in done:
+        work.cancel()
+        run.abort_in_background()
+        raise asyncio.CancelledError
+    work.result()
+
+
+def _stream_response(run: Run, first, rest: AsyncIterator, to_events) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        completed = False
+        try:
+            for event in await to_events(*first):
+                yield event
+            async for i, d in rest:
+                for event in await to_events(i, d):
+                    yield event
+            for event in await to_events(None, None):
+                yield event
+            completed = True
+        except LLMServeError as e:
+            yield _sse(APIError.from_llmserve(e).body())
+            completed = True
+        finally:
+            if not completed:
+                run.abort_in_background()  # the client went away mid-stream
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _start(state: FrontendState, run: Run, request: Request):
+    it = run.deltas()
+    try:
+        return await _first_then_rest(it, request)
+    except LLMServeError as e:
+        raise APIError.from_llmserve(e) from None
+    except asyncio.CancelledError:
+        run.abort_in_background()
+        raise
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    state = _state(request)
+    await state.check_model(body.model)
+    params = body.to_params()
+    prompts = [to_prompt(p) for p in body.prompts()]
+    base = request_id_from(request)
+    run = state.start_run(base, prompts, params, body.priority)
+    rid, created, model = f"cmpl-{base}", int(time.time()), await state.model_name()
+    n = params.n
+    echo = [await state.prompt_text(p) if body.echo else "" for p in prompts]
+    offsets: dict[int, int] = {}
+
+    async def logprobs_of(c: int, d) -> dict | None:
+        if body.logprobs is None or not d.token_ids:
+            return None
+        lp = completion_logprobs(d, await token_texts(state.client, d), offsets.get(c, 0))
+        offsets[c] = offsets.get(c, 0) + len(d.text)
+        return lp
+
+    if body.stream:
+        sent_echo: set[int] = set()
+
+        async def to_events(i, d) -> list[str]:
+            if d is None:
+                if not body.include_usage:
+                    return []
+                last = {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage(
+                        run.num_prompt_tokens, sum(sum(s.forwarded) for s in run.streams)
+                    ),
+                }
+                return [_sse(last)]
+            c = i * n + d.index
+            text = d.text
+            if c not in sent_echo:
+                sent_echo.add(c)
+                text = echo[i] + text
+                offsets[c] = len(echo[i])
+            choice = {
+                "index": c,
+                "text": text,
+                "logprobs": await logprobs_of(c, d),
+                "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason,
+            }
+            return [
+                _sse(
+                    {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": model,
+                        "choices": [choice],
+                    }
+                )
+            ]
+
+        first, rest = await _start(state, run, request)
+        return _stream_response(run, first, rest, to_events)
+
+    texts = {i * n + j: echo[i] for i in range(len(prompts)) for j in range(n)}
+    for c, t in texts.items():
+        offsets[c] = len(t)
+    finish: dict[int, tuple] = {}
+    lps: dict[int, dict] = {}
+
+    async def on_delta(i, d) -> None:
+        c = i * n + d.index
+        lp = await logprobs_of(c, d)
+        if lp is not None:
+            acc = lps.setdefault(
+                c, {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            )
+            for k in acc:
+                acc[k].extend(lp[k])
+        texts[c] += d.text
+        if d.finished:
+            finish[c] = (d.finish_reason, d.stop_reason)
+
+    try:
+        await _collect(run, request, on_delta)
+    except LLMServeError as e:
+        raise APIError.from_llmserve(e) from None
+    choices = [
+        {
+            "index": c,
+            "text": texts[c],
+            "logprobs": lps.get(c) if body.logprobs is not None else None,
+            "finish_reason": finish.get(c, (None, None))[0],
+            "stop_reason": finish.get(c, (None, None))[1],
+        }
+        for c in sorted(texts)
+    ]
+    completion_tokens = sum(sum(s.forwarded) for s in run.streams)
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": usage(run.num_prompt_tokens, completion_tokens),
+            "system_fingerprint": state.fingerprint,
+        }
+    )
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    state = _state(request)
+    await state.check_model(body.model)
+    params = body.to_params(await state.max_model_len())
+    chat = body.chat()
+    prompt = ChatPrompt(chat["messages"], chat["add_generation_prompt"])
+    base = request_id_from(request)
+    run = state.start_run(base, [prompt], params, body.priority)
+    rid, created, model = f"chatcmpl-{base}", int(time.time()), await state.model_name()
+
+    async def logprobs_of(d) -> list | None:
+        if not body.logprobs or not d.token_ids:
+            return None
+        return chat_logprobs(d, await token_texts(state.client, d))
+
+    if body.stream:
+        greeted: set[int] = set()
+
+        def chunk(choices: list, **extra) -> str:
+            return _sse(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "system_fingerprint": state.fingerprint,
+                    "choices": choices,
+                    **extra,
+                }
+            )
+
+        async def to_events(i, d) -> list[str]:
+            if d is None:
+                if not body.include_usage:
+                    return []
+                return [
+                    chunk([], usage=usage(run.num_prompt_tokens, sum(run.streams[0].forwarded)))
+                ]
+            out = []
+            if d.index not in greeted:
+                greeted.add(d.index)
+                out.append(
+                    chunk(
+                        [
+                            {
+                                "index": d.index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
+                )
+            lp = await logprobs_of(d)
+            if d.text or lp:
+                out.append(
+                    chunk(
+                        [
+                            {
+                                "index": d.index,
+                                "delta": {"content": d.text},
+                                "logprobs": {"content": lp} if lp is not None else None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
+                )
+            if d.finished:
+                out.append(
+                    chunk(
+                        [
+                            {
+                                "index": d.index,
+                                "delta": {},
+                                "logprobs": None,
+                                "finish_reason": d.finish_reason,
+                                "stop_reason": d.stop_reason,
+                            }
+                        ]
+                    )
+                )
+            return out
+
+        first, rest = await _start(state, run, request)
+        return _stream_response(run, first, rest, to_events)
+
+    texts = {j: "" for j in range(params.n)}
+    lps: dict[int, list] = {j: [] for j in range(params.n)}
+    finish: dict[int, tuple] = {}
+
+    async def on_delta(i, d) -> None:
+        texts[d.index] += d.text
+        lp = await logprobs_of(d)
+        if lp:
+            lps[d.index].extend(lp)
+        if d.finished:
+            finish[d.index] = (d.finish_reason, d.stop_reason)
+
+    try:
+        await _collect(run, request, on_delta)
+    except LLMServeError as e:
+        raise APIError.from_llmserve(e) from None
+    choices = [
+        {
+            "index": j,
+            "message": {"role": "assistant", "content": texts[j]},
+            "logprobs": {"content": lps[j]} if body.logprobs else None,
+            "finish_reason": finish.get(j, (None, None))[0],
+            "stop_reason": finish.get(j, (None, None))[1],
+        }
+        for j in range(params.n)
+    ]
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": usage(run.num_prompt_tokens, sum(run.streams[0].forwarded)),
+            "system_fingerprint": state.fingerprint,
+        }
+    )
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    state = _state(request)
+    name = await state.model_name()
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": state.started,
+                "owned_by": "llmserve",
+                "root": name,
+                "max_model_len": await state.max_model_len(),
+            }
+        ],
+    }
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request):
+    state = _state(request)
+    await state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    if body.prompt is not None:
+        prompt: Any = body.prompt
+    else:
+        prompt = ChatPrompt(
+            [{"role": m.role, "content": m.text()} for m in body.messages or []],
+            body.add_generation_prompt,
+        )
+    try:
+        ids, max_len = await state.client.tokenize(prompt)
+    except LLMServeError as e:
+        raise APIError.from_llmserve(e) from None
+    return {"tokens": ids, "count": len(ids), "max_model_len": max_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    state = _state(request)
+    await state.check_model(body.model)
+    try:
+        text, _ = await state.client.detokenize(body.tokens)
+    except LLMServeError as e:
+        raise APIError.from_llmserve(e) from None
+    return {"prompt": text}

@@ -1,0 +1,92 @@
+"""The FastAPI application: routes, OpenAI-shaped errors, health and metrics."""
+
+from __future__ import annotations
+
+import contextlib
+
+import structlog
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+
+from client.errors import LLMServeError
+from frontend_svc.api import router
+from frontend_svc.errors import APIError
+from frontend_svc.metrics import HTTPMetrics
+from frontend_svc.state import FrontendState
+
+log = structlog.get_logger(__name__)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        param = param or where or None
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request", param
+
+
+def create_app(
+    scheduler_address: str,
+    *,
+    served_model_name: str | None = None,
+    resume_timeout_s: float = 60.0,
+) -> FastAPI:
+    metrics = HTTPMetrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # The gRPC channel belongs to the server's event loop, so it is made here.
+        app.state.frontend = FrontendState(
+            scheduler_address,
+            served_model_name=served_model_name,
+            resume_timeout_s=resume_timeout_s,
+        )
+        yield
+        await app.state.frontend.close()
+
+    app = FastAPI(title="llmserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.include_router(router)
+    app.middleware("http")(metrics.middleware)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(LLMServeError)
+    async def scheduler_error(_: Request, exc: LLMServeError) -> JSONResponse:
+        return APIError.from_llmserve(exc).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return APIError(400, message, param=param).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("frontend.internal_error", path=request.url.path)
+        return APIError(500, "internal error", type="server_error").response()
+
+    @app.get("/health")
+    async def health(request: Request):
+        state: FrontendState = request.app.state.frontend
+        try:
+            await state.client.wait_ready(timeout=1.0, poll_interval=0.2)
+        except LLMServeError as e:
+            return APIError(503, e.message, type="service_unavailable").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def render_metrics():
+        return metrics.render()
+
+    return app

@@ -1,0 +1,73 @@
+"""`llmserve-frontend`: the OpenAI-compatible HTTP server in front of a scheduler."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+from pathlib import Path
+
+import structlog
+import uvicorn
+
+from client.async_client import default_address
+from frontend_svc.app import create_app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llmserve-frontend", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
+    p.add_argument(
+        "--scheduler",
+        default=None,
+        help="scheduler gRPC address (default $LLMSERVE_ADDRESS or 127.0.0.1:50051)",
+    )
+    p.add_argument("--served-model-name", help="model name clients use (default: the scheduler's)")
+    p.add_argument(
+        "--resume-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a stream waits for a restarted scheduler before it fails",
+    )
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+async def serve(args: argparse.Namespace) -> None:
+    app = create_app(
+        args.scheduler or default_address(),
+        served_model_name=args.served_model_name,
+        resume_timeout_s=args.resume_timeout,
+    )
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(512)  # connections made after the port file appears wait, never fail
+    config = uvicorn.Config(
+        app, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5
+    )
+    server = uvicorn.Server(config)
+    if args.port_file is not None:
+        port = sock.getsockname()[1]
+        tmp = args.port_file.with_suffix(".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(args.port_file)
+    await server.serve(sockets=[sock])
+
+
+def configure_logging(level: str) -> None:
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    asyncio.run(serve(args))
+    return 0

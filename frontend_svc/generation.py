@@ -1,0 +1,99 @@
+"""One request's output stream, as the frontend forwards it: exactly once, through scheduler
+restarts.
+
+The scheduler keeps every acknowledged token in Redis, so when its process dies mid-stream
+the request is not lost: `ResilientStream` re-attaches with `Resume` from the first token of
+each sequence it has not forwarded yet (one index per sequence), retrying while the scheduler
+is away, so its caller sees one uninterrupted stream. A request the scheduler never stored
+(it died before accepting it) is submitted again under the same id, which is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from client.async_client import AsyncLLMClient
+from client.errors import LLMServeError
+from client.outputs import StreamDelta
+from client.params import SamplingParams
+from client.prompts import PromptInput
+
+log = structlog.get_logger(__name__)
+
+# Statuses after which the stream is retried: the scheduler went away or is starting.
+_RETRY = {grpc.StatusCode.UNAVAILABLE}
+
+
+class ResilientStream:
+    def __init__(
+        self,
+        client: AsyncLLMClient,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        resume_timeout_s: float = 60.0,
+    ) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.priority = priority
+        self.resume_timeout_s = resume_timeout_s
+        self.forwarded = [0] * params.n  # tokens forwarded per sequence
+        self.finished = [False] * params.n
+        self.num_prompt_tokens = 0
+        self.num_resumes = 0
+
+    async def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        started = False  # the scheduler has acknowledged the request (sent anything)
+        outage_since: float | None = None
+        delay = 0.05
+        while not all(self.finished):
+            if started:
+                source = self.client.resume(self.request_id, list(self.forwarded))
+            else:
+                # detached: this frontend aborts explicitly when its HTTP client goes away, and
+                # a call cut by a scheduler crash must not abort what it will resume.
+                source = self.client.stream(
+                    self.prompt,
+                    self.params,
+                    request_id=self.request_id,
+                    priority=self.priority,
+                    detached=True,
+                )
+            try:
+                async for delta in source:
+                    started = True
+                    outage_since = None
+                    delay = 0.05
+                    i = delta.index
+                    if self.finished[i]:
+                        continue  # its finish was forwarded before the outage
+                    self.num_prompt_tokens = delta.num_prompt_tokens
+                    self.forwarded[i] = delta.token_offset + len(delta.token_ids)
+                    if delta.finished:
+                        self.finished[i] = True
+                    yield delta
+                if not all(self.finished):
+                    raise LLMServeError(grpc.StatusCode.UNAVAILABLE, "stream ended early")
+            except LLMServeError as err:
+                if err.code not in _RETRY:
+                    raise
+                now = time.monotonic()
+                if outage_since is None:
+                    outage_since = now
+                    log.warning(
+                        "frontend.stream_interrupted", request_id=self.request_id, error=err.message
+                    )
+                if now - outage_since > self.resume_timeout_s:
+                    raise
+                self.num_resumes += 1
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)

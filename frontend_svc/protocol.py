@@ -1,0 +1,171 @@
+"""Request bodies of the OpenAI API as this frontend accepts them (pydantic), and their
+translation into the scheduler's sampling parameters.
+
+Fields follow the OpenAI API reference; vLLM's extra sampling fields (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
+include_stop_str_in_output, priority) are accepted in the body as vLLM accepts them.
+Unknown fields are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from client.params import SamplingParams
+from frontend_svc.errors import bad_request
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extra sampling fields.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    prompt_logprobs: int | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server yet", "logit_bias")
+        if self.prompt_logprobs is not None:
+            raise bad_request(
+                "prompt_logprobs is not supported by this server yet", "prompt_logprobs"
+            )
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        params = SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        if params.seed is not None and params.seed < 0:
+            raise bad_request("seed must be >= 0", "seed")
+        return params
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt must not be empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_params(self) -> SamplingParams:
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported", "best_of")
+        return self.sampling_params(self.max_tokens, self.logprobs)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def to_params(self, max_model_len: int) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        # As vLLM: with no limit, generate until the model's maximum length.
+        params = self.sampling_params(max_tokens or max_model_len, None)
+        if self.logprobs:
+            params.logprobs = self.top_logprobs or 0
+        return params
+
+    def chat(self) -> dict[str, Any]:
+        return {
+            "messages": [{"role": m.role, "content": m.text()} for m in self.messages],
+            "add_generation_prompt": self.add_generation_prompt,
+        }
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,58 @@
+"""Scheduler stream deltas -> OpenAI response objects (completions and chat, whole or chunked)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from client.outputs import StreamDelta
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _top(entry: dict) -> list[tuple[str, float]]:
+    """(token text, logprob) of the top alternatives, best first."""
+    ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
+    return [(lp.decoded_token or "", lp.logprob) for lp in ranked]
+
+
+def completion_logprobs(
+    delta: StreamDelta, token_texts: list[str], text_offset: int
+) -> dict[str, Any]:
+    """The completions API's logprobs object for the tokens of one delta."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = text_offset
+    for tid, text, entry in zip(delta.token_ids, token_texts, delta.logprobs or [], strict=False):
+        tokens.append(text)
+        token_logprobs.append(entry[tid].logprob if tid in entry else None)
+        tops.append(dict(_top(entry)))
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(delta: StreamDelta, token_texts: list[str]) -> list[dict[str, Any]]:
+    """The chat API's logprobs.content entries for the tokens of one delta."""
+    content = []
+    for tid, text, entry in zip(delta.token_ids, token_texts, delta.logprobs or [], strict=False):
+        content.append(
+            {
+                "token": text,
+                "logprob": entry[tid].logprob if tid in entry else None,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in _top(entry)
+                ],
+            }
+        )
+    return content

@@ -1,0 +1,97 @@
+"""What a frontend process holds: a client of the scheduler and the model's name and limits
+(read once from the scheduler). No request state: any number of frontends can run side by side."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from client.async_client import AsyncLLMClient
+from client.errors import LLMServeError
+from client.outputs import ServerInfo
+from client.params import SamplingParams
+from client.prompts import PromptInput
+from frontend_svc.errors import APIError
+from frontend_svc.serving import Run
+
+# A scheduler that restarts should be reached again quickly, not after gRPC's default back-off
+# (which grows to two minutes).
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class FrontendState:
+    def __init__(
+        self,
+        scheduler_address: str,
+        *,
+        served_model_name: str | None = None,
+        resume_timeout_s: float = 60.0,
+    ) -> None:
+        self.scheduler_address = scheduler_address
+        self.served_model_name = served_model_name
+        self.resume_timeout_s = resume_timeout_s
+        self.client = AsyncLLMClient(
+            scheduler_address, timeout=30.0, channel_options=CHANNEL_OPTIONS
+        )
+        self.started = int(time.time())
+        self._info: ServerInfo | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        version = self._info.version if self._info is not None else ""
+        return f"llmserve-{version}" if version else "llmserve"
+
+    async def info(self) -> ServerInfo:
+        if self._info is None:
+            try:
+                self._info = await self.client.server_info()
+            except LLMServeError as e:
+                raise APIError.from_llmserve(e) from None
+        return self._info
+
+    async def model_name(self) -> str:
+        return self.served_model_name or (await self.info()).model
+
+    async def max_model_len(self) -> int:
+        return (await self.info()).max_model_len
+
+    async def check_model(self, model: str | None) -> None:
+        info = await self.info()
+        if model is None or model in (self.served_model_name, info.model):
+            return
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist.",
+            type="NotFoundError",
+            param="model",
+            code="model_not_found",
+        )
+
+    async def prompt_text(self, prompt: PromptInput) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        assert isinstance(prompt, list)
+        try:
+            text, _ = await self.client.detokenize(prompt, skip_special_tokens=False)
+        except LLMServeError as e:
+            raise APIError.from_llmserve(e) from None
+        return text
+
+    def start_run(
+        self, base_id: str, prompts: list[Any], params: SamplingParams, priority: int
+    ) -> Run:
+        return Run.start(
+            self.client,
+            base_id,
+            prompts,
+            params,
+            priority=priority,
+            resume_timeout_s=self.resume_timeout_s,
+        )
+
+    async def close(self) -> None:
+        await self.client.close()
