@@ -32,6 +32,11 @@ def _state(request: Request) -> FrontendState:
     return request.app.state.frontend
 
 
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response started (answered with 499, which
+    nobody reads, as nginx logs it)."""
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -47,7 +52,7 @@ async def _first_then_rest(it: AsyncIterator, request: Request) -> tuple[Any, As
         gone.cancel()
     if first not in done:
         first.cancel()
-        raise asyncio.CancelledError
+        raise ClientGone
     return first.result(), it
 
 
@@ -67,7 +72,7 @@ async def _collect(run: Run, request: Request, on_delta) -> None:
     if work not in done:
         work.cancel()
         run.abort_in_background()
-        raise asyncio.CancelledError
+        raise ClientGone
     work.result()
 
 
@@ -100,7 +105,7 @@ async def _start(state: FrontendState, run: Run, request: Request):
         return await _first_then_rest(it, request)
     except LLMServeError as e:
         raise APIError.from_llmserve(e) from None
-    except asyncio.CancelledError:
+    except ClientGone:
         run.abort_in_background()
         raise
 
@@ -122,7 +127,7 @@ async def completions(body: CompletionRequest, request: Request):
         if body.logprobs is None or not d.token_ids:
             return None
         lp = completion_logprobs(d, await token_texts(state.client, d), offsets.get(c, 0))
-        offsets[c] = offsets.get(c, 0) + len(d.text)
+        offsets[c] = offsets.get(c, 0) + sum(len(t) for t in lp["tokens"])
         return lp
 
     if body.stream:

@@ -7,12 +7,12 @@ import contextlib
 import structlog
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from client.errors import LLMServeError
-from frontend_svc.api import router
+from frontend_svc.api import ClientGone, router
 from frontend_svc.errors import APIError
 from frontend_svc.metrics import HTTPMetrics
 from frontend_svc.state import FrontendState
@@ -28,6 +28,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         param = param or where or None
         parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
     return "; ".join(parts) or "invalid request", param
+
+
+class _ASGIMiddleware:
+    """Adapts a function `wrap(app) -> app` to Starlette's middleware stack."""
+
+    def __init__(self, app, wrap) -> None:
+        self._call = wrap(app)
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self._call(scope, receive, send)
 
 
 def create_app(
@@ -51,7 +61,7 @@ def create_app(
 
     app = FastAPI(title="llmserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.include_router(router)
-    app.middleware("http")(metrics.middleware)
+    app.add_middleware(_ASGIMiddleware, wrap=metrics.asgi)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -70,6 +80,10 @@ def create_app(
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -6,9 +6,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Match
 
 
 class HTTPMetrics:
@@ -28,21 +26,31 @@ class HTTPMetrics:
             registry=self.registry,
         )
 
-    @staticmethod
-    def _route(request: Request) -> str:
-        for route in request.app.routes:
-            match, _ = route.matches(request.scope)
-            if match == Match.FULL:
-                return getattr(route, "path", "other")
-        return "other"  # unknown paths share one label: no unbounded label values
+    def asgi(self, app):
+        """A plain ASGI middleware (not BaseHTTPMiddleware, which wraps `receive` and breaks
+        disconnect detection): counts each response by the route that served it."""
 
-    async def middleware(self, request: Request, call_next) -> Response:
-        start = time.perf_counter()
-        response = await call_next(request)
-        route = self._route(request)
-        self.latency.labels(request.method, route).observe(time.perf_counter() - start)
-        self.requests.labels(request.method, route, str(response.status_code)).inc()
-        return response
+        async def middleware(scope, receive, send):
+            if scope["type"] != "http":
+                return await app(scope, receive, send)
+            start = time.perf_counter()
+            status = {"code": 500}
+
+            async def send_and_note(message):
+                if message["type"] == "http.response.start":
+                    status["code"] = message["status"]
+                    route = scope.get("route")
+                    path = getattr(route, "path", "other")
+                    self.latency.labels(scope["method"], path).observe(time.perf_counter() - start)
+                await send(message)
+
+            try:
+                await app(scope, receive, send_and_note)
+            finally:
+                path = getattr(scope.get("route"), "path", "other")
+                self.requests.labels(scope["method"], path, str(status["code"])).inc()
+
+        return middleware
 
     def render(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

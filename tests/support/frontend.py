@@ -1,0 +1,79 @@
+"""The OpenAI-compatible frontend as a real process in front of a test stack's scheduler."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.stack import _env, _wait_port_file
+
+
+@dataclass
+class Frontend:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @classmethod
+    def start(cls, workdir: Path, scheduler_address: str, *extra: str) -> Frontend:
+        workdir.mkdir(parents=True, exist_ok=True)
+        port_file = workdir / f"frontend-{time.monotonic_ns()}.port"
+        log_path = workdir / "frontend.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - owned by the process
+        cmd = [
+            sys.executable, "-m", "frontend_svc", "--port", "0", "--port-file", str(port_file),
+            "--scheduler", scheduler_address, "--log-level", "warning", *extra,
+        ]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=log)
+        port = _wait_port_file(port_file, proc, 60, "frontend")
+        return cls(proc, port, log_path)
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.request("GET", "/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"frontend not healthy within {timeout}s")
+
+    def request(
+        self, method: str, path: str, body: object = None, headers: dict | None = None
+    ) -> tuple[int, object]:
+        """A plain HTTP call (stdlib, no client library): (status, parsed JSON or text)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            data = body if isinstance(body, str | bytes) or body is None else json.dumps(body)
+            hdrs = {"content-type": "application/json", **(headers or {})}
+            conn.request(method, path, body=data, headers=hdrs)
+            resp = conn.getresponse()
+            raw = resp.read().decode()
+            try:
+                return resp.status, json.loads(raw)
+            except ValueError:
+                return resp.status, raw
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
