@@ -8,6 +8,7 @@ MODEL ?= demo
 HOST ?= 127.0.0.1
 EXECUTOR_PORT ?= 50061
 SCHEDULER_PORT ?= 50051
+FRONTEND_PORT ?= 8000
 
 .PHONY: install run test test-unit lint format protos bench clean
 
@@ -27,7 +28,8 @@ install: $(STAMP)
 
 run: $(STAMP)
 	$(PY) -m scheduler_svc.local.launch --model $(MODEL) --host $(HOST) \
-		--executor-port $(EXECUTOR_PORT) --scheduler-port $(SCHEDULER_PORT)
+		--executor-port $(EXECUTOR_PORT) --scheduler-port $(SCHEDULER_PORT) \
+		--frontend-port $(FRONTEND_PORT)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--executor-port", type=int, default=50061)
     p.add_argument("--scheduler-port", type=int, default=50051)
+    p.add_argument(
+        "--frontend-port", type=int, default=8000, help="OpenAI-compatible HTTP; 0 = none"
+    )
     p.add_argument("--redis-dir", default=".cache/redis")
     p.add_argument("--executor-arg", action="append", default=[], help="passed to the executor")
     args = p.parse_args(argv)
@@ -64,15 +67,36 @@ def main(argv: list[str] | None = None) -> None:
             args.redis_dir,
         ]  # fmt: skip
     )
+    frontend = None
+    if args.frontend_port:
+        frontend = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "frontend_svc",
+                "--host",
+                args.host,
+                "--port",
+                str(args.frontend_port),
+                "--scheduler",
+                f"{args.host}:{args.scheduler_port}",
+            ]  # fmt: skip
+        )
     print(
         f"\nllmserve is up: scheduler on {args.host}:{args.scheduler_port} "
-        f'(try: .venv/bin/llmserve generate "Hello" --stream). Ctrl-C stops it.\n',
+        f'(try: .venv/bin/llmserve generate "Hello" --stream)'
+        + (f", OpenAI API on http://{args.host}:{args.frontend_port}/v1" if frontend else "")
+        + ". Ctrl-C stops it.\n",
         flush=True,
     )
     try:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(scheduler_cli.run(sched_args))
     finally:
+        if frontend is not None and frontend.poll() is None:
+            frontend.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                frontend.wait(timeout=10)
         if executor.poll() is None:
             executor.send_signal(signal.SIGTERM)
             try:

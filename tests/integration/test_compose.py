@@ -76,8 +76,17 @@ def test_binary_rejects_an_invalid_file(tmp_path: Path) -> None:
     assert compose("config", "-q", files=(bad,)).returncode != 0
 
 
-def test_three_services() -> None:
-    assert sorted(resolved()["services"]) == ["executor", "redis", "scheduler"]
+def test_four_services() -> None:
+    assert sorted(resolved()["services"]) == ["executor", "frontend", "redis", "scheduler"]
+
+
+def test_frontend_publishes_8000_and_waits_for_the_scheduler() -> None:
+    frontend = resolved()["services"]["frontend"]
+    [port] = frontend["ports"]
+    assert port["target"] == 8000 and port["published"].startswith("8000")
+    assert frontend["depends_on"]["scheduler"]["condition"] == "service_healthy"
+    assert "--scheduler scheduler:50051" in " ".join(frontend["command"])
+    assert "/health" in " ".join(frontend["healthcheck"]["test"])
 
 
 def test_redis_is_persistent_and_health_checked() -> None:

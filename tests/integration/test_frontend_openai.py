@@ -90,9 +90,7 @@ def test_several_prompts_and_token_prompts(oai, model, grpc_client):
     assert sorted(c.index for c in got.choices) == [0, 1, 2, 3]
     by_index = {c.index: c.text for c in got.choices}
     assert by_index[0] == by_index[1]  # greedy: both sequences of a prompt agree
-    from_ids = oai.completions.create(
-        model=model, prompt=ids, max_tokens=5, temperature=0
-    )
+    from_ids = oai.completions.create(model=model, prompt=ids, max_tokens=5, temperature=0)
     assert from_ids.choices[0].text == by_index[0]
 
 
