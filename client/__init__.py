@@ -6,6 +6,7 @@ the services.
 
 from client.async_client import DEFAULT_ADDRESS, AsyncLLMClient, default_address
 from client.errors import LLMServeError
+from client.offline import LLM
 from client.outputs import (
     CompletionOutput,
     ExecutorInfo,
@@ -26,6 +27,7 @@ __all__ = [
     "ChatPrompt",
     "CompletionOutput",
     "ExecutorInfo",
+    "LLM",
     "LLMClient",
     "LLMServeError",
     "Logprob",

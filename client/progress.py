@@ -27,8 +27,8 @@ class GenerateProgress:
             return
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         self._bar.set_postfix_str(
-            f"input: {self.num_input_tokens / elapsed:.1f} tok/s, "
-            f"output: {self.num_output_tokens / elapsed:.1f} tok/s",
+            f"est. speed input: {self.num_input_tokens / elapsed:.2f} toks/s, "
+            f"output: {self.num_output_tokens / elapsed:.2f} toks/s",
             refresh=False,
         )
         self._bar.update(1)

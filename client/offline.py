@@ -1,0 +1,169 @@
+"""`LLM`: vLLM's offline API on top of llmserve.
+
+`LLM(model="demo")` (or a checkpoint directory) starts a private stack as child processes: an
+executor on the model and a scheduler with its own embedded Redis, each on a port the OS picks,
+with their data in a temporary directory. `LLM(address="host:port")` uses a running scheduler
+instead. `generate()` and `chat()` return RequestOutputs in prompt order. `close()`, leaving a
+`with` block or the interpreter exiting stops whatever was started.
+
+The client never imports the services: they are started as `python -m executor_svc` and
+`python -m scheduler_svc`, exactly as an operator would run them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from client.outputs import RequestOutput
+from client.params import SamplingParams
+from client.prompts import ChatPrompt
+from client.sync_client import LLMClient
+
+__all__ = ["LLM"]
+
+
+def _wait_port(path: Path, proc: subprocess.Popen, timeout: float, what: str, log: Path) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text().strip() if path.exists() else ""
+        if text:
+            return int(text)
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise RuntimeError(f"the {what} exited with code {proc.returncode}:\n{tail}")
+        time.sleep(0.05)
+    raise TimeoutError(f"the {what} did not start within {timeout:.0f}s (log: {log})")
+
+
+def _stop(procs: list[subprocess.Popen], workdir: Path | None) -> None:
+    """Scheduler first (it drains and stops its Redis), then the executor; then the files."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    if workdir is not None:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "demo",
+        *,
+        address: str | None = None,
+        executor_args: Sequence[str] = (),
+        scheduler_args: Sequence[str] = (),
+        startup_timeout: float = 600.0,
+        log_level: str = "warning",
+    ) -> None:
+        self._procs: list[subprocess.Popen] = []
+        self._finalizer = None
+        if address is None:
+            address = self._start_stack(
+                model, list(executor_args), list(scheduler_args), startup_timeout, log_level
+            )
+        self.address = address
+        self._client = LLMClient(address, timeout=60)
+        try:
+            self._client.wait_ready(startup_timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.model = self._client.server_info().model
+
+    def _start_stack(
+        self,
+        model: str,
+        executor_args: list[str],
+        scheduler_args: list[str],
+        timeout: float,
+        log_level: str,
+    ) -> str:
+        workdir = Path(tempfile.mkdtemp(prefix="llmserve-llm-"))
+        env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+        # Stopped in reverse order of starting: the scheduler before the executor.
+        self._finalizer = weakref.finalize(self, _stop, self._procs, workdir)
+        log = workdir / "llmserve.log"
+        with open(log, "ab") as out:
+            executor = subprocess.Popen(
+                [
+                    sys.executable, "-m", "executor_svc", "--model", model, "--port", "0",
+                    "--port-file", str(workdir / "executor.port"), "--log-level", log_level,
+                    *executor_args,
+                ],  # fmt: skip
+                env=env, stdout=out, stderr=out,
+            )  # fmt: skip
+            self._procs.insert(0, executor)
+            eport = _wait_port(workdir / "executor.port", executor, timeout, "executor", log)
+            scheduler = subprocess.Popen(
+                [
+                    sys.executable, "-m", "scheduler_svc", "--executor", f"127.0.0.1:{eport}",
+                    "--redis-dir", str(workdir / "redis"), "--port", "0",
+                    "--port-file", str(workdir / "scheduler.port"), "--log-level", log_level,
+                    *scheduler_args,
+                ],  # fmt: skip
+                env=env, stdout=out, stderr=out,
+            )  # fmt: skip
+            self._procs.insert(0, scheduler)
+            sport = _wait_port(workdir / "scheduler.port", scheduler, timeout, "scheduler", log)
+        return f"127.0.0.1:{sport}"
+
+    # ---- vLLM's offline API ------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: int | Sequence[int] = 0,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order (strings, token-id lists or dicts as
+        vLLM takes them), with a progress bar of the batch's token rates."""
+        return self._client.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several (a list of lists); the model's chat
+        template renders each."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            ChatPrompt([dict(m) for m in conv], add_generation_prompt)  # type: ignore[arg-type]
+            for conv in conversations
+        ]
+        return self._client.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ---- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        client = getattr(self, "_client", None)
+        if client is not None:
+            client.close()
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
