@@ -23,7 +23,7 @@ from client.bench.workloads import BenchRequest
 from client.errors import LLMServeError
 from client.params import SamplingParams
 
-BACKENDS = ("llmserve", "hf")
+BACKENDS = ("llmserve", "hf", "openai")
 
 
 class Backend(Protocol):
@@ -302,6 +302,7 @@ def make_backend(
     max_batch_size: int = 256,
     hf_device: str = "auto",
     hf_dtype: str = "float32",
+    base_url: str | None = None,
 ) -> Backend:
     if name == "llmserve":
         return LLMServeBackend(address)
@@ -309,4 +310,10 @@ def make_backend(
         if model_dir is None:
             raise ValueError("--backend hf needs --model-dir (the checkpoint llmserve serves)")
         return HFBackend(model_dir, max_batch_size=max_batch_size, device=hf_device, dtype=hf_dtype)
+    if name == "openai":
+        from client.bench.openai_backend import OpenAIBackend
+
+        if base_url is None:
+            raise ValueError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000/v1)")
+        return OpenAIBackend(base_url, model_dir=model_dir)
     raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")

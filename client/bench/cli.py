@@ -38,14 +38,23 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--backend",
         type=_backends,
         default=["llmserve"],
-        help="llmserve, hf, or both as llmserve,hf (same requests, one report)",
+        help="llmserve, hf, openai, or several as llmserve,openai (same requests, one report)",
     )
     p.add_argument(
         "--address",
         default=None,
         help="scheduler host:port (default $LLMSERVE_ADDRESS or 127.0.0.1:50051)",
     )
-    p.add_argument("--model-dir", default=None, help="checkpoint directory (needed by hf)")
+    p.add_argument(
+        "--base-url",
+        default=None,
+        help="openai backend: the server's URL, e.g. http://127.0.0.1:8000/v1",
+    )
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        help="checkpoint directory (needed by hf, and by openai alone for the vocabulary size)",
+    )
     p.add_argument("--workload", choices=WORKLOADS, default="sharegpt-like")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
@@ -118,6 +127,11 @@ def add_bench_parser(subparsers: Any) -> None:
 def _limits(args: argparse.Namespace, backends: dict[str, Backend]) -> tuple[int, int]:
     limits = [b.limits() for b in backends.values()]
     vocab_size = min(v for v, _ in limits)
+    if vocab_size == sys.maxsize:
+        raise ValueError(
+            "the openai backend cannot tell the vocabulary size: give --model-dir, or run it "
+            "beside the llmserve backend (--backend llmserve,openai)"
+        )
     max_model_len = min(m for _, m in limits)
     if args.max_model_len is not None:
         max_model_len = min(max_model_len, args.max_model_len)
@@ -138,6 +152,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 max_batch_size=args.max_batch_size,
                 hf_device=args.hf_device,
                 hf_dtype=args.hf_dtype,
+                base_url=args.base_url,
             )
         vocab_size, max_model_len = _limits(args, backends)
         requests = make_workload(
@@ -188,6 +203,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "backends": ",".join(args.backend),
         "max_batch_size": args.max_batch_size if "hf" in backends else None,
         "address": args.address if "llmserve" in backends else None,
+        "base_url": args.base_url if "openai" in backends else None,
     }
     report = build_report(config, results)
     print(to_markdown(report))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
+import sys
 import time
 import uuid
 
@@ -302,3 +304,26 @@ def test_metrics_count_http_requests(frontend, oai, model):
         'llmserve_frontend_http_requests_total{method="GET",route="/v1/models",status="200"}'
         in text
     )
+
+
+@pytest.mark.parametrize("mode", ["throughput", "serve"])
+def test_bench_openai_backend_beside_grpc(frontend, llmserve_stack, tmp_path, mode):  # noqa: F811
+    out = tmp_path / f"{mode}.json"
+    args = ["--workload", "random", "--input-len", "8", "--output-len", "6", "--num-prompts", "6"]
+    if mode == "serve":
+        args += ["--request-rate", "20"]
+    res = subprocess.run(
+        [sys.executable, "-m", "client.bench", mode, "--backend", "llmserve,openai", *args,
+         "--address", llmserve_stack.address, "--base-url", f"{frontend.base_url}/v1",
+         "--no-progress", "--output", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    report = json.loads(out.read_text())
+    grpc_run, http_run = report["results"]
+    assert (grpc_run["backend"], http_run["backend"]) == ("llmserve", "openai")
+    for r in (grpc_run, http_run):
+        assert r["completed"] == 6 and r["total_output_tokens"] == 36
+        assert r["total_input_tokens"] == 48
+    if mode == "serve":
+        assert http_run["mean_ttft_ms"] > 0 and http_run["mean_tpot_ms"] > 0
