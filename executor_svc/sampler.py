@@ -1,4 +1,5 @@
-"""Vectorised sampler: penalties -> temperature -> top-k -> top-p -> min-p -> sample.
+"""Vectorised sampler: penalties -> min-tokens mask -> temperature -> top-k -> top-p -> min-p
+-> sample.
 
 Every stage works on whole-batch tensors; Python touches each row only to build small per-row
 tensors (parameters, hash keys, penalty token lists).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,11 +56,21 @@ class SamplingParams:  # mirrors executor.proto SamplingParams
     repetition_penalty: float = 1.0
     seed: int | None = None
     num_logprobs: int = 0
+    min_tokens: int = 0  # 0 disables the mask below
+    # Masked (-inf) while the output is shorter than min_tokens: the model's EOS ids plus the
+    # proto's min_tokens_suppressed_ids. Empty when min_tokens is 0.
+    min_tokens_masked_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_proto(cls, pb: executor_pb2.SamplingParams) -> SamplingParams:
+    def from_proto(
+        cls, pb: executor_pb2.SamplingParams, eos_token_ids: Sequence[int] = ()
+    ) -> SamplingParams:
         # proto3 zeros mean "unset": top_p and repetition_penalty of 0 would otherwise drop
         # every token / divide by zero, so they read as "disabled" (1).
+        min_tokens = int(pb.min_tokens)
+        masked = (
+            tuple(sorted({*eos_token_ids, *pb.min_tokens_suppressed_ids})) if min_tokens else ()
+        )
         return cls(
             temperature=float(pb.temperature),
             top_k=int(pb.top_k) if pb.top_k > 0 else 0,
@@ -69,6 +81,8 @@ class SamplingParams:  # mirrors executor.proto SamplingParams
             repetition_penalty=float(pb.repetition_penalty) if pb.repetition_penalty > 0 else 1.0,
             seed=int(pb.seed) if pb.HasField("seed") else None,
             num_logprobs=int(pb.num_logprobs),
+            min_tokens=min_tokens if masked else 0,
+            min_tokens_masked_ids=masked,
         )
 
 
@@ -182,6 +196,19 @@ def apply_penalties(
         pres = torch.tensor([p.presence_penalty for p in params], device=device)[rows]
         flat[keys] -= freq * counts + pres
     return out
+
+
+def apply_min_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], rows: list[int]
+) -> torch.Tensor:
+    """-inf at each given row's min_tokens_masked_ids, in place; returns logits.
+
+    Like the penalties it is sparse: one scatter over (row, id) pairs, nothing per vocabulary.
+    """
+    vocab = logits.shape[1]
+    keys = [i * vocab + t for i in rows for t in params[i].min_tokens_masked_ids]
+    logits.view(-1)[torch.tensor(keys, dtype=torch.int64).to(logits.device)] = float("-inf")
+    return logits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,6 +412,17 @@ class Sampler:
         proc = (
             apply_penalties(raw, params, prompt_token_ids, output_token_ids) if has_penalty else raw
         )
+        # Rows still short of min_tokens; `p.min_tokens and` keeps the common path to one
+        # attribute read per row.
+        short = [
+            i
+            for i, p in enumerate(params)
+            if p.min_tokens and len(output_token_ids[i]) < p.min_tokens
+        ]
+        if short:
+            if proc is raw:  # raw may be the caller's tensor: never written
+                proc = raw.clone(memory_format=torch.contiguous_format)
+            proc = apply_min_tokens(proc, params, short)
 
         sampled = [i for i, p in enumerate(params) if p.temperature >= _SAMPLING_EPS]
         if not sampled:

@@ -82,7 +82,10 @@ def validate_step(
             raise InvalidStep(
                 f"{field}.num_prompt_tokens: {n.num_prompt_tokens} not in [1, {len(token_ids)}]"
             )
-        params = _check_params(f"{field}.sampling_params", n.sampling_params, max_logprobs)
+        params = _check_params(
+            f"{field}.sampling_params", n.sampling_params, max_logprobs, vocab_size,
+            info.eos_token_ids,
+        )  # fmt: skip
         _check_blocks(f"{field}.block_table", n.block_table, num_device)
         if len(set(n.block_table)) != len(n.block_table):
             raise InvalidStep(f"{field}.block_table: a block id appears twice")
@@ -315,7 +318,13 @@ def _check_mappings(request: pb.ExecuteModelRequest, num_device: int, num_cpu: i
             )
 
 
-def _check_params(field: str, p: pb.SamplingParams, max_logprobs: int) -> SamplingParams:
+def _check_params(
+    field: str,
+    p: pb.SamplingParams,
+    max_logprobs: int,
+    vocab_size: int,
+    eos_token_ids: Sequence[int],
+) -> SamplingParams:
     for name in (
         "temperature",
         "top_p",
@@ -341,4 +350,7 @@ def _check_params(field: str, p: pb.SamplingParams, max_logprobs: int) -> Sampli
         raise InvalidStep(f"{field}.repetition_penalty: {p.repetition_penalty} not in [0, 2]")
     if p.num_logprobs > max_logprobs:
         raise InvalidStep(f"{field}.num_logprobs: {p.num_logprobs} exceeds max {max_logprobs}")
-    return SamplingParams.from_proto(p)
+    # Checked even when min_tokens is 0 (then unused): a bad id is a sender bug either way.
+    _check_tokens(f"{field}.min_tokens_suppressed_ids", p.min_tokens_suppressed_ids, vocab_size)
+    # The executor's own EOS ids join the mask here, once per sequence, not per step.
+    return SamplingParams.from_proto(p, eos_token_ids)

@@ -23,6 +23,12 @@ def executor_params(params: SamplingParams, seed: int | None) -> epb.SamplingPar
     )
     if seed is not None:
         msg.seed = seed
+    if params.min_tokens > 0:
+        # EOS is masked too, but the executor knows its own EOS ids: only stop ids travel, and
+        # only for the (rare) requests that ask for min_tokens.
+        msg.min_tokens = params.min_tokens
+        if params.stop_token_ids:
+            msg.min_tokens_suppressed_ids.extend(params.stop_token_ids)
     return msg
 
 

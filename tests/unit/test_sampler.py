@@ -376,6 +376,53 @@ def test_sampler_leaves_input_logits_untouched():
     assert torch.equal(logits, before)
 
 
+# --- min_tokens -----------------------------------------------------------------------------
+
+EOS, STOP = 5, 7
+
+
+def test_from_proto_joins_eos_to_min_tokens_ids_only_when_min_tokens_is_set():
+    pb_params = pb.SamplingParams(min_tokens=3, min_tokens_suppressed_ids=[STOP, EOS])
+    p = SamplingParams.from_proto(pb_params, eos_token_ids=[EOS, 2])
+    assert (p.min_tokens, p.min_tokens_masked_ids) == (3, (2, EOS, STOP))
+    off = SamplingParams.from_proto(pb.SamplingParams(min_tokens_suppressed_ids=[STOP]), [EOS])
+    assert (off.min_tokens, off.min_tokens_masked_ids) == (0, ())
+    # Nothing to mask (no EOS, no stop ids): the row never pays for the mask.
+    assert SamplingParams.from_proto(pb.SamplingParams(min_tokens=3)).min_tokens == 0
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_enough_outputs():
+    # EOS is every row's argmax and STOP the runner-up; token 1 comes third.
+    row = torch.full((10,), -1.0)
+    row[EOS], row[STOP], row[1] = 5.0, 4.0, 3.0
+    logits = row.repeat(3, 1)
+    before = logits.clone()
+    params = [
+        P(min_tokens=3, min_tokens_masked_ids=(EOS, STOP)),
+        P(),  # same batch, no min_tokens: unaffected
+        P(temperature=1.0, top_k=2, seed=3, min_tokens=3, min_tokens_masked_ids=(EOS, STOP)),
+    ]
+    for num_outputs in range(5):
+        out = sample(logits, params, outputs=[[0] * num_outputs] * 3).token_ids.tolist()
+        if num_outputs < 3:
+            # Greedy skips both masked ids; top-k=2 keeps the best two unmasked ones.
+            assert out[0] == 1 and out[2] not in (EOS, STOP)
+        else:
+            assert out[0] == EOS
+        assert out[1] == EOS
+    # The mask never writes into the caller's logits.
+    assert torch.equal(logits, before)
+
+
+def test_min_tokens_mask_composes_with_penalties():
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, 0.0, 4.0]])
+    params = [P(repetition_penalty=2.0, min_tokens=2, min_tokens_masked_ids=(EOS,))]
+    # Token 1 is in the output, so its 3.0 halves to 1.5 and token 2 (2.0) wins once EOS is out.
+    out = sample(logits, params, outputs=[[1]], prompts=[[0]])
+    assert out.token_ids.tolist() == [2]
+    assert sample(logits, params, outputs=[[1, 1]], prompts=[[0]]).token_ids.tolist() == [EOS]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu():
