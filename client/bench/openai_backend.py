@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from client.bench.metrics import RequestRecord
 from client.bench.workloads import BenchRequest
 
@@ -70,10 +72,11 @@ class OpenAIBackend:
         max_concurrency: int | None,
         progress: bool,
     ) -> tuple[list[RequestRecord], float]:
-        from client.bench.backends import _progress
-
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        bar = _progress(len(requests), "openai", progress)
+        bar = tqdm(
+            total=len(requests), desc="openai", unit="req", disable=not progress,
+            dynamic_ncols=True,
+        )  # fmt: skip
         records = [RequestRecord(r.prompt_len, r.output_len, 0.0) for r in requests]
         client = self._openai.AsyncOpenAI(
             base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=3600
