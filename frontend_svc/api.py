@@ -80,13 +80,14 @@ def _stream_response(run: Run, first, rest: AsyncIterator, to_events) -> Streami
     async def body() -> AsyncIterator[str]:
         completed = False
         try:
-            for event in await to_events(*first):
-                yield event
+            # One write per delta, whatever number of events it makes.
+            if events := "".join(await to_events(*first)):
+                yield events
             async for i, d in rest:
-                for event in await to_events(i, d):
-                    yield event
-            for event in await to_events(None, None):
-                yield event
+                if events := "".join(await to_events(i, d)):
+                    yield events
+            if events := "".join(await to_events(None, None)):
+                yield events
             completed = True
         except LLMServeError as e:
             yield _sse(APIError.from_llmserve(e).body())

@@ -46,8 +46,15 @@ async def serve(args: argparse.Namespace) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     sock.listen(512)  # connections made after the port file appears wait, never fail
+    # httptools parses HTTP in C (h11, uvicorn's fallback, is pure Python); the event loop stays
+    # asyncio's own, which grpc.aio is built for.
     config = uvicorn.Config(
-        app, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5
+        app,
+        http="httptools",
+        loop="asyncio",
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
     if args.port_file is not None:

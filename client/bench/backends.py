@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from tqdm.auto import tqdm
 
 from client.async_client import AsyncLLMClient
+from client.bench.dispatch import send_on_schedule
 from client.bench.metrics import RequestRecord
 from client.bench.workloads import BenchRequest
 from client.errors import LLMServeError
@@ -126,15 +127,7 @@ class LLMServeBackend:
                         sem.release()
                     bar.update(1)
 
-            start = time.perf_counter()
-            tasks = []
-            for i, offset in enumerate(offsets):
-                delay = start + offset - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(i, start + offset)))
-            await asyncio.gather(*tasks)
-            duration = time.perf_counter() - start
+            duration = await send_on_schedule(offsets, one)
         bar.close()
         return records, duration
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from client.bench.dispatch import send_on_schedule
 from client.bench.metrics import RequestRecord
 from client.bench.workloads import BenchRequest
 
@@ -122,15 +123,7 @@ class OpenAIBackend:
                     sem.release()
                 bar.update(1)
 
-        start = time.perf_counter()
-        tasks = []
-        for i, offset in enumerate(offsets):
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, start + offset)))
-        await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        duration = await send_on_schedule(offsets, one)
         await client.close()
         bar.close()
         return records, duration
