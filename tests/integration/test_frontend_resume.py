@@ -90,3 +90,37 @@ def test_streams_survive_scheduler_kill(stack_and_frontend):
     log = fe.log()
     assert "frontend.stream_interrupted" in log  # they were cut, and resumed
     assert "Traceback" not in log, log
+
+
+def test_full_queue_is_429(tmp_path):
+    """RESOURCE_EXHAUSTED from the scheduler (its waiting queue is full) is HTTP 429."""
+    redis = RedisServer(data_dir=tmp_path / "redis")
+    redis.start()
+    (tmp_path / "w").mkdir()
+    stack = make_stack(
+        tmp_path / "w", redis, scheduler_args=["--max-num-seqs", "1", "--max-waiting", "1"]
+    )
+    fe = Frontend.start(tmp_path / "fe", stack.address)
+    try:
+        fe.wait_healthy()
+        body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True}
+        results: list[tuple[int, object]] = []
+        threads = [
+            threading.Thread(
+                target=lambda: results.append(fe.request("POST", "/v1/completions", body))
+            )
+            for _ in range(4)
+        ]
+        for t in threads:
+            t.start()
+            time.sleep(0.2)  # one running, one waiting, then the queue is full
+        for t in threads:
+            t.join(timeout=120)
+        statuses = sorted(status for status, _ in results)
+        assert statuses.count(200) >= 2 and 429 in statuses, results
+        err = next(e for s, e in results if s == 429)
+        assert err["error"]["type"] == "rate_limit_error" and "queue" in err["error"]["message"]
+    finally:
+        fe.stop()
+        stack.stop()
+        redis.close()
