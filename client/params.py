@@ -32,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per token; None = none
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +56,7 @@ class SamplingParams:
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
         )
         if self.max_tokens is not None:
             msg.max_tokens = self.max_tokens
@@ -72,7 +74,11 @@ class SamplingParams:
             if msg.DESCRIPTOR.fields_by_name[f.name].has_presence and not msg.HasField(f.name):
                 continue
             value = getattr(msg, f.name)
-            kwargs[f.name] = list(value) if f.name in ("stop", "stop_token_ids") else value
+            if f.name in ("stop", "stop_token_ids"):
+                value = list(value)
+            elif f.name == "logit_bias":
+                value = dict(value)
+            kwargs[f.name] = value
         return cls(**kwargs)
 
     def replace(self, **changes: Any) -> SamplingParams:
@@ -80,5 +86,6 @@ class SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values["stop"] = list(values["stop"])
         values["stop_token_ids"] = list(values["stop_token_ids"])
+        values["logit_bias"] = dict(values["logit_bias"])
         values.update(changes)
         return SamplingParams(**values)

@@ -1,5 +1,5 @@
-"""Vectorised sampler: penalties -> min-tokens mask -> temperature -> top-k -> top-p -> min-p
--> sample.
+"""Vectorised sampler: penalties -> logit bias -> min-tokens mask -> temperature -> top-k -> top-p
+-> min-p -> sample.
 
 Every stage works on whole-batch tensors; Python touches each row only to build small per-row
 tensors (parameters, hash keys, penalty token lists).
@@ -60,6 +60,9 @@ class SamplingParams:  # mirrors executor.proto SamplingParams
     # Masked (-inf) while the output is shorter than min_tokens: the model's EOS ids plus the
     # proto's min_tokens_suppressed_ids. Empty when min_tokens is 0.
     min_tokens_masked_ids: tuple[int, ...] = ()
+    # OpenAI's logit_bias as parallel tuples (ids, values); empty when the request has none.
+    logit_bias_ids: tuple[int, ...] = ()
+    logit_bias_values: tuple[float, ...] = ()
 
     @classmethod
     def from_proto(
@@ -83,6 +86,8 @@ class SamplingParams:  # mirrors executor.proto SamplingParams
             num_logprobs=int(pb.num_logprobs),
             min_tokens=min_tokens if masked else 0,
             min_tokens_masked_ids=masked,
+            logit_bias_ids=tuple(pb.logit_bias.keys()),
+            logit_bias_values=tuple(pb.logit_bias.values()),
         )
 
 
@@ -196,6 +201,21 @@ def apply_penalties(
         pres = torch.tensor([p.presence_penalty for p in params], device=device)[rows]
         flat[keys] -= freq * counts + pres
     return out
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Adds each row's logit_bias to its logits, in place; returns logits. Sparse, like the
+    penalties: one scatter-add over the (row, id) pairs that carry a bias."""
+    vocab = logits.shape[1]
+    keys = [i * vocab + t for i, p in enumerate(params) for t in p.logit_bias_ids]
+    values = [b for p in params for b in p.logit_bias_values]
+    flat = logits.view(-1)
+    flat.index_add_(
+        0,
+        torch.tensor(keys, dtype=torch.int64).to(logits.device),
+        torch.tensor(values, dtype=logits.dtype).to(logits.device),
+    )
+    return logits
 
 
 def apply_min_tokens(
@@ -412,6 +432,10 @@ class Sampler:
         proc = (
             apply_penalties(raw, params, prompt_token_ids, output_token_ids) if has_penalty else raw
         )
+        if any(p.logit_bias_ids for p in params):
+            if proc is raw:  # raw may be the caller's tensor: never written
+                proc = raw.clone(memory_format=torch.contiguous_format)
+            proc = apply_logit_bias(proc, params)
         # Rows still short of min_tokens; `p.min_tokens and` keeps the common path to one
         # attribute read per row.
         short = [

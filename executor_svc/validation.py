@@ -352,5 +352,9 @@ def _check_params(
         raise InvalidStep(f"{field}.num_logprobs: {p.num_logprobs} exceeds max {max_logprobs}")
     # Checked even when min_tokens is 0 (then unused): a bad id is a sender bug either way.
     _check_tokens(f"{field}.min_tokens_suppressed_ids", p.min_tokens_suppressed_ids, vocab_size)
+    if p.logit_bias:
+        _check_tokens(f"{field}.logit_bias", list(p.logit_bias), vocab_size)
+        if not all(math.isfinite(b) for b in p.logit_bias.values()):
+            raise InvalidStep(f"{field}.logit_bias: values must be finite numbers")
     # The executor's own EOS ids join the mask here, once per sequence, not per step.
     return SamplingParams.from_proto(p, eos_token_ids)

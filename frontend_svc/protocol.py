@@ -49,8 +49,6 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server yet", "logit_bias")
         if self.prompt_logprobs is not None:
             raise bad_request(
                 "prompt_logprobs is not supported by this server yet", "prompt_logprobs"
@@ -76,10 +74,27 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self._logit_bias(),
         )
         if params.seed is not None and params.seed < 0:
             raise bad_request("seed must be >= 0", "seed")
         return params
+
+    def _logit_bias(self) -> dict[int, float]:
+        # OpenAI sends token ids as JSON object keys, hence strings; range checks are the
+        # scheduler's (its INVALID_ARGUMENT message comes back as a 400).
+        out: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise bad_request(
+                    f"logit_bias keys must be token ids, got {key[:32]!r}", "logit_bias"
+                ) from None
+            if not 0 <= token_id < 2**32:
+                raise bad_request(f"logit_bias has token id {token_id} out of range", "logit_bias")
+            out[token_id] = bias
+        return out
 
     @property
     def include_usage(self) -> bool:

@@ -54,6 +54,7 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
     out.logprobs = p.logprobs if p.HasField("logprobs") else None
     if p.HasField("skip_special_tokens"):
         out.skip_special_tokens = p.skip_special_tokens
+    out.logit_bias = dict(p.logit_bias)
     return out
 
 

@@ -11,6 +11,8 @@ MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024
+LOGIT_BIAS_LIMIT = 100.0
 
 
 class ValidationError(ValueError):
@@ -36,6 +38,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per token; None = none
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logit
 
     def validate(self, *, max_logprobs: int, vocab_size: int | None = None) -> None:
         """Raise ValidationError naming the first field out of range."""
@@ -92,10 +95,29 @@ class SamplingParams:
                         f"params.stop_token_ids contains {t}, outside the vocabulary "
                         f"[0, {vocab_size})"
                     )
+        self._validate_logit_bias(vocab_size)
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise ValidationError(
                 f"params.logprobs must be in [0, {max_logprobs}], got {self.logprobs}"
             )
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValidationError(
+                f"params.logit_bias may hold at most {MAX_LOGIT_BIAS} entries, "
+                f"got {len(self.logit_bias)}"
+            )
+        for token_id, bias in self.logit_bias.items():
+            if vocab_size is not None and not 0 <= token_id < vocab_size:
+                raise ValidationError(
+                    f"params.logit_bias has token id {token_id}, outside the vocabulary "
+                    f"[0, {vocab_size})"
+                )
+            if not (math.isfinite(bias) and -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT):
+                raise ValidationError(
+                    f"params.logit_bias[{token_id}] must be in [-{LOGIT_BIAS_LIMIT:g}, "
+                    f"{LOGIT_BIAS_LIMIT:g}], got {bias}"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -109,7 +131,10 @@ class SamplingParams:
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
         """From `to_dict`'s form; fields this version does not know are ignored."""
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        out = cls(**{k: v for k, v in d.items() if k in known})
+        # JSON object keys are strings: token ids come back as "123".
+        out.logit_bias = {int(k): float(v) for k, v in out.logit_bias.items()}
+        return out
 
 
 def _finite(name: str, value: float) -> None:

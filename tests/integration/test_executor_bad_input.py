@@ -342,6 +342,11 @@ CASES: dict[str, Callable[[pb.ExecuteModelRequest, ExecutorDriver], str]] = {
     "presence_penalty_too_big": bad_params(presence_penalty=2.5),
     "frequency_penalty_too_small": bad_params(frequency_penalty=-3.0),
     "negative_repetition_penalty": bad_params(repetition_penalty=-0.5),
+    "logit_bias_out_of_vocab": bad_params(logit_bias={VOCAB: 1.0}),
+    "logit_bias_not_finite": bad_params(logit_bias={3: float("nan")}),
+    "min_tokens_suppressed_out_of_vocab": bad_params(
+        min_tokens_suppressed_ids=[VOCAB + 1], min_tokens=2
+    ),
 }
 
 

@@ -72,6 +72,23 @@ def test_completion_matches_the_grpc_api(oai, grpc_client, model):
     assert got.usage.total_tokens == got.usage.prompt_tokens + 12
 
 
+def test_logit_bias_reaches_the_sampler(oai, grpc_client, model):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    (free,) = grpc_client.generate([PROMPT], greedy, use_tqdm=False)
+    bias = {free.outputs[0].token_ids[0]: -100.0, 9: 3.0}
+    (want,) = grpc_client.generate([PROMPT], greedy.replace(logit_bias=bias), use_tqdm=False)
+    assert want.outputs[0].token_ids != free.outputs[0].token_ids
+    got = oai.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        logit_bias={str(t): b for t, b in bias.items()},
+        extra_body={"ignore_eos": True},
+    )
+    assert got.choices[0].text == want.outputs[0].text
+
+
 def test_streamed_completion_equals_the_whole_one_and_reports_usage(oai, model):
     args = dict(model=model, prompt=PROMPT, max_tokens=10, temperature=0)
     whole = oai.completions.create(**args).choices[0].text
@@ -191,7 +208,9 @@ def test_tokenize_and_detokenize(frontend, grpc_client):
         ({"prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
         ({"prompt": "x", "top_p": 0}, 400, "top_p"),
-        ({"prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"five": 1.0}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "vocabulary"),
         ({"max_tokens": 3}, 400, "prompt"),
         ("{not json", 400, ""),
     ],

@@ -78,8 +78,11 @@ def generate(stub: pb_grpc.SchedulerStub, prompt_ids: list[int], **params) -> Co
     return collect(stub.Generate(gen_request(prompt_ids, **params), timeout=120))
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Reference: Hugging Face transformers greedy generate, one prompt at a time."""
+def hf_greedy(
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, **generate_kwargs
+) -> list[list[int]]:
+    """Reference: Hugging Face transformers greedy generate, one prompt at a time
+    (generate_kwargs go to `generate`, e.g. sequence_bias)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -96,6 +99,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
                 min_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=0,
+                **generate_kwargs,
             )
             outs.append(g[0, len(p) :].tolist())
     return outs

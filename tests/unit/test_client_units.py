@@ -170,8 +170,12 @@ def test_poisson_arrivals_mean_rate() -> None:
 
 
 def test_sampling_params_to_proto_sets_every_optional() -> None:
-    p = SamplingParams(n=2, max_tokens=7, temperature=0.0, top_k=5, seed=11, stop="END", logprobs=3)
+    p = SamplingParams(
+        n=2, max_tokens=7, temperature=0.0, top_k=5, seed=11, stop="END", logprobs=3,
+        logit_bias={4: -1.5},
+    )  # fmt: skip
     msg = p.to_proto()
+    assert dict(msg.logit_bias) == {4: -1.5}
     assert msg.n == 2 and msg.max_tokens == 7 and msg.top_k == 5 and msg.seed == 11
     assert msg.HasField("temperature") and msg.temperature == 0.0
     assert msg.HasField("top_p") and msg.HasField("repetition_penalty")

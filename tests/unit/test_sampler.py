@@ -423,6 +423,33 @@ def test_min_tokens_mask_composes_with_penalties():
     assert sample(logits, params, outputs=[[1, 1]], prompts=[[0]]).token_ids.tolist() == [EOS]
 
 
+def test_logit_bias_moves_only_its_rows_and_keeps_raw_logprobs():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).repeat(3, 1)
+    before = logits.clone()
+    params = [
+        P(logit_bias_ids=(2,), logit_bias_values=(2.5,)),  # 1 + 2.5 beats 3
+        P(),  # same batch, no bias
+        P(logit_bias_ids=(0, 3), logit_bias_values=(-100.0, 1.5)),  # ban the argmax
+    ]
+    out = sample(logits, params, outputs=[[]] * 3)
+    assert out.token_ids.tolist() == [2, 0, 1]
+    # Logprobs are those of the raw model distribution, bias or not; the input is untouched.
+    raw = torch.log_softmax(before, dim=-1)
+    assert torch.allclose(out.logprobs, raw[[0, 1, 2], [2, 0, 1]])
+    assert torch.equal(logits, before)
+
+
+def test_logit_bias_in_sampled_rows_bans_tokens():
+    logits = torch.zeros(1, 8).repeat(64, 1)  # uniform: every token equally likely
+    banned = (0, 1, 2, 3, 4, 5)
+    params = [
+        P(temperature=1.0, seed=s, logit_bias_ids=banned, logit_bias_values=(-100.0,) * 6)
+        for s in range(64)
+    ]
+    drawn = set(sample(logits, params, outputs=[[]] * 64).token_ids.tolist())
+    assert drawn == {6, 7}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu():

@@ -95,6 +95,11 @@ def test_boundary_values_are_valid(fields: dict):
         ("stop_token_ids", [-1]),
         ("logprobs", -1),
         ("logprobs", MAX_LOGPROBS + 1),
+        ("logit_bias", {VOCAB_SIZE: 1.0}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {3: 100.01}),
+        ("logit_bias", {3: float("inf")}),
+        ("logit_bias", dict.fromkeys(range(1025), 1.0)),
     ],
 )
 def test_invalid_field_is_named(field: str, value):
@@ -107,7 +112,7 @@ def test_every_numeric_field_has_an_invalid_case():
     covered = {
         "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
-        "stop_token_ids", "logprobs",
+        "stop_token_ids", "logprobs", "logit_bias",
     }  # fmt: skip
     flags = {"include_stop_str_in_output", "ignore_eos", "skip_special_tokens"}
     assert {f.name for f in dataclasses.fields(SamplingParams)} == covered | flags
@@ -120,3 +125,11 @@ def test_validation_error_is_a_value_error():
 
 def test_stop_token_ids_unchecked_without_vocab_size():
     SamplingParams(stop_token_ids=[10**6]).validate(max_logprobs=0)
+
+
+def test_logit_bias_survives_the_store_json_round_trip():
+    import json
+
+    params = SamplingParams(logit_bias={5: -100.0, 17: 2.5})
+    back = SamplingParams.from_dict(json.loads(json.dumps(params.to_dict())))
+    assert back == params and all(isinstance(k, int) for k in back.logit_bias)
