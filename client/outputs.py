@@ -52,6 +52,9 @@ class StreamDelta:
     stop_reason: str | None
     num_prompt_tokens: int
     error: str | None
+    # On a sequence's first delta when the request asked for prompt_logprobs: as vLLM's
+    # RequestOutput.prompt_logprobs, None for the first prompt token, then one dict per token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -59,17 +62,10 @@ class StreamDelta:
 
     @classmethod
     def from_proto(cls, msg: pb.GenerateResponse) -> StreamDelta:
-        logprobs = None
-        if len(msg.logprobs):
-            logprobs = []
-            for entry in msg.logprobs:
-                by_id = {
-                    alt.token_id: Logprob(alt.logprob, rank, alt.text)
-                    for rank, alt in enumerate(entry.top, start=1)
-                }
-                # The sampled token may lie outside the top-n; vLLM still reports it.
-                by_id.setdefault(entry.token_id, Logprob(entry.logprob))
-                logprobs.append(by_id)
+        logprobs = _logprob_dicts(msg.logprobs) if len(msg.logprobs) else None
+        prompt_logprobs = None
+        if len(msg.prompt_logprobs):
+            prompt_logprobs = [None, *_logprob_dicts(msg.prompt_logprobs)]
         return cls(
             request_id=msg.request_id,
             index=msg.index,
@@ -81,7 +77,21 @@ class StreamDelta:
             stop_reason=msg.stop_reason or None,
             num_prompt_tokens=msg.num_prompt_tokens,
             error=msg.error or None,
+            prompt_logprobs=prompt_logprobs,
         )
+
+
+def _logprob_dicts(entries: Any) -> list[dict[int, Logprob]]:
+    out = []
+    for entry in entries:
+        by_id = {
+            alt.token_id: Logprob(alt.logprob, rank, alt.text)
+            for rank, alt in enumerate(entry.top, start=1)
+        }
+        # The chosen token may lie outside the top-n; vLLM still reports it.
+        by_id.setdefault(entry.token_id, Logprob(entry.logprob))
+        out.append(by_id)
+    return out
 
 
 @dataclass(slots=True)
@@ -139,6 +149,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # server message when a sequence finished with "error"
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then per token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @classmethod
     def start(cls, request_id: str, prompt: Any, n: int) -> RequestOutput:
@@ -161,6 +173,8 @@ class RequestOutput:
         while delta.index >= len(self.outputs):  # the server knows n better than we do
             self.outputs.append(CompletionOutput(index=len(self.outputs)))
         self.outputs[delta.index].append(delta)
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.token_ids:
             if self.metrics.first_token_time is None:
                 self.metrics.first_token_time = now

@@ -33,6 +33,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per token; None = none
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token; None = none
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +65,8 @@ class SamplingParams:
             msg.seed = self.seed
         if self.logprobs is not None:
             msg.logprobs = self.logprobs
+        if self.prompt_logprobs is not None:
+            msg.prompt_logprobs = self.prompt_logprobs
         return msg
 
     @classmethod

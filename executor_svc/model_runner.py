@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from executor_svc.sampler import Sampler, SamplingParams
 
 MAX_PROFILE_SAMPLE_ROWS = 256  # logits rows in the CUDA profiling run (a large decode batch)
+# Prompt-logprob rows go through the LM head this many at a time: [rows, vocab] fp32 logits of
+# a whole 8k-token chunk would be gigabytes.
+PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -51,6 +54,16 @@ class SampleResult:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]]  # most likely first, len == num_logprobs
+
+
+@dataclass(slots=True)
+class PromptLogprobResult:
+    """Logprobs of prompt tokens first_position, first_position + 1, ... of one sequence."""
+
+    seq_id: str
+    first_position: int
+    logprobs: list[float]  # of each prompt token, raw distribution
+    top: list[list[tuple[int, float]]]  # per token: num_prompt_logprobs alternatives
 
 
 @dataclass(slots=True)
@@ -126,7 +139,10 @@ class ModelRunner:
         blocks_to_swap_out: list[tuple[int, int]],
         blocks_to_swap_in: list[tuple[int, int]],
         blocks_to_copy: list[tuple[int, int]],
+        prompt_logprobs: list[PromptLogprobResult] | None = None,
     ) -> list[SampleResult]:
+        """One step. Sequences whose sampling params ask for prompt logprobs get them appended
+        to `prompt_logprobs` (when given) for the prompt tokens this step's positions predict."""
         # Swap-out first: blocks it frees may be the very destinations of this step's swap-in or
         # copies. Copies last: a copy source may be a block just swapped in.
         self.kv_cache.swap_out(blocks_to_swap_out)
@@ -134,7 +150,13 @@ class ModelRunner:
         self.kv_cache.copy(blocks_to_copy)
         if not seqs:
             return []
-        sample_idx, logits = self.forward_logits(seqs)
+        batch = self.prepare_inputs(seqs)
+        hidden = self.model(
+            batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
+        )
+        if prompt_logprobs is not None:
+            prompt_logprobs.extend(self._prompt_logprobs(seqs, hidden))
+        sample_idx, logits = self._sample_logits(batch, hidden)
         if not sample_idx:
             return []
         return self._sample([seqs[i] for i in sample_idx], logits)
@@ -146,10 +168,50 @@ class ModelRunner:
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
         )
+        return self._sample_logits(batch, hidden)
+
+    def _sample_logits(
+        self, batch: BatchInputs, hidden: torch.Tensor
+    ) -> tuple[list[int], torch.Tensor]:
         if not batch.sample_seq_indices:
             return [], hidden.new_empty((0, self.info.vocab_size), dtype=torch.float32)
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
         return batch.sample_seq_indices, logits.float()
+
+    def _prompt_logprobs(
+        self, seqs: list[ScheduledSequence], hidden: torch.Tensor
+    ) -> list[PromptLogprobResult]:
+        """Prompt logprobs of the sequences that ask: the row at position p predicts the
+        prompt token at p + 1, for p + 1 < num_prompt_tokens (the last prompt position predicts
+        the first output, which the sampler handles)."""
+        out: list[PromptLogprobResult] = []
+        row = 0
+        for s in seqs:
+            k = s.sampling_params.num_prompt_logprobs
+            start, n = s.num_computed_tokens, s.num_scheduled_tokens
+            end = min(start + n, s.num_prompt_tokens - 1)
+            if k is not None and end > start:
+                res = PromptLogprobResult(s.seq_id, start + 1, [], [])
+                for a in range(start, end, PROMPT_LOGPROB_ROWS):
+                    b = min(a + PROMPT_LOGPROB_ROWS, end)
+                    h = hidden[row + a - start : row + b - start]
+                    logits = self.model.compute_logits(h).float()
+                    lse = torch.logsumexp(logits, dim=-1)
+                    targets = torch.tensor(s.token_ids[a + 1 : b + 1], device=logits.device)
+                    lps = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+                    res.logprobs.extend(lps.tolist())
+                    if k > 0:
+                        vals, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
+                        top_lps = (vals - lse[:, None]).tolist()
+                        res.top.extend(
+                            list(zip(i, v, strict=True))
+                            for i, v in zip(ids.tolist(), top_lps, strict=True)
+                        )
+                    else:
+                        res.top.extend([] for _ in range(b - a))
+                out.append(res)
+            row += n
+        return out
 
     def prepare_inputs(self, seqs: list[ScheduledSequence]) -> BatchInputs:
         """Flatten the step's sequences; per-sequence Python work only, never per token."""

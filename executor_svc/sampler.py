@@ -63,6 +63,8 @@ class SamplingParams:  # mirrors executor.proto SamplingParams
     # OpenAI's logit_bias as parallel tuples (ids, values); empty when the request has none.
     logit_bias_ids: tuple[int, ...] = ()
     logit_bias_values: tuple[float, ...] = ()
+    # Top alternatives per prompt logprob; None = no prompt logprobs (read by the model runner).
+    num_prompt_logprobs: int | None = None
 
     @classmethod
     def from_proto(
@@ -88,6 +90,9 @@ class SamplingParams:  # mirrors executor.proto SamplingParams
             min_tokens_masked_ids=masked,
             logit_bias_ids=tuple(pb.logit_bias.keys()),
             logit_bias_values=tuple(pb.logit_bias.values()),
+            num_prompt_logprobs=(
+                int(pb.num_prompt_logprobs) if pb.HasField("num_prompt_logprobs") else None
+            ),
         )
 
 

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
-from executor_svc.model_runner import ModelRunner, ScheduledSequence
+from executor_svc.model_runner import ModelRunner, PromptLogprobResult, ScheduledSequence
 from executor_svc.seq_state import SeqState
 from executor_svc.validation import InvalidStep, StepPlan, validate_step
 from protos import executor_pb2 as pb
@@ -220,8 +220,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             swap_in = [(m.src, m.dst) for m in request.blocks_to_swap_in]
             copy = [(m.src, m.dst) for m in request.blocks_to_copy]
             try:
+                prompt_lps: list[PromptLogprobResult] = []
                 if scheduled or swap_out or swap_in or copy:
-                    results = runner.execute(scheduled, swap_out, swap_in, copy)
+                    results = runner.execute(scheduled, swap_out, swap_in, copy, prompt_lps)
                 else:
                     results = []
                 by_id = {r.seq_id: r for r in results}
@@ -274,6 +275,20 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             execute_time_us=int(elapsed * 1e6),
             decode_token_ids=lane_tokens,
             decode_logprobs=lane_logprobs,
+            prompt_logprobs=[
+                pb.PromptLogprobs(
+                    seq_id=r.seq_id,
+                    first_position=r.first_position,
+                    entries=[
+                        pb.PromptTokenLogprob(
+                            logprob=lp,
+                            top_logprobs=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in top],
+                        )
+                        for lp, top in zip(r.logprobs, r.top, strict=True)
+                    ],
+                )
+                for r in prompt_lps
+            ],
         )
 
     # ---------------------------------------------------------------- state changes

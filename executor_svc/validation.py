@@ -350,6 +350,10 @@ def _check_params(
         raise InvalidStep(f"{field}.repetition_penalty: {p.repetition_penalty} not in [0, 2]")
     if p.num_logprobs > max_logprobs:
         raise InvalidStep(f"{field}.num_logprobs: {p.num_logprobs} exceeds max {max_logprobs}")
+    if p.num_prompt_logprobs > max_logprobs:
+        raise InvalidStep(
+            f"{field}.num_prompt_logprobs: {p.num_prompt_logprobs} exceeds max {max_logprobs}"
+        )
     # Checked even when min_tokens is 0 (then unused): a bad id is a sender bug either way.
     _check_tokens(f"{field}.min_tokens_suppressed_ids", p.min_tokens_suppressed_ids, vocab_size)
     if p.logit_bias:

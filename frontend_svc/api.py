@@ -21,7 +21,7 @@ from frontend_svc.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from frontend_svc.responses import chat_logprobs, completion_logprobs, usage
+from frontend_svc.responses import chat_logprobs, completion_logprobs, prompt_logprobs, usage
 from frontend_svc.serving import Run, request_id_from, token_texts, until_disconnect
 from frontend_svc.state import FrontendState
 
@@ -182,9 +182,12 @@ async def completions(body: CompletionRequest, request: Request):
         offsets[c] = len(t)
     finish: dict[int, tuple] = {}
     lps: dict[int, dict] = {}
+    prompt_lps: dict[int, list | None] = {}
 
     async def on_delta(i, d) -> None:
         c = i * n + d.index
+        if d.prompt_logprobs is not None:
+            prompt_lps[i] = prompt_logprobs(d.prompt_logprobs)
         lp = await logprobs_of(c, d)
         if lp is not None:
             acc = lps.setdefault(
@@ -207,6 +210,7 @@ async def completions(body: CompletionRequest, request: Request):
             "logprobs": lps.get(c) if body.logprobs is not None else None,
             "finish_reason": finish.get(c, (None, None))[0],
             "stop_reason": finish.get(c, (None, None))[1],
+            "prompt_logprobs": prompt_lps.get(c // n),
         }
         for c in sorted(texts)
     ]
@@ -315,7 +319,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     lps: dict[int, list] = {j: [] for j in range(params.n)}
     finish: dict[int, tuple] = {}
 
+    prompt_lps: list | None = None
+
     async def on_delta(i, d) -> None:
+        nonlocal prompt_lps
+        if d.prompt_logprobs is not None:
+            prompt_lps = prompt_logprobs(d.prompt_logprobs)
         texts[d.index] += d.text
         lp = await logprobs_of(d)
         if lp:
@@ -346,6 +355,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             "choices": choices,
             "usage": usage(run.num_prompt_tokens, sum(run.streams[0].forwarded)),
             "system_fingerprint": state.fingerprint,
+            "prompt_logprobs": prompt_lps,
         }
     )
 

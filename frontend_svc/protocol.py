@@ -49,9 +49,10 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.prompt_logprobs is not None:
+        if self.prompt_logprobs is not None and self.stream:
+            # As vLLM: they would arrive before any token, in no chunk type the API defines.
             raise bad_request(
-                "prompt_logprobs is not supported by this server yet", "prompt_logprobs"
+                "prompt_logprobs is not available with stream=true", "prompt_logprobs"
             )
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
@@ -75,6 +76,7 @@ class _Common(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self._logit_bias(),
+            prompt_logprobs=self.prompt_logprobs,
         )
         if params.seed is not None and params.seed < 0:
             raise bad_request("seed must be >= 0", "seed")

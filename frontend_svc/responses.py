@@ -21,6 +21,22 @@ def _top(entry: dict) -> list[tuple[str, float]]:
     return [(lp.decoded_token or "", lp.logprob) for lp in ranked]
 
 
+def prompt_logprobs(entries: list | None) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's prompt_logprobs: null for the first prompt token, then {token id: {logprob,
+    rank, decoded_token}} per token (the prompt token itself and the top alternatives)."""
+    if entries is None:
+        return None
+    return [
+        None
+        if e is None
+        else {
+            str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in e.items()
+        }
+        for e in entries
+    ]
+
+
 def completion_logprobs(
     delta: StreamDelta, token_texts: list[str], text_offset: int
 ) -> dict[str, Any]:

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from protos import scheduler_pb2 as pb
 from scheduler_svc.core.request import FinishReason, RequestStatus
@@ -55,6 +55,7 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
     if p.HasField("skip_special_tokens"):
         out.skip_special_tokens = p.skip_special_tokens
     out.logit_bias = dict(p.logit_bias)
+    out.prompt_logprobs = p.prompt_logprobs if p.HasField("prompt_logprobs") else None
     return out
 
 
@@ -115,11 +116,17 @@ def event_to_proto(handle: RequestHandle, e: EngineEvent) -> pb.GenerateResponse
         if e.error:
             msg.error = e.error
     if e.logprobs:
-        for lp in e.logprobs:
-            entry = msg.logprobs.add(token_id=lp["token_id"], logprob=lp["logprob"])
-            for tok, logprob, text in lp["top"]:
-                entry.top.add(token_id=tok, logprob=logprob, text=text)
+        _add_logprobs(msg.logprobs, e.logprobs)
+    if e.prompt_logprobs:
+        _add_logprobs(msg.prompt_logprobs, e.prompt_logprobs)
     return msg
+
+
+def _add_logprobs(field: Any, entries: list[dict[str, Any]]) -> None:
+    for lp in entries:
+        entry = field.add(token_id=lp["token_id"], logprob=lp["logprob"])
+        for tok, logprob, text in lp["top"]:
+            entry.top.add(token_id=tok, logprob=logprob, text=text)
 
 
 def request_view_to_proto(v: RequestView) -> pb.GetRequestResponse:

@@ -68,7 +68,7 @@ class BlockManager:
         The caller bounds max_tokens below the tokens it must compute, so at least one token is
         computed and there is a logit to sample from.
         """
-        if not self.enable_prefix_caching:
+        if not (self.enable_prefix_caching and seq.use_prefix_cache):
             return []
         bs = self.block_size
         max_blocks = max_tokens // bs

@@ -93,6 +93,8 @@ class Sequence:
     # The executor holds state for seq_id (it was sent as a NewSequence and not dropped since):
     # decides between sending it in full or as a difference, and whether a drop must be sent.
     sent: bool = False
+    # False for requests that want prompt logprobs: a prefix-cache hit would skip positions.
+    use_prefix_cache: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -164,6 +166,7 @@ class Request:
             token_ids=[*self.prompt_token_ids, *outputs],
             num_prompt_tokens=len(self.prompt_token_ids),
             seed=sequence_seed(self.sampling_params.seed, index),
+            use_prefix_cache=self.sampling_params.prompt_logprobs is None,
         )
 
     def fork(self) -> list[Sequence]:

@@ -39,6 +39,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per token; None = none
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logit
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token; None = none
 
     def validate(self, *, max_logprobs: int, vocab_size: int | None = None) -> None:
         """Raise ValidationError naming the first field out of range."""
@@ -96,6 +97,10 @@ class SamplingParams:
                         f"[0, {vocab_size})"
                     )
         self._validate_logit_bias(vocab_size)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= max_logprobs:
+            raise ValidationError(
+                f"params.prompt_logprobs must be in [0, {max_logprobs}], got {self.prompt_logprobs}"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise ValidationError(
                 f"params.logprobs must be in [0, {max_logprobs}], got {self.logprobs}"

@@ -28,6 +28,13 @@ def process_step_outputs(
     Sequences the stop checks end are finished in the scheduler core at once (their blocks are
     free for the next step). The caller records the returned requests' finish.
     """
+    if resp.prompt_logprobs:
+        # Before the tokens: the step that completes a prompt's logprobs also samples its first
+        # token, and both must reach Redis in the same write.
+        for msg in resp.prompt_logprobs:
+            handle = requests.get(msg.seq_id.rpartition("/")[0])
+            if handle is not None and not handle.finished_in_engine:
+                handle.add_prompt_logprobs(msg, record)
     sampled = resp.sampled
     # The decode lane's tokens come back as one packed list in the lane's order.
     tokens = dict(zip(out.decode_seq_ids, resp.decode_token_ids, strict=True))

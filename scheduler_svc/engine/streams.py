@@ -32,6 +32,7 @@ class EngineEvent:
     finish_reason: FinishReason | None
     stop_reason: int | str | None
     error: str = ""
+    prompt_logprobs: list[dict[str, Any]] | None = None  # on a sequence's first delta, if asked
 
 
 @dataclass(slots=True)
@@ -87,10 +88,13 @@ class EngineStep:
     finishes: list[FinishRecord] = field(default_factory=list)
     deltas: list[AckedDelta] = field(default_factory=list)
     after: list[Any] = field(default_factory=list)  # callables run once acknowledged
+    prompt_logprobs: list[tuple[str, list[Any]]] = field(default_factory=list)
 
     def to_record(self) -> StepRecord:
         has_work = self.deltas or self.after
-        return StepRecord(self.appends, self.finishes, self.publish if has_work else None)
+        return StepRecord(
+            self.appends, self.finishes, self.publish if has_work else None, self.prompt_logprobs
+        )
 
     def publish(self) -> None:
         for handle, index, tokens, text, lps, finish_reason, stop_reason, error in self.deltas:
@@ -143,6 +147,15 @@ class RequestHandle:
         self._closed: str | None = None
         self._waiters: list[asyncio.Future[None]] = []
         self._key_bulks = [tokens_key_bulk(req_id, i) for i in range(self.n)]
+        # Prompt logprobs (prompt positions 1..), filled as steps compute them, when asked; the
+        # acknowledged copy is set once Redis holds them and goes out with each first delta.
+        self.prompt_logprobs: list[dict[str, Any] | None] | None = (
+            None if params.prompt_logprobs is None else [None] * (len(prompt_token_ids) - 1)
+        )
+        self.acked_prompt_logprobs: list[dict[str, Any]] | None = (
+            [] if self.prompt_logprobs == [] else None  # a one-token prompt: nothing to compute
+        )
+        self._prompt_logprobs_missing = len(prompt_token_ids) - 1
 
     # ------------------------------------------------------------ construction
 
@@ -172,6 +185,9 @@ class RequestHandle:
         """Rebuild state from stored tokens, token by token, exactly as they were streamed."""
         self.init_outputs(tokenizer, eos_token_ids, max_model_len)
         self.error = rec.error
+        if rec.prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs = self.acked_prompt_logprobs = rec.prompt_logprobs
+            self._prompt_logprobs_missing = 0
         want_lp = self.params.logprobs is not None
         for i, tokens in enumerate(rec.outputs):
             state, log = self.states[i], self.acked[i]
@@ -202,6 +218,30 @@ class RequestHandle:
         self.finished_in_engine = rec.finished
 
     # ------------------------------------------------------------ engine side
+
+    def add_prompt_logprobs(self, msg: Any, step: EngineStep) -> None:
+        """One executor PromptLogprobs message. Positions already known (a recompute after
+        preemption or restart computes them again) are kept as they were."""
+        entries = self.prompt_logprobs
+        if entries is None or not self._prompt_logprobs_missing:
+            return
+        k = self.params.prompt_logprobs or 0
+        decode = self.states[0].detokenizer.decode_token
+        prompt = self.prompt_token_ids
+        for j, e in enumerate(msg.entries):
+            pos = msg.first_position + j  # prompt position of the token; entries[pos - 1]
+            if not 1 <= pos < len(prompt) or entries[pos - 1] is not None:
+                continue
+            entries[pos - 1] = {
+                "token_id": prompt[pos],
+                "logprob": e.logprob,
+                "top": [[t.token_id, t.logprob, decode(t.token_id)] for t in e.top_logprobs[:k]],
+            }
+            self._prompt_logprobs_missing -= 1
+        if not self._prompt_logprobs_missing:
+            done: list[Any] = list(entries)
+            step.prompt_logprobs.append((self.req_id, done))
+            step.after.append(lambda: setattr(self, "acked_prompt_logprobs", done))
 
     def process_token(
         self,
@@ -351,6 +391,7 @@ class RequestHandle:
                     log.finish_reason,
                     log.stop_reason,
                     self.error if finished else "",
+                    self.acked_prompt_logprobs if c == 0 else None,
                 )
             if not remaining:
                 return

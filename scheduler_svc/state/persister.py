@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -33,6 +34,8 @@ class StepRecord:
     appends: list[TokenAppend] = field(default_factory=list)
     finishes: list[FinishRecord] = field(default_factory=list)
     on_ack: Callable[[], None] | None = None  # publishes the step's deltas to clients
+    # (request id, JSON entries) of requests whose prompt logprobs completed this step.
+    prompt_logprobs: list[tuple[str, list[Any]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -123,9 +126,10 @@ class Persister:
             batch = list(self._queue)
             appends = [a for r in batch for a in r.appends]
             finishes = [f for r in batch for f in r.finishes]
+            prompt_lps = [p for r in batch for p in r.prompt_logprobs]
             t0 = time.perf_counter()
             try:
-                await self.store.write_step(appends, finishes)
+                await self.store.write_step(appends, finishes, prompt_lps)
             except StoreGapError as e:
                 # Redis lost acknowledged data (restarted without persistence): rewrite every
                 # active request from memory, then retry the batch.

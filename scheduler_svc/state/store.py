@@ -4,7 +4,9 @@ Layout (format version 1), all keys `llmserve:<entity>:<id>`:
 - `llmserve:request:<req_id>` hash: `v` (format version), `prompt` (JSON token ids), `params`
   (JSON sampling parameters, seed included), `priority`, `arrival_time`, `n`, `status`
   ("active" or "finished"), `finish_reasons` / `stop_reasons` (JSON lists, one per sequence),
-  `error`.
+  `error`, and `prompt_logprobs` (JSON list, prompt positions 1.., once computed; only when
+  the request asked for them; written before the first token that carries them). Readers
+  ignore fields they do not know, so this optional field keeps format version 1.
 - `llmserve:tokens:<req_id>:<index>` list: output token ids of sequence `index`, in order.
 - `llmserve:logprobs:<req_id>:<index>` list: one JSON entry per output token (only when the
   request asked for logprobs).
@@ -115,6 +117,7 @@ class StoredRequest:
     finish_reasons: list[str | None] = field(default_factory=list)
     stop_reasons: list[str | None] = field(default_factory=list)
     error: str = ""
+    prompt_logprobs: list[Any] | None = None  # JSON entries, prompt positions 1.. (if asked)
 
 
 @dataclass(slots=True)
@@ -266,12 +269,23 @@ class RequestStore:
         except (RedisError, OSError) as e:
             raise StoreUnavailable(f"redis unavailable: {e}") from e
 
-    async def write_step(self, appends: list[TokenAppend], finishes: list[FinishRecord]) -> None:
-        """One engine step: every append in one script call, then finish records."""
+    async def write_step(
+        self,
+        appends: list[TokenAppend],
+        finishes: list[FinishRecord],
+        prompt_logprobs: list[tuple[str, list[Any]]] = (),  # type: ignore[assignment]
+    ) -> None:
+        """One engine step: prompt logprobs (before the first tokens that carry them), every
+        append in one script call, then finish records."""
         appends = [a for a in appends if a.token_ids]
-        if not appends and not finishes:
+        if not appends and not finishes and not prompt_logprobs:
             return
         try:
+            if prompt_logprobs:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for req_id, entries in prompt_logprobs:
+                        pipe.hset(_request_key(req_id), "prompt_logprobs", json.dumps(entries))
+                    await pipe.execute()
             results: list[int] = []
             if appends:
                 results = await self._run_append(_pack_appends(self._append.sha, appends))
@@ -418,4 +432,5 @@ def _decode_record(req_id: str, fields: dict[bytes, bytes]) -> StoredRequest:
         finish_reasons=json.loads(f.get("finish_reasons", "[]")),
         stop_reasons=json.loads(f.get("stop_reasons", "[]")),
         error=f.get("error", ""),
+        prompt_logprobs=json.loads(f["prompt_logprobs"]) if "prompt_logprobs" in f else None,
     )

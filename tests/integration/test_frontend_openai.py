@@ -89,6 +89,34 @@ def test_logit_bias_reaches_the_sampler(oai, grpc_client, model):
     assert got.choices[0].text == want.outputs[0].text
 
 
+def test_prompt_logprobs_as_vllm_returns_them(oai, frontend, grpc_client, model):
+    ids = _prompt_ids(grpc_client, PROMPT)
+    (want,) = grpc_client.generate(
+        [ids], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False
+    )
+    got = oai.completions.create(
+        model=model, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 2}
+    )
+    plp = got.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for pos in range(1, len(ids)):
+        ref = want.prompt_logprobs[pos]
+        assert set(plp[pos]) == {str(t) for t in ref}
+        assert plp[pos][str(ids[pos])]["logprob"] == pytest.approx(ref[ids[pos]].logprob)
+    chat = oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=1,
+        extra_body={"prompt_logprobs": 0},
+    )
+    plp = chat.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == chat.usage.prompt_tokens
+    status, err = frontend.request(
+        "POST", "/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}
+    )
+    assert status == 400 and err["error"]["param"] == "prompt_logprobs"
+
+
 def test_streamed_completion_equals_the_whole_one_and_reports_usage(oai, model):
     args = dict(model=model, prompt=PROMPT, max_tokens=10, temperature=0)
     whole = oai.completions.create(**args).choices[0].text
