@@ -41,6 +41,8 @@ TOKENIZER_FILE_NAMES = (
     "generation_config.json",
     "chat_template.jinja",
     "chat_template.json",
+    # AutoTokenizer picks the tokenizer class from the model type as well.
+    "config.json",
     "vocab.json",
     "merges.txt",
     "vocab.txt",

@@ -1,12 +1,27 @@
 """The scheduler's tokenizer: built from files the executor serves, plus prompt helpers.
 
-Only `PreTrainedTokenizerFast` is used: `AutoTokenizer` imports torch in transformers 5, and the
-scheduler must stay torch-free. Every checkpoint this project serves (Llama family, the demo
-model) ships a `tokenizer.json`, which is all the fast tokenizer needs.
+Prompts must tokenize exactly as `AutoTokenizer.from_pretrained(model_dir)` tokenizes them, and
+that is not the same as loading `tokenizer.json` alone: classes such as `Qwen2Tokenizer` and
+`LlamaTokenizer` rebuild the normalizer and pre-tokenizer in their own `__init__` (Qwen2 adds NFC
+and splits digits one by one; Llama swaps Llama 2's Prepend/Replace normalizers for Metaspace),
+and which class `AutoTokenizer` picks depends on `tokenizer_config.json` *and* `config.json` (a
+Mistral model that declares `LlamaTokenizerFast` keeps the file's pipeline). So the class is
+chosen by `AutoTokenizer` itself and the tokenizer is then built from that class.
+
+`AutoTokenizer` cannot run here: its import chain (`configuration_utils` ->
+`modeling_rope_utils`) imports torch whenever torch is installed, and the scheduler must stay
+torch-free. It therefore runs once, in a child interpreter, and only reports the class it
+chose; the class itself (a `transformers.models.*.tokenization_*` module) imports no torch. The
+child costs about a second at scheduler start; its answer is kept per set of files.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -27,11 +42,28 @@ __all__ = [
 ChatMessage = Mapping[str, str]
 
 
+# `AutoTokenizer.from_pretrained(argv[1])`'s class, printed as the last line of stdout. torch is
+# hidden (as in a tokenizers-only install of transformers): the choice of class does not depend
+# on it, and not importing it makes the child start in about half the time.
+_RESOLVE_CLASS = """
+import sys
+sys.modules["torch"] = None
+from transformers import AutoTokenizer
+cls = type(AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True))
+print(f"{cls.__module__}:{cls.__qualname__}")
+"""
+_RESOLVE_TIMEOUT_S = 300
+
+# Tokenizer class by digest of the files it was resolved from.
+_class_by_digest: dict[str, type[PreTrainedTokenizerFast]] = {}
+
+
 def load_tokenizer(files: Mapping[str, bytes]) -> PreTrainedTokenizerFast:
     """Build a tokenizer from `{file name: contents}` (the executor's GetTokenizer reply).
 
     The files are written to a temporary directory that is removed again: once loaded, the fast
-    tokenizer holds everything in memory.
+    tokenizer holds everything in memory. `config.json` should be among them, as `AutoTokenizer`
+    reads the model type from it.
     """
     if "tokenizer.json" not in files:
         raise ValueError(
@@ -44,7 +76,46 @@ def load_tokenizer(files: Mapping[str, bytes]) -> PreTrainedTokenizerFast:
             if not name or "/" in name or "\\" in name or name in (".", ".."):
                 raise ValueError(f"invalid tokenizer file name {name!r}")
             (root / name).write_bytes(data)
-        return PreTrainedTokenizerFast.from_pretrained(tmp, local_files_only=True)
+        return _tokenizer_class(files, tmp).from_pretrained(tmp, local_files_only=True)
+
+
+def _tokenizer_class(files: Mapping[str, bytes], model_dir: str) -> type[PreTrainedTokenizerFast]:
+    """The class `AutoTokenizer` picks for `model_dir` (which holds exactly `files`)."""
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(hashlib.sha256(name.encode()).digest())
+        digest.update(hashlib.sha256(files[name]).digest())
+    key = digest.hexdigest()
+    cls = _class_by_digest.get(key)
+    if cls is None:
+        cls = _resolve_class(model_dir)
+        _class_by_digest[key] = cls
+    return cls
+
+
+def _resolve_class(model_dir: str) -> type[PreTrainedTokenizerFast]:
+    # -P: nothing in the working directory may shadow transformers; offline: the directory is
+    # all there is, never the Hub.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-P", "-c", _RESOLVE_CLASS, model_dir],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=_RESOLVE_TIMEOUT_S,
+        check=False,
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise ValueError(f"AutoTokenizer cannot load these tokenizer files: {proc.stderr[-2000:]}")
+    module_name, _, qualname = lines[-1].partition(":")
+    # Only transformers' own classes: a class from a checkpoint's remote code is not run here.
+    if module_name != "transformers" and not module_name.startswith("transformers."):
+        raise ValueError(f"unsupported tokenizer class {module_name}.{qualname}")
+    cls = getattr(importlib.import_module(module_name), qualname)
+    if not (isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerFast)):
+        raise ValueError(f"{module_name}.{qualname} is not a fast (tokenizers) tokenizer")
+    return cls
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
