@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 from safetensors import safe_open
 
@@ -24,6 +25,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -194,3 +197,23 @@ def load_model(
         hidden_size=cfg.hidden_size,
     )
     return model, info
+
+
+def tokenizer_class_name(model_dir: str | Path) -> str:
+    """ "module:QualName" of the class `AutoTokenizer.from_pretrained(model_dir)` picks, or ""
+    when the directory holds no tokenizer it can load (offline: the directory is all there is).
+
+    The scheduler builds its tokenizer from the files with this class: AutoTokenizer's choice
+    depends on tokenizer_config.json and config.json, and some classes (Qwen2Tokenizer,
+    LlamaTokenizer) rebuild the pre-tokenizer, so tokenizer.json alone tokenizes differently.
+    AutoTokenizer is run here because it imports torch, which the scheduler must not.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:  # any failure: the scheduler then falls back to tokenizer.json
+        log.warning("tokenizer.unresolved", model_dir=str(model_dir), error=str(e)[:500])
+        return ""
+    cls = type(tok)
+    return f"{cls.__module__}:{cls.__qualname__}"

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
+from executor_svc.loader import tokenizer_class_name
 from executor_svc.model_runner import ModelRunner, PromptLogprobResult, ScheduledSequence
 from executor_svc.seq_state import SeqState
 from executor_svc.validation import InvalidStep, StepPlan, validate_step
@@ -41,8 +42,6 @@ TOKENIZER_FILE_NAMES = (
     "generation_config.json",
     "chat_template.jinja",
     "chat_template.json",
-    # AutoTokenizer picks the tokenizer class from the model type as well.
-    "config.json",
     "vocab.json",
     "merges.txt",
     "vocab.txt",
@@ -119,6 +118,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._lock = threading.Lock()
         self._runner: ModelRunner | None = None
         self._model_dir: Path | None = None
+        self._tokenizer_class: str | None = None  # resolved on the first GetTokenizer
         self._model_name = ""
         self._attention_backend = ""
         if runner is not None:
@@ -184,7 +184,12 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 path = self._model_dir / name
                 if path.is_file():
                     files.append(pb.TokenizerFile(name=name, content=path.read_bytes()))
-        return pb.GetTokenizerResponse(files=files)
+            if self._tokenizer_class is None:
+                # Without tokenizer.json there is nothing for the scheduler to build (some
+                # classes would still make an empty tokenizer from config.json alone).
+                has_files = (self._model_dir / "tokenizer.json").is_file()
+                self._tokenizer_class = tokenizer_class_name(self._model_dir) if has_files else ""
+        return pb.GetTokenizerResponse(files=files, tokenizer_class=self._tokenizer_class or "")
 
     @_rpc
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> Any:

@@ -218,10 +218,12 @@ class TokenizerFile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...
 
 class GetTokenizerResponse(_message.Message):
-    __slots__ = ("files",)
+    __slots__ = ("files", "tokenizer_class")
     FILES_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_CLASS_FIELD_NUMBER: _ClassVar[int]
     files: _containers.RepeatedCompositeFieldContainer[TokenizerFile]
-    def __init__(self, files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ...) -> None: ...
+    tokenizer_class: str
+    def __init__(self, files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ..., tokenizer_class: _Optional[str] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()

@@ -91,7 +91,9 @@ class Engine:
             if self.tokenizer is None:
                 reply = await handle.stub.GetTokenizer(epb.GetTokenizerRequest())
                 files = {f.name: f.content for f in reply.files}
-                self.tokenizer = await asyncio.to_thread(load_tokenizer, files)
+                self.tokenizer = await asyncio.to_thread(
+                    load_tokenizer, files, reply.tokenizer_class
+                )
                 # Built here, off the loop, rather than by the first request's detokenizer.
                 await asyncio.to_thread(token_byte_table, self.tokenizer)
                 if failpoints.ARMED:  # tests widen the window before the limits are known

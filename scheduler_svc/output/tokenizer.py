@@ -5,23 +5,18 @@ that is not the same as loading `tokenizer.json` alone: classes such as `Qwen2To
 `LlamaTokenizer` rebuild the normalizer and pre-tokenizer in their own `__init__` (Qwen2 adds NFC
 and splits digits one by one; Llama swaps Llama 2's Prepend/Replace normalizers for Metaspace),
 and which class `AutoTokenizer` picks depends on `tokenizer_config.json` *and* `config.json` (a
-Mistral model that declares `LlamaTokenizerFast` keeps the file's pipeline). So the class is
-chosen by `AutoTokenizer` itself and the tokenizer is then built from that class.
+Mistral model that declares `LlamaTokenizerFast` keeps the file's pipeline).
 
-`AutoTokenizer` cannot run here: its import chain (`configuration_utils` ->
-`modeling_rope_utils`) imports torch whenever torch is installed, and the scheduler must stay
-torch-free. It therefore runs once, in a child interpreter, and only reports the class it
-chose; the class itself (a `transformers.models.*.tokenization_*` module) imports no torch. The
-child costs about a second at scheduler start; its answer is kept per set of files.
+`AutoTokenizer` itself cannot run here: its import chain (`configuration_utils` ->
+`modeling_rope_utils`) imports torch, and the scheduler must stay torch-free. The executor,
+which has torch and the model directory, runs it and names the class it picked in its
+GetTokenizer reply; the class itself (a `transformers.models.*.tokenization_*` module) imports
+no torch, and is built here from the files alone.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import os
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -36,39 +31,25 @@ __all__ = [
     "load_tokenizer",
     "render_chat",
     "special_token_ids",
+    "tokenizer_class",
 ]
 
 # A chat turn as the template sees it: {"role": ..., "content": ...}.
 ChatMessage = Mapping[str, str]
 
 
-# `AutoTokenizer.from_pretrained(argv[1])`'s class, printed as the last line of stdout. torch is
-# hidden (as in a tokenizers-only install of transformers): the choice of class does not depend
-# on it, and not importing it makes the child start in about half the time.
-_RESOLVE_CLASS = """
-import sys
-sys.modules["torch"] = None
-from transformers import AutoTokenizer
-cls = type(AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True))
-print(f"{cls.__module__}:{cls.__qualname__}")
-"""
-_RESOLVE_TIMEOUT_S = 300
-
-# Tokenizer class by digest of the files it was resolved from.
-_class_by_digest: dict[str, type[PreTrainedTokenizerFast]] = {}
-
-
-def load_tokenizer(files: Mapping[str, bytes]) -> PreTrainedTokenizerFast:
-    """Build a tokenizer from `{file name: contents}` (the executor's GetTokenizer reply).
+def load_tokenizer(files: Mapping[str, bytes], class_name: str = "") -> PreTrainedTokenizerFast:
+    """Build a tokenizer from `{file name: contents}` and the class the executor names
+    ("module:QualName"; empty = a plain fast tokenizer over tokenizer.json).
 
     The files are written to a temporary directory that is removed again: once loaded, the fast
-    tokenizer holds everything in memory. `config.json` should be among them, as `AutoTokenizer`
-    reads the model type from it.
+    tokenizer holds everything in memory.
     """
     if "tokenizer.json" not in files:
         raise ValueError(
             f"tokenizer files must include tokenizer.json, got {sorted(files) or 'none'}"
         )
+    cls = tokenizer_class(class_name) if class_name else PreTrainedTokenizerFast
     with tempfile.TemporaryDirectory(prefix="llmserve-tokenizer-") as tmp:
         root = Path(tmp)
         for name, data in files.items():
@@ -76,45 +57,21 @@ def load_tokenizer(files: Mapping[str, bytes]) -> PreTrainedTokenizerFast:
             if not name or "/" in name or "\\" in name or name in (".", ".."):
                 raise ValueError(f"invalid tokenizer file name {name!r}")
             (root / name).write_bytes(data)
-        return _tokenizer_class(files, tmp).from_pretrained(tmp, local_files_only=True)
+        return cls.from_pretrained(tmp, local_files_only=True)
 
 
-def _tokenizer_class(files: Mapping[str, bytes], model_dir: str) -> type[PreTrainedTokenizerFast]:
-    """The class `AutoTokenizer` picks for `model_dir` (which holds exactly `files`)."""
-    digest = hashlib.sha256()
-    for name in sorted(files):
-        digest.update(hashlib.sha256(name.encode()).digest())
-        digest.update(hashlib.sha256(files[name]).digest())
-    key = digest.hexdigest()
-    cls = _class_by_digest.get(key)
-    if cls is None:
-        cls = _resolve_class(model_dir)
-        _class_by_digest[key] = cls
-    return cls
-
-
-def _resolve_class(model_dir: str) -> type[PreTrainedTokenizerFast]:
-    # -P: nothing in the working directory may shadow transformers; offline: the directory is
-    # all there is, never the Hub.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-P", "-c", _RESOLVE_CLASS, model_dir],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=_RESOLVE_TIMEOUT_S,
-        check=False,
-    )
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        raise ValueError(f"AutoTokenizer cannot load these tokenizer files: {proc.stderr[-2000:]}")
-    module_name, _, qualname = lines[-1].partition(":")
-    # Only transformers' own classes: a class from a checkpoint's remote code is not run here.
-    if module_name != "transformers" and not module_name.startswith("transformers."):
-        raise ValueError(f"unsupported tokenizer class {module_name}.{qualname}")
-    cls = getattr(importlib.import_module(module_name), qualname)
+def tokenizer_class(class_name: str) -> type[PreTrainedTokenizerFast]:
+    """The class named "module:QualName", if it is one of transformers' fast tokenizers (the
+    name comes from another process: nothing outside transformers is imported)."""
+    module_name, _, qualname = class_name.partition(":")
+    if not (module_name == "transformers" or module_name.startswith("transformers.")):
+        raise ValueError(f"unsupported tokenizer class {class_name!r}")
+    try:
+        cls = getattr(importlib.import_module(module_name), qualname)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"unknown tokenizer class {class_name!r}: {e}") from None
     if not (isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerFast)):
-        raise ValueError(f"{module_name}.{qualname} is not a fast (tokenizers) tokenizer")
+        raise ValueError(f"{class_name!r} is not a fast (tokenizers) tokenizer")
     return cls
 
 

@@ -274,9 +274,10 @@ def test_health_not_serving_before_load(tmp_path: Path) -> None:
 
 
 def test_get_tokenizer_without_tokenizer(served: Served, driver: ExecutorDriver) -> None:
-    files = driver.stub.GetTokenizer(pb.GetTokenizerRequest()).files
+    reply = driver.stub.GetTokenizer(pb.GetTokenizerRequest())
     # The factory writes no tokenizer; only the generation config (EOS ids) is there to send.
-    assert [f.name for f in files] == ["generation_config.json"]
+    assert [f.name for f in reply.files] == ["generation_config.json"]
+    assert reply.tokenizer_class == ""  # AutoTokenizer finds nothing to load
 
 
 PENALTY = 2.0  # the most the API allows
@@ -361,10 +362,13 @@ def test_cli_builds_and_serves_demo_model(tmp_path: Path) -> None:
         executor_channel(port) as stub,
     ):
         info = stub.Describe(pb.DescribeRequest())
-        files = {f.name: f.content for f in stub.GetTokenizer(pb.GetTokenizerRequest()).files}
+        reply = stub.GetTokenizer(pb.GetTokenizerRequest())
+        files = {f.name: f.content for f in reply.files}
     assert (info.model_name, info.architecture) == ("demo", "LlamaForCausalLM")
     (model_dir,) = (tmp_path / "cache").iterdir()  # built once, in the cache
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= files.keys()
     for name, content in files.items():
         assert content == (model_dir / name).read_bytes()
     assert "model.safetensors" not in files and "config.json" not in files
+    # The class AutoTokenizer picks for the demo directory, named for the scheduler.
+    assert reply.tokenizer_class.startswith("transformers.")

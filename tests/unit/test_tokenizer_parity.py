@@ -38,6 +38,7 @@ from transformers import (
 )
 
 from executor_svc.demo_model import ensure_demo_model
+from executor_svc.loader import tokenizer_class_name
 from executor_svc.service import TOKENIZER_FILE_NAMES
 from scheduler_svc.output.tokenizer import (
     encode_chat,
@@ -261,7 +262,7 @@ def texts_for(tok: PreTrainedTokenizerFast) -> list[str]:
 def test_ids_match_auto_tokenizer(model_dirs: dict[str, Path], name: str):
     model_dir = model_dirs[name]
     auto = AutoTokenizer.from_pretrained(model_dir)
-    ours = load_tokenizer(executor_files(model_dir))
+    ours = load_tokenizer(executor_files(model_dir), tokenizer_class_name(model_dir))
     for text in texts_for(auto):
         for add_special_tokens in (True, False):
             assert ours.encode(text, add_special_tokens=add_special_tokens) == auto.encode(
@@ -282,7 +283,7 @@ def test_ids_match_auto_tokenizer(model_dirs: dict[str, Path], name: str):
 def test_chat_matches_auto_tokenizer(model_dirs: dict[str, Path], name: str):
     model_dir = model_dirs[name]
     auto = AutoTokenizer.from_pretrained(model_dir)
-    ours = load_tokenizer(executor_files(model_dir))
+    ours = load_tokenizer(executor_files(model_dir), tokenizer_class_name(model_dir))
     assert ours.chat_template == auto.chat_template
     for add_generation_prompt in (True, False):
         expected_text = auto.apply_chat_template(
@@ -324,14 +325,18 @@ def test_the_fixtures_differ_from_a_bare_tokenizer_json(model_dirs: dict[str, Pa
 
 
 def test_loading_keeps_the_process_torch_free(model_dirs: dict[str, Path], tmp_path: Path):
-    """AutoTokenizer's import chain pulls in torch; the scheduler must not."""
-    files = executor_files(model_dirs["qwen2-over-generic-json"])
+    """AutoTokenizer's import chain pulls in torch (the executor runs it); the class it names
+    loads in the scheduler without torch."""
+    model_dir = model_dirs["qwen2-over-generic-json"]
+    files = executor_files(model_dir)
+    class_name = tokenizer_class_name(model_dir)
+    assert class_name.endswith(":Qwen2Tokenizer"), class_name
     (tmp_path / "files.json").write_text(json.dumps({k: v.decode() for k, v in files.items()}))
     code = (
         "import json, sys\n"
         "from scheduler_svc.output.tokenizer import load_tokenizer\n"
         f"files = json.load(open({str(tmp_path / 'files.json')!r}))\n"
-        "tok = load_tokenizer({k: v.encode() for k, v in files.items()})\n"
+        f"tok = load_tokenizer({{k: v.encode() for k, v in files.items()}}, {class_name!r})\n"
         "assert type(tok).__name__ == 'Qwen2Tokenizer', type(tok)\n"
         "assert tok.encode('12') == [tok.convert_tokens_to_ids(c) for c in '12']\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
@@ -339,6 +344,13 @@ def test_loading_keeps_the_process_torch_free(model_dirs: dict[str, Path], tmp_p
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-def test_the_executor_sends_config_json(model_dirs: dict[str, Path]):
-    # AutoTokenizer reads model_type from config.json (see mistral-declaring-llama).
-    assert "config.json" in executor_files(model_dirs["mistral-declaring-llama"])
+@pytest.mark.parametrize(
+    "class_name",
+    ["os:system", "transformers:AutoTokenizer", "transformers:NoSuchTokenizer", "nocolon"],
+)
+def test_only_transformers_fast_tokenizer_classes_are_loaded(
+    model_dirs: dict[str, Path], class_name: str
+):
+    files = executor_files(model_dirs["demo"])
+    with pytest.raises(ValueError, match="tokenizer class|fast"):
+        load_tokenizer(files, class_name)
