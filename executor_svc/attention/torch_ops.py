@@ -69,24 +69,74 @@ def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return gathered.view(table.shape[0], table.shape[1] * cache.shape[1], *cache.shape[2:])
 
 
+# Decode batches whose padded gather (every sequence padded to the longest) would read more than
+# this many times the blocks they hold are split into buckets of similar length.
+_BUCKET_WASTE = 1.5
+
+
+@dataclass(slots=True)
+class DecodeBucket:
+    """Sequences of a decode batch attended together, padded to the longest of them."""
+
+    rows: torch.Tensor | None  # [m] int64 rows of the batch; None = all of them, in order
+    table: torch.Tensor  # [m, num_blocks] int64, in range
+    valid: torch.Tensor  # [m, 1, 1, num_blocks * block_size] bool: position < seq_len
+
+
 @dataclass(slots=True)
 class DecodePlan:
-    """What decode attention derives from the metadata alone; the same for every layer."""
+    """What decode attention derives from the metadata alone; the same for every layer.
 
-    table: torch.Tensor  # [n, num_blocks] int64, in range
-    valid: torch.Tensor  # [n, 1, 1, num_blocks * block_size] bool: position < seq_len
+    The gather pads every sequence of a bucket to the bucket's longest context, so a batch
+    mixing short and long contexts (a 2k-token sequence among 200-token ones) would read the
+    cache as if every sequence were long: it is split by powers of two of the block count, which
+    bounds the padding to 2x at a few more, smaller attention calls.
+    """
+
+    buckets: list[DecodeBucket]
+
+
+def _bucket(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor | None,
+    num_blocks: int,
+    block_size: int,
+    num_cache_blocks: int,
+) -> DecodeBucket:
+    if rows is not None:
+        block_tables, seq_lens = block_tables[rows], seq_lens[rows]
+    pos = torch.arange(num_blocks * block_size, device=seq_lens.device)
+    valid = pos[None, :] < seq_lens[:, None].to(pos.dtype)  # [m, L]
+    return DecodeBucket(
+        rows=rows,
+        table=_clamped_table(block_tables, num_blocks, num_cache_blocks),
+        valid=valid[:, None, None, :],
+    )
 
 
 def plan_decode(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_cache_blocks: int
 ) -> DecodePlan:
-    num_blocks = -(-int(seq_lens.max()) // block_size)
-    pos = torch.arange(num_blocks * block_size, device=seq_lens.device)
-    valid = pos[None, :] < seq_lens[:, None].to(pos.dtype)  # [n, L]
-    return DecodePlan(
-        table=_clamped_table(block_tables, num_blocks, num_cache_blocks),
-        valid=valid[:, None, None, :],
-    )
+    lens = seq_lens.tolist()
+    blocks = [-(-n // block_size) for n in lens]
+    max_blocks = max(blocks)
+    if len(blocks) * max_blocks <= _BUCKET_WASTE * sum(blocks):
+        # Similar lengths (the common case): one gather and one attention call.
+        return DecodePlan(
+            [_bucket(block_tables, seq_lens, None, max_blocks, block_size, num_cache_blocks)]
+        )
+    groups: dict[int, list[int]] = {}
+    for i, b in enumerate(blocks):
+        groups.setdefault((b - 1).bit_length(), []).append(i)  # ceil(log2(blocks))
+    buckets = []
+    for members in groups.values():
+        rows = torch.tensor(members, dtype=torch.long, device=seq_lens.device)
+        num_blocks = max(blocks[i] for i in members)
+        buckets.append(
+            _bucket(block_tables, seq_lens, rows, num_blocks, block_size, num_cache_blocks)
+        )
+    return DecodePlan(buckets)
 
 
 def _decode_attention(
@@ -96,20 +146,37 @@ def _decode_attention(
     plan: DecodePlan,
     scale: float,
 ) -> torch.Tensor:  # [n, num_heads, head_dim]
+    if len(plan.buckets) == 1 and plan.buckets[0].rows is None:
+        return _decode_bucket(query, key_cache, value_cache, plan.buckets[0], scale)
+    out = torch.empty_like(query)
+    for bucket in plan.buckets:
+        out[bucket.rows] = _decode_bucket(
+            query[bucket.rows], key_cache, value_cache, bucket, scale
+        ).to(out.dtype)
+    return out
+
+
+def _decode_bucket(
+    query: torch.Tensor,  # [m, num_heads, head_dim]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    bucket: DecodeBucket,
+    scale: float,
+) -> torch.Tensor:  # [m, num_heads, head_dim]
     n, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    k = _gather(key_cache, plan.table)  # [n, L, kvh, d]
-    v = _gather(value_cache, plan.table)
+    k = _gather(key_cache, bucket.table)  # [m, L, kvh, d]
+    v = _gather(value_cache, bucket.table)
     # GQA without repeating K/V: the `group` query heads sharing a KV head become that head's
-    # query rows, so SDPA sees [n, kvh, group, d] against [n, kvh, L, d]. The transposed K/V
+    # query rows, so SDPA sees [m, kvh, group, d] against [m, kvh, L, d]. The transposed K/V
     # are strided views of the gather (no copy); the fused kernel reads them as they are.
     out = F.scaled_dot_product_attention(
         query.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=plan.valid,
+        attn_mask=bucket.valid,
         scale=scale,
-    )  # [n, kvh, group, d]
+    )  # [m, kvh, group, d]
     return out.reshape(n, num_heads, head_dim)
 
 

@@ -174,3 +174,22 @@ def test_attend_reuses_per_forward_work_with_identical_results(q_lens):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
         assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     assert "torch.has_skips" in md.scratch
+
+
+def test_decode_buckets_bound_the_padding_and_match_naive():
+    from executor_svc.attention.torch_ops import plan_decode
+
+    # One long context among short ones: one padded gather would read 9 x 40 blocks.
+    seq_lens = [3, 17, 20, 30, 33, 40, 64, 70, 640]
+    batch = make_batch([1] * len(seq_lens), seq_lens, num_heads=6, num_kv_heads=2, seed=3)
+    query, key_cache, value_cache, block_tables, lens, qsl = batch[:6]
+    plan = plan_decode(block_tables, lens, 16, key_cache.shape[0])
+    gathered = sum(b.table.numel() for b in plan.buckets)
+    held = sum(-(-n // 16) for n in seq_lens)
+    assert len(plan.buckets) > 1 and gathered <= 2 * held
+    fast = paged_attention(query, key_cache, value_cache, block_tables, lens, qsl, 0.25)
+    naive = paged_attention_naive(query, key_cache, value_cache, block_tables, lens, qsl, 0.25)
+    torch.testing.assert_close(fast, naive, atol=1e-5, rtol=1e-5)
+    # Similar lengths keep the single gather over all rows.
+    uniform = plan_decode(block_tables[:3], lens[:3], 16, key_cache.shape[0])
+    assert len(uniform.buckets) == 1 and uniform.buckets[0].rows is None
