@@ -12,6 +12,7 @@ from pathlib import Path
 import structlog
 
 from scheduler_svc.api.server import SchedulerServer
+from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.engine import EngineConfig
 from scheduler_svc.logging import configure_logging
 
@@ -129,6 +130,19 @@ def main(argv: list[str] | None = None) -> None:
         # One executor known under two names (a static alias and its registered address) could
         # end up with two block managers for one KV cache: pick one way of finding executors.
         parser.error("--discover-executors and --executor exclude each other")
+    try:
+        # The per-executor policy checks its limits when an executor connects; check the ones
+        # given here now, so a bad combination is a one-line usage error, not a crash later.
+        SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            policy=args.policy,
+            preemption_mode=args.preemption_mode,
+            watermark=args.watermark,
+            max_waiting=args.max_waiting,
+        )
+    except ValueError as e:
+        parser.error(str(e))
     configure_logging(args.log_level, json=args.log_json)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run(args))

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import redis as redis_lib
 
 from protos import scheduler_pb2 as pb
@@ -155,3 +156,23 @@ def test_discovery_and_static_executors_exclude_each_other():
     )
     assert proc.returncode == 2
     assert "--discover-executors and --executor exclude each other" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-num-batched-tokens", "16"], "max_num_batched_tokens must be >= max_num_seqs"),
+        (["--watermark", "1.5"], "watermark must be in [0, 1)"),
+        (["--max-waiting", "0"], "max_waiting must be >= 1"),
+    ],
+)
+def test_bad_limits_are_a_usage_error_not_a_traceback(args, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "scheduler_svc", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 2 and message in proc.stderr
+    assert "Traceback" not in proc.stderr
