@@ -9,8 +9,9 @@ HOST ?= 127.0.0.1
 EXECUTOR_PORT ?= 50061
 SCHEDULER_PORT ?= 50051
 FRONTEND_PORT ?= 8000
+METRICS_PORT ?= 9400
 
-.PHONY: install run test test-unit lint format protos bench clean
+.PHONY: install run test test-deps test-unit lint format protos bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,10 +30,18 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) -m scheduler_svc.local.launch --model $(MODEL) --host $(HOST) \
 		--executor-port $(EXECUTOR_PORT) --scheduler-port $(SCHEDULER_PORT) \
-		--frontend-port $(FRONTEND_PORT)
+		--frontend-port $(FRONTEND_PORT) --metrics-port $(METRICS_PORT)
 
-test: $(STAMP)
+test: $(STAMP) test-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# A real Prometheus for tests/integration/test_metrics.py (Debian's package, installed only when
+# running as root with apt-get; elsewhere that one test skips and says why).
+test-deps:
+	@command -v prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& { apt-get install -y -q prometheus >/dev/null 2>&1 \
+		     || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q prometheus >/dev/null 2>&1; }; }; } \
+		|| echo "note: prometheus is not installed; the real-Prometheus test will skip"
 
 # The unit tier alone (no servers, processes or Redis): well under a minute.
 test-unit: $(STAMP)

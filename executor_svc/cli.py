@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM/SIGINT")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics over HTTP at /metrics on this port (0: any free port; "
+        "default: off)",
+    )
     return p
 
 
@@ -110,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         attention_backend=args.attention_backend,
     )
     server.install_signal_handlers(args.grace)
+    if args.metrics_port is not None:
+        from executor_svc.metrics import ExecutorMetrics, serve_metrics
+
+        metrics = ExecutorMetrics(server.servicer)
+        server.servicer.on_step = metrics.observe_step
+        metrics_port = serve_metrics(metrics, args.host, args.metrics_port)
+        log.info("metrics.listening", host=args.host, port=metrics_port)
     try:
         port = server.start()
     except OSError as e:

@@ -8,6 +8,7 @@ sequence that completed its scheduled tokens up to the end of what is known.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -129,6 +130,8 @@ class ModelRunner:
             device=self.device,
         )
         self._sampler: Sampler | None = None
+        # Seconds per phase of execute(), for metrics (plain floats: one add per phase a step).
+        self.phase_seconds = {"cache_ops": 0.0, "forward": 0.0, "sampling": 0.0}
 
     # ------------------------------------------------------------------ step
 
@@ -145,9 +148,13 @@ class ModelRunner:
         to `prompt_logprobs` (when given) for the prompt tokens this step's positions predict."""
         # Swap-out first: blocks it frees may be the very destinations of this step's swap-in or
         # copies. Copies last: a copy source may be a block just swapped in.
+        phases = self.phase_seconds
+        t0 = time.perf_counter()
         self.kv_cache.swap_out(blocks_to_swap_out)
         self.kv_cache.swap_in(blocks_to_swap_in)
         self.kv_cache.copy(blocks_to_copy)
+        t1 = time.perf_counter()
+        phases["cache_ops"] += t1 - t0
         if not seqs:
             return []
         batch = self.prepare_inputs(seqs)
@@ -157,9 +164,13 @@ class ModelRunner:
         if prompt_logprobs is not None:
             prompt_logprobs.extend(self._prompt_logprobs(seqs, hidden))
         sample_idx, logits = self._sample_logits(batch, hidden)
+        t2 = time.perf_counter()
+        phases["forward"] += t2 - t1
         if not sample_idx:
             return []
-        return self._sample([seqs[i] for i in sample_idx], logits)
+        results = self._sample([seqs[i] for i in sample_idx], logits)
+        phases["sampling"] += time.perf_counter() - t2
+        return results
 
     @torch.inference_mode()
     def forward_logits(self, seqs: list[ScheduledSequence]) -> tuple[list[int], torch.Tensor]:

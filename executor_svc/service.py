@@ -119,6 +119,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._runner: ModelRunner | None = None
         self._model_dir: Path | None = None
         self._tokenizer_class: str | None = None  # resolved on the first GetTokenizer
+        self.on_step: Callable[[float], None] | None = None  # seconds of each step (metrics)
         self._model_name = ""
         self._attention_backend = ""
         if runner is not None:
@@ -148,6 +149,15 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         if self._runner is None:
             raise _NotReady()
         return self._runner
+
+    @property
+    def loaded_runner(self) -> ModelRunner | None:
+        """The model runner once loaded (None before); never raises, for metrics scrapes."""
+        return self._runner
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
 
     @property
     def num_live_sequences(self) -> int:
@@ -268,6 +278,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 lane_tokens.append(r.token_id)
                 lane_logprobs.append(r.logprob)
             elapsed = time.perf_counter() - t0
+        if self.on_step is not None:
+            self.on_step(elapsed)
         log.debug(
             "step.done",
             step_id=request.step_id,

@@ -14,6 +14,7 @@ import structlog
 from scheduler_svc.api.server import SchedulerServer
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.engine import EngineConfig
+from scheduler_svc.engine.metrics import serve_metrics
 from scheduler_svc.logging import configure_logging
 
 log = structlog.get_logger(__name__)
@@ -69,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between health probes of Redis (a write) and of idle executors",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics over HTTP at /metrics on this port (0: any free port; "
+        "default: off)",
+    )
     p.add_argument("--log-json", action="store_true")
     return p
 
@@ -113,6 +120,9 @@ async def run(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         port = await server.start()
+        if args.metrics_port is not None:
+            metrics_port = serve_metrics(server.engine.metrics, args.host, args.metrics_port)
+            log.info("metrics.listening", host=args.host, port=metrics_port)
         if args.port_file:
             args.port_file.write_text(str(port))
         await stop.wait()

@@ -28,6 +28,7 @@ from scheduler_svc.engine import recovery, requests
 from scheduler_svc.engine.config import EngineConfig, GenerateInput, ServerInfo
 from scheduler_svc.engine.executors import ExecutorHandle, ExecutorPool
 from scheduler_svc.engine.health import HealthMonitor
+from scheduler_svc.engine.metrics import EngineMetrics
 from scheduler_svc.engine.step_message import execute_request
 from scheduler_svc.engine.step_results import process_step_outputs
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
@@ -62,6 +63,8 @@ class Engine:
         self.max_model_len = 0
         self.vocab_size = 0
         self.block_size = 0
+        self.metrics = EngineMetrics(self)
+        self.persister.on_write = self.metrics.redis_write.observe
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -213,6 +216,7 @@ class Engine:
             ex.step_id += 1
             msg = execute_request(out, ex.step_id)
             msg.instance_id = ex.describe.instance_id
+            t0 = time.perf_counter()
             call = ex.stub.ExecuteModel(msg, timeout=self.config.step_timeout_s)
             # The previous step's Redis write goes out now, while the executor computes (its
             # record was queued without waking the writer).
@@ -223,6 +227,8 @@ class Engine:
                 self.persister.kick()
                 self._step_failed(ex, e)
                 return False
+            ex.step_seconds += time.perf_counter() - t0
+            ex.num_steps += 1
             ex.consecutive_failures = 0
             if failpoints.ARMED:
                 failpoints.hit("engine.process_step")
@@ -275,6 +281,19 @@ class Engine:
         record: EngineStep,
     ) -> None:
         done = process_step_outputs(ex.sched, self.requests, out, resp, record)
+        now = time.time()
+        for s in out.new_seqs:  # sent in full: first scheduled, or again after a preemption
+            handle = self.requests.get(s.seq_id.rpartition("/")[0])
+            if handle is not None and handle.scheduled_time is None:
+                handle.scheduled_time = now
+        last, ex.last_step_time = ex.last_step_time, now
+        self.metrics.on_step(
+            now,
+            now - last if last else None,
+            out.total_num_scheduled_tokens,
+            len(resp.sampled) + len(resp.decode_token_ids),
+            record.first_tokens,
+        )
         self._handle_scheduler_finished(ex, record)
         for handle in done:
             if not handle.finished_in_engine:
@@ -305,6 +324,7 @@ class Engine:
 
     def finish_request(self, handle: RequestHandle, record: EngineStep) -> None:
         handle.finished_in_engine = True
+        self.metrics.on_finish(handle, time.time())
         record.finishes.append(handle.finish_record())
         # Forget it only once Redis has it: until then it must stay resumable from memory.
         record.after.append(lambda: self.requests.pop(handle.req_id, None))

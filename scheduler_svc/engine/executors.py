@@ -47,6 +47,10 @@ class ExecutorHandle:
     idle: bool = False
     # Steps that raised inside the scheduler since the last one that completed.
     num_crashed_steps: int = 0
+    # For metrics: steps sent, seconds spent awaiting them, wall time the last one ended.
+    num_steps: int = 0
+    step_seconds: float = 0.0
+    last_step_time: float = 0.0
 
 
 def expand_addresses(addresses: list[str]) -> list[str]:

@@ -71,6 +71,7 @@ async def recover(engine: Engine) -> None:
             continue
         # From what clients may have seen (acknowledged), not more: nothing else survived.
         enqueue(engine, handle, resumed_request(handle, handle.acked_outputs()))
+        engine.metrics.recovered += 1
         log.info("request.resumed", req_id=rec.req_id, num_output_tokens=handle.num_acked)
 
 
@@ -110,6 +111,7 @@ def fail_over(engine: Engine, ex: ExecutorHandle) -> None:
         enqueue(engine, handle, resumed_request(handle, handle.produced_outputs()))
         moved += 1
     if moved:
+        engine.metrics.failovers += 1
         log.warning("executor.failed_over", address=ex.address, moved_requests=moved)
 
 

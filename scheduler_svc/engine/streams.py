@@ -89,6 +89,7 @@ class EngineStep:
     deltas: list[AckedDelta] = field(default_factory=list)
     after: list[Any] = field(default_factory=list)  # callables run once acknowledged
     prompt_logprobs: list[tuple[str, list[Any]]] = field(default_factory=list)
+    first_tokens: list[tuple[RequestHandle, int]] = field(default_factory=list)  # for metrics
 
     def to_record(self) -> StepRecord:
         has_work = self.deltas or self.after
@@ -152,6 +153,7 @@ class RequestHandle:
         self.prompt_logprobs: list[dict[str, Any] | None] | None = (
             None if params.prompt_logprobs is None else [None] * (len(prompt_token_ids) - 1)
         )
+        self.scheduled_time: float | None = None  # first time a step computed it (metrics)
         self.acked_prompt_logprobs: list[dict[str, Any]] | None = (
             [] if self.prompt_logprobs == [] else None  # a one-token prompt: nothing to compute
         )
@@ -257,6 +259,8 @@ class RequestHandle:
         """
         state = self.states[index]
         offset = len(state.output_token_ids)
+        if not offset:
+            step.first_tokens.append((self, index))
         if self.params.logprobs is None:
             text = state.append_token(token_id)
             tokens = [token_id]

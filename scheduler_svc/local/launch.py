@@ -50,11 +50,17 @@ def main(argv: list[str] | None = None) -> None:
         "--frontend-port", type=int, default=8000, help="OpenAI-compatible HTTP; 0 = none"
     )
     p.add_argument("--redis-dir", default=".cache/redis")
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="scheduler /metrics; 0 = none (executor: +1)"
+    )
     p.add_argument("--executor-arg", action="append", default=[], help="passed to the executor")
     args = p.parse_args(argv)
     configure_logging("info")
     log.info("launch.executor_starting", model=args.model)
-    executor = start_executor(args.model, args.host, args.executor_port, args.executor_arg)
+    executor_args = list(args.executor_arg)
+    if args.metrics_port:
+        executor_args += ["--metrics-port", str(args.metrics_port + 1)]
+    executor = start_executor(args.model, args.host, args.executor_port, executor_args)
     sched_args = scheduler_cli.build_parser().parse_args(
         [
             "--executor",
@@ -65,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
             str(args.scheduler_port),
             "--redis-dir",
             args.redis_dir,
+            *(["--metrics-port", str(args.metrics_port)] if args.metrics_port else []),
         ]  # fmt: skip
     )
     frontend = None
@@ -86,6 +93,12 @@ def main(argv: list[str] | None = None) -> None:
         f"\nllmserve is up: scheduler on {args.host}:{args.scheduler_port} "
         f'(try: .venv/bin/llmserve generate "Hello" --stream)'
         + (f", OpenAI API on http://{args.host}:{args.frontend_port}/v1" if frontend else "")
+        + (
+            f", metrics on http://{args.host}:{args.metrics_port}/metrics (executor: "
+            f"{args.metrics_port + 1})"
+            if args.metrics_port
+            else ""
+        )
         + ". Ctrl-C stops it.\n",
         flush=True,
     )

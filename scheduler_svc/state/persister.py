@@ -61,6 +61,7 @@ class Persister:
         self.retry_interval_s = retry_interval_s
         self._resync = resync
         self._queue: deque[StepRecord] = deque()
+        self.on_write: Callable[[float], None] | None = None  # seconds of each Redis write
         self._has_work = asyncio.Event()
         self._drained = asyncio.Event()
         self._drained.set()
@@ -156,7 +157,10 @@ class Persister:
             self.stats.num_writes += 1
             self.stats.num_steps += len(batch)
             self.stats.num_ops += len(appends) + len(finishes)
-            self.stats.write_time_s += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.stats.write_time_s += elapsed
+            if self.on_write is not None:
+                self.on_write(elapsed)
             acks = [self._queue.popleft().on_ack for _ in batch]
             for on_ack in acks:
                 if on_ack is None:

@@ -124,6 +124,8 @@ def test_executor_is_scalable() -> None:
         "0.0.0.0",
         "--port",
         "50061",
+        "--metrics-port",
+        "9401",
     ]
     assert "50061" in executor["healthcheck"]["test"][-1]
 
@@ -143,8 +145,8 @@ def test_executor_model_is_configurable() -> None:
 
 def test_scheduler_publishes_50051_and_waits_for_dependencies() -> None:
     scheduler = resolved()["services"]["scheduler"]
-    [port] = scheduler["ports"]
-    assert (port["target"], port["published"]) == (50051, "50051")
+    ports = {p["target"]: p["published"] for p in scheduler["ports"]}
+    assert ports == {50051: "50051", 9400: "9400"}  # gRPC and Prometheus metrics
     assert {name: dep["condition"] for name, dep in scheduler["depends_on"].items()} == {
         "redis": "service_healthy",
         "executor": "service_healthy",
@@ -154,6 +156,7 @@ def test_scheduler_publishes_50051_and_waits_for_dependencies() -> None:
     assert command[command.index("--executor") + 1] == "executor:50061"
     assert command[command.index("--redis-url") + 1] == "redis://redis:6379/0"
     assert command[command.index("--port") + 1] == "50051"
+    assert command[command.index("--metrics-port") + 1] == "9400"
 
 
 def test_documented_gpu_override_is_valid(tmp_path: Path) -> None:
