@@ -40,6 +40,30 @@ def default_address() -> str:
     return os.environ.get("LLMSERVE_ADDRESS") or DEFAULT_ADDRESS
 
 
+class _WithKey:
+    def __init__(self, key: str) -> None:
+        self._entry = ("authorization", f"Bearer {key}")
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(tuple(m) for m in (details.metadata or ())), self._entry)
+        return details._replace(metadata=metadata)
+
+
+# Two objects: grpc.aio files each interceptor under the first call kind it is an instance of.
+class _BearerKey(_WithKey, grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds the API key to every unary call's metadata."""
+
+    async def intercept_unary_unary(self, continuation, details, request):  # noqa: ANN001
+        return await continuation(self._details(details), request)
+
+
+class _BearerKeyStream(_WithKey, grpc.aio.UnaryStreamClientInterceptor):
+    """Adds the API key to every server-streaming call's metadata."""
+
+    async def intercept_unary_stream(self, continuation, details, request):  # noqa: ANN001
+        return await continuation(self._details(details), request)
+
+
 class AsyncLLMClient:
     """Talks to one scheduler. `timeout` (seconds) bounds unary calls only: a generation may
     legitimately stream for minutes, so streams get `stream_timeout` (None = no deadline).
@@ -55,8 +79,11 @@ class AsyncLLMClient:
         timeout: float | None = 30.0,
         stream_timeout: float | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
+        api_key: str | None = None,
     ):
+        """`api_key` defaults to $LLMSERVE_API_KEY; sent as `authorization: Bearer <key>`."""
         self.address = address or default_address()
+        self.api_key = api_key if api_key is not None else os.environ.get("LLMSERVE_API_KEY")
         self.timeout = timeout
         self.stream_timeout = stream_timeout
         self._channel_options = [*_CHANNEL_OPTIONS, *channel_options]
@@ -65,7 +92,12 @@ class AsyncLLMClient:
 
     def _get_stub(self) -> pb_grpc.SchedulerStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=self._channel_options)
+            interceptors = (
+                [_BearerKey(self.api_key), _BearerKeyStream(self.api_key)] if self.api_key else None
+            )
+            self._channel = grpc.aio.insecure_channel(
+                self.address, options=self._channel_options, interceptors=interceptors
+            )
             self._stub = pb_grpc.SchedulerStub(self._channel)
         return self._stub
 

@@ -27,8 +27,11 @@ class LLMClient:
         *,
         timeout: float | None = 30.0,
         stream_timeout: float | None = None,
+        api_key: str | None = None,
     ):
-        self._async = AsyncLLMClient(address, timeout=timeout, stream_timeout=stream_timeout)
+        self._async = AsyncLLMClient(
+            address, timeout=timeout, stream_timeout=stream_timeout, api_key=api_key
+        )
         self.address = self._async.address
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(

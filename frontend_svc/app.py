@@ -13,6 +13,7 @@ from starlette.requests import Request
 
 from client.errors import LLMServeError
 from frontend_svc.api import ClientGone, router
+from frontend_svc.auth import api_key_asgi
 from frontend_svc.errors import APIError
 from frontend_svc.metrics import HTTPMetrics
 from frontend_svc.state import FrontendState
@@ -45,8 +46,12 @@ def create_app(
     *,
     served_model_name: str | None = None,
     resume_timeout_s: float = 60.0,
+    api_keys: list[str] | None = None,
 ) -> FastAPI:
+    """`api_keys`: when given, API calls need one of them; the first is used for the
+    scheduler (unless $LLMSERVE_API_KEY names one)."""
     metrics = HTTPMetrics()
+    keys = list(api_keys or [])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -55,12 +60,15 @@ def create_app(
             scheduler_address,
             served_model_name=served_model_name,
             resume_timeout_s=resume_timeout_s,
+            api_key=keys[0] if keys else None,
         )
         yield
         await app.state.frontend.close()
 
     app = FastAPI(title="llmserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.include_router(router)
+    # Starlette runs the middleware added last first: metrics see the 401s too.
+    app.add_middleware(_ASGIMiddleware, wrap=api_key_asgi(keys))
     app.add_middleware(_ASGIMiddleware, wrap=metrics.asgi)
 
     @app.exception_handler(APIError)

@@ -13,6 +13,7 @@ import uvicorn
 
 from client.async_client import default_address
 from frontend_svc.app import create_app
+from frontend_svc.auth import load_api_keys
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a stream waits for a restarted scheduler before it fails",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        help="API keys, one per line (optionally followed by a name); with it or "
+        "$LLMSERVE_API_KEY, API calls need 'Authorization: Bearer <key>'",
+    )
     return p
 
 
@@ -41,6 +48,7 @@ async def serve(args: argparse.Namespace) -> None:
         args.scheduler or default_address(),
         served_model_name=args.served_model_name,
         resume_timeout_s=args.resume_timeout,
+        api_keys=load_api_keys(args.api_key_file),
     )
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

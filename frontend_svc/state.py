@@ -30,12 +30,13 @@ class FrontendState:
         *,
         served_model_name: str | None = None,
         resume_timeout_s: float = 60.0,
+        api_key: str | None = None,
     ) -> None:
         self.scheduler_address = scheduler_address
         self.served_model_name = served_model_name
         self.resume_timeout_s = resume_timeout_s
         self.client = AsyncLLMClient(
-            scheduler_address, timeout=30.0, channel_options=CHANNEL_OPTIONS
+            scheduler_address, timeout=30.0, channel_options=CHANNEL_OPTIONS, api_key=api_key
         )
         self.started = int(time.time())
         self._info: ServerInfo | None = None

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import structlog
 
+from scheduler_svc.api.auth import load_api_keys
 from scheduler_svc.api.server import SchedulerServer
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.engine import EngineConfig
@@ -71,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="info")
     p.add_argument(
+        "--api-key-file",
+        type=Path,
+        help="API keys, one per line (optionally followed by a name); with it or "
+        "$LLMSERVE_API_KEY, calls need 'authorization: Bearer <key>'",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         help="serve Prometheus metrics over HTTP at /metrics on this port (0: any free port; "
@@ -113,7 +120,12 @@ async def run(args: argparse.Namespace) -> None:
         redis.start()
         redis_url = redis.url
         log.info("redis.started", url=redis_url, data_dir=str(args.redis_dir))
-    server = SchedulerServer(config_from_args(args, redis_url), args.host, args.port)
+    api_keys = load_api_keys(args.api_key_file)
+    server = SchedulerServer(
+        config_from_args(args, redis_url), args.host, args.port, api_keys=api_keys
+    )
+    if api_keys:
+        log.info("auth.enabled", num_keys=len(api_keys))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

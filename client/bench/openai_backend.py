@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ class OpenAIBackend:
     name = "openai"
 
     def __init__(
-        self, base_url: str, *, model_dir: str | Path | None = None, api_key: str = "EMPTY"
+        self, base_url: str, *, model_dir: str | Path | None = None, api_key: str | None = None
     ) -> None:
         import openai  # the bench extra: pip install 'llmserve[bench]'
 
@@ -37,9 +38,11 @@ class OpenAIBackend:
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"
         self.model_dir = model_dir
-        self.api_key = api_key
+        # $LLMSERVE_API_KEY (this project's) or $OPENAI_API_KEY; servers without keys ignore it.
+        api_key = api_key or os.environ.get("LLMSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        self.api_key = api_key or "EMPTY"
         self._openai = openai
-        sync = openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0)
+        sync = openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0)
         model = sync.models.list().data[0]
         self.model = model.id
         extra = model.model_extra or {}

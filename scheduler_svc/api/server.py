@@ -10,6 +10,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.api.auth import ApiKeyInterceptor
 from scheduler_svc.api.rpc_guard import MalformedRequestGuard
 from scheduler_svc.api.servicer import SchedulerServicer
 from scheduler_svc.engine import Engine, EngineConfig
@@ -23,8 +24,17 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 class SchedulerServer:
     """Owns the engine and the grpc.aio server; `start()` then `wait()`, `stop()` to drain."""
 
-    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        api_keys: dict[str, str] | None = None,
+    ) -> None:
+        """`api_keys` ({key: name}): when given, the public API requires one of them."""
         self.config = config
+        self.api_keys = api_keys or {}
         self.host = host
         self.requested_port = port
         self.port = 0
@@ -35,8 +45,13 @@ class SchedulerServer:
         self._health_updates: set[asyncio.Task] = set()
 
     async def start(self) -> int:
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self.api_keys:
+            # First, so that a call without a key is refused before anything else looks at it.
+            interceptors.append(ApiKeyInterceptor(self.api_keys, frozenset({SERVICE_NAME})))
+        interceptors.append(MalformedRequestGuard(self_checked=frozenset({SERVICE_NAME})))
         self._server = grpc.aio.server(
-            interceptors=[MalformedRequestGuard(self_checked=frozenset({SERVICE_NAME}))],
+            interceptors=interceptors,
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -1,0 +1,63 @@
+"""API keys on the HTTP API: `Authorization: Bearer <key>`, or 401 in the OpenAI error shape.
+
+The same keys as the scheduler's (`LLMSERVE_API_KEY`, `--api-key-file`: one key per line,
+optionally followed by a name). `/health` and `/metrics` stay open. The frontend calls the
+scheduler with its own key (`$LLMSERVE_API_KEY`, else the file's first key).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from pathlib import Path
+
+from frontend_svc.errors import APIError
+
+__all__ = ["api_key_asgi", "load_api_keys"]
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def load_api_keys(key_file: Path | None = None) -> list[str]:
+    """The keys, $LLMSERVE_API_KEY first, then the file's in order."""
+    keys = []
+    if value := os.environ.get("LLMSERVE_API_KEY", "").strip():
+        keys.append(value)
+    if key_file is not None:
+        for line in key_file.read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                keys.append(line.split()[0])
+    return keys
+
+
+def _valid(keys: list[str], token: bytes) -> bool:
+    ok = False
+    for key in keys:  # constant time, and every key compared
+        ok |= hmac.compare_digest(token, key.encode())
+    return ok
+
+
+def api_key_asgi(keys: list[str]):
+    """`wrap(app) -> app` refusing API calls without one of `keys` (no keys: no check)."""
+
+    def wrap(app):
+        if not keys:
+            return app
+
+        async def call(scope, receive, send) -> None:
+            if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+                await app(scope, receive, send)
+                return
+            value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            scheme, _, token = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer" and _valid(keys, token.strip()):
+                await app(scope, receive, send)
+                return
+            message = "invalid API key" if value else "missing API key (Authorization: Bearer)"
+            error = APIError(401, message, type="authentication_error", code="invalid_api_key")
+            await error.response()(scope, receive, send)
+
+        return call
+
+    return wrap

@@ -1,0 +1,90 @@
+"""API keys: the scheduler's gRPC API and the frontend's HTTP API refuse calls without a valid
+key (UNAUTHENTICATED / 401 in the OpenAI shape) and serve them with one; health and metrics
+stay open. Real processes, the official openai client, grpc's own health client."""
+
+from __future__ import annotations
+
+import grpc
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import LLMClient, LLMServeError, SamplingParams
+from scheduler_svc.local.redis_server import RedisServer
+from tests.support.frontend import Frontend
+from tests.support.stack import make_stack
+
+KEY, OTHER_KEY = "sk-test-7f3a", "sk-test-second"
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("auth")
+    keys = tmp / "keys.txt"
+    keys.write_text(f"# two tenants\n{KEY} alice\n{OTHER_KEY} bob\n")
+    redis = RedisServer(data_dir=tmp / "redis")
+    redis.start()
+    stack = make_stack(tmp, redis, scheduler_args=["--api-key-file", str(keys)])
+    fe = Frontend.start(tmp / "fe", stack.address, "--api-key-file", str(keys))
+    try:
+        fe.wait_healthy()
+        yield stack, fe
+    finally:
+        fe.stop()
+        stack.stop()
+        redis.close()
+
+
+@pytest.mark.parametrize(("key", "needle"), [(None, "missing"), ("sk-wrong", "invalid")])
+def test_grpc_without_a_valid_key_is_unauthenticated(secured, key, needle, monkeypatch):
+    stack, _ = secured
+    monkeypatch.delenv("LLMSERVE_API_KEY", raising=False)
+    with LLMClient(stack.address, timeout=10, api_key=key) as client:
+        for call in (
+            client.server_info,
+            lambda: client.generate([1, 2, 3], SamplingParams(max_tokens=2), use_tqdm=False),
+            lambda: client.get_request("some-id"),
+        ):
+            with pytest.raises(LLMServeError) as e:
+                call()
+            assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+            assert needle in e.value.message
+
+
+def test_grpc_with_a_key_works_and_health_stays_open(secured, monkeypatch):
+    stack, _ = secured
+    for key in (KEY, OTHER_KEY):
+        with LLMClient(stack.address, timeout=30, api_key=key) as client:
+            (out,) = client.generate([1, 2, 3], SamplingParams(max_tokens=3), use_tqdm=False)
+            assert len(out.outputs[0].token_ids) >= 1
+    # The client reads $LLMSERVE_API_KEY when given no key.
+    monkeypatch.setenv("LLMSERVE_API_KEY", OTHER_KEY)
+    with LLMClient(stack.address, timeout=30) as client:
+        assert client.server_info().model
+    with grpc.insecure_channel(stack.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_http_without_a_valid_key_is_401_in_the_openai_shape(secured):
+    _, fe = secured
+    for headers in ({}, {"authorization": "Bearer sk-wrong"}, {"authorization": KEY}):
+        status, body = fe.request(
+            "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2}, headers=headers
+        )
+        assert status == 401, body
+        assert body["error"]["type"] == "authentication_error"
+    status, _ = fe.request("GET", "/v1/models")
+    assert status == 401
+    assert fe.request("GET", "/health")[0] == 200
+    assert fe.request("GET", "/metrics")[0] == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="sk-wrong").models.list()
+
+
+def test_http_with_a_key_works_through_the_official_client(secured):
+    _, fe = secured
+    oai = openai.OpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key=OTHER_KEY)
+    model = oai.models.list().data[0].id
+    got = oai.completions.create(model=model, prompt="Hello", max_tokens=3)
+    assert got.usage.completion_tokens >= 1
