@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-__all__ = ["ApiKeyInterceptor", "load_api_keys"]
+__all__ = ["ApiKeyInterceptor", "bearer_token", "key_name", "load_api_keys"]
 
 
 def load_api_keys(key_file: Path | None = None, env: str = "LLMSERVE_API_KEY") -> dict[str, str]:

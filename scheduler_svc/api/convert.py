@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from protos import scheduler_pb2 as pb
 from scheduler_svc.core.request import FinishReason, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams, ValidationError
-from scheduler_svc.engine.config import GenerateInput, ServerInfo
+from scheduler_svc.engine.config import GenerateInput, ServerInfo, public_id
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.streams import EngineEvent, RequestHandle, RequestView
@@ -102,7 +102,7 @@ def event_to_proto(handle: RequestHandle, e: EngineEvent) -> pb.GenerateResponse
     # One per streamed delta: fields that keep their default on most deltas are set only when
     # they carry something (each keyword costs a conversion).
     msg = pb.GenerateResponse(
-        request_id=handle.req_id,
+        request_id=public_id(handle.req_id),
         index=e.index,
         text=e.text,
         token_ids=e.token_ids,
@@ -131,7 +131,7 @@ def _add_logprobs(field: Any, entries: list[dict[str, Any]]) -> None:
 
 def request_view_to_proto(v: RequestView) -> pb.GetRequestResponse:
     msg = pb.GetRequestResponse(
-        request_id=v.req_id,
+        request_id=public_id(v.req_id),
         status=_STATUS[v.status],
         prompt_token_ids=v.prompt_token_ids,
         arrival_time=v.arrival_time,

@@ -11,9 +11,11 @@ import structlog
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.api import convert
+from scheduler_svc.api.auth import bearer_token, key_name
 from scheduler_svc.api.rpc_guard import Malformed, RateLimitedLog, reject_malformed
 from scheduler_svc.core.errors import EngineError, NotFound, QueueFull, Unavailable, ValidationError
 from scheduler_svc.engine import Engine
+from scheduler_svc.engine.config import scoped_id
 
 log = structlog.get_logger(__name__)
 
@@ -40,8 +42,27 @@ async def _abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, api_keys: dict[str, str] | None = None) -> None:
+        """`api_keys` ({key: name}): requests belong to the key that created them (the
+        ApiKeyInterceptor has already refused calls without a valid key)."""
         self.engine = engine
+        self.api_keys = api_keys or {}
+
+    def _owner(self, context: grpc.aio.ServicerContext) -> str:
+        if not self.api_keys:
+            return ""
+        token = next(
+            (
+                bearer_token(v)
+                for k, v in context.invocation_metadata() or ()
+                if k == "authorization"
+            ),
+            "",
+        )
+        return key_name(self.api_keys, token) or ""
+
+    def _req_id(self, context: grpc.aio.ServicerContext, given: str) -> str:
+        return scoped_id(self._owner(context), given)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -50,6 +71,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             await reject_malformed(request, context)
         try:
             inp = convert.generate_input_from_proto(request)
+            inp.owner = self._owner(context)
             handle, created = await self.engine.submit(inp)
         except (EngineError, ValueError) as e:
             await _abort_with(context, e)
@@ -66,7 +88,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if isinstance(request, Malformed):
             await reject_malformed(request, context)
         try:
-            handle = await self.engine.attach(request.request_id)
+            handle = await self.engine.attach(self._req_id(context, request.request_id))
         except (EngineError, ValueError) as e:
             await _abort_with(context, e)
             return
@@ -105,7 +127,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if isinstance(request, Malformed):
             await reject_malformed(request, context)
         try:
-            aborted = await self.engine.abort(request.request_id)
+            aborted = await self.engine.abort(self._req_id(context, request.request_id))
         except (EngineError, ValueError) as e:
             await _abort_with(context, e)
             return pb.AbortResponse()
@@ -115,7 +137,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if isinstance(request, Malformed):
             await reject_malformed(request, context)
         try:
-            view = await self.engine.get_request(request.request_id)
+            view = await self.engine.get_request(self._req_id(context, request.request_id))
         except (EngineError, ValueError) as e:
             await _abort_with(context, e)
             return pb.GetRequestResponse()

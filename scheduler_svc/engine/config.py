@@ -7,9 +7,31 @@ from dataclasses import dataclass
 
 from scheduler_svc.core.sampling_params import SamplingParams
 
-__all__ = ["MAX_REQUEST_ID_LEN", "EngineConfig", "ExecutorInfo", "GenerateInput", "ServerInfo"]
+__all__ = [
+    "MAX_REQUEST_ID_LEN",
+    "EngineConfig",
+    "ExecutorInfo",
+    "GenerateInput",
+    "ServerInfo",
+    "public_id",
+    "scoped_id",
+]
 
 MAX_REQUEST_ID_LEN = 256
+# Between an owner and the id its client chose. Not printable, so no public id contains it.
+OWNER_SEP = "\x1f"
+
+
+def scoped_id(owner: str, public_id: str) -> str:
+    """The engine's (and Redis's) id of `public_id` created under key `owner` ("" = no keys):
+    the same client-chosen id under two keys is two requests, and one key cannot name
+    another's."""
+    return f"{owner}{OWNER_SEP}{public_id}" if owner else public_id
+
+
+def public_id(req_id: str) -> str:
+    """The id the client chose (or was given), without its owner."""
+    return req_id.rpartition(OWNER_SEP)[2]
 
 
 @dataclass(slots=True)
@@ -52,6 +74,7 @@ class GenerateInput:
     chat: list[dict[str, str]] | None = None
     add_generation_prompt: bool = True
     priority: int = 0
+    owner: str = ""  # the API key's name when keys are on: ids are scoped to it (scoped_id)
 
 
 @dataclass(slots=True)

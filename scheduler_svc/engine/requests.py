@@ -16,7 +16,14 @@ import structlog
 from scheduler_svc.core.errors import NotFound, QueueFull, Unavailable, ValidationError
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
-from scheduler_svc.engine.config import MAX_REQUEST_ID_LEN, ExecutorInfo, GenerateInput, ServerInfo
+from scheduler_svc.engine.config import (
+    MAX_REQUEST_ID_LEN,
+    ExecutorInfo,
+    GenerateInput,
+    ServerInfo,
+    public_id,
+    scoped_id,
+)
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
 from scheduler_svc.output.tokenizer import encode_chat, encode_prompt
 from scheduler_svc.state.store import StoredRequest, StoreUnavailable
@@ -44,11 +51,12 @@ async def submit(engine: Engine, inp: GenerateInput) -> tuple[RequestHandle, boo
     """The request's handle, and whether this call created it (False: attached to an
     existing request with the same id)."""
     check_available(engine)
-    req_id = inp.req_id or uuid.uuid4().hex
-    if len(req_id) > MAX_REQUEST_ID_LEN or not req_id.isprintable():
+    given = inp.req_id or uuid.uuid4().hex
+    if len(given) > MAX_REQUEST_ID_LEN or not given.isprintable():
         raise ValidationError(
             f"request_id must be printable and at most {MAX_REQUEST_ID_LEN} characters"
         )
+    req_id = scoped_id(inp.owner, given)
     existing = engine.requests.get(req_id)
     if existing is not None:
         return existing, False  # same id again: attach, never a second generation
@@ -186,12 +194,12 @@ async def attach(engine: Engine, req_id: str) -> RequestHandle:
     except StoreUnavailable as e:
         raise Unavailable("request store (Redis) is unavailable; retry later") from e
     if rec is None:
-        raise NotFound(f"request {req_id!r} not found (unknown or expired)")
+        raise NotFound(f"request {public_id(req_id)!r} not found (unknown or expired)")
     handle = RequestHandle.from_stored(rec, SamplingParams.from_dict(rec.params))
     handle.replay_outputs(engine.tokenizer, engine.eos_token_ids, engine.max_model_len, rec)
     if not rec.finished:
         # Stored but not (yet) resumed in this process: nothing new will arrive here.
-        handle.close(f"request {req_id!r} is not running on this scheduler yet; retry")
+        handle.close(f"request {public_id(req_id)!r} is not running on this scheduler yet; retry")
     return handle
 
 
@@ -209,7 +217,7 @@ async def abort(engine: Engine, req_id: str, *, missing_ok: bool = False) -> boo
                 return False
         except StoreUnavailable as e:
             raise Unavailable("request store (Redis) is unavailable") from e
-        raise NotFound(f"request {req_id!r} not found (unknown or expired)")
+        raise NotFound(f"request {public_id(req_id)!r} not found (unknown or expired)")
     ex = handle.executor
     async with ex.lock:  # never in the middle of this executor's step
         if handle.finished_in_engine:
@@ -235,7 +243,7 @@ async def get_request(engine: Engine, req_id: str) -> RequestView:
             raise Unavailable("request store (Redis) is unavailable") from e
         return handle.view()
     if rec is None:
-        raise NotFound(f"request {req_id!r} not found (unknown or expired)")
+        raise NotFound(f"request {public_id(req_id)!r} not found (unknown or expired)")
     handle = engine.requests.get(req_id)
     if handle is not None:
         return handle.view()

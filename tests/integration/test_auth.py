@@ -88,3 +88,44 @@ def test_http_with_a_key_works_through_the_official_client(secured):
     model = oai.models.list().data[0].id
     got = oai.completions.create(model=model, prompt="Hello", max_tokens=3)
     assert got.usage.completion_tokens >= 1
+
+
+def _code(call) -> grpc.StatusCode | None:
+    try:
+        call()
+    except LLMServeError as e:
+        return e.code
+    return None
+
+
+def test_requests_belong_to_the_key_that_created_them(secured):
+    stack, _ = secured
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with (
+        LLMClient(stack.address, timeout=30, api_key=KEY) as alice,
+        LLMClient(stack.address, timeout=30, api_key=OTHER_KEY) as bob,
+    ):
+        mine = list(alice.stream([5, 6, 7], params, request_id="shared-id"))
+        assert {d.request_id for d in mine} == {"shared-id"}  # ids come back as chosen
+        assert alice.get_request("shared-id").prompt_token_ids == [5, 6, 7]
+        # Another key cannot see, resume or abort it: to bob it does not exist.
+        assert _code(lambda: bob.get_request("shared-id")) == grpc.StatusCode.NOT_FOUND
+        assert _code(lambda: bob.abort("shared-id")) == grpc.StatusCode.NOT_FOUND
+        assert _code(lambda: list(bob.resume("shared-id"))) == grpc.StatusCode.NOT_FOUND
+        # The same id under bob's key is bob's own request, not an attach to alice's.
+        theirs = list(bob.stream([9, 10, 11, 12], params, request_id="shared-id"))
+        assert sum(len(d.token_ids) for d in theirs) == 4
+        assert bob.get_request("shared-id").prompt_token_ids == [9, 10, 11, 12]
+        assert alice.get_request("shared-id").prompt_token_ids == [5, 6, 7]
+    # Ownership is part of what Redis holds: it survives a scheduler restart.
+    stack.kill_scheduler()
+    stack.start_scheduler()
+    with (
+        LLMClient(stack.address, timeout=30, api_key=KEY) as alice,
+        LLMClient(stack.address, timeout=30, api_key=OTHER_KEY) as bob,
+    ):
+        alice.wait_ready(60)
+        assert alice.get_request("shared-id").prompt_token_ids == [5, 6, 7]
+        assert bob.get_request("shared-id").prompt_token_ids == [9, 10, 11, 12]
+        resumed = list(alice.resume("shared-id"))
+        assert [t for d in resumed for t in d.token_ids] == [t for d in mine for t in d.token_ids]
