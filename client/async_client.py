@@ -6,6 +6,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -80,8 +81,12 @@ class AsyncLLMClient:
         stream_timeout: float | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
         api_key: str | None = None,
+        tls_ca: str | os.PathLike | None = None,
     ):
-        """`api_key` defaults to $LLMSERVE_API_KEY; sent as `authorization: Bearer <key>`."""
+        """`api_key` defaults to $LLMSERVE_API_KEY; sent as `authorization: Bearer <key>`.
+        `tls_ca` (default $LLMSERVE_TLS_CA): connect over TLS, trusting this CA file (PEM)."""
+        tls_ca = tls_ca if tls_ca is not None else os.environ.get("LLMSERVE_TLS_CA") or None
+        self._tls_ca = Path(tls_ca).read_bytes() if tls_ca else None
         self.address = address or default_address()
         self.api_key = api_key if api_key is not None else os.environ.get("LLMSERVE_API_KEY")
         self.timeout = timeout
@@ -95,9 +100,18 @@ class AsyncLLMClient:
             interceptors = (
                 [_BearerKey(self.api_key), _BearerKeyStream(self.api_key)] if self.api_key else None
             )
-            self._channel = grpc.aio.insecure_channel(
-                self.address, options=self._channel_options, interceptors=interceptors
-            )
+            if self._tls_ca is None:
+                self._channel = grpc.aio.insecure_channel(
+                    self.address, options=self._channel_options, interceptors=interceptors
+                )
+            else:
+                credentials = grpc.ssl_channel_credentials(root_certificates=self._tls_ca)
+                self._channel = grpc.aio.secure_channel(
+                    self.address,
+                    credentials,
+                    options=self._channel_options,
+                    interceptors=interceptors,
+                )
             self._stub = pb_grpc.SchedulerStub(self._channel)
         return self._stub
 

@@ -7,6 +7,7 @@ one channel without a thread per request.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
@@ -28,9 +29,14 @@ class LLMClient:
         timeout: float | None = 30.0,
         stream_timeout: float | None = None,
         api_key: str | None = None,
+        tls_ca: str | os.PathLike | None = None,
     ):
         self._async = AsyncLLMClient(
-            address, timeout=timeout, stream_timeout=stream_timeout, api_key=api_key
+            address,
+            timeout=timeout,
+            stream_timeout=stream_timeout,
+            api_key=api_key,
+            tls_ca=tls_ca,
         )
         self.address = self._async.address
         self._loop = asyncio.new_event_loop()

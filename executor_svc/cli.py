@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM/SIGINT")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--tls-cert", type=Path, help="serve TLS with this certificate chain (PEM)")
+    p.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        help="accept only clients (schedulers) with a certificate this CA signed (mutual TLS)",
+    )
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -96,7 +103,14 @@ def _write_port_file(path: Path, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_ca and not args.tls_cert):
+        parser.error("--tls-cert and --tls-key go together; --tls-ca needs them")
+    tls = None
+    if args.tls_cert:
+        ca = args.tls_ca.read_bytes() if args.tls_ca else None
+        tls = (args.tls_cert.read_bytes(), args.tls_key.read_bytes(), ca)
     configure_logging(args.log_level)
     if args.cpu_threads:
         import torch
@@ -114,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         swap_space_gib=args.swap_space,
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
+        tls=tls,
     )
     server.install_signal_handlers(args.grace)
     if args.metrics_port is not None:

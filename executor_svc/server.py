@@ -51,8 +51,12 @@ class ExecutorServer:
         port: int = 0,
         *,
         max_workers: int = 8,
+        tls: tuple[bytes, bytes, bytes | None] | None = None,
         **runner_kwargs: Any,
     ) -> None:
+        """`tls`: (certificate chain, private key, client CA) PEM; with a client CA only
+        clients holding a certificate it signed get through (mutual TLS)."""
+        self.tls = tls
         self.model = model
         self.host = host
         self.requested_port = port
@@ -85,7 +89,17 @@ class ExecutorServer:
     def start(self) -> int:
         """Bind and start answering (health NOT_SERVING); returns the bound port."""
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        address = f"{self.host}:{self.requested_port}"
+        if self.tls is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            cert, key, client_ca = self.tls
+            credentials = grpc.ssl_server_credentials(
+                [(key, cert)],
+                root_certificates=client_ca,
+                require_client_auth=client_ca is not None,
+            )
+            self.port = self.server.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"could not bind {self.host}:{self.requested_port}")
         self.server.start()

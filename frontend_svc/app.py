@@ -47,6 +47,7 @@ def create_app(
     served_model_name: str | None = None,
     resume_timeout_s: float = 60.0,
     api_keys: list[str] | None = None,
+    scheduler_tls_ca: str | None = None,
 ) -> FastAPI:
     """`api_keys`: when given, API calls need one of them; the first is used for the
     scheduler (unless $LLMSERVE_API_KEY names one)."""
@@ -61,6 +62,7 @@ def create_app(
             served_model_name=served_model_name,
             resume_timeout_s=resume_timeout_s,
             api_key=keys[0] if keys else None,
+            scheduler_tls_ca=scheduler_tls_ca,
         )
         yield
         await app.state.frontend.close()

@@ -34,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a stream waits for a restarted scheduler before it fails",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument("--tls-cert", type=Path, help="serve HTTPS with this certificate chain (PEM)")
+    p.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
+    p.add_argument(
+        "--scheduler-tls-ca",
+        type=Path,
+        help="the scheduler speaks TLS: trust this CA (default $LLMSERVE_TLS_CA)",
+    )
     p.add_argument(
         "--api-key-file",
         type=Path,
@@ -49,6 +56,7 @@ async def serve(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name,
         resume_timeout_s=args.resume_timeout,
         api_keys=load_api_keys(args.api_key_file),
+        scheduler_tls_ca=str(args.scheduler_tls_ca) if args.scheduler_tls_ca else None,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -63,6 +71,8 @@ async def serve(args: argparse.Namespace) -> None:
         log_level=args.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,
+        ssl_certfile=str(args.tls_cert) if args.tls_cert else None,
+        ssl_keyfile=str(args.tls_key) if args.tls_key else None,
     )
     server = uvicorn.Server(config)
     if args.port_file is not None:

@@ -31,12 +31,17 @@ class FrontendState:
         served_model_name: str | None = None,
         resume_timeout_s: float = 60.0,
         api_key: str | None = None,
+        scheduler_tls_ca: str | None = None,
     ) -> None:
         self.scheduler_address = scheduler_address
         self.served_model_name = served_model_name
         self.resume_timeout_s = resume_timeout_s
         self.client = AsyncLLMClient(
-            scheduler_address, timeout=30.0, channel_options=CHANNEL_OPTIONS, api_key=api_key
+            scheduler_address,
+            timeout=30.0,
+            channel_options=CHANNEL_OPTIONS,
+            api_key=api_key,
+            tls_ca=scheduler_tls_ca,
         )
         self.started = int(time.time())
         self._info: ServerInfo | None = None

@@ -72,6 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="info")
     p.add_argument(
+        "--tls-cert",
+        type=Path,
+        help="serve the public API over TLS with this certificate chain (PEM); also the "
+        "client certificate shown to executors with --tls-ca",
+    )
+    p.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        help="talk to executors over TLS, verifying their certificates with this CA",
+    )
+    p.add_argument(
         "--api-key-file",
         type=Path,
         help="API keys, one per line (optionally followed by a name); with it or "
@@ -107,6 +119,15 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         num_device_blocks=args.num_device_blocks,
         num_cpu_blocks=args.num_cpu_blocks,
         max_model_len=args.max_model_len,
+        executor_tls=(
+            (
+                args.tls_ca.read_bytes(),
+                args.tls_cert.read_bytes() if args.tls_cert else None,
+                args.tls_key.read_bytes() if args.tls_key else None,
+            )
+            if args.tls_ca
+            else None
+        ),
     )
 
 
@@ -121,8 +142,9 @@ async def run(args: argparse.Namespace) -> None:
         redis_url = redis.url
         log.info("redis.started", url=redis_url, data_dir=str(args.redis_dir))
     api_keys = load_api_keys(args.api_key_file)
+    tls = (args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None
     server = SchedulerServer(
-        config_from_args(args, redis_url), args.host, args.port, api_keys=api_keys
+        config_from_args(args, redis_url), args.host, args.port, api_keys=api_keys, tls=tls
     )
     if api_keys:
         log.info("auth.enabled", num_keys=len(api_keys))
@@ -152,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
         # One executor known under two names (a static alias and its registered address) could
         # end up with two block managers for one KV cache: pick one way of finding executors.
         parser.error("--discover-executors and --executor exclude each other")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
     try:
         # The per-executor policy checks its limits when an executor connects; check the ones
         # given here now, so a bad combination is a one-line usage error, not a crash later.

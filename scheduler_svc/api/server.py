@@ -31,8 +31,11 @@ class SchedulerServer:
         port: int = 0,
         *,
         api_keys: dict[str, str] | None = None,
+        tls: tuple[bytes, bytes] | None = None,
     ) -> None:
-        """`api_keys` ({key: name}): when given, the public API requires one of them."""
+        """`api_keys` ({key: name}): when given, the public API requires one of them.
+        `tls` (certificate chain, private key) PEM: the public port speaks TLS only."""
+        self.tls = tls
         self.config = config
         self.api_keys = api_keys or {}
         self.host = host
@@ -67,7 +70,13 @@ class SchedulerServer:
         )
         for service in ("", SERVICE_NAME):  # it starts out SERVING
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        address = f"{self.host}:{self.requested_port}"
+        if self.tls is None:
+            self.port = self._server.add_insecure_port(address)
+        else:
+            cert, key = self.tls
+            credentials = grpc.ssl_server_credentials([(key, cert)])
+            self.port = self._server.add_secure_port(address, credentials)
         if self.port == 0:
             raise RuntimeError(f"could not bind {self.host}:{self.requested_port}")
         await self._server.start()

@@ -61,6 +61,10 @@ class EngineConfig:
     num_device_blocks: int | None = None
     num_cpu_blocks: int | None = None
     max_model_len: int | None = None
+    # TLS to the executors: (CA that signed their certificates, our client certificate chain,
+    # its key), PEM; None = plaintext. With a certificate, executors that require client
+    # certificates (mutual TLS) let us in.
+    executor_tls: tuple[bytes, bytes | None, bytes | None] | None = None
 
 
 @dataclass(slots=True)

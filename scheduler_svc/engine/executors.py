@@ -91,13 +91,18 @@ class ExecutorPool:
         None when it cannot be reached)."""
         delay = 0.1
         while True:
-            channel = grpc.aio.insecure_channel(
-                address,
-                options=[
-                    ("grpc.max_send_message_length", 256 * 1024 * 1024),
-                    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-                ],
-            )
+            options = [
+                ("grpc.max_send_message_length", 256 * 1024 * 1024),
+                ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+            ]
+            if self.config.executor_tls is None:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            else:
+                ca, cert, key = self.config.executor_tls
+                credentials = grpc.ssl_channel_credentials(
+                    root_certificates=ca, private_key=key, certificate_chain=cert
+                )
+                channel = grpc.aio.secure_channel(address, credentials, options=options)
             stub = epb_grpc.ExecutorStub(channel)
             try:
                 describe = await _handshake(stub)

@@ -1,0 +1,196 @@
+"""TLS with certificates made at run time (a throwaway CA from trustme): the scheduler's public
+port and the frontend speak TLS only, scheduler and executor authenticate each other (mutual
+TLS), and everything works end to end with the right certificates."""
+
+from __future__ import annotations
+
+import http.client
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import LLMClient, LLMServeError, SamplingParams
+from scheduler_svc.local.redis_server import RedisServer
+from tests.support.frontend import Frontend
+from tests.support.stack import _env, _wait_port_file, tiny_model_dir
+
+HOST = "127.0.0.1"
+
+
+def _write(path: Path, blob: trustme.Blob) -> Path:
+    blob.write_to_path(str(path))
+    return path
+
+
+def _start(cmd: list[str], workdir: Path, name: str) -> tuple[subprocess.Popen, int]:
+    port_file = workdir / f"{name}.port"
+    log = open(workdir / f"{name}.log", "ab")  # noqa: SIM115 -- owned by the process
+    proc = subprocess.Popen(
+        [*cmd, "--port-file", str(port_file)], env=_env(), stdout=log, stderr=log
+    )
+    return proc, _wait_port_file(port_file, proc, 120, name)
+
+
+def _health(address: str, credentials: grpc.ChannelCredentials | None) -> int:
+    channel = (
+        grpc.secure_channel(address, credentials)
+        if credentials is not None
+        else grpc.insecure_channel(address)
+    )
+    with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(), timeout=3).status
+
+
+@pytest.fixture(scope="module")
+def tls_stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    ca_pem = tmp / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_pem))
+    executor_cert = ca.issue_cert(HOST, "localhost", "executor")
+    scheduler_cert = ca.issue_cert(HOST, "localhost", "scheduler")  # server and client cert
+    certs = {}
+    for name, cert in (("executor", executor_cert), ("scheduler", scheduler_cert)):
+        certs[name] = (
+            _write(tmp / f"{name}.pem", cert.cert_chain_pems[0]),
+            _write(tmp / f"{name}.key", cert.private_key_pem),
+        )
+    redis = RedisServer(data_dir=tmp / "redis")
+    redis.start()
+    procs = []
+    try:
+        ex_cert, ex_key = certs["executor"]
+        executor, ex_port = _start(
+            [sys.executable, "-m", "executor_svc", "--model", str(tiny_model_dir(tmp / "m")),
+             "--port", "0", "--num-device-blocks", "256", "--swap-space", "0.05",
+             "--tls-cert", str(ex_cert), "--tls-key", str(ex_key), "--tls-ca", str(ca_pem)],
+            tmp, "executor",
+        )  # fmt: skip
+        procs.append(executor)
+        s_cert, s_key = certs["scheduler"]
+        scheduler, port = _start(
+            [sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{ex_port}",
+             "--redis-url", redis.url, "--port", "0", "--log-level", "warning",
+             "--tls-cert", str(s_cert), "--tls-key", str(s_key), "--tls-ca", str(ca_pem)],
+            tmp, "scheduler",
+        )  # fmt: skip
+        procs.append(scheduler)
+        trusted = grpc.ssl_channel_credentials(root_certificates=ca_pem.read_bytes())
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if _health(f"{HOST}:{port}", trusted) == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise TimeoutError((tmp / "scheduler.log").read_text())
+        yield {
+            "address": f"{HOST}:{port}",
+            "executor": f"{HOST}:{ex_port}",
+            "ca": ca_pem,
+            "ca_obj": ca,
+            "certs": certs,
+            "tmp": tmp,
+        }
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            proc.wait(timeout=30)
+        redis.close()
+
+
+def test_end_to_end_over_tls_and_mutual_tls(tls_stack) -> None:
+    # The scheduler reached the executor over mutual TLS (it is SERVING); a client that
+    # trusts the CA generates through the TLS public port.
+    with LLMClient(tls_stack["address"], timeout=30, tls_ca=tls_stack["ca"]) as client:
+        (out,) = client.generate(
+            [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
+        )
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_plaintext_to_a_tls_port_fails(tls_stack) -> None:
+    with LLMClient(tls_stack["address"], timeout=5) as client, pytest.raises(LLMServeError) as e:
+        client.server_info()
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    # A client that does not trust the CA cannot connect either.
+    other_ca = trustme.CA()
+    with pytest.raises(grpc.RpcError):
+        _health(
+            tls_stack["address"],
+            grpc.ssl_channel_credentials(root_certificates=other_ca.cert_pem.bytes()),
+        )
+
+
+def test_the_executor_refuses_clients_without_a_certificate_its_ca_signed(tls_stack) -> None:
+    ca_bytes = tls_stack["ca"].read_bytes()
+    # TLS without a client certificate: refused.
+    with pytest.raises(grpc.RpcError):
+        _health(tls_stack["executor"], grpc.ssl_channel_credentials(root_certificates=ca_bytes))
+    # A client certificate from another CA: refused.
+    stranger = trustme.CA().issue_cert("intruder")
+    with pytest.raises(grpc.RpcError):
+        _health(
+            tls_stack["executor"],
+            grpc.ssl_channel_credentials(
+                root_certificates=ca_bytes,
+                private_key=stranger.private_key_pem.bytes(),
+                certificate_chain=stranger.cert_chain_pems[0].bytes(),
+            ),
+        )
+    # The scheduler's own certificate (signed by the CA): let in.
+    cert, key = tls_stack["certs"]["scheduler"]
+    signed = grpc.ssl_channel_credentials(
+        root_certificates=ca_bytes,
+        private_key=key.read_bytes(),
+        certificate_chain=cert.read_bytes(),
+    )
+    assert _health(tls_stack["executor"], signed) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_frontend_serves_https_and_talks_tls_to_the_scheduler(tls_stack) -> None:
+    ca = tls_stack["ca_obj"]
+    fe_cert = ca.issue_cert(HOST, "localhost")
+    tmp = tls_stack["tmp"]
+    cert = _write(tmp / "frontend.pem", fe_cert.cert_chain_pems[0])
+    key = _write(tmp / "frontend.key", fe_cert.private_key_pem)
+    fe = Frontend.start(
+        tmp / "fe", tls_stack["address"], "--tls-cert", str(cert), "--tls-key", str(key),
+        "--scheduler-tls-ca", str(tls_stack["ca"]),
+    )  # fmt: skip
+    try:
+        base = f"https://{HOST}:{fe.port}"
+        context = ssl.create_default_context(cafile=str(tls_stack["ca"]))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/health", context=context, timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            assert time.monotonic() < deadline, fe.log()
+            time.sleep(0.2)
+        http_client = openai.DefaultHttpxClient(verify=context)
+        oai = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", http_client=http_client)
+        model = oai.models.list().data[0].id
+        got = oai.completions.create(model=model, prompt="Hi", max_tokens=3)
+        assert got.usage.completion_tokens >= 1
+        # Plain HTTP to the HTTPS port gets no HTTP answer.
+        with pytest.raises((urllib.error.URLError, OSError, http.client.HTTPException)):
+            urllib.request.urlopen(f"http://{HOST}:{fe.port}/health", timeout=5).read()
+    finally:
+        fe.stop()
