@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from client.errors import LLMServeError
 from client.prompts import ChatPrompt, to_prompt
+from frontend_svc.auth import caller_key
 from frontend_svc.errors import APIError, bad_request
 from frontend_svc.protocol import (
     ChatCompletionRequest,
@@ -118,7 +119,7 @@ async def completions(body: CompletionRequest, request: Request):
     params = body.to_params()
     prompts = [to_prompt(p) for p in body.prompts()]
     base = request_id_from(request)
-    run = state.start_run(base, prompts, params, body.priority)
+    run = state.start_run(base, prompts, params, body.priority, caller_key(request))
     rid, created, model = f"cmpl-{base}", int(time.time()), await state.model_name()
     n = params.n
     echo = [await state.prompt_text(p) if body.echo else "" for p in prompts]
@@ -236,7 +237,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     chat = body.chat()
     prompt = ChatPrompt(chat["messages"], chat["add_generation_prompt"])
     base = request_id_from(request)
-    run = state.start_run(base, [prompt], params, body.priority)
+    run = state.start_run(base, [prompt], params, body.priority, caller_key(request))
     rid, created, model = f"chatcmpl-{base}", int(time.time()), await state.model_name()
 
     async def logprobs_of(d) -> list | None:

@@ -68,6 +68,7 @@ def create_app(
         await app.state.frontend.close()
 
     app = FastAPI(title="llmserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.api_keys = keys
     app.include_router(router)
     # Starlette runs the middleware added last first: metrics see the 401s too.
     app.add_middleware(_ASGIMiddleware, wrap=api_key_asgi(keys))

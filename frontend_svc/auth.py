@@ -11,9 +11,11 @@ import hmac
 import os
 from pathlib import Path
 
+from starlette.requests import Request
+
 from frontend_svc.errors import APIError
 
-__all__ = ["api_key_asgi", "load_api_keys"]
+__all__ = ["api_key_asgi", "caller_key", "load_api_keys"]
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
@@ -29,6 +31,14 @@ def load_api_keys(key_file: Path | None = None) -> list[str]:
             if line and not line.startswith("#"):
                 keys.append(line.split()[0])
     return keys
+
+
+def caller_key(request: Request) -> str | None:
+    """The caller's API key when keys are on (the middleware has checked it), else None."""
+    if not request.app.state.api_keys:
+        return None
+    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
 
 
 def _valid(keys: list[str], token: bytes) -> bool:

@@ -43,6 +43,13 @@ class FrontendState:
             api_key=api_key,
             tls_ca=scheduler_tls_ca,
         )
+        self._client_args = dict(
+            timeout=30.0, channel_options=CHANNEL_OPTIONS, tls_ca=scheduler_tls_ca
+        )
+        # One client per caller key (only keys the middleware accepted ever get here): requests
+        # made through the frontend belong to the caller's key on the scheduler, as if the
+        # caller had used gRPC, so one tenant cannot attach to another's id.
+        self._by_key: dict[str, AsyncLLMClient] = {}
         self.started = int(time.time())
         self._info: ServerInfo | None = None
 
@@ -87,11 +94,26 @@ class FrontendState:
             raise APIError.from_llmserve(e) from None
         return text
 
+    def client_for(self, api_key: str | None) -> AsyncLLMClient:
+        """The scheduler client that acts with the caller's key (the frontend's own: None)."""
+        if api_key is None:
+            return self.client
+        client = self._by_key.get(api_key)
+        if client is None:
+            client = AsyncLLMClient(self.scheduler_address, api_key=api_key, **self._client_args)
+            self._by_key[api_key] = client
+        return client
+
     def start_run(
-        self, base_id: str, prompts: list[Any], params: SamplingParams, priority: int
+        self,
+        base_id: str,
+        prompts: list[Any],
+        params: SamplingParams,
+        priority: int,
+        api_key: str | None = None,
     ) -> Run:
         return Run.start(
-            self.client,
+            self.client_for(api_key),
             base_id,
             prompts,
             params,
@@ -101,3 +123,5 @@ class FrontendState:
 
     async def close(self) -> None:
         await self.client.close()
+        for client in self._by_key.values():
+            await client.close()

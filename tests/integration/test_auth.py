@@ -90,6 +90,33 @@ def test_http_with_a_key_works_through_the_official_client(secured):
     assert got.usage.completion_tokens >= 1
 
 
+def test_through_the_frontend_requests_belong_to_the_callers_key(secured):
+    stack, fe = secured
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    status, mine = fe.request(
+        "POST",
+        "/v1/completions",
+        body,
+        headers={"authorization": f"Bearer {KEY}", "x-request-id": "fe-shared"},
+    )
+    assert status == 200, mine
+    # Bob retries "the same" id with his own prompt: his own request, not an attach to alice's.
+    status, theirs = fe.request(
+        "POST",
+        "/v1/completions",
+        {**body, "prompt": [9, 10, 11, 12]},
+        headers={"authorization": f"Bearer {OTHER_KEY}", "x-request-id": "fe-shared"},
+    )
+    assert status == 200, theirs
+    assert theirs["usage"]["prompt_tokens"] == 4 and mine["usage"]["prompt_tokens"] == 3
+    with (
+        LLMClient(stack.address, timeout=30, api_key=KEY) as alice,
+        LLMClient(stack.address, timeout=30, api_key=OTHER_KEY) as bob,
+    ):
+        assert alice.get_request("fe-shared").prompt_token_ids == [5, 6, 7]
+        assert bob.get_request("fe-shared").prompt_token_ids == [9, 10, 11, 12]
+
+
 def _code(call) -> grpc.StatusCode | None:
     try:
         call()
