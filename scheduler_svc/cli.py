@@ -84,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="talk to executors over TLS, verifying their certificates with this CA",
     )
     p.add_argument(
+        "--max-requests-per-key", type=int, help="unfinished requests per API key (default: any)"
+    )
+    p.add_argument(
+        "--max-queued-tokens-per-key",
+        type=int,
+        help="prompt tokens per API key in requests not yet started (default: any)",
+    )
+    p.add_argument(
         "--api-key-file",
         type=Path,
         help="API keys, one per line (optionally followed by a name); with it or "
@@ -107,6 +115,8 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,
+        max_requests_per_key=args.max_requests_per_key,
+        max_queued_tokens_per_key=args.max_queued_tokens_per_key,
         policy=args.policy,
         preemption_mode=args.preemption_mode,
         enable_prefix_caching=not args.no_prefix_caching,

@@ -13,6 +13,7 @@ __all__ = [
     "ExecutorInfo",
     "GenerateInput",
     "ServerInfo",
+    "owner_of",
     "public_id",
     "scoped_id",
 ]
@@ -29,6 +30,12 @@ def scoped_id(owner: str, public_id: str) -> str:
     return f"{owner}{OWNER_SEP}{public_id}" if owner else public_id
 
 
+def owner_of(req_id: str) -> str:
+    """The key name a request belongs to ("" without keys)."""
+    owner, sep, _ = req_id.rpartition(OWNER_SEP)
+    return owner if sep else ""
+
+
 def public_id(req_id: str) -> str:
     """The id the client chose (or was given), without its owner."""
     return req_id.rpartition(OWNER_SEP)[2]
@@ -41,6 +48,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_waiting: int = 4096
+    # Per API key (only with keys on): unfinished requests, and prompt tokens of its requests
+    # not yet started; None = no limit. Past them: RESOURCE_EXHAUSTED.
+    max_requests_per_key: int | None = None
+    max_queued_tokens_per_key: int | None = None
     policy: str = "fcfs"
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True

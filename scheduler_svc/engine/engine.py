@@ -28,6 +28,7 @@ from scheduler_svc.engine import recovery, requests
 from scheduler_svc.engine.config import EngineConfig, GenerateInput, ServerInfo
 from scheduler_svc.engine.executors import ExecutorHandle, ExecutorPool
 from scheduler_svc.engine.health import HealthMonitor
+from scheduler_svc.engine.key_usage import KeyUsage
 from scheduler_svc.engine.metrics import EngineMetrics
 from scheduler_svc.engine.step_message import execute_request
 from scheduler_svc.engine.step_results import process_step_outputs
@@ -64,6 +65,7 @@ class Engine:
         self.vocab_size = 0
         self.block_size = 0
         self.metrics = EngineMetrics(self)
+        self.usage = KeyUsage(config.max_requests_per_key, config.max_queued_tokens_per_key)
         self.persister.on_write = self.metrics.redis_write.observe
 
     # ---------------------------------------------------------------- lifecycle
@@ -286,6 +288,7 @@ class Engine:
             handle = self.requests.get(s.seq_id.rpartition("/")[0])
             if handle is not None and handle.scheduled_time is None:
                 handle.scheduled_time = now
+                self.usage.started(handle)
         last, ex.last_step_time = ex.last_step_time, now
         self.metrics.on_step(
             now,
@@ -324,6 +327,7 @@ class Engine:
 
     def finish_request(self, handle: RequestHandle, record: EngineStep) -> None:
         handle.finished_in_engine = True
+        self.usage.finished(handle)
         self.metrics.on_finish(handle, time.time())
         record.finishes.append(handle.finish_record())
         # Forget it only once Redis has it: until then it must stay resumable from memory.

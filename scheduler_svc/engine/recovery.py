@@ -71,6 +71,7 @@ async def recover(engine: Engine) -> None:
             continue
         # From what clients may have seen (acknowledged), not more: nothing else survived.
         enqueue(engine, handle, resumed_request(handle, handle.acked_outputs()))
+        engine.usage.admitted(handle)
         engine.metrics.recovered += 1
         log.info("request.resumed", req_id=rec.req_id, num_output_tokens=handle.num_acked)
 

@@ -64,6 +64,8 @@ async def submit(engine: Engine, inp: GenerateInput) -> tuple[RequestHandle, boo
     inp.params.validate(max_logprobs=engine.config.max_logprobs, vocab_size=engine.vocab_size)
     if sum(ex.sched.num_waiting for ex in engine.executors) >= engine.config.max_waiting:
         raise QueueFull(f"waiting queue is full ({engine.config.max_waiting} requests)")
+    if inp.owner:
+        engine.usage.check(inp.owner, len(prompt))
     handle = RequestHandle(
         req_id=req_id,
         prompt_token_ids=prompt,
@@ -92,6 +94,7 @@ async def submit(engine: Engine, inp: GenerateInput) -> tuple[RequestHandle, boo
         return engine.requests[req_id], False
     handle.init_outputs(engine.tokenizer, engine.eos_token_ids, engine.max_model_len)
     engine.requests[req_id] = handle
+    engine.usage.admitted(handle)
     enqueue(
         engine,
         handle,

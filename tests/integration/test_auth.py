@@ -156,3 +156,51 @@ def test_requests_belong_to_the_key_that_created_them(secured):
         assert bob.get_request("shared-id").prompt_token_ids == [9, 10, 11, 12]
         resumed = list(alice.resume("shared-id"))
         assert [t for d in resumed for t in d.token_ids] == [t for d in mine for t in d.token_ids]
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("limits")
+    keys = tmp / "keys.txt"
+    keys.write_text(f"{KEY} alice\n{OTHER_KEY} bob\n")
+    redis = RedisServer(data_dir=tmp / "redis")
+    redis.start()
+    stack = make_stack(
+        tmp,
+        redis,
+        scheduler_args=["--api-key-file", str(keys), "--max-requests-per-key", "1",
+                        "--max-queued-tokens-per-key", "8"],
+    )  # fmt: skip
+    try:
+        yield stack
+    finally:
+        stack.stop()
+        redis.close()
+
+
+def test_per_key_limits_are_resource_exhausted_for_that_key_only(limited):
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    with (
+        LLMClient(limited.address, timeout=30, api_key=KEY) as alice,
+        LLMClient(limited.address, timeout=30, api_key=OTHER_KEY) as bob,
+    ):
+        # A prompt over the key's queued-token limit is refused outright.
+        with pytest.raises(LLMServeError) as e:
+            alice.generate(list(range(5, 15)), SamplingParams(max_tokens=1), use_tqdm=False)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "prompt tokens" in e.value.message
+        # One unfinished request per key: alice's second waits for her first, bob is not held up.
+        stream = alice.stream([5, 6, 7], long, request_id="alice-long")
+        first = next(stream)  # running now
+        assert first.token_ids
+        with pytest.raises(LLMServeError) as e:
+            alice.generate([8, 9], SamplingParams(max_tokens=1), use_tqdm=False)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "unfinished requests" in e.value.message
+        (theirs,) = bob.generate([8, 9], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert theirs.outputs[0].token_ids
+        assert alice.abort("alice-long")
+        for _ in stream:
+            pass
+        (again,) = alice.generate([8, 9], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert again.outputs[0].token_ids
