@@ -193,3 +193,27 @@ def test_dockerfile_shape() -> None:
     assert {"pyproject.toml", "protos", "scheduler_svc", "executor_svc", "client"} <= copied
     for name in copied - {"README.md"}:
         assert (ROOT / name).exists(), name
+
+
+def test_tls_override_is_valid_and_turns_tls_on_everywhere(tmp_path: Path) -> None:
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    result = compose(
+        "config",
+        "--format",
+        "json",
+        files=(COMPOSE_FILE, ROOT / "docker-compose.tls.yml"),
+        LLMSERVE_CERTS_DIR=str(certs),
+    )
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    for name in ("executor", "scheduler", "frontend"):
+        service = services[name]
+        command = service["command"]
+        assert "--tls-cert" in command and "--tls-key" in command, name
+        [mount] = [v for v in service["volumes"] if v["target"] == "/certs"]
+        assert mount["source"] == str(certs) and mount["read_only"]
+        assert "/certs/" in service["healthcheck"]["test"][-1], name
+    assert "--tls-ca" in services["executor"]["command"]  # mutual TLS to the executors
+    assert "--tls-ca" in services["scheduler"]["command"]
+    assert "--scheduler-tls-ca" in services["frontend"]["command"]
