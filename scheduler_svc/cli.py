@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt tokens per API key in requests not yet started (default: any)",
     )
     p.add_argument(
+        "--no-reflection",
+        action="store_true",
+        help="do not serve gRPC reflection (it lists the API's methods to anyone)",
+    )
+    p.add_argument(
         "--api-key-file",
         type=Path,
         help="API keys, one per line (optionally followed by a name); with it or "
@@ -154,7 +159,12 @@ async def run(args: argparse.Namespace) -> None:
     api_keys = load_api_keys(args.api_key_file)
     tls = (args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None
     server = SchedulerServer(
-        config_from_args(args, redis_url), args.host, args.port, api_keys=api_keys, tls=tls
+        config_from_args(args, redis_url),
+        args.host,
+        args.port,
+        api_keys=api_keys,
+        tls=tls,
+        reflection=not args.no_reflection,
     )
     if api_keys:
         log.info("auth.enabled", num_keys=len(api_keys))

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection as grpc_reflection
 
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.api.auth import ApiKeyInterceptor
@@ -32,10 +32,12 @@ class SchedulerServer:
         *,
         api_keys: dict[str, str] | None = None,
         tls: tuple[bytes, bytes] | None = None,
+        reflection: bool = True,
     ) -> None:
         """`api_keys` ({key: name}): when given, the public API requires one of them.
         `tls` (certificate chain, private key) PEM: the public port speaks TLS only."""
         self.tls = tls
+        self.reflection = reflection
         self.config = config
         self.api_keys = api_keys or {}
         self.host = host
@@ -65,9 +67,10 @@ class SchedulerServer:
             SchedulerServicer(self.engine, self.api_keys), self._server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
-        )
+        if self.reflection:
+            grpc_reflection.enable_server_reflection(
+                (SERVICE_NAME, health.SERVICE_NAME, grpc_reflection.SERVICE_NAME), self._server
+            )
         for service in ("", SERVICE_NAME):  # it starts out SERVING
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{self.host}:{self.requested_port}"

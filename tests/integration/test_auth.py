@@ -4,6 +4,11 @@ stay open. Real processes, the official openai client, grpc's own health client.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import grpc
 import openai
 import pytest
@@ -169,7 +174,7 @@ def limited(tmp_path_factory):
         tmp,
         redis,
         scheduler_args=["--api-key-file", str(keys), "--max-requests-per-key", "1",
-                        "--max-queued-tokens-per-key", "8"],
+                        "--max-queued-tokens-per-key", "8", "--no-reflection"],
     )  # fmt: skip
     try:
         yield stack
@@ -204,3 +209,18 @@ def test_per_key_limits_are_resource_exhausted_for_that_key_only(limited):
             pass
         (again,) = alice.generate([8, 9], SamplingParams(max_tokens=2), use_tqdm=False)
         assert again.outputs[0].token_ids
+
+
+def _grpcurl_list(address: str) -> subprocess.CompletedProcess:
+    grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+    return subprocess.run(
+        [grpcurl, "-plaintext", address, "list"], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_reflection_stays_open_with_keys_and_can_be_turned_off(secured, limited):
+    stack, _ = secured
+    listed = _grpcurl_list(stack.address)
+    assert listed.returncode == 0 and "llmserve.v1.Scheduler" in listed.stdout, listed.stderr
+    refused = _grpcurl_list(limited.address)  # started with --no-reflection
+    assert refused.returncode != 0 and "llmserve.v1.Scheduler" not in refused.stdout
