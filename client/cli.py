@@ -11,6 +11,7 @@ from typing import Any
 from client.async_client import default_address
 from client.bench.cli import add_bench_parser, run_bench
 from client.errors import run_guarded
+from client.health import add_health_parser
 from client.outputs import RequestOutput, StreamDelta
 from client.params import SamplingParams
 from client.prompts import ChatPrompt
@@ -217,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     resume.set_defaults(func=cmd_resume)
 
     add_bench_parser(sub)
+    add_health_parser(sub)
     return parser
 
 

@@ -217,3 +217,17 @@ def test_tls_override_is_valid_and_turns_tls_on_everywhere(tmp_path: Path) -> No
     assert "--tls-ca" in services["executor"]["command"]  # mutual TLS to the executors
     assert "--tls-ca" in services["scheduler"]["command"]
     assert "--scheduler-tls-ca" in services["frontend"]["command"]
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_healthchecks_are_exec_form_without_spaces(tmp_path: Path, tls: bool) -> None:
+    # podman's Docker API splits exec-form arguments on spaces; `llmserve health` needs none.
+    files = (COMPOSE_FILE, ROOT / "docker-compose.tls.yml") if tls else (COMPOSE_FILE,)
+    result = compose("config", "--format", "json", files=files, LLMSERVE_CERTS_DIR=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    for name, service in json.loads(result.stdout)["services"].items():
+        test = service["healthcheck"]["test"]
+        assert test[0] == "CMD", name
+        assert not any(" " in arg for arg in test), (name, test)
+        if name != "redis":
+            assert test[1:3] == ["llmserve", "health"], name

@@ -374,3 +374,20 @@ def test_bench_openai_backend_beside_grpc(frontend, llmserve_stack, tmp_path, mo
         assert r["total_input_tokens"] == 48
     if mode == "serve":
         assert http_run["mean_ttft_ms"] > 0 and http_run["mean_tpot_ms"] > 0
+
+
+def test_llmserve_health_command(frontend, llmserve_stack):  # noqa: F811
+    """What the compose healthchecks run: exit 0 only when the target serves."""
+
+    def health(target: str) -> int:
+        return subprocess.run(
+            [sys.executable, "-m", "client.cli", "health", target],
+            capture_output=True,
+            timeout=60,
+        ).returncode
+
+    assert health(llmserve_stack.address) == 0
+    assert health(llmserve_stack.executor_address) == 0
+    assert health(f"http://127.0.0.1:{frontend.port}/health") == 0
+    assert health(f"http://127.0.0.1:{frontend.port}/no-such-page") == 1
+    assert health("127.0.0.1:1") == 1

@@ -165,6 +165,23 @@ def test_the_executor_refuses_clients_without_a_certificate_its_ca_signed(tls_st
     assert _health(tls_stack["executor"], signed) == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_llmserve_health_speaks_tls_and_mutual_tls(tls_stack) -> None:
+    """The command the compose TLS override's healthchecks run."""
+    cert, key = tls_stack["certs"]["scheduler"]
+    ca = str(tls_stack["ca"])
+
+    def health(*args: str) -> int:
+        return subprocess.run(
+            [sys.executable, "-m", "client.cli", "health", *args], capture_output=True, timeout=60
+        ).returncode
+
+    assert health(tls_stack["address"], "--tls-ca", ca) == 0
+    assert health(tls_stack["address"]) == 1  # plaintext to a TLS port
+    executor = tls_stack["executor"]
+    assert health(executor, "--tls-ca", ca, "--tls-cert", str(cert), "--tls-key", str(key)) == 0
+    assert health(executor, "--tls-ca", ca) == 1  # no client certificate
+
+
 def test_frontend_serves_https_and_talks_tls_to_the_scheduler(tls_stack) -> None:
     ca = tls_stack["ca_obj"]
     fe_cert = ca.issue_cert(HOST, "localhost")
