@@ -1,4 +1,4 @@
-# One image for every llmserve role (executor, scheduler, client); docker-compose.yml picks the
+# One image for every llmserve role (executor, scheduler, frontend, client); docker-compose.yml picks the
 # role with `command:`. Build: `docker build -t llmserve:local .`
 #
 # CPU by default. For GPU hosts, build with CUDA wheels of torch instead of the CPU ones:
@@ -40,6 +40,7 @@ COPY protos ./protos
 COPY scheduler_svc ./scheduler_svc
 COPY executor_svc ./executor_svc
 COPY client ./client
+COPY frontend_svc ./frontend_svc
 RUN pip install --no-deps . && rm -rf build *.egg-info
 
 USER llmserve
@@ -47,5 +48,6 @@ USER llmserve
 # every scaled executor replica serves identical weights.
 RUN python -c "from executor_svc.demo_model import ensure_demo_model; print(ensure_demo_model())"
 
-EXPOSE 50051 50061
+# gRPC: scheduler 50051, executor 50061; HTTP: frontend 8000, metrics 9400 (scheduler) 9401 (executor).
+EXPOSE 50051 50061 8000 9400 9401
 CMD ["llmserve-executor", "--model", "demo", "--host", "0.0.0.0", "--port", "50061"]

@@ -190,7 +190,14 @@ def test_dockerfile_shape() -> None:
     # Every packaged directory is copied into the image. (README.md is required by
     # pyproject.toml itself, so any install fails without it; it is not re-checked here.)
     copied = {line.split()[1] for line in lines if line.startswith("COPY ")}
-    assert {"pyproject.toml", "protos", "scheduler_svc", "executor_svc", "client"} <= copied
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert packages >= {"protos", "scheduler_svc", "executor_svc", "client", "frontend_svc"}
+    assert {"pyproject.toml", *packages} <= copied, packages - copied  # every service's code
+    expose = next(line for line in lines if line.startswith("EXPOSE ")).split()[1:]
+    assert {"50051", "50061", "8000", "9400", "9401"} <= set(expose)
     for name in copied - {"README.md"}:
         assert (ROOT / name).exists(), name
 
