@@ -9,6 +9,8 @@
 #   .venv/bin/python -m executor_svc.demo_model /tmp/smol --set hidden_size=576 ...
 # VLLM_PY=/path/to/venv/bin/python also runs `vllm serve` (a separate venv, not a dependency),
 # with VLLM_ARGS added (e.g. "--dtype float32"; vLLM downcasts fp32 checkpoints to bf16 on CPU).
+# STEP_LOG=1: the executor logs every step (debug), summarised by benchmarks/step_log_stats.py;
+# GRPC_ONLY=1 skips the HTTP rounds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -24,7 +26,8 @@ EP=$((SP + 2))
 BENCH=(--workload sharegpt-like --num-prompts "$NUM" --max-concurrency "$CONC" --seed 0 --no-progress)
 
 $PY -m scheduler_svc.local.launch --model "$MODEL_DIR" --scheduler-port "$SP" \
-  --executor-port "$EP" --frontend-port "$FP" --redis-dir "$OUT/redis" >"$OUT/stack.log" 2>&1 &
+  --executor-port "$EP" --frontend-port "$FP" --redis-dir "$OUT/redis" \
+  ${STEP_LOG:+--executor-arg=--log-level=debug} >"$OUT/stack.log" 2>&1 &
 STACK=$!
 trap 'kill $STACK 2>/dev/null || true; wait $STACK 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
@@ -34,12 +37,14 @@ done
 for r in $(seq "$ROUNDS"); do
   $PY -m client.bench serve --backend llmserve --address "127.0.0.1:$SP" "${BENCH[@]}" \
     --output "$OUT/grpc-$r.json" | tail -n 20
+  [ -n "${GRPC_ONLY:-}" ] && continue
   $PY -m client.bench serve --backend openai --base-url "http://127.0.0.1:$FP/v1" \
     --model-dir "$MODEL_DIR" "${BENCH[@]}" --output "$OUT/http-$r.json" | tail -n 20
 done
 kill $STACK
 wait $STACK 2>/dev/null || true
 trap - EXIT
+[ -n "${STEP_LOG:-}" ] && $PY benchmarks/step_log_stats.py "$OUT/stack.log"
 
 if [[ -n "${VLLM_PY:-}" ]]; then
   VP=$((SP + 3))

@@ -161,7 +161,10 @@ class ModelRunner:
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
         )
-        if prompt_logprobs is not None:
+        # Almost no step has a sequence asking: one generator pass, no per-row bookkeeping.
+        if prompt_logprobs is not None and any(
+            s.sampling_params.num_prompt_logprobs is not None for s in seqs
+        ):
             prompt_logprobs.extend(self._prompt_logprobs(seqs, hidden))
         sample_idx, logits = self._sample_logits(batch, hidden)
         t2 = time.perf_counter()

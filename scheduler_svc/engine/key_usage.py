@@ -20,7 +20,6 @@ class KeyUsage:
         self.max_queued_tokens = max_queued_tokens
         self.requests: dict[str, int] = {}
         self.queued_tokens: dict[str, int] = {}
-        self._queued: dict[str, int] = {}  # request id -> its tokens counted as queued
 
     def check(self, owner: str, num_prompt_tokens: int) -> None:
         """RESOURCE_EXHAUSTED (QueueFull) when one more request of `owner` would pass a limit."""
@@ -40,24 +39,25 @@ class KeyUsage:
                 f"its limit is {self.max_queued_tokens}"
             )
 
+    # A request's prompt counts as queued until a step first computes it, which is when the
+    # engine sets handle.scheduled_time (and calls started()).
+
     def admitted(self, handle: RequestHandle) -> None:
         owner = owner_of(handle.req_id)
         if not owner:
             return
         self.requests[owner] = self.requests.get(owner, 0) + 1
-        n = len(handle.prompt_token_ids)
-        self._queued[handle.req_id] = n
-        self.queued_tokens[owner] = self.queued_tokens.get(owner, 0) + n
+        self.queued_tokens[owner] = self.queued_tokens.get(owner, 0) + len(handle.prompt_token_ids)
 
     def started(self, handle: RequestHandle) -> None:
-        n = self._queued.pop(handle.req_id, 0)
-        if n:
-            owner = owner_of(handle.req_id)
-            self.queued_tokens[owner] -= n
+        owner = owner_of(handle.req_id)
+        if owner in self.queued_tokens:
+            self.queued_tokens[owner] -= len(handle.prompt_token_ids)
 
     def finished(self, handle: RequestHandle) -> None:
         owner = owner_of(handle.req_id)
-        if not owner or owner not in self.requests:
+        if owner not in self.requests:
             return
-        self.started(handle)
+        if handle.scheduled_time is None:  # never started: still counted as queued
+            self.queued_tokens[owner] -= len(handle.prompt_token_ids)
         self.requests[owner] -= 1
