@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="talk to executors over TLS, verifying their certificates with this CA",
     )
     p.add_argument(
+        "--executor-tls-server-name",
+        help="with --tls-ca: the name executors' certificates must carry, whatever address is "
+        "dialled (executors found in the registry or behind a scaled service name are dialled "
+        "by IP; e.g. `executor` under docker compose)",
+    )
+    p.add_argument(
         "--max-requests-per-key", type=int, help="unfinished requests per API key (default: any)"
     )
     p.add_argument(
@@ -143,6 +149,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
             if args.tls_ca
             else None
         ),
+        executor_tls_server_name=args.executor_tls_server_name,
     )
 
 
@@ -194,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
         # One executor known under two names (a static alias and its registered address) could
         # end up with two block managers for one KV cache: pick one way of finding executors.
         parser.error("--discover-executors and --executor exclude each other")
+    if args.executor_tls_server_name and not args.tls_ca:
+        parser.error("--executor-tls-server-name needs --tls-ca")
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
     try:

@@ -76,6 +76,8 @@ class EngineConfig:
     # its key), PEM; None = plaintext. With a certificate, executors that require client
     # certificates (mutual TLS) let us in.
     executor_tls: tuple[bytes, bytes | None, bytes | None] | None = None
+    # The name executors' certificates are checked against instead of the dialled host.
+    executor_tls_server_name: str | None = None
 
 
 @dataclass(slots=True)

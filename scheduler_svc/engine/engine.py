@@ -129,6 +129,8 @@ class Engine:
             await asyncio.sleep(self.config.discovery_interval_s)
             for ex in await self.pool.discover():
                 self._spawn(self._loop(ex), f"engine.{ex.address}")
+            if self.pool.retire_gone():
+                self.health.update()
 
     async def stop(self, drain_timeout_s: float = 5.0) -> None:
         """Stop taking requests, let running ones finish for up to `drain_timeout_s`, then stop.
@@ -186,7 +188,7 @@ class Engine:
     # ---------------------------------------------------------------- the loop
 
     async def _loop(self, ex: ExecutorHandle) -> None:
-        while not self._stopping:
+        while not self._stopping and not ex.retired:
             if not ex.healthy:
                 self.persister.kick()
                 await self._reconnect(ex)
@@ -203,6 +205,8 @@ class Engine:
                 await ex.wake.wait()
                 ex.idle = False
             # Busy: RPC handlers (new requests, aborts) run while the next step is awaited.
+        if ex.retired:
+            await ex.channel.close()
 
     async def _step(self, ex: ExecutorHandle) -> bool:
         """One engine step on `ex` (its lock held); True when there was nothing to do."""

