@@ -11,7 +11,7 @@ SCHEDULER_PORT ?= 50051
 FRONTEND_PORT ?= 8000
 METRICS_PORT ?= 9400
 
-.PHONY: install run test test-deps test-unit lint format protos bench clean
+.PHONY: install run test test-deps test-unit lint format protos bench clean smoke
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,12 @@ test-deps:
 # The unit tier alone (no servers, processes or Redis): well under a minute.
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+# docker-compose.yml run for real (needs a Docker-API engine and compose v2; not part of `test`):
+# build, scale, kill and restart the scheduler, check every output. SMOKE_ARGS=--no-build uses
+# images built beforehand (e.g. by ../shared/compose-podman.sh build under podman).
+smoke: $(STAMP)
+	$(PY) deploy/smoke.py $(SMOKE_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -257,3 +257,19 @@ def test_healthchecks_are_exec_form_without_spaces(tmp_path: Path, tls: bool) ->
         assert not any(" " in arg for arg in test), (name, test)
         if name != "redis":
             assert test[1:3] == ["llmserve", "health"], name
+
+
+def test_smoke_script_starts_and_documents_its_steps() -> None:
+    # It needs an engine to run (`make smoke`); here: it imports, parses its options and says
+    # what it does.
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "deploy" / "smoke.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--no-build", "--compose", "--streams"):
+        assert option in proc.stdout
