@@ -243,6 +243,9 @@ class ExecutorInfo:
     num_free_blocks: int
     num_cpu_blocks: int
     healthy: bool
+    prefix_cache_queries: int = 0  # prompt tokens looked up in its prefix cache
+    prefix_cache_hits: int = 0  # of which found there
+    draining: bool = False
 
 
 @dataclass(slots=True)
@@ -260,6 +263,7 @@ class ServerInfo:
     num_swapped: int
     kv_cache_usage: float
     executors: list[ExecutorInfo]
+    routing: str = ""
 
     @classmethod
     def from_proto(cls, msg: pb.GetServerInfoResponse) -> ServerInfo:
@@ -284,9 +288,13 @@ class ServerInfo:
                     num_free_blocks=e.num_free_blocks,
                     num_cpu_blocks=e.num_cpu_blocks,
                     healthy=e.healthy,
+                    prefix_cache_queries=e.prefix_cache_queries,
+                    prefix_cache_hits=e.prefix_cache_hits,
+                    draining=e.draining,
                 )
                 for e in msg.executors
             ],
+            routing=msg.routing,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from scheduler_svc.api.server import SchedulerServer
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.engine import EngineConfig
 from scheduler_svc.engine.metrics import serve_metrics
+from scheduler_svc.engine.routing import ROUTING_POLICIES
 from scheduler_svc.logging import configure_logging
 
 log = structlog.get_logger(__name__)
@@ -98,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt tokens per API key in requests not yet started (default: any)",
     )
     p.add_argument(
+        "--routing",
+        choices=ROUTING_POLICIES,
+        default="kv",
+        help="which executor a new request goes to: kv (where its prompt prefix is cached, "
+        "weighed against load; default), least-loaded, round-robin",
+    )
+    p.add_argument(
         "--no-reflection",
         action="store_true",
         help="do not serve gRPC reflection (it lists the API's methods to anyone)",
@@ -122,6 +130,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
     return EngineConfig(
         executor_addresses=[] if args.discover_executors else args.executor or ["127.0.0.1:50061"],
         discover_executors=args.discover_executors,
+        routing=args.routing,
         redis_url=redis_url,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

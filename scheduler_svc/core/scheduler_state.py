@@ -206,6 +206,10 @@ class SchedulerState:
     def running_request_ids(self) -> list[str]:
         return [r.req_id for r in self._running if r.status == _RUNNING]
 
+    def waiting_requests(self) -> list[Request]:
+        """The waiting requests, in no particular order."""
+        return self._waiting.unordered()
+
     def waiting_request_ids(self) -> list[str]:
         return [r.req_id for r in self._waiting.ordered()]
 

@@ -65,6 +65,8 @@ class EngineConfig:
     # Also serve executors that register themselves in Redis (llmserve-executor --redis-url),
     # checked every discovery_interval_s; with no executor_addresses, wait for the first one.
     discover_executors: bool = False
+    # Where new requests go: "kv" (prefix-cache aware), "least-loaded" or "round-robin".
+    routing: str = "kv"
     discovery_interval_s: float = 2.0
     # How often health probes Redis (a write) and idle executors (Describe).
     health_interval_s: float = 0.5
@@ -104,6 +106,9 @@ class ExecutorInfo:
     num_free_blocks: int
     num_cpu_blocks: int
     healthy: bool
+    prefix_cache_queries: int = 0  # prompt tokens looked up in its prefix cache
+    prefix_cache_hits: int = 0  # of which found there
+    draining: bool = False
 
 
 @dataclass(slots=True)
@@ -124,3 +129,4 @@ class ServerInfo:
     preemption_mode: str
     num_preemptions: int
     prefix_cache_hit_rate: float
+    routing: str = "kv"

@@ -30,6 +30,7 @@ from scheduler_svc.engine.executors import ExecutorHandle, ExecutorPool
 from scheduler_svc.engine.health import HealthMonitor
 from scheduler_svc.engine.key_usage import KeyUsage
 from scheduler_svc.engine.metrics import EngineMetrics
+from scheduler_svc.engine.routing import Router
 from scheduler_svc.engine.step_message import execute_request
 from scheduler_svc.engine.step_results import process_step_outputs
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
@@ -65,6 +66,7 @@ class Engine:
         self.vocab_size = 0
         self.block_size = 0
         self.metrics = EngineMetrics(self)
+        self.router = Router(config.routing)
         self.usage = KeyUsage(config.max_requests_per_key, config.max_queued_tokens_per_key)
         self.persister.on_write = self.metrics.redis_write.observe
 
@@ -129,7 +131,10 @@ class Engine:
             await asyncio.sleep(self.config.discovery_interval_s)
             for ex in await self.pool.discover():
                 self._spawn(self._loop(ex), f"engine.{ex.address}")
-            if self.pool.retire_gone():
+            retired = self.pool.retire_gone()
+            for ex in retired:
+                self.router.forget(ex)
+            if retired:
                 self.health.update()
 
     async def stop(self, drain_timeout_s: float = 5.0) -> None:

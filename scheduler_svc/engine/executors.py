@@ -53,6 +53,8 @@ class ExecutorHandle:
     last_step_time: float = 0.0
     # Left the registry for good (scaled down) and dropped by the pool: its loop ends.
     retired: bool = False
+    # Shutting down gracefully: finishes what it runs, gets no new requests.
+    draining: bool = False
 
 
 def expand_addresses(addresses: list[str]) -> list[str]:

@@ -238,11 +238,26 @@ class EngineMetrics:
             "Seconds each executor spent on steps (its busy fraction is the rate of this).",
             labels=["model_name", "executor"],
         )
+        queries = CounterMetricFamily(
+            "llmserve:executor_prefix_cache_queries",
+            "Prompt tokens looked up in each executor's prefix cache (routing shows in these).",
+            labels=["model_name", "executor"],
+        )
+        hits = CounterMetricFamily(
+            "llmserve:executor_prefix_cache_hits",
+            "Of those, tokens found in the executor's prefix cache.",
+            labels=["model_name", "executor"],
+        )
         for ex in executors:
             steps.add_metric([model, ex.address], ex.num_steps)
             busy.add_metric([model, ex.address], ex.step_seconds)
+            bm = ex.sched.block_manager
+            queries.add_metric([model, ex.address], bm.prefix_cache_queries)
+            hits.add_metric([model, ex.address], bm.prefix_cache_hits)
         yield steps
         yield busy
+        yield queries
+        yield hits
 
 
 class _QuietHandler(WSGIRequestHandler):

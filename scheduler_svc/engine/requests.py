@@ -169,8 +169,7 @@ def check_available(engine: Engine) -> None:
 
 
 def enqueue(engine: Engine, handle: RequestHandle, req: Request) -> None:
-    healthy = [ex for ex in engine.executors if ex.healthy] or engine.executors
-    ex = max(healthy, key=lambda e: (e.sched.num_free_blocks, -e.sched.num_waiting))
+    ex = engine.router.choose(engine.executors, req)
     handle.executor = ex
     ex.sched.add_request(req)
     ex.wake.set()
@@ -281,9 +280,13 @@ def server_info(engine: Engine) -> ServerInfo:
                 num_free_blocks=ex.sched.num_free_blocks,
                 num_cpu_blocks=ex.describe.num_cpu_blocks,
                 healthy=ex.healthy,
+                prefix_cache_queries=ex.sched.block_manager.prefix_cache_queries,
+                prefix_cache_hits=ex.sched.block_manager.prefix_cache_hits,
+                draining=ex.draining,
             )
             for ex in executors
         ],
+        routing=engine.config.routing,
         max_logprobs=engine.config.max_logprobs,
         vocab_size=engine.vocab_size,
         policy=engine.config.policy,

@@ -1,0 +1,62 @@
+"""KV-aware routing over real processes: two executors behind one scheduler.
+
+Requests sharing a prompt prefix, sent one after another, must all be served where that prefix
+is cached under `--routing kv`; `round-robin` (the contrast that shows the test can fail)
+alternates and recomputes the prefix on both. The per-executor counts come from GetServerInfo.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from protos import scheduler_pb2 as pb
+from scheduler_svc.local.redis_server import RedisServer
+from tests.support.api_helpers import generate, stub_for
+from tests.support.stack import Stack, make_stack, tiny_model_dir
+
+EXECUTOR_ARGS = ["--num-device-blocks", "128", "--swap-space", "0.01"]
+BLOCK = 16  # the executor's default block size
+PREFIXES = [[(7 * j + k) % 500 + 1 for j in range(4 * BLOCK)] for k in (1, 2)]  # 4 blocks each
+PER_PREFIX = 4
+
+
+@pytest.mark.parametrize(("policy", "hits"), [("kv", 3), ("round-robin", 2)])
+def test_requests_follow_their_cached_prefix(tmp_path, policy: str, hits: int) -> None:
+    redis = RedisServer(data_dir=tmp_path / "redis")
+    redis.start()
+    (tmp_path / "second").mkdir()
+    second = Stack(
+        workdir=tmp_path / "second",
+        model_dir=tiny_model_dir(tmp_path.parent / "models"),
+        redis=redis,
+        executor_args=EXECUTOR_ARGS,
+    )
+    second.start_executor()
+    stack = make_stack(
+        tmp_path,
+        redis,
+        executor_args=EXECUTOR_ARGS,
+        scheduler_args=["--executor", second.executor_address, "--routing", policy],
+    )
+    try:
+        channel, stub = stub_for(stack.address)
+        for prefix in PREFIXES:
+            for i in range(PER_PREFIX):
+                got = generate(stub, [*prefix, 500 + i, 501 + i], max_tokens=2, ignore_eos=True)
+                assert got.error is None and len(got.tokens[0]) == 2
+        info = stub.GetServerInfo(pb.GetServerInfoRequest())
+        assert info.routing == policy
+        assert len(info.executors) == 2
+        total_hits = sum(e.prefix_cache_hits for e in info.executors)
+        # kv: every request after a prefix's first finds all of its 4 blocks where it goes;
+        # round-robin: only the third and fourth do (each executor computes it once).
+        assert total_hits == len(PREFIXES) * hits * 4 * BLOCK, [
+            (e.prefix_cache_queries, e.prefix_cache_hits) for e in info.executors
+        ]
+        if policy == "round-robin":  # both executors served requests
+            assert all(e.prefix_cache_queries > 0 for e in info.executors)
+        channel.close()
+    finally:
+        stack.stop()
+        second.stop()
+        redis.close()

@@ -1,0 +1,109 @@
+"""Routing across executors (scheduler_svc/engine/routing.py) over real scheduling cores.
+
+Each "executor" here is an ExecutorHandle with a real Scheduler core and no connection: routing
+reads only the cores (their prefix caches, blocks in use, waiting queues) and health flags.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from protos import executor_pb2 as epb
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.engine.executors import ExecutorHandle
+from scheduler_svc.engine.routing import Router, cached_prefix_blocks
+from tests.unit.test_scheduler import make_scheduler, step
+
+BS = 4
+PREFIX_A = list(range(100, 132))  # 8 blocks
+PREFIX_B = list(range(200, 232))
+
+
+def executor(name: str, blocks: int = 64) -> ExecutorHandle:
+    sched = make_scheduler(
+        enable_prefix_caching=True, num_device_blocks=blocks, block_size=BS, max_num_seqs=16
+    )
+    describe = epb.DescribeResponse(instance_id=name, block_size=BS, num_device_blocks=blocks)
+    return ExecutorHandle(name, None, None, describe, sched)  # type: ignore[arg-type]
+
+
+def request(rid: str, prefix: list[int], own: int, max_tokens: int = 2) -> Request:
+    prompt = [*prefix, *[9000 + own * 10 + j for j in range(3)]]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens))
+
+
+def run_to_completion(ex: ExecutorHandle, req: Request) -> None:
+    ex.sched.add_request(req)
+    while ex.sched.num_unfinished:
+        step(ex.sched)
+        ex.step_id += 1
+    ex.sched.take_finished_requests()
+
+
+def warm(ex: ExecutorHandle, prefix: list[int], rid: str) -> None:
+    run_to_completion(ex, request(rid, prefix, own=99))
+
+
+def test_counts_the_leading_blocks_an_executor_has_cached() -> None:
+    a, b = executor("a"), executor("b")
+    warm(a, PREFIX_A, "w")
+    req = request("r", PREFIX_A, own=1)
+    assert cached_prefix_blocks(a, req, {}) == len(PREFIX_A) // BS
+    assert cached_prefix_blocks(b, req, {}) == 0
+    # A prompt that diverges after two blocks matches two.
+    other = request("o", [*PREFIX_A[:8], *range(500, 524)], own=2)
+    assert cached_prefix_blocks(a, other, {}) == 2
+
+
+def test_kv_routes_each_prefix_to_the_executor_holding_it() -> None:
+    a, b = executor("a"), executor("b")
+    warm(a, PREFIX_A, "wa")
+    warm(b, PREFIX_B, "wb")
+    router = Router("kv")
+    for i in range(6):
+        assert router.choose([a, b], request(f"ra{i}", PREFIX_A, own=i)) is a
+        assert router.choose([a, b], request(f"rb{i}", PREFIX_B, own=i)) is b
+
+
+def test_kv_weighs_the_saved_prefill_against_load() -> None:
+    a, b = executor("a"), executor("b")
+    warm(a, PREFIX_A, "wa")
+    router = Router("kv")
+    # Fill a's queue with work: each waiting request needs 9 blocks of prefill. Once a's queued
+    # prefill outweighs the 8 blocks its cache saves, requests go to the idle b.
+    chosen = []
+    for i in range(4):
+        req = request(f"r{i}", PREFIX_A, own=i)
+        ex = router.choose([a, b], req)
+        ex.sched.add_request(req)
+        chosen.append(ex.address)
+    assert chosen[0] == "a" and "b" in chosen
+
+
+def test_least_loaded_and_round_robin_ignore_the_cache() -> None:
+    a, b = executor("a"), executor("b")
+    warm(a, PREFIX_A, "wa")
+    rr = Router("round-robin")
+    picks = [rr.choose([a, b], request(f"r{i}", PREFIX_A, own=i)).address for i in range(4)]
+    assert picks == ["a", "b", "a", "b"]
+    b.sched.add_request(request("busy", PREFIX_B, own=0))
+    least = Router("least-loaded")
+    assert least.choose([a, b], request("x", PREFIX_B, own=5)) is a  # b has one waiting
+
+
+def test_unhealthy_and_draining_executors_get_nothing_while_another_can() -> None:
+    a, b = executor("a"), executor("b")
+    warm(a, PREFIX_A, "wa")
+    router = Router("kv")
+    a.draining = True
+    assert router.choose([a, b], request("r1", PREFIX_A, own=1)) is b
+    a.draining, a.healthy = False, False
+    assert router.choose([a, b], request("r2", PREFIX_A, own=2)) is b
+    b.healthy = False  # nobody healthy: somewhere to queue it all the same
+    assert router.choose([a, b], request("r3", PREFIX_A, own=3)) in (a, b)
+
+
+def test_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        Router("random")
