@@ -206,6 +206,10 @@ class SchedulerState:
     def running_request_ids(self) -> list[str]:
         return [r.req_id for r in self._running if r.status == _RUNNING]
 
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(r.num_seqs_when_running for r in self._running if r.status == _RUNNING)
+
     def waiting_requests(self) -> list[Request]:
         """The waiting requests, in no particular order."""
         return self._waiting.unordered()
@@ -226,7 +230,7 @@ class SchedulerState:
             num_waiting=len(self._waiting),
             num_running=len(running),
             num_swapped=len(self._swapped),
-            num_running_seqs=sum(r.num_seqs_when_running for r in running),
+            num_running_seqs=self.num_running_seqs,
             num_device_blocks=bm.num_device_blocks,
             num_free_blocks=bm.num_free_blocks,
             num_cpu_blocks=bm.num_cpu_blocks,

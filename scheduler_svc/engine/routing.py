@@ -2,10 +2,12 @@
 
 - `kv` (default): the scheduler holds every executor's block manager, so it knows exactly how
   many of a request's leading prompt blocks each executor has in its prefix cache. The cost of
-  an executor is the blocks the request would have to prefill there plus the executor's load
-  (blocks in use, and blocks its waiting requests will need); the cheapest wins. A request whose
-  prefix one executor holds goes there unless that executor is busier by more than the prefill
-  it saves, which is the trade Dynamo's KV router and llm-d's prefix scorer make.
+  an executor is the blocks the request would have to prefill there plus the executor's load:
+  the blocks its waiting requests still have to prefill and one per running sequence (each adds
+  a token to every step). The cheapest wins: a request goes where its prefix is cached unless
+  that executor is busier by more than the prefill it saves, the trade Dynamo's KV router and
+  llm-d's prefix scorer make. Blocks in use are not load: shared prefix blocks are what a
+  request with that prefix would reuse, not add to.
 - `least-loaded`: most free blocks, then fewest waiting requests (ignores caches).
 - `round-robin`: in turn.
 
@@ -65,8 +67,8 @@ class Router:
             )
         self.policy = policy
         self._turn = itertools.count()
-        # Per executor: (step id the figure was computed at, blocks its waiting requests need,
-        # blocks routed to it since). Recounted once per step, not once per request.
+        # Per executor: (step id the load was counted at, that load, blocks routed to it
+        # since). Recounted once per step, not once per request.
         self._pending: dict[int, tuple[int, int, int]] = {}
 
     def choose(self, executors: Sequence[ExecutorHandle], req: Request) -> ExecutorHandle:
@@ -75,6 +77,7 @@ class Router:
             or [ex for ex in executors if ex.healthy]
             or list(executors)
         )
+        cost = None
         if len(candidates) == 1:
             chosen = candidates[0]
         elif self.policy == "round-robin":
@@ -83,35 +86,42 @@ class Router:
             chosen = max(candidates, key=lambda e: (e.sched.num_free_blocks, -e.sched.num_waiting))
         else:
             hashes: dict[int, list[bytes]] = {}
-            costs = [(self._cost(ex, req, hashes), i) for i, ex in enumerate(candidates)]
-            chosen = candidates[min(costs)[1]]
+            cost, i = min((self._cost(ex, req, hashes), i) for i, ex in enumerate(candidates))
+            chosen = candidates[i]
         if self.policy == "kv":
-            self._note_routed(chosen, req)
+            self._note_routed(chosen, req, cost)
         return chosen
 
     def _cost(self, ex: ExecutorHandle, req: Request, hashes: dict[int, list[bytes]]) -> int:
         bm = ex.sched.block_manager
         blocks = bm.num_blocks_for(len(req.seqs[0].token_ids))
         to_prefill = blocks - cached_prefix_blocks(ex, req, hashes)
-        in_use = bm.num_device_blocks - bm.num_free_blocks
-        return to_prefill + in_use + self._pending_blocks(ex)
+        return to_prefill + self._load(ex)
 
-    def _pending_blocks(self, ex: ExecutorHandle) -> int:
+    def _load(self, ex: ExecutorHandle) -> int:
+        """Blocks left to prefill for its waiting requests plus its running sequences; counted
+        from its core once per step, plus what was routed to it since."""
         step, base, added = self._pending.get(id(ex), (-1, 0, 0))
         if step != ex.step_id:
-            bm = ex.sched.block_manager
-            base = sum(
-                bm.num_blocks_for(len(r.seqs[0].token_ids)) for r in ex.sched.waiting_requests()
-            )
+            sched = ex.sched
+            bm = sched.block_manager
+            base = sched.num_running_seqs
+            for r in sched.waiting_requests():
+                seq = r.seqs[0]
+                cached = len(bm.find_cached_prefix(seq, len(seq.token_ids) - 1))
+                base += bm.num_blocks_for(len(seq.token_ids)) - cached
             added = 0
             self._pending[id(ex)] = (ex.step_id, base, added)
         return base + added
 
-    def _note_routed(self, ex: ExecutorHandle, req: Request) -> None:
-        self._pending_blocks(ex)  # make sure the entry is this step's
+    def _note_routed(self, ex: ExecutorHandle, req: Request, cost: int | None) -> None:
+        self._load(ex)  # make sure the entry is this step's
         step, base, added = self._pending[id(ex)]
-        blocks = ex.sched.block_manager.num_blocks_for(len(req.seqs[0].token_ids))
-        self._pending[id(ex)] = (step, base, added + blocks)
+        if cost is None:  # not costed (the only candidate): count all of its blocks
+            cost = ex.sched.block_manager.num_blocks_for(len(req.seqs[0].token_ids))
+        else:
+            cost -= base + added  # its own prefill there
+        self._pending[id(ex)] = (step, base, added + cost)
 
     def forget(self, ex: ExecutorHandle) -> None:
         self._pending.pop(id(ex), None)

@@ -70,15 +70,35 @@ def test_kv_weighs_the_saved_prefill_against_load() -> None:
     a, b = executor("a"), executor("b")
     warm(a, PREFIX_A, "wa")
     router = Router("kv")
-    # Fill a's queue with work: each waiting request needs 9 blocks of prefill. Once a's queued
-    # prefill outweighs the 8 blocks its cache saves, requests go to the idle b.
+    # On a, a request with PREFIX_A prefills 1 block (its own); on b all 9. Each one queued on a
+    # adds its 1 block to a's load, so once a's queue outweighs the 8 blocks its cache saves,
+    # requests go to the idle b.
     chosen = []
-    for i in range(4):
+    for i in range(12):
         req = request(f"r{i}", PREFIX_A, own=i)
         ex = router.choose([a, b], req)
         ex.sched.add_request(req)
         chosen.append(ex.address)
-    assert chosen[0] == "a" and "b" in chosen
+    assert chosen[:9] == ["a"] * 9 and chosen[9] == "b", chosen
+    # At the next step the load is recounted from the cores: a's nine queued requests need a
+    # block each (their prefix is cached there), b's three need 9 each; the next one costs
+    # 1 + 9 on a and 9 + 27 on b.
+    a.step_id += 1
+    b.step_id += 1
+    assert router.choose([a, b], request("next", PREFIX_A, own=50)) is a
+
+
+def test_running_sequences_count_as_load_not_the_blocks_they_share() -> None:
+    a, b = executor("a"), executor("b")
+    warm(a, PREFIX_A, "wa")
+    for i in range(4):  # four requests with the cached prefix start running on a
+        a.sched.add_request(request(f"run{i}", PREFIX_A, own=i, max_tokens=50))
+    step(a.sched)
+    a.step_id += 1
+    assert a.sched.num_running_seqs == 4
+    # a: 1 block to prefill + 4 running; b: 9 blocks. Blocks in use on a (the shared prefix)
+    # are not load: a wins.
+    assert Router("kv").choose([a, b], request("new", PREFIX_A, own=9)) is a
 
 
 def test_least_loaded_and_round_robin_ignore_the_cache() -> None:
