@@ -14,7 +14,8 @@ and printed with its wall time:
   reference N streams, undisturbed: the outputs the next steps must reproduce
   kill      N streams; the scheduler container gets SIGKILL mid-stream and is started again;
             every client re-attaches (Resume) and ends with exactly the reference output
-  scale     N streams while the executors scale 2 -> 3 -> 1; nothing lost, same outputs
+  scale     N streams while the executors scale 2 -> 3 -> 1 (the removed ones drain); nothing
+            lost, same outputs
   down      down -v: no container or volume of the project left
 
 Ends with "N passed, M failed" (exit 1 on any failure). Not part of `make test`: it needs an
@@ -411,9 +412,9 @@ class Smoke:
             raise StepFailed("every stream had finished before the scale-down")
         # The two removed executors are dropped (not dialled for ever), their requests moved.
         wait_until(lambda: listed_executors() == 1, 120, "back to 1 executor", self.pump)
+        # Removed executors drain (finish what they run, up to --drain-timeout); what is left
+        # moves: either way nothing is lost. The count says which happened.
         moved = sum(metric("llmserve:executor_failovers_total").values())
-        if moved == 0:
-            raise StepFailed("no request moved off a removed executor")
         return (
             f"{detail}; {mid} of the second wave mid-stream at the scale-down 3 -> 1, "
             f"{moved:.0f} fail-overs"

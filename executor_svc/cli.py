@@ -59,7 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="host:port schedulers should dial (default: --host:port, or this machine's "
         "address when --host is 0.0.0.0)",
     )
-    p.add_argument("--grace", type=float, default=5.0, help="seconds to drain on SIGTERM/SIGINT")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="seconds in-flight calls get to finish once the server stops",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=20.0,
+        help="on SIGTERM/SIGINT: seconds to keep running the sequences it holds (schedulers "
+        "send it nothing new) before stopping; what is left is recomputed elsewhere. 0: stop "
+        "at once. A second signal stops at once",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tls-cert", type=Path, help="serve TLS with this certificate chain (PEM)")
     p.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
@@ -107,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_ca and not args.tls_cert):
         parser.error("--tls-cert and --tls-key go together; --tls-ca needs them")
+    if args.drain_timeout < 0 or args.grace < 0:
+        parser.error("--drain-timeout and --grace are seconds >= 0")
     tls = None
     if args.tls_cert:
         ca = args.tls_ca.read_bytes() if args.tls_ca else None
@@ -130,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         attention_backend=args.attention_backend,
         tls=tls,
     )
-    server.install_signal_handlers(args.grace)
+    server.install_signal_handlers(args.grace, args.drain_timeout)
     if args.metrics_port is not None:
         from executor_svc.metrics import ExecutorMetrics, serve_metrics
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -137,16 +138,39 @@ class ExecutorServer:
         self.server.stop(grace).wait()
         log.info("executor.stopped")
 
+    def drain(self, timeout: float, grace: float = 5.0) -> None:
+        """Graceful shutdown: say `draining` (Describe and every step reply, so schedulers
+        send nothing new and move what has not started), keep running steps until no sequence
+        is left or `timeout` passes, then stop. Schedulers recompute what is left elsewhere."""
+        self.servicer.draining = True
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        left = self.servicer.num_live_sequences
+        log.info("executor.draining", sequences=left, timeout_s=timeout)
+        deadline = time.monotonic() + timeout
+        while left and time.monotonic() < deadline and not self._stopped.is_set():
+            time.sleep(0.05)
+            left = self.servicer.num_live_sequences
+        log.info("executor.drained", sequences_left=left)
+        self.stop(grace)
+
     def wait(self) -> None:
         self.server.wait_for_termination()
 
-    def install_signal_handlers(self, grace: float = 5.0) -> None:
-        """SIGTERM/SIGINT stop the server gracefully (main thread only)."""
+    def install_signal_handlers(self, grace: float = 5.0, drain_timeout: float = 0.0) -> None:
+        """SIGTERM/SIGINT shut down gracefully (main thread only): drain for up to
+        `drain_timeout` seconds, then stop with `grace`; a second signal stops at once."""
+        signals = 0
 
         def handler(signum: int, frame: object) -> None:
+            nonlocal signals
+            signals += 1
             log.info("executor.signal", signal=signal.Signals(signum).name)
-            # Stop from another thread: server.stop() waits, and signal handlers must return.
-            threading.Thread(target=self.stop, args=(grace,), daemon=True).start()
+            if signals == 1 and drain_timeout > 0 and self.servicer.loaded_runner is not None:
+                target, args = self.drain, (drain_timeout, grace)
+            else:
+                target, args = self.stop, (grace if signals == 1 else 0,)
+            # From another thread: stopping waits, and signal handlers must return.
+            threading.Thread(target=target, args=args, daemon=True).start()
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)

@@ -122,6 +122,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.on_step: Callable[[float], None] | None = None  # seconds of each step (metrics)
         self._model_name = ""
         self._attention_backend = ""
+        # Set by a graceful shutdown: Describe and every step reply say so, and schedulers send
+        # no new sequences.
+        self.draining = False
         if runner is not None:
             self.attach(
                 runner,
@@ -183,6 +186,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             eos_token_ids=list(info.eos_token_ids),
             attention_backend=self._attention_backend,
             max_logprobs=self.max_logprobs,
+            draining=self.draining,
         )
 
     @_rpc
@@ -308,6 +312,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 )
                 for r in prompt_lps
             ],
+            draining=self.draining,
         )
 
     # ---------------------------------------------------------------- state changes

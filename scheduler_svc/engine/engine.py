@@ -245,6 +245,8 @@ class Engine:
                 failpoints.hit("engine.process_step")
             self._process_step(ex, out, resp, record)
             ex.num_crashed_steps = 0
+            if resp.draining:
+                self._draining(ex)
         except Exception as e:
             self._step_crashed(ex, out, record, e)
             try:
@@ -352,6 +354,15 @@ class Engine:
         )
         self.pool.mark_failed(ex)
         self.health.update()
+
+    def _draining(self, ex: ExecutorHandle) -> None:
+        """`ex` said it is shutting down gracefully: nothing new for it, and what it has not
+        started (also a request it preempts) goes elsewhere."""
+        if not ex.draining:
+            log.info("executor.draining", address=ex.address, running=ex.sched.num_running)
+            ex.draining = True
+        if ex.sched.num_waiting:
+            recovery.move_waiting(self, ex)
 
     async def executor_lost(self, ex: ExecutorHandle, reason: str) -> None:
         """`ex` stopped answering or restarted while idle: reconnect it (and recompute)."""

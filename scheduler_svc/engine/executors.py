@@ -130,7 +130,9 @@ class ExecutorPool:
                 instance_id=describe.instance_id,
                 blocks=describe.num_device_blocks,
             )
-            return ExecutorHandle(address, channel, stub, describe, self.new_scheduler(describe))
+            handle = ExecutorHandle(address, channel, stub, describe, self.new_scheduler(describe))
+            handle.draining = describe.draining
+            return handle
 
     async def reconnect(self, ex: ExecutorHandle) -> bool | None:
         """One attempt (after a back-off) to bring an unhealthy executor back: None while it
@@ -144,6 +146,7 @@ class ExecutorPool:
         if describe.instance_id != ex.describe.instance_id:
             log.warning("executor.restarted", address=ex.address, instance_id=describe.instance_id)
         old, ex.describe = ex.describe, describe
+        ex.draining = describe.draining
         return _capacity(describe) != _capacity(old)
 
     async def probe(self, ex: ExecutorHandle, timeout_s: float) -> str | None:
@@ -154,6 +157,7 @@ class ExecutorPool:
             return f"health probe: {e.code().name}"
         if describe.instance_id != ex.describe.instance_id:
             return "restarted"
+        ex.draining = describe.draining
         return None
 
     def mark_failed(self, ex: ExecutorHandle) -> None:
@@ -166,8 +170,10 @@ class ExecutorPool:
         ex.wake.set()
 
     def failover_due(self, ex: ExecutorHandle) -> bool:
-        """Unreachable for `executor_failover_s` while another executor is live."""
-        if time.monotonic() - ex.unhealthy_since < self.config.executor_failover_s:
+        """Unreachable for `executor_failover_s` (at once after it said it was draining: it is
+        not coming back) while another executor is live."""
+        waited = time.monotonic() - ex.unhealthy_since
+        if not ex.draining and waited < self.config.executor_failover_s:
             return False
         return any(e.healthy for e in self.executors if e is not ex)
 

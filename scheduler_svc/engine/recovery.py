@@ -116,6 +116,26 @@ def fail_over(engine: Engine, ex: ExecutorHandle) -> None:
         log.warning("executor.failed_over", address=ex.address, moved_requests=moved)
 
 
+def move_waiting(engine: Engine, ex: ExecutorHandle) -> None:
+    """`ex` is draining: the requests it has not started go to executors taking new work.
+
+    What it is running stays and finishes there while it drains; when it stops, fail-over moves
+    whatever is left (at once: a draining executor is not coming back).
+    """
+    if not any(e.healthy and not e.draining for e in engine.executors if e is not ex):
+        return  # nowhere to go: they wait for it, or for the fail-over
+    moved = 0
+    for req_id in ex.sched.waiting_request_ids():
+        handle = engine.requests.get(req_id)
+        ex.sched.abort_request(req_id)  # not reported: enqueue points the handle elsewhere
+        if handle is None or handle.finished_in_engine:
+            continue
+        enqueue(engine, handle, resumed_request(handle, handle.produced_outputs()))
+        moved += 1
+    if moved:
+        log.info("executor.draining.moved_waiting", address=ex.address, moved_requests=moved)
+
+
 async def resync_store(engine: Engine) -> None:
     """Rewrite every active request to Redis from memory (Redis lost acknowledged data)."""
     for handle in list(engine.requests.values()):

@@ -135,6 +135,8 @@ def test_executor_is_scalable() -> None:
         "redis://redis:6379/0",
     ]
     assert "50061" in executor["healthcheck"]["test"][-1]
+    # Stopping drains (--drain-timeout, 20 s by default): compose must wait longer than that.
+    assert float(executor["stop_grace_period"].rstrip("s")) > 25
     # It registers in Redis, so Redis must be up first.
     assert executor["depends_on"]["redis"]["condition"] == "service_healthy"
 

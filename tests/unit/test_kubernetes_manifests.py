@@ -175,3 +175,16 @@ def test_gpu_variant_requests_a_gpu() -> None:
     [container] = workload["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert workload["metadata"]["name"] == "executor"  # replaces the CPU Deployment
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_executors_drain_within_the_termination_grace_period(gpu: bool) -> None:
+    path = ROOT / "deploy" / "kubernetes" / ("gpu/executor-gpu.yaml" if gpu else "executor.yaml")
+    workload = next(d for d in documents(path) if d["kind"] == "Deployment")
+    pod = workload["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    parsed = executor_parser().parse_args(
+        [a.replace("$(POD_IP)", "10.0.0.7") for a in container["args"]]
+    )
+    # The kubelet SIGKILLs at the end of the grace period: drain, then the server's own grace.
+    assert 0 < parsed.drain_timeout + parsed.grace < pod["terminationGracePeriodSeconds"]
