@@ -138,18 +138,28 @@ class ExecutorServer:
         self.server.stop(grace).wait()
         log.info("executor.stopped")
 
-    def drain(self, timeout: float, grace: float = 5.0) -> None:
+    def drain(self, timeout: float, grace: float = 5.0, idle_s: float = 2.0) -> None:
         """Graceful shutdown: say `draining` (Describe and every step reply, so schedulers
         send nothing new and move what has not started), keep running steps until no sequence
-        is left or `timeout` passes, then stop. Schedulers recompute what is left elsewhere."""
-        self.servicer.draining = True
+        is left or `timeout` passes, then stop. Schedulers recompute what is left elsewhere.
+
+        Sequences that no scheduler steps for `idle_s` (it stopped first, or dropped them) are
+        not waited for."""
+        servicer = self.servicer
+        servicer.draining = True
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        left = self.servicer.num_live_sequences
+        left = servicer.num_live_sequences
         log.info("executor.draining", sequences=left, timeout_s=timeout)
-        deadline = time.monotonic() + timeout
-        while left and time.monotonic() < deadline and not self._stopped.is_set():
+        start = time.monotonic()
+        while left and not self._stopped.is_set():
+            now = time.monotonic()
+            if now - start >= timeout:
+                break
+            if now - max(start, servicer.last_step_time) >= idle_s:
+                log.info("executor.drain.no_scheduler", idle_s=idle_s)
+                break
             time.sleep(0.05)
-            left = self.servicer.num_live_sequences
+            left = servicer.num_live_sequences
         log.info("executor.drained", sequences_left=left)
         self.stop(grace)
 

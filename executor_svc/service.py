@@ -125,6 +125,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         # Set by a graceful shutdown: Describe and every step reply say so, and schedulers send
         # no new sequences.
         self.draining = False
+        self.last_step_time = 0.0  # time.monotonic() of the last ExecuteModel call
         if runner is not None:
             self.attach(
                 runner,
@@ -221,6 +222,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 f"step planned for executor instance {request.instance_id}, this is "
                 f"{self.instance_id} (restarted: its KV cache is gone); Describe and Reset first"
             )
+        self.last_step_time = time.monotonic()
         with self._lock:
             t0 = time.perf_counter()
             plan = validate_step(request, self._seqs, runner, self.max_logprobs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import random
 import signal
+import time
 from pathlib import Path
 
 import grpc
@@ -346,12 +347,27 @@ def test_cli_subprocess_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
             info = stub.Describe(pb.DescribeRequest())
             assert (info.architecture, info.block_size) == ("Qwen2ForCausalLM", 8)
             assert info.num_device_blocks == 32
-            out = ExecutorDriver(stub, info).generate([[5, 6, 7]], 3)
+            driver = ExecutorDriver(stub, info)
+            out = driver.generate([[5, 6, 7]], 3)
             assert len(out["seq-0"]) == 3
-        proc.send_signal(signal.SIGTERM)
+            assert not info.draining
+            driver.add("held", [8, 9, 10])
+            driver.step()  # the executor now holds a sequence
+            # SIGTERM drains: Describe and step replies say so while it still runs the
+            # sequences it holds.
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while not stub.Describe(pb.DescribeRequest()).draining:
+                assert time.monotonic() < deadline, "never said it was draining"
+                time.sleep(0.02)
+            assert driver.step().draining
+        # Nobody steps its sequence any more: it stops after the idle wait, not the 20 s drain.
+        t0 = time.monotonic()
         assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 15
     log = (tmp_path / "executor.log").read_text()
     assert "executor.ready" in log and "step.done" in log
+    assert "executor.draining" in log and "executor.drain.no_scheduler" in log
 
 
 def test_cli_builds_and_serves_demo_model(tmp_path: Path) -> None:
