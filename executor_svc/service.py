@@ -74,7 +74,7 @@ def _rpc(method: F) -> F:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except _NotReady:
             context.abort(grpc.StatusCode.UNAVAILABLE, "executor is still loading its model")
-        except _WrongInstance as e:
+        except (_WrongInstance, _Fenced) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except _StepFailed:
             # Already logged with its traceback; the step was rolled back.
@@ -94,6 +94,10 @@ class _NotReady(Exception):
 
 
 class _WrongInstance(Exception):
+    pass
+
+
+class _Fenced(Exception):
     pass
 
 
@@ -126,6 +130,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         # no new sequences.
         self.draining = False
         self.last_step_time = 0.0  # time.monotonic() of the last ExecuteModel call
+        # Newest scheduler leadership epoch seen in a Reset: older ones are fenced off.
+        self.leader_epoch = 0
         if runner is not None:
             self.attach(
                 runner,
@@ -209,6 +215,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     @_rpc
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> Any:
         with self._lock:
+            self._check_epoch(request.leader_epoch)
+            self.leader_epoch = request.leader_epoch
             num_dropped = len(self._seqs)
             self._seqs.clear()
         log.info("executor.reset", num_dropped=num_dropped)
@@ -224,6 +232,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             )
         self.last_step_time = time.monotonic()
         with self._lock:
+            self._check_epoch(request.leader_epoch)
             t0 = time.perf_counter()
             plan = validate_step(request, self._seqs, runner, self.max_logprobs)
             undo = self._apply(request, plan)
@@ -316,6 +325,13 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             ],
             draining=self.draining,
         )
+
+    def _check_epoch(self, epoch: int) -> None:
+        if epoch < self.leader_epoch:
+            raise _Fenced(
+                f"scheduler leadership epoch {epoch} is older than {self.leader_epoch}: another "
+                "scheduler leads now"
+            )
 
     # ---------------------------------------------------------------- state changes
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 from pathlib import Path
 
 import structlog
@@ -99,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt tokens per API key in requests not yet started (default: any)",
     )
     p.add_argument(
+        "--leader-election",
+        action="store_true",
+        help="run beside other schedulers on the same Redis: serve only while holding the "
+        "leader lease, stand by (health NOT_SERVING) otherwise; a standby takes over within "
+        "about 2 s of the leader's death and recovers every request",
+    )
+    p.add_argument(
         "--routing",
         choices=ROUTING_POLICIES,
         default="kv",
@@ -159,6 +167,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
             else None
         ),
         executor_tls_server_name=args.executor_tls_server_name,
+        leader_election=args.leader_election,
     )
 
 
@@ -195,12 +204,26 @@ async def run(args: argparse.Namespace) -> None:
             log.info("metrics.listening", host=args.host, port=metrics_port)
         if args.port_file:
             args.port_file.write_text(str(port))
-        await stop.wait()
+        lost = asyncio.create_task(server.engine.leadership_lost_event.wait())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if lost.done() and not stop.is_set():
+            # Another scheduler leads: nothing here may write again. Start over as a standby
+            # (a fresh process: no state of this term survives).
+            log.warning("scheduler.restarting_as_standby")
+            restart_as_standby()
         log.info("scheduler.stopping")
     finally:
         await server.stop()
         if redis is not None:
             redis.close()
+
+
+def restart_as_standby() -> None:
+    """Replace this process by a fresh one with the same command line."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -210,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
         # One executor known under two names (a static alias and its registered address) could
         # end up with two block managers for one KV cache: pick one way of finding executors.
         parser.error("--discover-executors and --executor exclude each other")
+    if args.leader_election and not args.redis_url:
+        parser.error("--leader-election needs --redis-url (the Redis every scheduler shares)")
     if args.executor_tls_server_name and not args.tls_ca:
         parser.error("--executor-tls-server-name needs --tls-ca")
     if bool(args.tls_cert) != bool(args.tls_key):

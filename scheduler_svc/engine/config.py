@@ -80,6 +80,11 @@ class EngineConfig:
     executor_tls: tuple[bytes, bytes | None, bytes | None] | None = None
     # The name executors' certificates are checked against instead of the dialled host.
     executor_tls_server_name: str | None = None
+    # Several schedulers on one Redis: serve only while holding the leader lease, stand by
+    # otherwise (scheduler_svc/state/leader.py); the lease expires lease_ttl_s after the last
+    # renewal.
+    leader_election: bool = False
+    lease_ttl_s: float = 2.0
 
 
 @dataclass(slots=True)

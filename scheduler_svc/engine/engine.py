@@ -36,6 +36,7 @@ from scheduler_svc.engine.step_results import process_step_outputs
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
 from scheduler_svc.output.detokenizer import token_byte_table
 from scheduler_svc.output.tokenizer import load_tokenizer
+from scheduler_svc.state.leader import LeaderLease
 from scheduler_svc.state.persister import Persister
 from scheduler_svc.state.store import RequestStore
 
@@ -58,6 +59,11 @@ class Engine:
         self.requests: dict[str, RequestHandle] = {}  # active (unfinished or unacknowledged)
         self.tokenizer = None
         self.ready = False
+        # Leader election: waiting for the lease (standby), and why leadership was lost; once
+        # lost this engine writes nothing more and the process starts over as a standby.
+        self.standby = config.leader_election
+        self.lost_leadership: str | None = None
+        self.leadership_lost_event = asyncio.Event()
         self._stopping = False
         self._tasks: list[asyncio.Task] = []
         self.health = HealthMonitor(self, lambda serving: None, interval_s=config.health_interval_s)
@@ -76,9 +82,49 @@ class Engine:
         if on_ready_change is not None:
             self.health.on_change = on_ready_change
         self.health.update()
+        self.persister.on_fenced = self.leadership_lost
         self.persister.start()
-        self._spawn(self._connect_all(), "engine.connect")
+        if self.config.leader_election:
+            self._spawn(self._lead(), "engine.lead")
+        else:
+            self._spawn(self._connect_all(), "engine.connect")
         self._spawn(self.health.run(), "engine.health")
+
+    async def _lead(self) -> None:
+        """Stand by until this scheduler holds the leader lease, then start serving (connect,
+        recover) with its epoch on every write; hold the lease until it is lost."""
+        lease = LeaderLease(self.config.redis_url, ttl_s=self.config.lease_ttl_s)
+        tasks: list[asyncio.Task] = []
+        try:
+            epoch = await lease.acquire()
+            self.store.epoch = self.pool.epoch = epoch
+            self.standby = False
+            self.health.update()
+            holding = asyncio.create_task(lease.hold(), name="engine.lease")
+            tasks = [holding, asyncio.create_task(self._connect_all(), name="engine.connect")]
+            reason = await holding  # _connect_all runs beside it
+            self.leadership_lost(reason)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if self._stopping and self.lost_leadership is None:
+                await lease.release()  # a clean stop hands over at once
+            await lease.close()
+
+    def leadership_lost(self, reason: str) -> None:
+        """Another scheduler leads now (lease lost, or a write or step was fenced): stop
+        everything at once. Nothing more can be written (Redis and executors refuse this
+        epoch); the caller starts the process over as a standby."""
+        if self.lost_leadership is not None:
+            return
+        self.lost_leadership = reason
+        log.error("leader.lost", reason=reason, epoch=self.store.epoch)
+        self._stopping = True
+        self.ready = False
+        self.health.update()
+        for ex in self.executors:
+            ex.wake.set()
+        self.leadership_lost_event.set()
 
     @property
     def stopping(self) -> bool:
@@ -227,6 +273,7 @@ class Engine:
             ex.step_id += 1
             msg = execute_request(out, ex.step_id)
             msg.instance_id = ex.describe.instance_id
+            msg.leader_epoch = self.pool.epoch
             t0 = time.perf_counter()
             call = ex.stub.ExecuteModel(msg, timeout=self.config.step_timeout_s)
             # The previous step's Redis write goes out now, while the executor computes (its
@@ -250,7 +297,7 @@ class Engine:
         except Exception as e:
             self._step_crashed(ex, out, record, e)
             try:
-                await ex.stub.Reset(epb.ResetRequest(), timeout=5)
+                await ex.stub.Reset(epb.ResetRequest(leader_epoch=self.pool.epoch), timeout=5)
             except grpc.aio.AioRpcError as reset_error:
                 self._step_failed(ex, reset_error)
         return False
@@ -348,6 +395,11 @@ class Engine:
     # ---------------------------------------------------------------- executor faults
 
     def _step_failed(self, ex: ExecutorHandle, e: grpc.aio.AioRpcError) -> None:
+        if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "leadership epoch" in (
+            e.details() or ""
+        ):
+            self.leadership_lost(f"executor {ex.address} refused the step: {e.details()}")
+            return
         ex.consecutive_failures += 1
         log.error(
             "executor.step_failed", address=ex.address, code=e.code().name, details=e.details()

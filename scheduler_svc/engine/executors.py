@@ -83,6 +83,9 @@ class ExecutorPool:
         self.executors: list[ExecutorHandle] = []
         # Instance ids alive in the registry at the last look (discovery only).
         self.registered: set[str] = set()
+        # This scheduler's leader epoch (0: no leader election), sent with every Reset and
+        # step: executors refuse older ones.
+        self.epoch = 0
 
     async def initial_addresses(self) -> list[str]:
         """The executors to connect at start-up (with discovery and no addresses: the
@@ -114,7 +117,7 @@ class ExecutorPool:
                 channel = grpc.aio.secure_channel(address, credentials, options=options)
             stub = epb_grpc.ExecutorStub(channel)
             try:
-                describe = await _handshake(stub)
+                describe = await _handshake(stub, self.epoch)
             except grpc.aio.AioRpcError as e:
                 await channel.close()
                 if not retry:
@@ -140,7 +143,7 @@ class ExecutorPool:
         longer fits it). It is not marked healthy here: the caller first fixes the core."""
         await asyncio.sleep(min(0.1 * 2**ex.consecutive_failures, 2.0))
         try:
-            describe = await _handshake(ex.stub)
+            describe = await _handshake(ex.stub, self.epoch)
         except grpc.aio.AioRpcError:
             return None
         if describe.instance_id != ex.describe.instance_id:
@@ -278,11 +281,11 @@ class ExecutorPool:
         return retired
 
 
-async def _handshake(stub: epb_grpc.ExecutorStub) -> epb.DescribeResponse:
+async def _handshake(stub: epb_grpc.ExecutorStub, epoch: int) -> epb.DescribeResponse:
     """Describe, then Reset: a scheduler (re)connecting owns no blocks on the executor yet,
     and the executor must agree before the first step."""
     describe = await stub.Describe(epb.DescribeRequest(), timeout=5)
-    await stub.Reset(epb.ResetRequest(), timeout=5)
+    await stub.Reset(epb.ResetRequest(leader_epoch=epoch), timeout=5)
     return describe
 
 

@@ -70,6 +70,10 @@ class HealthMonitor:
 
     def _why_not_serving(self) -> str | None:
         engine = self.engine
+        if engine.standby:
+            return "standby: another scheduler holds the leader lease"
+        if engine.lost_leadership is not None:
+            return f"no longer the leader: {engine.lost_leadership}"
         if engine.stopping:
             return "shutting down"
         if not engine.ready:

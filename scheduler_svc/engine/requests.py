@@ -26,7 +26,7 @@ from scheduler_svc.engine.config import (
 )
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
 from scheduler_svc.output.tokenizer import encode_chat, encode_prompt
-from scheduler_svc.state.store import StoredRequest, StoreUnavailable
+from scheduler_svc.state.store import StoredRequest, StoreFenced, StoreUnavailable
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.engine import Engine
@@ -83,6 +83,9 @@ async def submit(engine: Engine, inp: GenerateInput) -> tuple[RequestHandle, boo
     )
     try:
         created = await engine.store.create(record)
+    except StoreFenced as e:
+        engine.leadership_lost(f"a write was refused: {e}")
+        raise Unavailable("this scheduler is no longer the leader; retry") from e
     except StoreUnavailable as e:
         raise Unavailable(
             "request store (Redis) is unavailable; the request was not accepted, retry later"
@@ -178,6 +181,10 @@ def enqueue(engine: Engine, handle: RequestHandle, req: Request) -> None:
 def check_ready(engine: Engine) -> None:
     """Requests that read engine state wait for start-up: until recovery has finished, the
     tokenizer, the model's limits and the set of resumed requests are incomplete."""
+    if engine.standby:
+        raise Unavailable("standby scheduler: another scheduler holds the leader lease")
+    if engine.lost_leadership is not None:
+        raise Unavailable("this scheduler is no longer the leader; retry")
     if engine.stopping:
         raise Unavailable("scheduler is shutting down")
     if not engine.ready:

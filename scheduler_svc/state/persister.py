@@ -21,6 +21,7 @@ import structlog
 from scheduler_svc.state.store import (
     FinishRecord,
     RequestStore,
+    StoreFenced,
     StoreGapError,
     StoreUnavailable,
     TokenAppend,
@@ -62,6 +63,8 @@ class Persister:
         self._resync = resync
         self._queue: deque[StepRecord] = deque()
         self.on_write: Callable[[float], None] | None = None  # seconds of each Redis write
+        # Called once when a write is fenced off (another scheduler leads); the writer stops.
+        self.on_fenced: Callable[[str], None] | None = None
         self._has_work = asyncio.Event()
         self._drained = asyncio.Event()
         self._drained.set()
@@ -131,6 +134,12 @@ class Persister:
             t0 = time.perf_counter()
             try:
                 await self.store.write_step(appends, finishes, prompt_lps)
+            except StoreFenced as e:
+                # Not ours to write any more: nothing queued may ever go out.
+                self.healthy = False
+                if self.on_fenced is not None:
+                    self.on_fenced(f"a write was refused: {e}")
+                return
             except StoreGapError as e:
                 # Redis lost acknowledged data (restarted without persistence): rewrite every
                 # active request from memory, then retry the batch.

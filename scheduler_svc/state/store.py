@@ -27,68 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+
+from scheduler_svc.state.leader import EPOCH_KEY
+from scheduler_svc.state.scripts import APPEND_LUA, BATCH_LUA, CREATE_LUA
 
 FORMAT_VERSION = 1
 UNFINISHED_KEY = "llmserve:index:unfinished"
 EXECUTORS_KEY = "llmserve:index:executors"
 HEALTH_PROBE_KEY = "llmserve:health:probe"
-
-# One call per engine step for every sequence's new tokens. KEYS per append: the tokens list,
-# then the logprobs list when the append has logprobs. ARGV per append: offset, count,
-# has_logprobs, tokens..., [logprob json...]. Returns one value per append: the stored length
-# afterwards, or -1 when the stored list was shorter than `offset` (a gap: Redis lost data and
-# the caller must resynchronise; nothing is written then).
-#
-# The common case costs one RPUSH: the tokens are pushed first and the reply (the new length)
-# shows whether they were all new. If the list already held some of them (a write retried after
-# a lost reply), the duplicates are trimmed off again; if it held fewer than `offset`, the push
-# is undone. Either way the stored list ends exactly as if every token had been written once.
-_APPEND_LUA = """
-local out = {}
-local a = 1
-local k = 1
-while k <= #KEYS do
-  local offset = tonumber(ARGV[a])
-  local count = tonumber(ARGV[a + 1])
-  local with_lp = ARGV[a + 2] == '1'
-  local first = a + 3
-  local key = KEYS[k]
-  local had = redis.call('RPUSH', key, unpack(ARGV, first, first + count - 1)) - count
-  local result = offset + count
-  if had ~= offset then
-    if had == 0 then redis.call('DEL', key) else redis.call('LTRIM', key, 0, had - 1) end
-    if had < offset then
-      result = -1
-    else
-      for i = had - offset + 1, count do redis.call('RPUSH', key, ARGV[first + i - 1]) end
-      result = math.max(had, offset + count)
-    end
-  end
-  if with_lp then
-    if result ~= -1 then
-      local lp_key = KEYS[k + 1]
-      for i = math.max(1, redis.call('LLEN', lp_key) - offset + 1), count do
-        redis.call('RPUSH', lp_key, ARGV[first + count + i - 1])
-      end
-    end
-    k = k + 2
-  else
-    k = k + 1
-  end
-  out[#out + 1] = result
-  a = first + count * (with_lp and 2 or 1)
-end
-return out
-"""
-
-# KEYS: request hash, unfinished set. ARGV: req_id, field, value, ... Claims the id atomically.
-_CREATE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-redis.call('SADD', KEYS[2], ARGV[1])
-return 1
-"""
 
 
 class StoreUnavailable(RuntimeError):
@@ -97,6 +44,10 @@ class StoreUnavailable(RuntimeError):
 
 class StoreFormatError(RuntimeError):
     """A stored record was written by a newer, incompatible scheduler."""
+
+
+class StoreFenced(RuntimeError):
+    """A write was refused: another scheduler holds the leader lease (a newer epoch)."""
 
 
 class StoreGapError(RuntimeError):
@@ -164,10 +115,13 @@ def tokens_key_bulk(req_id: str, index: int) -> bytes:
     return _bulk(_tokens_key(req_id, index).encode())
 
 
-def _pack_appends(sha: str, appends: list[TokenAppend]) -> bytes:
+_EPOCH_KEY_BULK = _bulk(EPOCH_KEY.encode())
+
+
+def _pack_appends(sha: str, appends: list[TokenAppend], epoch: int = 0) -> bytes:
     """The RESP encoding of `EVALSHA sha numkeys KEYS... ARGV...` for the append script."""
-    keys: list[bytes] = []
-    args: list[bytes] = []
+    keys: list[bytes] = [_EPOCH_KEY_BULK]
+    args: list[bytes] = [_int_bulk(epoch)]
     one, zero = _int_bulk(1), _int_bulk(0)
     int_bulk = _int_bulk
     cached = _INT_BULKS.get
@@ -225,8 +179,12 @@ class RequestStore:
             socket_connect_timeout=timeout_s,
             retry_on_timeout=False,
         )
-        self._append = self._redis.register_script(_APPEND_LUA)
-        self._create = self._redis.register_script(_CREATE_LUA)
+        self._append = self._redis.register_script(APPEND_LUA)
+        self._create = self._redis.register_script(CREATE_LUA)
+        self._batch = self._redis.register_script(BATCH_LUA)
+        # The leader epoch writes carry (scheduler_svc/state/leader.py); 0: no leader election,
+        # nothing is fenced and writes go out exactly as before.
+        self.epoch = 0
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -261,13 +219,13 @@ class RequestStore:
             "stop_reasons": json.dumps([None] * rec.n),
             "error": "",
         }
-        args: list[Any] = [rec.req_id]
+        args: list[Any] = [self.epoch, rec.req_id]
         for k, v in mapping.items():
             args.extend((k, v))
         try:
-            return bool(await self._create(keys=[key, UNFINISHED_KEY], args=args))
+            return bool(await self._create(keys=[key, UNFINISHED_KEY, EPOCH_KEY], args=args))
         except (RedisError, OSError) as e:
-            raise StoreUnavailable(f"redis unavailable: {e}") from e
+            raise _unavailable(e) from e
 
     async def write_step(
         self,
@@ -282,22 +240,23 @@ class RequestStore:
             return
         try:
             if prompt_logprobs:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for req_id, entries in prompt_logprobs:
-                        pipe.hset(_request_key(req_id), "prompt_logprobs", json.dumps(entries))
-                    await pipe.execute()
+                batch = self._new_batch()
+                for req_id, entries in prompt_logprobs:
+                    batch.hset(_request_key(req_id), "prompt_logprobs", json.dumps(entries))
+                await self._send_batch(batch)
             results: list[int] = []
             if appends:
-                results = await self._run_append(_pack_appends(self._append.sha, appends))
+                packed = _pack_appends(self._append.sha, appends, self.epoch)
+                results = await self._run_append(packed)
             if finishes:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for f in finishes:
-                        self._queue_finish(pipe, f)
-                    await pipe.execute()
+                batch = self._new_batch()
+                for f in finishes:
+                    self._queue_finish(batch, f)
+                await self._send_batch(batch)
         except (RedisError, OSError) as e:
             # Not only lost connections: a Redis that refuses writes (READONLY replica, OOM,
             # MISCONF, NOREPLICAS, BUSY script) is as unavailable to us as one that is down.
-            raise StoreUnavailable(f"redis unavailable: {e}") from e
+            raise _unavailable(e) from e
         for a, res in zip(appends, results, strict=True):
             if res == -1:
                 raise StoreGapError(f"stored tokens of {a.req_id}/{a.index} end before {a.offset}")
@@ -318,7 +277,7 @@ class RequestStore:
                 if attempt:
                     raise
                 # A restarted Redis forgot the script: load it and send the command again.
-                await self._redis.script_load(_APPEND_LUA)
+                await self._redis.script_load(APPEND_LUA)
             except BaseException:
                 await conn.disconnect()
                 raise
@@ -347,14 +306,28 @@ class RequestStore:
     async def rewrite_outputs(self, req_id: str, outputs: list[list[int]]) -> None:
         """Replace stored tokens with `outputs` (after Redis lost data it had acknowledged)."""
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                for i, toks in enumerate(outputs):
-                    pipe.delete(_tokens_key(req_id, i))
-                    if toks:
-                        pipe.rpush(_tokens_key(req_id, i), *toks)
-                await pipe.execute()
+            batch = self._new_batch(transaction=True)
+            for i, toks in enumerate(outputs):
+                batch.delete(_tokens_key(req_id, i))
+                if toks:
+                    batch.rpush(_tokens_key(req_id, i), *toks)
+            await self._send_batch(batch)
         except (RedisError, OSError) as e:
-            raise StoreUnavailable(f"redis unavailable: {e}") from e
+            raise _unavailable(e) from e
+
+    def _new_batch(self, *, transaction: bool = False) -> Any:
+        """Where a group of writes is queued: a redis-py pipeline, or under leader election a
+        recorder sent as one fenced script call (atomic, like a transaction)."""
+        if self.epoch:
+            return _FencedBatch()
+        return self._redis.pipeline(transaction=transaction)
+
+    async def _send_batch(self, batch: Any) -> None:
+        if isinstance(batch, _FencedBatch):
+            await self._batch(keys=[EPOCH_KEY], args=[self.epoch, *batch.args])
+        else:
+            async with batch as pipe:
+                await pipe.execute()
 
     async def get(self, req_id: str, *, from_index: int = 0) -> StoredRequest | None:
         """The stored request with outputs from `from_index` on; None if unknown or expired."""
@@ -409,6 +382,45 @@ class RequestStore:
                 out.append(rec)
         out.sort(key=lambda r: r.arrival_time)
         return out
+
+
+class _FencedBatch:
+    """Records the write commands the store queues (the pipeline methods it uses) as the
+    flat argument list of the fenced batch script."""
+
+    def __init__(self) -> None:
+        self.args: list[Any] = []
+
+    def _add(self, *cmd: Any) -> None:
+        self.args.append(len(cmd))
+        self.args.extend(cmd)
+
+    def hset(
+        self, key: str, field: str | None = None, value: Any = None, mapping: dict | None = None
+    ) -> None:
+        pairs = [] if field is None else [field, value]
+        for k, v in (mapping or {}).items():
+            pairs.extend((k, v))
+        self._add("HSET", key, *pairs)
+
+    def srem(self, key: str, *members: Any) -> None:
+        self._add("SREM", key, *members)
+
+    def pexpire(self, key: str, ms: int) -> None:
+        self._add("PEXPIRE", key, ms)
+
+    def delete(self, *keys: str) -> None:
+        self._add("DEL", *keys)
+
+    def rpush(self, key: str, *values: Any) -> None:
+        self._add("RPUSH", key, *values)
+
+
+def _unavailable(e: BaseException) -> Exception:
+    """The store's error for a failed Redis call: fenced off, or unavailable."""
+    if isinstance(e, ResponseError) and str(e).startswith("FENCED"):
+        return StoreFenced(str(e))
+    return StoreUnavailable(f"redis unavailable: {e}")
 
 
 def _decode_record(req_id: str, fields: dict[bytes, bytes]) -> StoredRequest:

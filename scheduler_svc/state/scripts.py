@@ -1,0 +1,90 @@
+"""The server-side (Lua) scripts of the request store (scheduler_svc/state/store.py).
+
+Each script that writes request state first checks the writer's leader epoch when leader
+election is on (scheduler_svc/state/leader.py): a scheduler that lost the lease gets a
+`FENCED` error and nothing is written.
+"""
+
+from __future__ import annotations
+
+__all__ = ["APPEND_LUA", "BATCH_LUA", "CREATE_LUA"]
+
+# One call per engine step for every sequence's new tokens. KEYS[1] and ARGV[1]: the leader
+# epoch key and the writer's epoch ("0": no leader election; otherwise the write is refused
+# unless that epoch is the current one, see scheduler_svc/state/leader.py). Then KEYS per
+# append: the tokens list, then the logprobs list when the append has logprobs. ARGV per
+# append: offset, count, has_logprobs, tokens..., [logprob json...]. Returns one value per append: the stored length
+# afterwards, or -1 when the stored list was shorter than `offset` (a gap: Redis lost data and
+# the caller must resynchronise; nothing is written then).
+#
+# The common case costs one RPUSH: the tokens are pushed first and the reply (the new length)
+# shows whether they were all new. If the list already held some of them (a write retried after
+# a lost reply), the duplicates are trimmed off again; if it held fewer than `offset`, the push
+# is undone. Either way the stored list ends exactly as if every token had been written once.
+APPEND_LUA = """
+if ARGV[1] ~= '0' and redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return redis.error_reply('FENCED leadership epoch ' .. ARGV[1] .. ' is not the current one')
+end
+local out = {}
+local a = 2
+local k = 2
+while k <= #KEYS do
+  local offset = tonumber(ARGV[a])
+  local count = tonumber(ARGV[a + 1])
+  local with_lp = ARGV[a + 2] == '1'
+  local first = a + 3
+  local key = KEYS[k]
+  local had = redis.call('RPUSH', key, unpack(ARGV, first, first + count - 1)) - count
+  local result = offset + count
+  if had ~= offset then
+    if had == 0 then redis.call('DEL', key) else redis.call('LTRIM', key, 0, had - 1) end
+    if had < offset then
+      result = -1
+    else
+      for i = had - offset + 1, count do redis.call('RPUSH', key, ARGV[first + i - 1]) end
+      result = math.max(had, offset + count)
+    end
+  end
+  if with_lp then
+    if result ~= -1 then
+      local lp_key = KEYS[k + 1]
+      for i = math.max(1, redis.call('LLEN', lp_key) - offset + 1), count do
+        redis.call('RPUSH', lp_key, ARGV[first + count + i - 1])
+      end
+    end
+    k = k + 2
+  else
+    k = k + 1
+  end
+  out[#out + 1] = result
+  a = first + count * (with_lp and 2 or 1)
+end
+return out
+"""
+
+# KEYS: request hash, unfinished set, leader epoch. ARGV: epoch, req_id, field, value, ...
+# Claims the id atomically.
+CREATE_LUA = """
+if ARGV[1] ~= '0' and redis.call('GET', KEYS[3]) ~= ARGV[1] then
+  return redis.error_reply('FENCED leadership epoch ' .. ARGV[1] .. ' is not the current one')
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('SADD', KEYS[2], ARGV[2])
+return 1
+"""
+
+# Any other writes under leader election, fenced as one script call. KEYS[1]: leader epoch.
+# ARGV: epoch, then each command as its argument count followed by its arguments.
+BATCH_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return redis.error_reply('FENCED leadership epoch ' .. ARGV[1] .. ' is not the current one')
+end
+local i = 2
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  redis.call(unpack(ARGV, i + 1, i + n))
+  i = i + n + 1
+end
+return 1
+"""
