@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.attention import AttentionMetadata
-from executor_svc.model_runner import BatchInputs
+from executor_svc.batch import BatchInputs
 from executor_svc.parallel.group import TPGroup
 
 OP_SHUTDOWN = 0
