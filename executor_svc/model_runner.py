@@ -114,9 +114,10 @@ class ModelRunner:
             else:
                 num_device_blocks = cpu_num_blocks(bytes_per_block)
             num_device_blocks = min(num_device_blocks, cap)
-            if tp is not None:
-                # One block table addresses every rank's cache: the smallest one sets the size.
-                num_device_blocks = tp.min_over_ranks(num_device_blocks)
+        if tp is not None:
+            # One block table addresses every rank's cache: the smallest one sets the size. Also
+            # the point where rank 0 knows every rank has loaded its shard.
+            num_device_blocks = tp.min_over_ranks(num_device_blocks)
         if num_device_blocks < 1:
             raise RuntimeError(
                 "no memory left for the KV cache; lower the model size or max_model_len"
