@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -42,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swap-space", type=float, default=1.0, help="CPU swap pool size in GiB")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N ranks: this process and N-1 workers it starts (gloo on "
+        "the CPU, NCCL on CUDA with one device per rank); N must divide the attention heads",
+    )
     p.add_argument(
         "--cpu-threads",
         type=int,
@@ -126,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tls_cert:
         ca = args.tls_ca.read_bytes() if args.tls_ca else None
         tls = (args.tls_cert.read_bytes(), args.tls_key.read_bytes(), ca)
+    tp_error = _tensor_parallel_error(args)
+    if tp_error is not None:
+        parser.error(tp_error)
     configure_logging(args.log_level)
     if args.cpu_threads:
         import torch
@@ -144,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
         tls=tls,
+        tensor_parallel_size=args.tensor_parallel_size,
+        log_level=args.log_level,
     )
     server.install_signal_handlers(args.grace, args.drain_timeout)
     if args.metrics_port is not None:
@@ -182,6 +196,27 @@ def main(argv: list[str] | None = None) -> int:
         if registration is not None:
             registration.stop()
     return 0
+
+
+def _tensor_parallel_error(args: argparse.Namespace) -> str | None:
+    """A usage error for a --tensor-parallel-size the model or the machine cannot take (checked
+    before the port opens; a model that cannot be read is reported by the load as before)."""
+    if args.tensor_parallel_size == 1:
+        return None
+    from executor_svc.parallel.launcher import tensor_parallel_error
+
+    if str(args.model) == "demo":
+        from executor_svc.demo_model import COMMON_CONFIG, SIZES
+
+        config = {**COMMON_CONFIG, **SIZES["demo"]}
+    else:
+        try:
+            config = json.loads((Path(args.model).expanduser() / "config.json").read_text())
+        except (OSError, ValueError):
+            config = None
+    if config is None:
+        return None if args.tensor_parallel_size > 1 else "--tensor-parallel-size must be >= 1"
+    return tensor_parallel_error(config, args.tensor_parallel_size, args.device)
 
 
 def advertised_address(host: str, port: int) -> str:

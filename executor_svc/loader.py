@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -19,6 +19,9 @@ from safetensors import safe_open
 
 from executor_svc.attention import AttentionBackend
 from executor_svc.models import MODEL_REGISTRY, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from executor_svc.parallel.group import TPGroup
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -39,11 +42,12 @@ class ModelInfo:
     max_model_len: int  # longest prompt + output accepted (<= max_position_embeddings)
     eos_token_ids: list[int]  # generation_config.json first, config.json as fallback
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # K/V heads this process holds (all of them without tensor parallelism)
     head_dim: int
     dtype: torch.dtype  # of weights and KV cache
     device: torch.device
     hidden_size: int
+    tensor_parallel_size: int = 1
 
     @property
     def dtype_name(self) -> str:
@@ -139,8 +143,13 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                 if name not in params:
                     raise KeyError(f"checkpoint tensor {ckpt_name!r} matches no model parameter")
                 param = params[name]
+                # A sharded parameter reads only its slice of the tensor (tensor parallelism).
+                if getattr(param, "loads_slice", False):
+                    tensor = f.get_slice(ckpt_name)
+                else:
+                    tensor = f.get_tensor(ckpt_name)
                 # copy_ inside the loader converts dtype and moves to the device in one step.
-                param.weight_loader(param, f.get_tensor(ckpt_name), shard_id)
+                param.weight_loader(param, tensor, shard_id)
                 loaded.add((name, shard_id))
     missing = sorted(str(m) for m in expected - loaded)
     if missing:
@@ -154,8 +163,10 @@ def load_model(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype = "auto",
     max_model_len: int | None = None,
+    tp: TPGroup | None = None,
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
-    """Build the model for ``model_dir`` on ``device`` in ``dtype`` and load its weights."""
+    """Build the model for ``model_dir`` on ``device`` in ``dtype`` and load its weights; with
+    ``tp``, this rank's shard of it, reading only that shard from the checkpoint."""
     model_dir = Path(model_dir)
     config = _read_json(model_dir / "config.json")
     if not config:
@@ -176,7 +187,12 @@ def load_model(
     torch.set_default_dtype(torch_dtype)
     try:
         with torch.device(dev):
-            model = model_cls(cfg, backend, max_positions=max_len)
+            if tp is None:
+                model = model_cls(cfg, backend, max_positions=max_len)
+            else:
+                from executor_svc.parallel.model import ParallelLlamaForCausalLM
+
+                model = ParallelLlamaForCausalLM(cfg, backend, max_len, tp)
     finally:
         torch.set_default_dtype(old_dtype)
     with torch.no_grad():
@@ -190,11 +206,12 @@ def load_model(
         max_model_len=max_len,
         eos_token_ids=_eos_token_ids(model_dir, config),
         num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
+        num_kv_heads=model.local_config.num_kv_heads if tp is not None else cfg.num_kv_heads,
         head_dim=cfg.head_dim,
         dtype=torch_dtype,
         device=dev,
         hidden_size=cfg.hidden_size,
+        tensor_parallel_size=tp.world_size if tp is not None else 1,
     )
     return model, info
 

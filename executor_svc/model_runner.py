@@ -7,6 +7,7 @@ sequence that completed its scheduled tokens up to the end of what is known.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from executor_svc.attention import AttentionMetadata, get_attention_backend
+from executor_svc.batch import BatchInputs
 from executor_svc.kv_cache import (
     GIB,
     PROFILE_NUM_TOKENS,
@@ -29,6 +31,7 @@ from executor_svc.kv_cache import (
 from executor_svc.loader import ModelInfo, load_model, resolve_device
 
 if TYPE_CHECKING:
+    from executor_svc.parallel.group import TPGroup
     from executor_svc.sampler import Sampler, SamplingParams
 
 MAX_PROFILE_SAMPLE_ROWS = 256  # logits rows in the CUDA profiling run (a large decode batch)
@@ -67,17 +70,6 @@ class PromptLogprobResult:
     top: list[list[tuple[int, float]]]  # per token: num_prompt_logprobs alternatives
 
 
-@dataclass(slots=True)
-class BatchInputs:
-    """Flattened model inputs of one step (on the device)."""
-
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    attn_metadata: AttentionMetadata
-    sample_seq_indices: list[int]  # which of the step's sequences sample
-    sample_rows: torch.Tensor  # [num_samples] int64: their last token's row in the batch
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -91,13 +83,22 @@ class ModelRunner:
         swap_space_gib: float = 1.0,
         max_model_len: int | None = None,
         attention_backend: str = "auto",
+        tp: TPGroup | None = None,
     ) -> None:
+        """``tp``: this process's rank of a tensor-parallel group (every rank builds its own
+        runner, in the same order, since loading and profiling involve collectives)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.device = resolve_device(device)
         self.backend = get_attention_backend(attention_backend, self.device)
+        self.tp = tp
         self.model, self.info = load_model(
-            model_dir, self.backend, device=self.device, dtype=dtype, max_model_len=max_model_len
+            model_dir,
+            self.backend,
+            device=self.device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            tp=tp,
         )
         info: ModelInfo = self.info
         self.block_size = block_size
@@ -113,6 +114,10 @@ class ModelRunner:
             else:
                 num_device_blocks = cpu_num_blocks(bytes_per_block)
             num_device_blocks = min(num_device_blocks, cap)
+        if tp is not None:
+            # One block table addresses every rank's cache: the smallest one sets the size. Also
+            # the point where rank 0 knows every rank has loaded its shard.
+            num_device_blocks = tp.min_over_ranks(num_device_blocks)
         if num_device_blocks < 1:
             raise RuntimeError(
                 "no memory left for the KV cache; lower the model size or max_model_len"
@@ -132,6 +137,13 @@ class ModelRunner:
         self._sampler: Sampler | None = None
         # Seconds per phase of execute(), for metrics (plain floats: one add per phase a step).
         self.phase_seconds = {"cache_ops": 0.0, "forward": 0.0, "sampling": 0.0}
+        # Rank 0 of a tensor-parallel group sends every step to the other ranks first.
+        self._send_step = None
+        if tp is not None and tp.is_first and tp.world_size > 1:
+            from executor_svc.parallel.step import send_step
+
+            self._send_step = functools.partial(send_step, tp)
+            self.phase_seconds["broadcast"] = 0.0
 
     # ------------------------------------------------------------------ step
 
@@ -149,6 +161,11 @@ class ModelRunner:
         # Swap-out first: blocks it frees may be the very destinations of this step's swap-in or
         # copies. Copies last: a copy source may be a block just swapped in.
         phases = self.phase_seconds
+        batch = None
+        if self._send_step is not None:
+            batch = self._broadcast_step(
+                seqs, blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, prompt_logprobs
+            )
         t0 = time.perf_counter()
         self.kv_cache.swap_out(blocks_to_swap_out)
         self.kv_cache.swap_in(blocks_to_swap_in)
@@ -157,7 +174,8 @@ class ModelRunner:
         phases["cache_ops"] += t1 - t0
         if not seqs:
             return []
-        batch = self.prepare_inputs(seqs)
+        if batch is None:
+            batch = self.prepare_inputs(seqs)
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
         )
@@ -175,9 +193,36 @@ class ModelRunner:
         phases["sampling"] += time.perf_counter() - t2
         return results
 
+    def _broadcast_step(
+        self,
+        seqs: list[ScheduledSequence],
+        blocks_to_swap_out: list[tuple[int, int]],
+        blocks_to_swap_in: list[tuple[int, int]],
+        blocks_to_copy: list[tuple[int, int]],
+        prompt_logprobs: list[PromptLogprobResult] | None,
+    ) -> BatchInputs | None:
+        """Rank 0: flatten the batch (what can reject the step happens before anything is sent)
+        and send the step to the other ranks; returns the batch on this rank's device."""
+        from executor_svc.parallel.step import StepMessage
+
+        t0 = time.perf_counter()
+        host = self.prepare_inputs(seqs, torch.device("cpu")) if seqs else None
+        ranges = []
+        if prompt_logprobs is not None and any(
+            s.sampling_params.num_prompt_logprobs is not None for s in seqs
+        ):
+            ranges = [(r, r + b - a) for _, _, a, b, r in self._prompt_logprob_chunks(seqs)]
+        msg = StepMessage(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, host, ranges)
+        self._send_step(msg)
+        self.phase_seconds["broadcast"] += time.perf_counter() - t0
+        return host.to(self.device) if host is not None else None
+
     @torch.inference_mode()
     def forward_logits(self, seqs: list[ScheduledSequence]) -> tuple[list[int], torch.Tensor]:
-        """Forward the step's tokens; logits [num_samples, vocab] fp32 of the sampling ones."""
+        """Forward the step's tokens; logits [num_samples, vocab] fp32 of the sampling ones.
+        Single-process runners only (no step is sent to tensor-parallel workers)."""
+        if self._send_step is not None:
+            raise RuntimeError("forward_logits is not available with tensor parallelism")
         batch = self.prepare_inputs(seqs)
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
@@ -192,43 +237,57 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
         return batch.sample_seq_indices, logits.float()
 
-    def _prompt_logprobs(
-        self, seqs: list[ScheduledSequence], hidden: torch.Tensor
-    ) -> list[PromptLogprobResult]:
-        """Prompt logprobs of the sequences that ask: the row at position p predicts the
-        prompt token at p + 1, for p + 1 < num_prompt_tokens (the last prompt position predicts
-        the first output, which the sampler handles)."""
-        out: list[PromptLogprobResult] = []
+    @staticmethod
+    def _prompt_logprob_chunks(
+        seqs: list[ScheduledSequence],
+    ) -> list[tuple[int, int, int, int, int]]:
+        """The LM-head passes prompt logprobs take, in order: (sequence index, k, first
+        position a, end position b, batch row of position a). The row at position p predicts
+        the prompt token at p + 1, for p + 1 < num_prompt_tokens (the last prompt position
+        predicts the first output, which the sampler handles)."""
+        chunks = []
         row = 0
-        for s in seqs:
+        for i, s in enumerate(seqs):
             k = s.sampling_params.num_prompt_logprobs
             start, n = s.num_computed_tokens, s.num_scheduled_tokens
             end = min(start + n, s.num_prompt_tokens - 1)
-            if k is not None and end > start:
-                res = PromptLogprobResult(s.seq_id, start + 1, [], [])
+            if k is not None:
                 for a in range(start, end, PROMPT_LOGPROB_ROWS):
-                    b = min(a + PROMPT_LOGPROB_ROWS, end)
-                    h = hidden[row + a - start : row + b - start]
-                    logits = self.model.compute_logits(h).float()
-                    lse = torch.logsumexp(logits, dim=-1)
-                    targets = torch.tensor(s.token_ids[a + 1 : b + 1], device=logits.device)
-                    lps = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
-                    res.logprobs.extend(lps.tolist())
-                    if k > 0:
-                        vals, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
-                        top_lps = (vals - lse[:, None]).tolist()
-                        res.top.extend(
-                            list(zip(i, v, strict=True))
-                            for i, v in zip(ids.tolist(), top_lps, strict=True)
-                        )
-                    else:
-                        res.top.extend([] for _ in range(b - a))
-                out.append(res)
+                    chunks.append((i, k, a, min(a + PROMPT_LOGPROB_ROWS, end), row + a - start))
             row += n
-        return out
+        return chunks
 
-    def prepare_inputs(self, seqs: list[ScheduledSequence]) -> BatchInputs:
-        """Flatten the step's sequences; per-sequence Python work only, never per token."""
+    def _prompt_logprobs(
+        self, seqs: list[ScheduledSequence], hidden: torch.Tensor
+    ) -> list[PromptLogprobResult]:
+        """Prompt logprobs of the sequences that ask (see ``_prompt_logprob_chunks``)."""
+        by_seq: dict[int, PromptLogprobResult] = {}
+        for i, k, a, b, row in self._prompt_logprob_chunks(seqs):
+            s = seqs[i]
+            res = by_seq.get(i)
+            if res is None:
+                res = by_seq[i] = PromptLogprobResult(s.seq_id, a + 1, [], [])
+            logits = self.model.compute_logits(hidden[row : row + b - a]).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            targets = torch.tensor(s.token_ids[a + 1 : b + 1], device=logits.device)
+            lps = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+            res.logprobs.extend(lps.tolist())
+            if k > 0:
+                vals, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
+                top_lps = (vals - lse[:, None]).tolist()
+                res.top.extend(
+                    list(zip(i_, v, strict=True))
+                    for i_, v in zip(ids.tolist(), top_lps, strict=True)
+                )
+            else:
+                res.top.extend([] for _ in range(b - a))
+        return list(by_seq.values())
+
+    def prepare_inputs(
+        self, seqs: list[ScheduledSequence], device: torch.device | None = None
+    ) -> BatchInputs:
+        """Flatten the step's sequences onto ``device`` (default: the model's); per-sequence
+        Python work only, never per token."""
         bs = self.block_size
         num_seqs = len(seqs)
         starts = [s.num_computed_tokens for s in seqs]
@@ -274,7 +333,7 @@ class ModelRunner:
         sample_seq_indices = [i for i, s in enumerate(seqs) if seq_lens[i] == len(s.token_ids)]
         sample_rows = query_start_loc[1:].long()[sample_seq_indices] - 1
 
-        dev = self.device
+        dev = self.device if device is None else device
         md = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
             block_tables=block_tables.to(dev),
@@ -351,4 +410,6 @@ class ModelRunner:
         positions = torch.arange(seq_len, device=dev).repeat(num_seqs)
         hidden = self.model(input_ids, positions, layers, md)
         rows = hidden[:1].expand(MAX_PROFILE_SAMPLE_ROWS, -1)
-        torch.softmax(self.model.compute_logits(rows).float(), dim=-1)
+        logits = self.model.compute_logits(rows)  # None on tensor-parallel ranks but the first
+        if logits is not None:
+            torch.softmax(logits.float(), dim=-1)

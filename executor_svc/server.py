@@ -6,6 +6,7 @@ watch the executor come up; health flips to SERVING once the weights and the KV 
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -53,11 +54,18 @@ class ExecutorServer:
         *,
         max_workers: int = 8,
         tls: tuple[bytes, bytes, bytes | None] | None = None,
+        tensor_parallel_size: int = 1,
+        log_level: str = "info",
         **runner_kwargs: Any,
     ) -> None:
         """`tls`: (certificate chain, private key, client CA) PEM; with a client CA only
-        clients holding a certificate it signed get through (mutual TLS)."""
+        clients holding a certificate it signed get through (mutual TLS).
+        `tensor_parallel_size` > 1: this process is rank 0 and `load()` starts the other
+        ranks (from the calling thread, which must outlive them: they die with it)."""
         self.tls = tls
+        self.tensor_parallel_size = tensor_parallel_size
+        self.log_level = log_level
+        self.tp_workers: Any = None  # parallel.launcher.TPWorkers once started
         self.model = model
         self.host = host
         self.requested_port = port
@@ -82,6 +90,7 @@ class ExecutorServer:
         )
         self.port = 0
         self._stopped = threading.Event()
+        self._stop_done = threading.Event()
 
     def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -112,7 +121,22 @@ class ExecutorServer:
         from executor_svc.model_runner import ModelRunner
 
         model_dir, model_name = resolve_model(self.model)
-        runner = ModelRunner(model_dir, **self.runner_kwargs)
+        kwargs, tp = self.runner_kwargs, None
+        if self.tensor_parallel_size > 1:
+            from executor_svc.parallel.launcher import TPWorkers, tensor_parallel_error
+
+            config = json.loads((model_dir / "config.json").read_text())
+            error = tensor_parallel_error(
+                config, self.tensor_parallel_size, kwargs.get("device", "auto")
+            )
+            if error is not None:
+                raise ValueError(error)
+            self.tp_workers = TPWorkers(
+                self.tensor_parallel_size, model_dir, kwargs, log_level=self.log_level
+            )
+            tp = self.tp_workers.start()
+            kwargs = {**kwargs, "device": str(tp.device)}
+        runner = ModelRunner(model_dir, tp=tp, **kwargs)
         self.servicer.attach(runner, model_dir=model_dir, model_name=model_name)
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         info = runner.info
@@ -126,6 +150,7 @@ class ExecutorServer:
             block_size=runner.block_size,
             num_device_blocks=runner.num_device_blocks,
             num_cpu_blocks=runner.num_cpu_blocks,
+            tensor_parallel_size=info.tensor_parallel_size,
             instance_id=self.servicer.instance_id,
         )
 
@@ -136,7 +161,10 @@ class ExecutorServer:
         self._stopped.set()
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        if self.tp_workers is not None:
+            self.tp_workers.stop(self.servicer.step_lock)
         log.info("executor.stopped")
+        self._stop_done.set()
 
     def drain(self, timeout: float, grace: float = 5.0, idle_s: float = 2.0) -> None:
         """Graceful shutdown: say `draining` (Describe and every step reply, so schedulers
@@ -164,7 +192,9 @@ class ExecutorServer:
         self.stop(grace)
 
     def wait(self) -> None:
+        """Until `stop()` has finished (tensor-parallel workers reaped included)."""
         self.server.wait_for_termination()
+        self._stop_done.wait()
 
     def install_signal_handlers(self, grace: float = 5.0, drain_timeout: float = 0.0) -> None:
         """SIGTERM/SIGINT shut down gracefully (main thread only): drain for up to

@@ -166,6 +166,11 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         return self._runner
 
     @property
+    def step_lock(self) -> threading.Lock:
+        """Held for the whole of every step (tensor-parallel shutdown waits on it)."""
+        return self._lock
+
+    @property
     def model_name(self) -> str:
         return self._model_name
 
@@ -193,6 +198,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             eos_token_ids=list(info.eos_token_ids),
             attention_backend=self._attention_backend,
             max_logprobs=self.max_logprobs,
+            tensor_parallel_size=getattr(info, "tensor_parallel_size", 1),
             draining=self.draining,
         )
 
