@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -34,6 +36,44 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
+
+
+def channel_target(address: str) -> tuple[str, list[tuple[str, Any]]]:
+    """The gRPC target and extra channel options for `address`.
+
+    One `host:port` is used as is. Several, comma-separated (schedulers sharing one Redis with
+    --leader-election), become one channel over all of them that sends calls only to those
+    whose gRPC health is SERVING, which is the leader alone: standbys answer NOT_SERVING. When
+    the leader changes, the channel follows within a health update.
+    """
+    parts = [a.strip() for a in address.split(",") if a.strip()]
+    if len(parts) <= 1:
+        return address, []
+    ips = []
+    for part in parts:
+        host, _, port = part.rpartition(":")
+        host = host.strip("[]")
+        info = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        ip = info[0][4][0]
+        ips.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+    scheme = "ipv6" if all(ip.startswith("[") for ip in ips) else "ipv4"
+    config = {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": ""},
+    }
+    options: list[tuple[str, Any]] = [("grpc.service_config", json.dumps(config))]
+    first_host = parts[0].rpartition(":")[0].strip("[]")
+    if not _is_ip(first_host):  # TLS checks certificates against the name, not the IP
+        options.append(("grpc.ssl_target_name_override", first_host))
+    return f"{scheme}:{','.join(ips)}", options
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+    except OSError:
+        return False
+    return True
 
 
 def default_address() -> str:
@@ -100,17 +140,16 @@ class AsyncLLMClient:
             interceptors = (
                 [_BearerKey(self.api_key), _BearerKeyStream(self.api_key)] if self.api_key else None
             )
+            target, extra = channel_target(self.address)
+            options = [*self._channel_options, *extra]
             if self._tls_ca is None:
                 self._channel = grpc.aio.insecure_channel(
-                    self.address, options=self._channel_options, interceptors=interceptors
+                    target, options=options, interceptors=interceptors
                 )
             else:
                 credentials = grpc.ssl_channel_credentials(root_certificates=self._tls_ca)
                 self._channel = grpc.aio.secure_channel(
-                    self.address,
-                    credentials,
-                    options=self._channel_options,
-                    interceptors=interceptors,
+                    target, credentials, options=options, interceptors=interceptors
                 )
             self._stub = pb_grpc.SchedulerStub(self._channel)
         return self._stub
