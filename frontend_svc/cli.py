@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scheduler",
         default=None,
-        help="scheduler gRPC address (default $LLMSERVE_ADDRESS or 127.0.0.1:50051)",
+        help="scheduler gRPC address (default $LLMSERVE_ADDRESS or 127.0.0.1:50051); several, "
+        "comma-separated: schedulers with --leader-election, calls go to the leader",
     )
     p.add_argument("--served-model-name", help="model name clients use (default: the scheduler's)")
     p.add_argument(

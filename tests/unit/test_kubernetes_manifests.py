@@ -149,10 +149,15 @@ def test_redis_keeps_an_fsynced_append_only_file_on_a_volume() -> None:
     assert mount["name"] == claim["metadata"]["name"] and mount["mountPath"] == "/data"
 
 
-def test_one_scheduler_at_a_time() -> None:
-    # Without a leader lease two schedulers on one Redis would both drive the executors.
+def test_a_leader_and_a_standby_scheduler() -> None:
     scheduler = by_kind("Deployment")["scheduler"]["spec"]
-    assert scheduler["replicas"] == 1 and scheduler["strategy"]["type"] == "Recreate"
+    assert scheduler["replicas"] == 2
+    [container] = scheduler["template"]["spec"]["containers"]
+    parsed = scheduler_parser().parse_args(container["args"])
+    assert parsed.leader_election and parsed.redis_url
+    # Readiness is gRPC health, which only the leader reports SERVING: the Service follows it.
+    assert container["readinessProbe"]["grpc"]["port"] == 50051
+    assert by_kind("PodDisruptionBudget")["scheduler"]["spec"]["maxUnavailable"] == 1
 
 
 def test_the_autoscaler_scales_executors_on_a_metric_the_scheduler_exports() -> None:
