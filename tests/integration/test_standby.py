@@ -309,3 +309,29 @@ def test_leader_election_needs_a_shared_redis() -> None:
         timeout=60,
     )
     assert proc.returncode == 2 and "--leader-election needs --redis-url" in proc.stderr
+
+
+def test_clients_given_every_address_reach_the_leader(deployment, tmp_path) -> None:
+    """The standby listed first: the Python client and the OpenAI frontend still reach the
+    leader (one channel over all addresses sends calls only to the SERVING one)."""
+    import openai
+
+    from client import LLMClient, SamplingParams
+    from tests.support.frontend import Frontend
+
+    start, _ = deployment
+    leader, standby = leader_pair(start)
+    both = f"{standby.address},{leader.address}"
+    with LLMClient(both, timeout=30) as client:
+        for _ in range(3):
+            (out,) = client.generate([5, 6, 7], SamplingParams(max_tokens=4), use_tqdm=False)
+            assert len(out.outputs[0].token_ids) == 4
+    fe = Frontend.start(tmp_path / "fe", both)
+    try:
+        fe.wait_healthy()
+        oai = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key="unused")
+        model = oai.models.list().data[0].id
+        got = oai.completions.create(model=model, prompt="Hi", max_tokens=3)
+        assert got.usage.completion_tokens >= 1
+    finally:
+        fe.stop()
