@@ -22,7 +22,7 @@ from tests.support.api_helpers import (
     stream_in_threads,
     stub_for,
 )
-from tests.support.stack import Stack, make_stack, tiny_model_dir
+from tests.support.stack import start_two_executor_stack
 
 NUM_STREAMS = 32
 BASE_ARGS = ["--num-device-blocks", "256", "--swap-space", "0.01"]
@@ -38,20 +38,13 @@ def test_drain_one_of_two_executors_under_streams(
 ) -> None:
     redis = RedisServer(data_dir=tmp_path / "redis")
     redis.start()
-    (tmp_path / "leaving").mkdir()
-    leaving = Stack(
-        workdir=tmp_path / "leaving",
-        model_dir=tiny_model_dir(tmp_path.parent / "models"),
-        redis=redis,
-        executor_args=[*BASE_ARGS, "--drain-timeout", str(drain_timeout), "--log-level", "info"],
-    )
-    leaving.start_executor()
-    stack = make_stack(
+    stack, leaving = start_two_executor_stack(
         tmp_path,
         redis,
-        executor_args=BASE_ARGS,
+        BASE_ARGS,
+        second_args=[*BASE_ARGS, "--drain-timeout", str(drain_timeout), "--log-level", "info"],
         # A fail-over wait longer than the streams' budget: only the drain path can be in time.
-        scheduler_args=["--executor", leaving.executor_address, "--executor-failover", "600"],
+        scheduler_args=["--executor-failover", "600"],
     )
     try:
         channel, stub = stub_for(stack.address)
@@ -73,7 +66,7 @@ def test_drain_one_of_two_executors_under_streams(
             assert got.offsets_ok, i  # no token missed or repeated
             assert got.tokens[0] == ref.tokens[0], i
         assert leaving.executor_proc.wait(timeout=60) == 0  # a clean exit
-        log = (tmp_path / "leaving" / "executor.log").read_text()
+        log = (leaving.workdir / "executor.log").read_text()
         assert "executor.draining" in log and "executor.drained" in log
         moved = "executor.failed_over" in stack.logs()
         assert moved == expect_left, stack.logs()[-3000:]

@@ -26,7 +26,7 @@ from tests.support.api_helpers import (
     stream_in_threads,
     stub_for,
 )
-from tests.support.stack import Stack, make_stack, tiny_model_dir
+from tests.support.stack import Stack, start_two_executor_stack, tiny_model_dir
 
 MAX_TOKENS = 60
 NUM_REQUESTS = 8
@@ -48,19 +48,8 @@ def check_outputs(results: list[Collected], reference: list[Collected]) -> None:
 def test_requests_of_a_dead_executor_finish_on_a_live_one(tmp_path):
     redis = RedisServer(data_dir=tmp_path / "redis")
     redis.start()
-    (tmp_path / "second").mkdir()
-    second = Stack(
-        workdir=tmp_path / "second",
-        model_dir=tiny_model_dir(tmp_path.parent / "models"),
-        redis=redis,
-        executor_args=EXECUTOR_ARGS,
-    )
-    second.start_executor()
-    stack = make_stack(
-        tmp_path,
-        redis,
-        executor_args=EXECUTOR_ARGS,
-        scheduler_args=["--executor", second.executor_address, "--executor-failover", "0.5"],
+    stack, second = start_two_executor_stack(
+        tmp_path, redis, EXECUTOR_ARGS, scheduler_args=["--executor-failover", "0.5"]
     )
     try:
         channel, stub = stub_for(stack.address)

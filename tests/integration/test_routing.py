@@ -12,7 +12,7 @@ import pytest
 from protos import scheduler_pb2 as pb
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import generate, stub_for
-from tests.support.stack import Stack, make_stack, tiny_model_dir
+from tests.support.stack import start_two_executor_stack
 
 EXECUTOR_ARGS = ["--num-device-blocks", "128", "--swap-space", "0.01"]
 BLOCK = 16  # the executor's default block size
@@ -24,19 +24,8 @@ PER_PREFIX = 4
 def test_requests_follow_their_cached_prefix(tmp_path, policy: str, hits: int) -> None:
     redis = RedisServer(data_dir=tmp_path / "redis")
     redis.start()
-    (tmp_path / "second").mkdir()
-    second = Stack(
-        workdir=tmp_path / "second",
-        model_dir=tiny_model_dir(tmp_path.parent / "models"),
-        redis=redis,
-        executor_args=EXECUTOR_ARGS,
-    )
-    second.start_executor()
-    stack = make_stack(
-        tmp_path,
-        redis,
-        executor_args=EXECUTOR_ARGS,
-        scheduler_args=["--executor", second.executor_address, "--routing", policy],
+    stack, second = start_two_executor_stack(
+        tmp_path, redis, EXECUTOR_ARGS, scheduler_args=["--routing", policy]
     )
     try:
         channel, stub = stub_for(stack.address)

@@ -24,7 +24,7 @@ from tests.integration.test_failover import EXECUTOR_ARGS, MAX_TOKENS, check_out
 from tests.support.api_helpers import collect, run_in_threads, stream_in_threads, stub_for
 from tests.support.executor_driver import ExecutorDriver, executor_channel, executor_subprocess
 from tests.support.model_factory import make_tiny_checkpoint
-from tests.support.stack import Stack, make_stack, tiny_model_dir
+from tests.support.stack import start_two_executor_stack
 
 ROOT = Path(__file__).resolve().parents[2]
 TP_ARGS = [
@@ -116,19 +116,12 @@ def test_requests_of_a_tp_executor_whose_worker_died_finish_elsewhere(tmp_path: 
     rank mid-generation; every request finishes on the other executor, output unchanged."""
     redis = RedisServer(data_dir=tmp_path / "redis")
     redis.start()
-    (tmp_path / "tp").mkdir()
-    doomed = Stack(
-        workdir=tmp_path / "tp",
-        model_dir=tiny_model_dir(tmp_path.parent / "models"),
-        redis=redis,
-        executor_args=[*EXECUTOR_ARGS, "--tensor-parallel-size", "2", "--cpu-threads", "1"],
-    )
-    doomed.start_executor()
-    stack = make_stack(
+    stack, doomed = start_two_executor_stack(
         tmp_path,
         redis,
-        executor_args=EXECUTOR_ARGS,
-        scheduler_args=["--executor", doomed.executor_address, "--executor-failover", "0.5"],
+        EXECUTOR_ARGS,
+        second_args=[*EXECUTOR_ARGS, "--tensor-parallel-size", "2", "--cpu-threads", "1"],
+        scheduler_args=["--executor-failover", "0.5"],
     )
     try:
         channel, stub = stub_for(stack.address)

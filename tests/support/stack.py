@@ -180,3 +180,35 @@ def llmserve_stack(tmp_path_factory) -> Iterator[Stack]:
             stack.stop()
     finally:
         redis.close()
+
+
+def start_two_executor_stack(
+    tmp: Path,
+    redis: RedisServer,
+    executor_args: list[str],
+    *,
+    second_args: list[str] | None = None,
+    scheduler_args: list[str] = (),  # type: ignore[assignment]
+) -> tuple[Stack, Stack]:
+    """A scheduler with two executors: `stack` (its own executor and the scheduler) and
+    `second` (an executor alone, in tmp/second, with `second_args` or `executor_args`). The
+    scheduler reaches the second one with --executor; stop both stacks when done."""
+    (tmp / "second").mkdir()
+    second = Stack(
+        workdir=tmp / "second",
+        model_dir=tiny_model_dir(tmp.parent / "models"),
+        redis=redis,
+        executor_args=second_args if second_args is not None else executor_args,
+    )
+    second.start_executor()
+    try:
+        stack = make_stack(
+            tmp,
+            redis,
+            executor_args=executor_args,
+            scheduler_args=["--executor", second.executor_address, *scheduler_args],
+        )
+    except BaseException:
+        second.stop()
+        raise
+    return stack, second
