@@ -122,10 +122,15 @@ def cmd_info(args: argparse.Namespace) -> int:
             print(f"{key}: {value}")
     for e in info.executors:
         state = "healthy" if e.healthy else "UNHEALTHY"
+        if e.draining:
+            state += ", draining"
+        hits = (
+            f"{e.prefix_cache_hits / e.prefix_cache_queries:.1%}" if e.prefix_cache_queries else "-"
+        )
         print(
             f"executor {e.address} ({state}, instance {e.instance_id}): "
             f"{e.num_free_blocks}/{e.num_device_blocks} device blocks free, "
-            f"{e.num_cpu_blocks} cpu blocks"
+            f"{e.num_cpu_blocks} cpu blocks, prefix-cache hit rate {hits}"
         )
     return 0
 

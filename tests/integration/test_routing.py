@@ -7,6 +7,10 @@ alternates and recomputes the prefix on both. The per-executor counts come from 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from protos import scheduler_pb2 as pb
@@ -42,6 +46,17 @@ def test_requests_follow_their_cached_prefix(tmp_path, policy: str, hits: int) -
         assert total_hits == len(PREFIXES) * hits * 4 * BLOCK, [
             (e.prefix_cache_queries, e.prefix_cache_hits) for e in info.executors
         ]
+        # The CLI shows each executor's hit rate (the kv run: one executor served everything).
+        cli = subprocess.run(
+            [sys.executable, "-m", "client.cli", "info"],
+            env={**os.environ, "LLMSERVE_ADDRESS": stack.address},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cli.returncode == 0, cli.stderr
+        assert cli.stdout.count("prefix-cache hit rate") == 2
+        assert "routing: " + policy in cli.stdout
         if policy == "round-robin":  # both executors served requests
             assert all(e.prefix_cache_queries > 0 for e in info.executors)
         channel.close()
