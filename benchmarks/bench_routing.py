@@ -113,7 +113,8 @@ def run_config(name: str, executors: int, blocks: int, routing: str, args, promp
         executor_flags = [flag for a in addresses for flag in ("--executor", a)]
         proc, port = start(
             [sys.executable, "-m", "scheduler_svc", *executor_flags, "--redis-url", redis.url,
-             "--port", "0", "--routing", routing, "--log-level", "warning"],
+             "--port", "0", "--routing", routing, "--log-level", "warning",
+             *args.scheduler_args.split()],
             work, "scheduler",
         )  # fmt: skip
         procs.append(proc)
@@ -142,6 +143,7 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=384, help="KV blocks per executor (16 tokens)")
     p.add_argument("--cpu-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scheduler-args", default="", help="extra scheduler flags, e.g. weights")
     p.add_argument("--configs", default="kv,least-loaded,single")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()

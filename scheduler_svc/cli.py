@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         "weighed against load; default), least-loaded, round-robin",
     )
     p.add_argument(
+        "--routing-prefill-weight",
+        type=float,
+        default=1.0,
+        help="kv routing: weight of a block to prefill against a block of an executor's "
+        "load (above 1: keep requests where their prefix is cached longer)",
+    )
+    p.add_argument(
         "--no-reflection",
         action="store_true",
         help="do not serve gRPC reflection (it lists the API's methods to anyone)",
@@ -139,6 +146,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         executor_addresses=[] if args.discover_executors else args.executor or ["127.0.0.1:50061"],
         discover_executors=args.discover_executors,
         routing=args.routing,
+        routing_prefill_weight=args.routing_prefill_weight,
         redis_url=redis_url,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

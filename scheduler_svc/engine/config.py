@@ -67,6 +67,7 @@ class EngineConfig:
     discover_executors: bool = False
     # Where new requests go: "kv" (prefix-cache aware), "least-loaded" or "round-robin".
     routing: str = "kv"
+    routing_prefill_weight: float = 1.0
     discovery_interval_s: float = 2.0
     # How often health probes Redis (a write) and idle executors (Describe).
     health_interval_s: float = 0.5

@@ -72,7 +72,7 @@ class Engine:
         self.vocab_size = 0
         self.block_size = 0
         self.metrics = EngineMetrics(self)
-        self.router = Router(config.routing)
+        self.router = Router(config.routing, config.routing_prefill_weight)
         self.usage = KeyUsage(config.max_requests_per_key, config.max_queued_tokens_per_key)
         self.persister.on_write = self.metrics.redis_write.observe
 

@@ -31,45 +31,65 @@ __all__ = ["ROUTING_POLICIES", "Router", "cached_prefix_blocks"]
 ROUTING_POLICIES = ("kv", "least-loaded", "round-robin")
 
 
-def cached_prefix_blocks(ex: ExecutorHandle, req: Request, hashes: dict[int, list[bytes]]) -> int:
-    """Leading full blocks of `req`'s tokens that `ex` holds in its prefix cache.
-
-    `hashes` memoizes the chained block hashes per block size across executors (executors
-    with the same block size share one hash list). At most all but the last token counts, as in
-    admission: the last token is always computed.
-    """
-    bm = ex.sched.block_manager
-    seq = req.seqs[0]
-    if not (bm.enable_prefix_caching and seq.use_prefix_cache):
-        return 0
-    bs = bm.block_size
-    max_blocks = (len(seq.token_ids) - 1) // bs
+def _chain(req: Request, bs: int, hashes: dict[int, list[bytes]]) -> list[bytes]:
+    """Chained hashes of `req`'s leading full blocks of `bs` tokens, all but the last token
+    (which is always computed), memoized per block size in `hashes`."""
     chain = hashes.get(bs)
     if chain is None:
         chain = hashes[bs] = []
-        tokens = seq.token_ids
-        for i in range(max_blocks):
+        tokens = req.seqs[0].token_ids
+        for i in range((len(tokens) - 1) // bs):
             chain.append(hash_block_tokens(chain[-1] if i else None, tokens[i * bs : (i + 1) * bs]))
+    return chain
+
+
+def cached_prefix_blocks(
+    ex: ExecutorHandle,
+    req: Request,
+    hashes: dict[int, list[bytes]],
+    soon: dict[bytes, int] | None = None,
+) -> int:
+    """Leading full blocks of `req`'s tokens that `ex` holds in its prefix cache, or (with
+    `soon`: hash -> step id) will hold once requests already routed there are prefilled.
+
+    `hashes` memoizes the hash chains across executors (see _chain).
+    """
+    bm = ex.sched.block_manager
+    if not (bm.enable_prefix_caching and req.seqs[0].use_prefix_cache):
+        return 0
     cached = bm.pool.cached
+    oldest = ex.step_id - _SOON_STEPS
     n = 0
-    for h in chain:
-        if h not in cached:
+    for h in _chain(req, bm.block_size, hashes):
+        if h not in cached and (soon is None or soon.get(h, oldest - 1) < oldest):
             break
         n += 1
     return n
 
 
+# A block routed to an executor counts as cached there (before it is computed) for this many
+# of its steps; by then it is in its prefix cache, or the request went elsewhere.
+_SOON_STEPS = 64
+
+
 class Router:
-    def __init__(self, policy: str = "kv") -> None:
+    def __init__(self, policy: str = "kv", prefill_weight: float = 1.0) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(
                 f"unknown routing policy {policy!r}; expected one of {ROUTING_POLICIES}"
             )
         self.policy = policy
+        # How much a block to prefill weighs against a block of load (kv): above 1, requests
+        # keep to the executor caching their prefix longer before load spreads them.
+        self.prefill_weight = prefill_weight
         self._turn = itertools.count()
         # Per executor: (step id the load was counted at, that load, blocks routed to it
         # since). Recounted once per step, not once per request.
         self._pending: dict[int, tuple[int, int, int]] = {}
+        # Per executor: hashes of prompt blocks routed there -> step id then. A burst of
+        # requests with a new prefix follows the first one instead of being spread before the
+        # prefix is in any cache.
+        self._soon: dict[int, dict[bytes, int]] = {}
 
     def choose(self, executors: Sequence[ExecutorHandle], req: Request) -> ExecutorHandle:
         candidates = (
@@ -77,7 +97,6 @@ class Router:
             or [ex for ex in executors if ex.healthy]
             or list(executors)
         )
-        cost = None
         if len(candidates) == 1:
             chosen = candidates[0]
         elif self.policy == "round-robin":
@@ -86,17 +105,29 @@ class Router:
             chosen = max(candidates, key=lambda e: (e.sched.num_free_blocks, -e.sched.num_waiting))
         else:
             hashes: dict[int, list[bytes]] = {}
-            cost, i = min((self._cost(ex, req, hashes), i) for i, ex in enumerate(candidates))
+            _, i = min((self._cost(ex, req, hashes), i) for i, ex in enumerate(candidates))
             chosen = candidates[i]
         if self.policy == "kv":
-            self._note_routed(chosen, req, cost)
+            self._note_routed(chosen, req)
+            self._remember(chosen, req)
         return chosen
 
-    def _cost(self, ex: ExecutorHandle, req: Request, hashes: dict[int, list[bytes]]) -> int:
+    def _remember(self, ex: ExecutorHandle, req: Request) -> None:
+        bm = ex.sched.block_manager
+        if not (bm.enable_prefix_caching and req.seqs[0].use_prefix_cache):
+            return
+        soon = self._soon.setdefault(id(ex), {})
+        for h in _chain(req, bm.block_size, {}):
+            soon[h] = ex.step_id
+        if len(soon) > 1 << 16:  # drop what has expired
+            oldest = ex.step_id - _SOON_STEPS
+            self._soon[id(ex)] = {h: s for h, s in soon.items() if s >= oldest}
+
+    def _cost(self, ex: ExecutorHandle, req: Request, hashes: dict[int, list[bytes]]) -> float:
         bm = ex.sched.block_manager
         blocks = bm.num_blocks_for(len(req.seqs[0].token_ids))
-        to_prefill = blocks - cached_prefix_blocks(ex, req, hashes)
-        return to_prefill + self._load(ex)
+        to_prefill = blocks - cached_prefix_blocks(ex, req, hashes, self._soon.get(id(ex)))
+        return self.prefill_weight * to_prefill + self._load(ex)
 
     def _load(self, ex: ExecutorHandle) -> int:
         """Blocks left to prefill for its waiting requests plus its running sequences; counted
@@ -114,14 +145,15 @@ class Router:
             self._pending[id(ex)] = (ex.step_id, base, added)
         return base + added
 
-    def _note_routed(self, ex: ExecutorHandle, req: Request, cost: int | None) -> None:
+    def _note_routed(self, ex: ExecutorHandle, req: Request) -> None:
+        """Add the request's prefill there (what is not cached or soon cached) to its load."""
         self._load(ex)  # make sure the entry is this step's
         step, base, added = self._pending[id(ex)]
-        if cost is None:  # not costed (the only candidate): count all of its blocks
-            cost = ex.sched.block_manager.num_blocks_for(len(req.seqs[0].token_ids))
-        else:
-            cost -= base + added  # its own prefill there
-        self._pending[id(ex)] = (step, base, added + cost)
+        bm = ex.sched.block_manager
+        blocks = bm.num_blocks_for(len(req.seqs[0].token_ids))
+        blocks -= cached_prefix_blocks(ex, req, {}, self._soon.get(id(ex)))
+        self._pending[id(ex)] = (step, base, added + blocks)
 
     def forget(self, ex: ExecutorHandle) -> None:
         self._pending.pop(id(ex), None)
+        self._soon.pop(id(ex), None)

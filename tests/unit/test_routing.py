@@ -127,3 +127,24 @@ def test_unhealthy_and_draining_executors_get_nothing_while_another_can() -> Non
 def test_unknown_policy() -> None:
     with pytest.raises(ValueError, match="unknown routing policy"):
         Router("random")
+
+
+def test_a_burst_with_a_new_prefix_follows_the_first_request() -> None:
+    # Nothing is cached yet: the first request goes anywhere; the next ones with the same
+    # prefix, routed before it is prefilled, count its blocks as soon cached there. (With the
+    # default weight 1 the second goes to the idle executor: 9 blocks there against 1 + the
+    # first's 9 queued; a prefill weight of 2 keeps the burst together.)
+    a, b = executor("a"), executor("b")
+    router = Router("kv", prefill_weight=2.0)
+    picks = []
+    for i in range(4):
+        req = request(f"r{i}", PREFIX_B, own=i)
+        ex = router.choose([a, b], req)
+        ex.sched.add_request(req)
+        picks.append(ex.address)
+    assert len(set(picks)) == 1, picks
+    # ...for a while: after many steps without the blocks appearing, the claim lapses.
+    first = a if picks[0] == "a" else b
+    first.step_id += 1000
+    assert cached_prefix_blocks(first, request("x", PREFIX_B, own=9), {}, {}) == 0
+    assert router.choose([a, b], request("late", PREFIX_B, own=8)) is not first
