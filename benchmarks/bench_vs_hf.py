@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 from scheduler_svc.local.redis_server import RedisServer  # noqa: E402
 
 THREADS = 1
+EXECUTOR_EXTRA: list[str] = []  # more executor flags (bench_vs_vllm.py sets --cpu-threads)
 
 SMOLLM_135M = {
     "hidden_size": 576,
@@ -94,6 +95,7 @@ class Stack:
                 str(self.blocks),
                 "--log-level",
                 "warning",
+                *EXECUTOR_EXTRA,
             ],  # fmt: skip
             env=env(),
         )

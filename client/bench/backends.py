@@ -24,7 +24,7 @@ from client.bench.workloads import BenchRequest
 from client.errors import LLMServeError
 from client.params import SamplingParams
 
-BACKENDS = ("llmserve", "hf", "openai")
+BACKENDS = ("llmserve", "hf", "openai", "vllm")
 
 
 class Backend(Protocol):
@@ -296,6 +296,7 @@ def make_backend(
     hf_device: str = "auto",
     hf_dtype: str = "float32",
     base_url: str | None = None,
+    vllm: dict[str, Any] | None = None,
 ) -> Backend:
     if name == "llmserve":
         return LLMServeBackend(address)
@@ -309,4 +310,11 @@ def make_backend(
         if base_url is None:
             raise ValueError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000/v1)")
         return OpenAIBackend(base_url, model_dir=model_dir)
+    if name == "vllm":
+        from client.bench.vllm_backend import VLLMBackend
+
+        vllm = dict(vllm or {})
+        if model_dir is None or not vllm.get("python"):
+            raise ValueError("--backend vllm needs --model-dir and --vllm-python")
+        return VLLMBackend(model_dir, max_num_seqs=max_batch_size, **vllm)
     raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")

@@ -38,7 +38,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--backend",
         type=_backends,
         default=["llmserve"],
-        help="llmserve, hf, openai, or several as llmserve,openai (same requests, one report)",
+        help="llmserve, hf, openai, vllm, or several as llmserve,vllm (same requests, one report)",
     )
     p.add_argument(
         "--address",
@@ -75,10 +75,19 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--max-batch-size",
         type=int,
         default=256,
-        help="hf static batch size; use the scheduler's max running sequences",
+        help="hf static batch size and vllm max_num_seqs; use the scheduler's max running seqs",
     )
     p.add_argument("--hf-device", default="auto")
     p.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    vllm = p.add_argument_group("vllm backend (vLLM's offline LLM in its own virtualenv)")
+    vllm.add_argument("--vllm-python", default=None, help="that virtualenv's python")
+    vllm.add_argument(
+        "--vllm-cpu-cores", default="0", help="VLLM_CPU_OMP_THREADS_BIND, e.g. 0 or 0-1"
+    )
+    vllm.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
+    vllm.add_argument("--vllm-dtype", default="float32")
+    vllm.add_argument("--vllm-enforce-eager", action="store_true")
+    vllm.add_argument("--vllm-no-prefix-caching", action="store_true")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
@@ -138,6 +147,18 @@ def _limits(args: argparse.Namespace, backends: dict[str, Backend]) -> tuple[int
     return vocab_size, max_model_len
 
 
+def _vllm_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "python": args.vllm_python,
+        "cpu_cores": args.vllm_cpu_cores,
+        "kv_cache_gib": args.vllm_kv_cache_gib,
+        "dtype": args.vllm_dtype,
+        "enforce_eager": args.vllm_enforce_eager,
+        "enable_prefix_caching": not args.vllm_no_prefix_caching,
+        "max_model_len": args.max_model_len,
+    }
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark `args` describe; prints the markdown table, writes files if asked."""
     slo = parse_slo(args.slo) if getattr(args, "slo", None) else None
@@ -153,6 +174,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 hf_device=args.hf_device,
                 hf_dtype=args.hf_dtype,
                 base_url=args.base_url,
+                vllm=_vllm_options(args),
             )
         vocab_size, max_model_len = _limits(args, backends)
         requests = make_workload(
@@ -201,7 +223,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "mean_input_len": sum(r.prompt_len for r in requests) / max(len(requests), 1),
         "mean_output_len": sum(r.output_len for r in requests) / max(len(requests), 1),
         "backends": ",".join(args.backend),
-        "max_batch_size": args.max_batch_size if "hf" in backends else None,
+        "max_batch_size": args.max_batch_size if {"hf", "vllm"} & backends.keys() else None,
         "address": args.address if "llmserve" in backends else None,
         "base_url": args.base_url if "openai" in backends else None,
     }

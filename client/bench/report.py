@@ -59,29 +59,37 @@ _SERVE_COLUMNS = [
 ]
 
 
+BASELINES = ("hf", "vllm", "openai")
+
+
 def _run_key(result: dict[str, Any]) -> tuple[str, str]:
     return result["mode"], str(result.get("request_rate", ""))
 
 
 def compute_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For every (mode, rate) both backends ran: metric -> llmserve value / hf value."""
+    """For every (mode, rate) llmserve and a baseline (hf, vllm, openai) both ran:
+    metric -> llmserve value / baseline value, one entry per baseline."""
     by_key: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
     for result in results:
         by_key.setdefault(_run_key(result), {})[result["backend"]] = result
     ratios = []
     for (mode, _rate), runs in by_key.items():
-        if "llmserve" not in runs or "hf" not in runs:
-            continue
-        ours, base = runs["llmserve"], runs["hf"]
-        entry: dict[str, Any] = {"mode": mode}
-        if mode == "serve":
-            entry["request_rate"] = ours.get("request_rate")
-        for key in RATIO_KEYS:
-            a, b = ours.get(key), base.get(key)
-            if _is_number(a) and _is_number(b) and b != 0:
-                entry[key] = a / b
-        ratios.append(entry)
+        for baseline in BASELINES:
+            if "llmserve" in runs and baseline in runs:
+                ratios.append(_ratio(mode, runs["llmserve"], runs[baseline], baseline))
     return ratios
+
+
+def _ratio(mode: str, ours: dict[str, Any], base: dict[str, Any], baseline: str) -> dict[str, Any]:
+    entry: dict[str, Any] = {"mode": mode}
+    if mode == "serve":
+        entry["request_rate"] = ours.get("request_rate")
+    entry["baseline"] = baseline
+    for key in RATIO_KEYS:
+        a, b = ours.get(key), base.get(key)
+        if _is_number(a) and _is_number(b) and b != 0:
+            entry[key] = a / b
+    return entry
 
 
 def build_report(config: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -136,10 +144,12 @@ def to_markdown(report: dict[str, Any]) -> str:
     if serve:
         lines += ["### Serving (latencies in ms)", "", *_table(serve, _SERVE_COLUMNS), ""]
     ratios = report.get("ratios", [])
-    if ratios:
-        columns = [("mode", "mode"), ("request_rate", "rate")]
-        columns += [(k, k) for k in RATIO_KEYS]
-        lines += ["### llmserve ÷ hf", "", *_table(ratios, columns), ""]
+    columns = [("mode", "mode"), ("request_rate", "rate")]
+    columns += [(k, k) for k in RATIO_KEYS]
+    for baseline in BASELINES:
+        rows = [r for r in ratios if r.get("baseline", "hf") == baseline]
+        if rows:
+            lines += [f"### llmserve ÷ {baseline}", "", *_table(rows, columns), ""]
     return "\n".join(lines)
 
 

@@ -288,4 +288,4 @@ def test_cli_parses_generate_and_bench() -> None:
     )
     assert args.backend == ["llmserve", "hf"] and args.sweep == [1.0, 2.0, math.inf]
     with pytest.raises(SystemExit):
-        parser.parse_args(["bench", "throughput", "--backend", "vllm"])
+        parser.parse_args(["bench", "throughput", "--backend", "tgi"])

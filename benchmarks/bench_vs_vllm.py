@@ -1,0 +1,183 @@
+"""llmserve (whole stack over gRPC) against vLLM's CPU engine, in one run, with the GEMM roofline.
+
+Builds the SmolLM-135M-shaped random Llama (fp32), starts Redis, an executor (one torch thread)
+and the scheduler, then runs `client.bench throughput --backend llmserve,vllm` on the chosen
+workloads (same requests; vLLM's offline `LLM` in a subprocess of its own virtualenv, its
+compute thread bound to one core). Before and after, it times one thread's `torch.mm` on the
+model's matrix shapes and prints the GEMM floor of each workload: the matmul FLOPs the work
+needs (every computed token through every layer, plus the lm_head for sampled rows only;
+attention not counted) at the measured rate, and each backend's share of that floor.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_vs_vllm.py \\
+        --vllm-python /path/to/vllm-venv/bin/python --only random --out bench-results/vllm
+
+Workloads: random (64 x 128 -> 128), sharegpt (200 sharegpt-like), prefix (64 x (1024 common
++ 32 own) -> 32), prefix-off (the same, llmserve's prefix caching off, llmserve only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_vs_hf  # noqa: E402
+from bench_vs_hf import SMOLLM_135M, Stack, build_model, run_bench  # noqa: E402
+
+from client.bench.workloads import make_workload  # noqa: E402
+
+
+def gemm_shapes(cfg: dict) -> list[tuple[int, int]]:
+    """(in, out) of every matmul in one decoder layer (q|k|v and gate|up packed)."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    d = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * d
+    return [(h, h + 2 * kv), (h, h), (h, 2 * inter), (inter, h)]
+
+
+def gemm_rate(cfg: dict, m: int, repeats: int = 5) -> float:
+    """FLOP/s of one thread running the model's layer matmuls and the lm_head with m rows."""
+    import torch
+
+    torch.set_num_threads(1)
+    shapes = [*gemm_shapes(cfg), (cfg["hidden_size"], cfg["vocab_size"])]
+    mats = [(torch.randn(m, k), torch.randn(k, n)) for k, n in shapes]
+    flops = sum(2 * m * k * n for k, n in shapes)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for a, b in mats:
+            torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return flops / best
+
+
+def gemm_flops(cfg: dict, computed_tokens: int, sampled_rows: int) -> float:
+    per_token = 2 * cfg["num_hidden_layers"] * sum(k * n for k, n in gemm_shapes(cfg))
+    return computed_tokens * per_token + sampled_rows * 2 * cfg["hidden_size"] * cfg["vocab_size"]
+
+
+def floor_seconds(cfg: dict, requests: list, rates: dict[int, float], cached: int) -> float:
+    """The GEMM floor: prefill tokens at the large-M rate, decode rows at the M=64 rate.
+
+    `cached` prompt tokens per request after the first are served from the prefix cache.
+    """
+    prefill = sum(r.prompt_len for r in requests) - cached * max(len(requests) - 1, 0)
+    decode = sum(r.output_len - 1 for r in requests)
+    samples = sum(r.output_len for r in requests)
+    return (
+        gemm_flops(cfg, prefill, len(requests)) / rates[2048]
+        + gemm_flops(cfg, decode, samples - len(requests)) / rates[64]
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--vllm-python", required=True)
+    p.add_argument("--vllm-cpu-cores", default="1")
+    p.add_argument("--vllm-kv-cache-gib", type=float, default=4.0)
+    p.add_argument("--out", type=Path, default=Path("bench-results/vllm"))
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--num-device-blocks", type=int, default=4096)
+    p.add_argument("--only", nargs="*", help="subset of: random sharegpt prefix prefix-off")
+    p.add_argument("--backends", default="llmserve,vllm")
+    p.add_argument("--executor-args", default="", help="extra executor flags, space separated")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = build_model(ROOT / ".cache")
+    rates = {m: gemm_rate(SMOLLM_135M, m) for m in (64, 2048)}
+    print(
+        f"one-thread GEMM rate: M=64 {rates[64] / 1e9:.1f}, M=2048 {rates[2048] / 1e9:.1f} GFLOP/s"
+    )
+    work = Path(tempfile.mkdtemp(prefix="bench-vs-vllm-"))
+    stack = Stack(model, work, args.max_num_seqs, args.num_device_blocks)
+    bench_vs_hf.EXECUTOR_EXTRA = ["--cpu-threads", "1", *args.executor_args.split()]
+    stack.redis.start()
+    stack.start_executor()
+    common = [
+        "--model-dir", str(model), "--max-batch-size", str(args.max_num_seqs), "--seed", "0",
+        "--vllm-python", args.vllm_python, "--vllm-cpu-cores", args.vllm_cpu_cores,
+        "--vllm-kv-cache-gib", str(args.vllm_kv_cache_gib), "--no-progress",
+    ]  # fmt: skip
+    workloads = {
+        "random": (["--workload", "random", "--num-prompts", "64", "--input-len", "128",
+                    "--output-len", "128"], 0),
+        "sharegpt": (["--workload", "sharegpt-like", "--num-prompts", "200"], 0),
+        "prefix": (["--workload", "shared-prefix", "--num-prompts", "64", "--prefix-len", "1024",
+                    "--question-len", "32", "--output-len", "32"], 1024),
+    }  # fmt: skip
+    wanted = args.only or ["random", "sharegpt", "prefix", "prefix-off"]
+    results = {}
+    try:
+        address = stack.start_scheduler()
+        for name in [w for w in wanted if w in workloads]:
+            flags, cached = workloads[name]
+            report = run_bench(
+                ["--backend", args.backends, "--address", address, *common, *flags],
+                args.out / f"{name}.json",
+            )
+            requests = make_workload(
+                report["config"]["workload"],
+                report["config"]["num_prompts"],
+                vocab_size=report["config"]["vocab_size"],
+                max_model_len=report["config"]["max_model_len"],
+                seed=0,
+                **_workload_kwargs(flags),
+            )
+            floor = floor_seconds(SMOLLM_135M, requests, rates, cached)
+            results[name] = {"report": report, "gemm_floor_s": floor}
+            _print_summary(name, report, floor)
+        if "prefix-off" in wanted:
+            stack.stop_scheduler()
+            address = stack.start_scheduler("--no-prefix-caching")
+            flags, _ = workloads["prefix"]
+            report = run_bench(
+                ["--backend", "llmserve", "--address", address, *common, *flags],
+                args.out / "prefix-off.json",
+            )
+            results["prefix-off"] = {"report": report}
+            _print_summary("prefix-off", report, None)
+    finally:
+        stack.close()
+    rates_after = {m: gemm_rate(SMOLLM_135M, m) for m in (64, 2048)}
+    print(
+        f"GEMM rate after: M=64 {rates_after[64] / 1e9:.1f}, "
+        f"M=2048 {rates_after[2048] / 1e9:.1f} GFLOP/s"
+    )
+    (args.out / "summary.json").write_text(
+        json.dumps({"rates": rates, "rates_after": rates_after, "results": results}, indent=2)
+    )
+
+
+def _workload_kwargs(flags: list[str]) -> dict:
+    names = {"--input-len": "input_len", "--output-len": "output_len",
+             "--prefix-len": "prefix_len", "--question-len": "question_len"}  # fmt: skip
+    out = {"input_len": 256, "output_len": 128, "prefix_len": 512, "question_len": 32}
+    for flag, value in zip(flags, flags[1:], strict=False):
+        if flag in names:
+            out[names[flag]] = int(value)
+    return out
+
+
+def _print_summary(name: str, report: dict, floor: float | None) -> None:
+    for r in report["results"]:
+        line = (
+            f"{name:>10} {r['backend']:>8}: {r['output_throughput']:7.1f} out tok/s, "
+            f"{r['duration_s']:6.1f} s, {r['completed']} ok / {r['failed']} failed"
+        )
+        if floor is not None:
+            line += f", GEMM floor {floor:.1f} s = {floor / r['duration_s']:.0%} of roofline"
+        print(line, flush=True)
+    for ratio in report.get("ratios", []):
+        print(f"{name:>10} llmserve / {ratio['baseline']}: {ratio['output_throughput']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
