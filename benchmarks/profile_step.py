@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Where an executor step goes, by op family, and how busy the executor is when serving.
+
+Part 1 (in-process, the SmolLM-135M-shaped random Llama, fp32, one torch thread): decode steps
+at batch 1, 16 and 64 (``--context`` tokens each already in the cache) and one 2 048-token
+prefill, each run through ``ModelRunner.execute``. Timers wrap the code of each family, so a
+step's wall time splits into: prepare (``prepare_inputs``), GEMMs (every ``Linear``), attention
+(the backend's ``attend``: K/V write + paged attention; the K/V write alone also shown), norms,
+rope, logits (the lm_head on sampled rows), sampler, cache ops (swap/copy lists; none here) and
+other (embedding, activation, residual adds, Python between ops).
+
+Part 2 (``--live``): the whole stack (Redis, executor with one thread, scheduler) serves the
+random 64 x 128 -> 128 workload; the executor's ``step.done`` log gives each step's busy time
+and end, so the gaps between steps are the executor's idle time (waiting for the scheduler's
+next ``ExecuteModel``). Reported for steady decode at the full batch.
+
+    HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python benchmarks/profile_step.py [--live]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from executor_svc.attention import AttentionBackend  # noqa: E402
+from executor_svc.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
+from executor_svc.models import llama  # noqa: E402
+from executor_svc.sampler import SamplingParams  # noqa: E402
+
+FAMILIES = ("prepare", "gemm", "attention", "kv_write", "norm", "rope", "logits", "sampler")
+TIMES: dict[str, float] = defaultdict(float)
+
+
+def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMES[name] += time.perf_counter() - start
+
+    return wrapper
+
+
+def instrument(runner: ModelRunner) -> None:
+    """Wrap each family's entry point (classes and module functions, so every layer counts)."""
+    ModelRunner.prepare_inputs = _timed("prepare", ModelRunner.prepare_inputs)
+    ModelRunner._sample = _timed("sampler", ModelRunner._sample)
+    llama.Linear.forward = _timed("gemm", llama.Linear.forward)
+    llama.RMSNorm.forward = _timed("norm", llama.RMSNorm.forward)
+    llama.RotaryEmbedding.apply = staticmethod(_timed("rope", llama.RotaryEmbedding.apply))
+    llama.LlamaForCausalLM.compute_logits = _timed("logits", llama.LlamaForCausalLM.compute_logits)
+    AttentionBackend.attend = _timed("attention", AttentionBackend.attend)
+    ops = sys.modules[runner.backend.write_kv.__module__]
+    if hasattr(ops, "_write_kv"):  # what attend() calls: patched in its module
+        ops._write_kv = _timed("kv_write", ops._write_kv)
+
+
+def make_runner(model_dir: Path, backend: str) -> ModelRunner:
+    return ModelRunner(
+        model_dir, device="cpu", num_device_blocks=4096, swap_space_gib=0.01,
+        attention_backend=backend,
+    )  # fmt: skip
+
+
+def decode_batch(runner: ModelRunner, batch: int, context: int) -> list[ScheduledSequence]:
+    """`batch` sequences with `context` tokens each, prefilled, ready to decode one token."""
+    bs, params, seqs = runner.block_size, SamplingParams(), []
+    per_seq = -(-(context + 2) // bs)
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        tokens = torch.randint(5, runner.info.vocab_size, (context,), generator=g).tolist()
+        table = list(range(i * per_seq, (i + 1) * per_seq))
+        seqs.append(ScheduledSequence(f"s{i}", tokens, context, table, 0, context, params))
+    for start in range(0, batch, 8):  # prefill 8 at a time
+        runner.execute(seqs[start : start + 8], [], [], [])
+    return [
+        ScheduledSequence(s.seq_id, [*s.token_ids, 7], context, s.block_table, context, 1, params)
+        for s in seqs
+    ]
+
+
+def profile(runner: ModelRunner, seqs: list[ScheduledSequence], iters: int) -> dict[str, float]:
+    for _ in range(2):
+        runner.execute(seqs, [], [], [])
+    TIMES.clear()
+    cache0 = runner.phase_seconds["cache_ops"]
+    start = time.perf_counter()
+    for _ in range(iters):
+        runner.execute(seqs, [], [], [])
+    total = time.perf_counter() - start
+    row = {k: TIMES[k] / iters * 1e3 for k in FAMILIES}
+    row["cache_ops"] = (runner.phase_seconds["cache_ops"] - cache0) / iters * 1e3
+    row["step"] = total / iters * 1e3
+    accounted = sum(row[k] for k in FAMILIES if k != "kv_write") + row["cache_ops"]
+    row["other"] = row["step"] - accounted
+    return row
+
+
+def print_table(rows: dict[str, dict[str, float]]) -> None:
+    cols = ["step", *FAMILIES, "cache_ops", "other"]
+    print("| case | " + " | ".join(f"{c} ms" for c in cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for name, row in rows.items():
+        cells = [f"{row[c]:.2f} ({row[c] / row['step']:.0%})" if c != "step" else f"{row[c]:.2f}"
+                 for c in cols]  # fmt: skip
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def synthetic(model_dir: Path, backend: str, context: int, iters: int) -> None:
+    torch.set_num_threads(1)
+    runner = make_runner(model_dir, backend)
+    instrument(runner)
+    rows = {}
+    for batch in (1, 16, 64):
+        seqs = decode_batch(runner, batch, context)
+        rows[f"decode x{batch} @ {context}"] = profile(runner, seqs, iters)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(5, runner.info.vocab_size, (2048,), generator=g).tolist()
+    prefill = [ScheduledSequence("p", tokens, 2048, list(range(3000, 3129)), 0, 2048,
+                                 SamplingParams())]  # fmt: skip
+    rows["prefill 2048"] = profile(runner, prefill, max(iters // 5, 1))
+    print(f"backend={runner.backend.name}, torch threads={torch.get_num_threads()}")
+    print_table(rows)
+
+
+def live(model_dir: Path, executor_args: list[str]) -> None:
+    import subprocess
+    import tempfile
+
+    import bench_vs_hf
+    from step_log_stats import busy_fraction
+
+    work = Path(tempfile.mkdtemp(prefix="profile-live-"))
+    bench_vs_hf.EXECUTOR_EXTRA = ["--cpu-threads", "1", *executor_args]
+    log_path = work / "executor.log"
+    stack = bench_vs_hf.Stack(model_dir, work, 64, 4096)
+    stack.redis.start()
+    with open(log_path, "w") as log:
+        bench_vs_hf.EXECUTOR_EXTRA += ["--log-level", "debug"]
+        real_popen = subprocess.Popen
+        subprocess.Popen = lambda *a, **k: real_popen(*a, **{**k, "stderr": log})  # type: ignore
+        try:
+            stack.start_executor()
+        finally:
+            subprocess.Popen = real_popen  # type: ignore
+        try:
+            address = stack.start_scheduler()
+            bench_vs_hf.run_bench(
+                ["--backend", "llmserve", "--address", address, "--workload", "random",
+                 "--num-prompts", "64", "--input-len", "128", "--output-len", "128",
+                 "--no-progress"],
+                work / "random.json",
+            )  # fmt: skip
+        finally:
+            stack.close()
+    print(busy_fraction(log_path, num_seqs=64))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--backend", default="auto", help="attention backend")
+    p.add_argument("--context", type=int, default=192)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--live", action="store_true", help="also the served run's idle time")
+    p.add_argument("--executor-args", default="", help="extra executor flags for --live")
+    args = p.parse_args()
+    from bench_vs_hf import build_model
+
+    model_dir = build_model(ROOT / ".cache")
+    synthetic(model_dir, args.backend, args.context, args.iters)
+    if args.live:
+        live(model_dir, args.executor_args.split())
+
+
+if __name__ == "__main__":
+    main()
