@@ -38,7 +38,7 @@ class AttentionMetadata:
 class AttentionBackend:
     """The two attention ops of one implementation (same signatures, see docs/internals.md)."""
 
-    name: str  # "torch" or "triton"
+    name: str  # "torch", "triton" or "cpu"
     write_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     # Optional fused entry point attend(q, k, v, key_cache, value_cache, md, scale) that may
@@ -65,12 +65,18 @@ class AttentionBackend:
 
 
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA, torch elsewhere)."""
+    """``"torch"``, ``"triton"``, ``"cpu"`` or ``"auto"``: Triton on CUDA; on CPU the compiled
+    kernel of ``cpu_ops`` when it builds, else torch (see ``cpu_ops`` for the fallback)."""
     device = torch.device(device)
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name not in ("torch", "triton"):
-        raise ValueError(f"unknown attention backend {name!r}; expected torch, triton or auto")
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            from executor_svc.attention import cpu_ops
+
+            name = "cpu" if cpu_ops.available() else "torch"
+    if name not in ("torch", "triton", "cpu"):
+        raise ValueError(f"unknown attention backend {name!r}; expected torch, triton, cpu or auto")
     # Imported lazily: the Triton module needs triton (and a GPU or TRITON_INTERPRET=1).
     ops = importlib.import_module(f"executor_svc.attention.{name}_ops")
     return AttentionBackend(

@@ -145,7 +145,7 @@ def test_write_kv_skips_negative_slots_and_writes_in_place():
 
 
 def test_backend_selection():
-    backend = get_attention_backend("auto", "cpu")
+    backend = get_attention_backend("torch", "cpu")
     assert backend.name == "torch" and backend.paged_attention is paged_attention
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("flash", "cpu")

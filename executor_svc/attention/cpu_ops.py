@@ -1,0 +1,201 @@
+"""The CPU attention backend: a compiled paged-attention kernel, one call per layer.
+
+``csrc/paged_attention.cpp`` reads K/V in place through the block table for the whole batch
+(decodes and prefill chunks together, GQA, any head_dim), where the torch backend gathers each
+sequence's context into a padded copy per layer. It has no torch headers: the system C++
+compiler builds it into a small shared library at first use (about a second), cached under
+``$LLMSERVE_KERNEL_DIR`` (default ``~/.cache/llmserve/kernels``) by a hash of the source, the
+flags, the compiler and the CPU's features; it is called through ctypes.
+
+No compiler, a failed build, or ``LLMSERVE_CPU_KERNEL=0``: ``available()`` is False and
+``get_attention_backend("auto", "cpu")`` takes the torch backend. Anything the kernel does not
+cover (a dtype other than fp32) goes to the torch ops, which stay the reference in tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from executor_svc.attention import torch_ops
+from executor_svc.attention.torch_ops import _write_kv
+
+if TYPE_CHECKING:
+    from executor_svc.attention import AttentionMetadata
+
+log = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+# fast-math: vectorised exp (glibc's libmvec) and reassociated sums; the kernel keeps every
+# value finite (its running max starts at -1e30, not -inf), which fast-math assumes.
+FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_features() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("LLMSERVE_KERNEL_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "llmserve" / "kernels"
+
+
+def _build() -> Path | None:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx or not shutil.which(cxx):
+        log.info("cpu_kernel.no_compiler", hint="the torch attention backend is used instead")
+        return None
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    source = SOURCE.read_bytes()
+    for flags in ([*FLAGS, "-march=native"], FLAGS):  # -march=native may be refused
+        key = hashlib.sha256(
+            source + " ".join(flags).encode() + version.stdout.encode() + _cpu_features().encode()
+        ).hexdigest()[:16]
+        target = _cache_dir() / f"paged_attention-{key}.so"
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Built under a temporary name and renamed: concurrent executors never load half a file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        result = subprocess.run(
+            [cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
+        )
+        if result.returncode == 0:
+            os.replace(tmp, target)
+            return target
+        os.unlink(tmp)
+        log.warning("cpu_kernel.build_failed", flags=" ".join(flags), stderr=result.stderr[-2000:])
+    return None
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built on first use; None when it cannot be had (see module doc)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("LLMSERVE_CPU_KERNEL", "1") == "0":
+        return None
+    try:
+        path = _build()
+        if path is None:
+            return None
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as err:
+        log.warning("cpu_kernel.unavailable", error=str(err))
+        return None
+    fn = lib.llmserve_paged_attention_f32
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [p, i64, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, p, i32]
+    fn.restype = ctypes.c_int
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    return (
+        query.device.type == "cpu"
+        and query.dtype == key_cache.dtype == torch.float32
+        and key_cache.is_contiguous()
+        and load() is not None
+    )
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each token's K/V at its slot (-1 = skip); the torch op, one index_copy_ each."""
+    torch_ops.write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Same contract as ``torch_ops.paged_attention``; one kernel call for the whole batch."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert key_cache.shape[3] == head_dim and value_cache.shape == key_cache.shape
+    assert query_start_loc.shape == (seq_lens.shape[0] + 1,)
+    assert block_tables.shape[0] == seq_lens.shape[0]
+    if not _supported(query, key_cache) or not value_cache.is_contiguous():
+        return torch_ops.paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
+        )
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    query_start_loc = query_start_loc.to(torch.int32).contiguous()
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+    if num_tokens == 0:
+        return out
+    rc = _lib.llmserve_paged_attention_f32(  # type: ignore[union-attr]
+        query.data_ptr(), query.stride(0), query.stride(1),
+        key_cache.data_ptr(), value_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0),
+        seq_lens.data_ptr(), query_start_loc.data_ptr(), seq_lens.shape[0],
+        num_heads, num_kv_heads, head_dim, block_size, scale,
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"paged attention kernel rejected its arguments (code {rc})")
+    return out
+
+
+def attend(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """``write_kv`` then ``paged_attention`` for one layer of the model's forward."""
+    scratch = md.scratch
+    has_skips = scratch.get("cpu.has_skips")
+    if has_skips is None:
+        has_skips = scratch["cpu.has_skips"] = bool((md.slot_mapping < 0).any())
+    _write_kv(key, value, key_cache, value_cache, md.slot_mapping, has_skips)
+    return paged_attention(
+        query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale
+    )

@@ -1,0 +1,255 @@
+// Paged attention for the CPU: one call per layer for the whole flattened batch (decodes and
+// prefill chunks alike), reading K/V in place through the block table. fp32 only.
+//
+// Built by executor_svc/attention/cpu_kernel.py with the system C++ compiler into a plain shared
+// library (no torch headers: it compiles in about a second) and called through ctypes.
+//
+// Layout (docs/internals.md): cache [num_blocks, block_size, num_kv_heads, head_dim]; sequence i
+// owns query rows query_start_loc[i] .. query_start_loc[i + 1], the last q_len positions of its
+// seq_lens[i] tokens. Query heads h and h' share KV head h / group.
+//
+// Work is split into items (sequence, KV head, tile of up to TILE query tokens); an item keeps
+// the online-softmax state (running max m, sum l, accumulator acc) of its rows = tokens x group
+// heads, and walks the sequence's blocks once, so each K/V block is read once per item.
+// Scores: with few rows (decode), one dot product per (row, key); with many rows (prefill),
+// the block's keys are transposed once into [head_dim][block_size] so each row's scores for a
+// whole block are head_dim vector multiply-adds over block_size lanes.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// 16 floats; GCC lowers it to AVX-512, AVX2 pairs or SSE quads, whatever -march allows.
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+inline float hsum(v16 v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  v8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  a += b;
+  v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3);
+  v4 d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  c += d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// One row against n keys of a block for head_dim = 16 * DV, all in registers: scores (one dot
+// per key, the keys independent so they overlap), softmax weights, then the weighted sum of V
+// into the row's accumulator with two interleaved sets of partial sums (FMA latency).
+template <int DV>
+void row_block(const float* q, const float* kb, const float* vb, int64_t tok_stride, int n,
+               float* s, float& m, float& l, float* acc) {
+  v16 qv[DV];
+  for (int v = 0; v < DV; ++v) qv[v] = load16(q + 16 * v);
+  float mx = m;
+  for (int j = 0; j < n; ++j) {
+    const float* k = kb + j * tok_stride;
+    v16 a = qv[0] * load16(k);
+    for (int v = 1; v < DV; ++v) a += qv[v] * load16(k + 16 * v);
+    s[j] = hsum(a);
+    mx = s[j] > mx ? s[j] : mx;
+  }
+  const float corr = std::exp(m - mx);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - mx);
+    sum += s[j];
+  }
+  m = mx;
+  l = l * corr + sum;
+  v16 o0[DV], o1[DV];
+  for (int v = 0; v < DV; ++v) {
+    o0[v] = load16(acc + 16 * v) * corr;
+    o1[v] = v16{};
+  }
+  int j = 0;
+  for (; j + 1 < n; j += 2) {
+    const float* v0 = vb + j * tok_stride;
+    const float* v1 = v0 + tok_stride;
+    for (int v = 0; v < DV; ++v) {
+      o0[v] += s[j] * load16(v0 + 16 * v);
+      o1[v] += s[j + 1] * load16(v1 + 16 * v);
+    }
+  }
+  if (j < n) {
+    const float* v0 = vb + j * tok_stride;
+    for (int v = 0; v < DV; ++v) o0[v] += s[j] * load16(v0 + 16 * v);
+  }
+  for (int v = 0; v < DV; ++v) store16(acc + 16 * v, o0[v] + o1[v]);
+}
+
+using RowBlockFn = void (*)(const float*, const float*, const float*, int64_t, int, float*,
+                            float&, float&, float*);
+
+RowBlockFn pick_row_block(int head_dim) {
+  switch (head_dim) {
+    case 32: return row_block<2>;
+    case 48: return row_block<3>;
+    case 64: return row_block<4>;
+    case 80: return row_block<5>;
+    case 96: return row_block<6>;
+    case 128: return row_block<8>;
+    default: return nullptr;  // the generic loops below
+  }
+}
+
+constexpr int TILE = 16;          // query tokens per work item
+constexpr int TRANSPOSE_ROWS = 8; // rows from which transposing a K block pays off
+
+struct Item {
+  int seq, kv_head, t0, t1;  // query tokens [t0, t1) of the batch
+};
+
+struct Args {
+  const float* q; int64_t q_stride_t, q_stride_h;  // query [num_tokens, H, D], any row strides
+  const float* k_cache; const float* v_cache;
+  const int32_t* block_tables; int64_t bt_stride;
+  const int32_t* seq_lens; const int32_t* qsl;
+  int H, KVH, D, BS;
+  float scale;
+  float* out;  // [num_tokens, H, D] contiguous
+};
+
+void run_item(const Args& a, const Item& it, std::vector<float>& buf) {
+  const int G = a.H / a.KVH, D = a.D, BS = a.BS;
+  const int ntok = it.t1 - it.t0, rows = ntok * G;
+  const int q_start = a.qsl[it.seq], q_len = a.qsl[it.seq + 1] - q_start;
+  const int seq_len = a.seq_lens[it.seq];
+  const int first_pos = seq_len - q_len;  // position of the sequence's first query token
+  // Scratch: q rows, acc rows, m, l, scores, transposed K block.
+  buf.resize((size_t)rows * D * 2 + (size_t)rows * 2 + (size_t)rows * BS + (size_t)D * BS);
+  float* qr = buf.data();
+  float* acc = qr + (size_t)rows * D;
+  float* m = acc + (size_t)rows * D;
+  float* l = m + rows;
+  float* sc = l + rows;
+  float* kt = sc + (size_t)rows * BS;
+  std::vector<int> pos(rows);
+  for (int t = 0; t < ntok; ++t) {
+    for (int j = 0; j < G; ++j) {
+      const int r = t * G + j, h = it.kv_head * G + j;
+      const float* src = a.q + (int64_t)(it.t0 + t) * a.q_stride_t + (int64_t)h * a.q_stride_h;
+      for (int d = 0; d < D; ++d) qr[(size_t)r * D + d] = src[d] * a.scale;
+      pos[r] = first_pos + (it.t0 - q_start) + t;
+    }
+  }
+  std::fill(acc, acc + (size_t)rows * D, 0.0f);
+  // A finite "minus infinity": the library is built with -ffast-math (no infinities).
+  std::fill(m, m + rows, -1e30f);
+  std::fill(l, l + rows, 0.0f);
+  const int last = pos[rows - 1];  // rows are in token order: the last sees the most keys
+  const int nblocks = last / BS + 1;
+  const int32_t* table = a.block_tables + (int64_t)it.seq * a.bt_stride;
+  const int64_t tok_stride = (int64_t)a.KVH * D;
+  const RowBlockFn fast = pick_row_block(D);
+  const bool transpose = !fast && rows >= TRANSPOSE_ROWS;
+  for (int b = 0; b < nblocks; ++b) {
+    const int64_t base = ((int64_t)table[b] * BS * a.KVH + it.kv_head) * D;
+    const float* kb = a.k_cache + base;
+    const float* vb = a.v_cache + base;
+    const int keys = std::min(BS, last + 1 - b * BS);
+    if (transpose) {
+      for (int j = 0; j < keys; ++j)
+        for (int d = 0; d < D; ++d) kt[(size_t)d * BS + j] = kb[j * tok_stride + d];
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int n = std::min(keys, pos[r] + 1 - b * BS);  // causal: keys up to pos[r]
+      if (n <= 0) continue;
+      const float* q = qr + (size_t)r * D;
+      float* s = sc + (size_t)r * BS;
+      if (fast) {
+        fast(q, kb, vb, tok_stride, n, s, m[r], l[r], acc + (size_t)r * D);
+        continue;
+      }
+      if (transpose) {
+        for (int j = 0; j < BS; ++j) s[j] = 0.0f;
+        for (int d = 0; d < D; ++d) {
+          const float qd = q[d];
+          const float* kd = kt + (size_t)d * BS;
+#pragma omp simd
+          for (int j = 0; j < BS; ++j) s[j] += qd * kd[j];
+        }
+      } else {
+        for (int j = 0; j < n; ++j) {
+          const float* k = kb + j * tok_stride;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int d = 0; d < D; ++d) dot += q[d] * k[d];
+          s[j] = dot;
+        }
+      }
+      float mx = m[r];
+      for (int j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+      const float corr = std::exp(m[r] - mx);  // 0 on the first block (m = -1e30)
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < n; ++j) {
+        s[j] = std::exp(s[j] - mx);
+        sum += s[j];
+      }
+      m[r] = mx;
+      l[r] = l[r] * corr + sum;
+      float* o = acc + (size_t)r * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) o[d] *= corr;
+      for (int j = 0; j < n; ++j) {
+        const float p = s[j];
+        const float* v = vb + j * tok_stride;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) o[d] += p * v[d];
+      }
+    }
+  }
+  for (int t = 0; t < ntok; ++t) {
+    for (int j = 0; j < G; ++j) {
+      const int r = t * G + j, h = it.kv_head * G + j;
+      float* dst = a.out + ((int64_t)(it.t0 + t) * a.H + h) * D;
+      const float inv = 1.0f / l[r];
+      for (int d = 0; d < D; ++d) dst[d] = acc[(size_t)r * D + d] * inv;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int llmserve_paged_attention_f32(
+    const float* q, int64_t q_stride_t, int64_t q_stride_h,
+    const float* k_cache, const float* v_cache,
+    const int32_t* block_tables, int64_t bt_stride,
+    const int32_t* seq_lens, const int32_t* query_start_loc, int num_seqs,
+    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+    float* out, int num_threads) {
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0)
+    return 1;
+  Args a{q, q_stride_t, q_stride_h, k_cache, v_cache, block_tables, bt_stride, seq_lens,
+         query_start_loc, num_heads, num_kv_heads, head_dim, block_size, scale, out};
+  std::vector<Item> items;
+  for (int i = 0; i < num_seqs; ++i) {
+    const int s = query_start_loc[i], e = query_start_loc[i + 1];
+    if (e - s > seq_lens[i]) return 2;
+    // Later tiles of a prefill see more keys: put them first so the long items start early.
+    for (int t1 = e; t1 > s; t1 -= TILE)
+      for (int g = 0; g < num_kv_heads; ++g) items.push_back({i, g, std::max(s, t1 - TILE), t1});
+  }
+  const int n = (int)items.size();
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+    for (int k = 0; k < n; ++k) run_item(a, items[k], buf);
+  }
+  return 0;
+}

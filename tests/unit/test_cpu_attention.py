@@ -1,0 +1,118 @@
+"""The compiled CPU paged-attention kernel against the torch reference, and its fallback.
+
+The kernel is built on first use with the system compiler; without one these tests that need it
+skip, and the fallback test still checks that "auto" then picks the torch backend.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from executor_svc.attention import AttentionMetadata, cpu_ops, get_attention_backend
+from executor_svc.attention.torch_ops import paged_attention_naive
+from tests.unit.test_torch_attention import dense_reference, make_batch
+
+needs_kernel = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
+
+
+def check(q_lens, seq_lens, **kw):
+    query, kc, vc, bt, sl, qsl, dense = make_batch(q_lens, seq_lens, **kw)
+    scale = query.shape[-1] ** -0.5
+    out = cpu_ops.paged_attention(query, kc, vc, bt, sl, qsl, scale)
+    assert out.shape == query.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, dense_reference(query, qsl, dense, scale), atol=2e-5, rtol=1e-4)
+    return query, kc, vc, bt, sl, qsl, out
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3), (6, 1)])
+def test_decode_batch_gqa(num_heads, num_kv_heads):
+    check([1] * 6, [1, 15, 16, 17, 70, 300], num_heads=num_heads, num_kv_heads=num_kv_heads,
+          head_dim=64)  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [8, 24, 40, 72, 64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_mixed_prefill_chunks_and_decodes_any_head_dim(head_dim, block_size):
+    # Whole prompts, chunks after a cached prefix, decodes, and a 1-token context, in one batch.
+    check([5, 1, 40, 1, 17, 1], [5, 33, 100, 1, 17, 64], head_dim=head_dim,
+          block_size=block_size, num_heads=6, num_kv_heads=2)  # fmt: skip
+
+
+@needs_kernel
+def test_matches_the_per_token_loop_and_strided_queries():
+    query, kc, vc, bt, sl, qsl, _ = make_batch([3, 1, 20], [10, 44, 20], head_dim=16)
+    # The model hands over q as a view of q|k after rope: rows strided, heads contiguous.
+    qk = torch.cat([query, torch.randn(query.shape[0], 2, 16)], dim=1)
+    strided = qk[:, :4]
+    assert not strided.is_contiguous()
+    out = cpu_ops.paged_attention(strided, kc, vc, bt, sl, qsl, 0.3)
+    torch.testing.assert_close(
+        out, paged_attention_naive(query, kc, vc, bt, sl, qsl, 0.3), atol=2e-5, rtol=1e-4
+    )
+
+
+@needs_kernel
+def test_two_threads_give_the_same_result():
+    batch = make_batch([1, 30, 1, 1], [50, 30, 7, 200], head_dim=64, num_heads=8, num_kv_heads=2)
+    query, kc, vc, bt, sl, qsl, _ = batch
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.paged_attention(query, kc, vc, bt, sl, qsl, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_ops.paged_attention(query, kc, vc, bt, sl, qsl, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # items are independent: same arithmetic whatever the split
+
+
+@needs_kernel
+def test_backend_writes_then_attends_and_auto_picks_it():
+    backend = get_attention_backend("auto", "cpu")
+    assert backend.name == "cpu"
+    q_lens, seq_lens = [1, 4], [9, 4]
+    query, kc, vc, bt, sl, qsl, dense = make_batch(q_lens, seq_lens, block_size=8)
+    # New K/V of the step go through attend(): overwrite the last positions with fresh values.
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(5, 2, 16, generator=g), torch.randn(5, 2, 16, generator=g)
+    slots = torch.tensor(
+        [int(bt[0, 8 // 8]) * 8 + 0] + [int(bt[1, 0]) * 8 + p for p in range(4)], dtype=torch.long
+    )
+    md = AttentionMetadata(slot_mapping=slots, block_tables=bt, seq_lens=sl, query_start_loc=qsl,
+                           max_query_len=4, max_seq_len=9)  # fmt: skip
+    out = backend.attend(query, key, value, kc, vc, md, 0.25)
+    dense[0] = (torch.cat([dense[0][0][:8], key[:1]]), torch.cat([dense[0][1][:8], value[:1]]))
+    dense[1] = (key[1:], value[1:])
+    torch.testing.assert_close(out, dense_reference(query, qsl, dense, 0.25), atol=2e-5, rtol=1e-4)
+
+
+def test_bfloat16_goes_to_the_torch_ops():
+    query, kc, vc, bt, sl, qsl, dense = make_batch([1, 3], [20, 3], dtype=torch.bfloat16)
+    out = cpu_ops.paged_attention(query, kc, vc, bt, sl, qsl, 0.25)
+    assert out.dtype == torch.bfloat16
+    ref = dense_reference(query, qsl, dense, 0.25)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_without_a_compiler_auto_falls_back_to_torch(tmp_path):
+    """A fresh process with no compiler on PATH and an empty kernel cache: torch is chosen."""
+    code = (
+        "from executor_svc.attention import cpu_ops, get_attention_backend;"
+        "assert not cpu_ops.available();"
+        "b = get_attention_backend('auto', 'cpu');"
+        "assert b.name == 'torch', b.name;"
+        "print('fallback ok')"
+    )
+    env = dict(os.environ, PATH=str(tmp_path), CXX="", LLMSERVE_KERNEL_DIR=str(tmp_path / "k"))
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "fallback ok" in result.stdout
