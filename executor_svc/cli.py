@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--swap-space", type=float, default=1.0, help="CPU swap pool size in GiB")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"])
+    p.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"]
+    )
     p.add_argument(
         "--tensor-parallel-size",
         type=int,

@@ -198,6 +198,10 @@ def load_model(
     with torch.no_grad():
         load_weights(model, _weight_files(model_dir))
     model.eval().requires_grad_(False)
+    if dev.type == "cpu" and torch_dtype == torch.float32:
+        from executor_svc.cpu_gemm import prepack_model
+
+        prepack_model(model)
 
     info = ModelInfo(
         architecture=arch,

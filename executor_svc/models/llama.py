@@ -141,6 +141,7 @@ class Linear(nn.Module):
             offset += size
         self.weight = _set_loader(nn.Parameter(torch.empty(in_features, offset)), self._load)
         self.bias = _set_loader(nn.Parameter(torch.empty(offset)), self._load) if bias else None
+        self.packed: torch.Tensor | None = None  # oneDNN layout, set by cpu_gemm.prepack_model
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
         start, size = self.shard_offsets[shard_id]
@@ -150,6 +151,8 @@ class Linear(nn.Module):
             param.data.narrow(0, start, size).copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return _ONEDNN_LINEAR(x.contiguous(), self.packed, self.bias, "none", [], "")
         return matmul_io(x, self.weight, self.bias)
 
 
@@ -325,6 +328,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.packed_lm_head: torch.Tensor | None = None  # set by cpu_gemm.prepack_model
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
@@ -347,6 +351,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab]; call it only on the rows that sample."""
+        if self.packed_lm_head is not None:
+            return _ONEDNN_LINEAR(hidden.contiguous(), self.packed_lm_head, None, "none", [], "")
         return matmul_io(hidden, self.lm_head)
 
     def checkpoint_to_param_name(self, name: str) -> tuple[str, Any] | None:

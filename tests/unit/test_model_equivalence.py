@@ -49,7 +49,10 @@ def assert_logits_match_hf(model_dir, prompts, **runner_kwargs) -> ModelRunner:
     with torch.no_grad():
         for p, got in zip(prompts, ours, strict=True):
             want = hf(torch.tensor([p])).logits[0]
-            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+            # 4e-4: the compiled CPU attention sums in another order than HF's SDPA (its error
+            # against an fp64 reference is no larger than the torch ops'); over 120 positions of
+            # a random model that moved one logit of 61 440 by 2.9e-4 (torch ops: 0.9e-4).
+            torch.testing.assert_close(got, want, atol=4e-4, rtol=1e-4)
     return runner
 
 
