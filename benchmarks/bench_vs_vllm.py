@@ -3,9 +3,9 @@
 Builds the SmolLM-135M-shaped random Llama (fp32), starts Redis, an executor (one torch thread)
 and the scheduler, then runs `client.bench throughput --backend llmserve,vllm` on the chosen
 workloads (same requests; vLLM's offline `LLM` in a subprocess of its own virtualenv, its
-compute thread bound to one core). Before and after, it times one thread's `torch.mm` on the
-model's matrix shapes and prints the GEMM floor of each workload: the matmul FLOPs the work
-needs (every computed token through every layer, plus the lm_head for sampled rows only;
+compute thread bound to one core). Before and after, it times one thread's matmuls on the
+model's matrix shapes (``torch.mm``, and oneDNN on prepacked weights: the faster here, so the
+roofline) and prints the GEMM floor of each workload: the matmul FLOPs the work needs (every computed token through every layer, plus the lm_head for sampled rows only;
 attention not counted) at the measured rate, and each backend's share of that floor.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_vs_vllm.py \\
@@ -42,21 +42,39 @@ def gemm_shapes(cfg: dict) -> list[tuple[int, int]]:
     return [(h, h + 2 * kv), (h, h), (h, 2 * inter), (inter, h)]
 
 
-def gemm_rate(cfg: dict, m: int, repeats: int = 5) -> float:
-    """FLOP/s of one thread running the model's layer matmuls and the lm_head with m rows."""
+def gemm_rate(cfg: dict, m: int, kind: str = "packed", repeats: int = 5) -> float:
+    """FLOP/s of one thread running the model's layer matmuls and the lm_head with m rows:
+    ``mm`` = ``torch.mm`` (MKL), ``packed`` = oneDNN on prepacked weights (the fastest here)."""
     import torch
+
+    from executor_svc.cpu_gemm import linear_packed, pack
 
     torch.set_num_threads(1)
     shapes = [*gemm_shapes(cfg), (cfg["hidden_size"], cfg["vocab_size"])]
     mats = [(torch.randn(m, k), torch.randn(k, n)) for k, n in shapes]
+    if kind == "packed":
+        mats = [(a, pack(b)) for a, b in mats]
+        if any(b is None for _, b in mats):
+            return float("nan")
     flops = sum(2 * m * k * n for k, n in shapes)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         for a, b in mats:
-            torch.mm(a, b)
+            torch.mm(a, b) if kind == "mm" else linear_packed(a, b, None)
         best = min(best, time.perf_counter() - start)
     return flops / best
+
+
+def measure_rates(cfg: dict) -> dict[str, dict[int, float]]:
+    return {kind: {m: gemm_rate(cfg, m, kind) for m in (64, 2048)} for kind in ("mm", "packed")}
+
+
+def _fmt_rates(rates: dict[str, dict[int, float]]) -> str:
+    return ", ".join(
+        f"{kind} M=64 {r[64] / 1e9:.1f} / M=2048 {r[2048] / 1e9:.1f} GFLOP/s"
+        for kind, r in rates.items()
+    )
 
 
 def gemm_flops(cfg: dict, computed_tokens: int, sampled_rows: int) -> float:
@@ -92,10 +110,12 @@ def main() -> None:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = build_model(ROOT / ".cache")
-    rates = {m: gemm_rate(SMOLLM_135M, m) for m in (64, 2048)}
-    print(
-        f"one-thread GEMM rate: M=64 {rates[64] / 1e9:.1f}, M=2048 {rates[2048] / 1e9:.1f} GFLOP/s"
-    )
+    all_rates = measure_rates(SMOLLM_135M)
+    print(f"one-thread GEMM rates: {_fmt_rates(all_rates)}")
+    # The roofline: the best rate one thread reaches on these shapes (oneDNN on prepacked
+    # weights where torch has oneDNN); the torch.mm floor is printed beside it.
+    packed_ok = all(r == r for r in all_rates["packed"].values())  # not NaN
+    rates = all_rates["packed"] if packed_ok else all_rates["mm"]
     work = Path(tempfile.mkdtemp(prefix="bench-vs-vllm-"))
     stack = Stack(model, work, args.max_num_seqs, args.num_device_blocks)
     bench_vs_hf.EXECUTOR_EXTRA = ["--cpu-threads", "1", *args.executor_args.split()]
@@ -132,7 +152,9 @@ def main() -> None:
                 **_workload_kwargs(flags),
             )
             floor = floor_seconds(SMOLLM_135M, requests, rates, cached)
-            results[name] = {"report": report, "gemm_floor_s": floor}
+            mm_floor = floor_seconds(SMOLLM_135M, requests, all_rates["mm"], cached)
+            results[name] = {"report": report, "gemm_floor_s": floor, "mm_floor_s": mm_floor}
+            print(f"{name:>10} torch.mm floor {mm_floor:.1f} s")
             _print_summary(name, report, floor)
         if "prefix-off" in wanted:
             stack.stop_scheduler()
@@ -146,13 +168,10 @@ def main() -> None:
             _print_summary("prefix-off", report, None)
     finally:
         stack.close()
-    rates_after = {m: gemm_rate(SMOLLM_135M, m) for m in (64, 2048)}
-    print(
-        f"GEMM rate after: M=64 {rates_after[64] / 1e9:.1f}, "
-        f"M=2048 {rates_after[2048] / 1e9:.1f} GFLOP/s"
-    )
+    rates_after = measure_rates(SMOLLM_135M)
+    print(f"GEMM rates after: {_fmt_rates(rates_after)}")
     (args.out / "summary.json").write_text(
-        json.dumps({"rates": rates, "rates_after": rates_after, "results": results}, indent=2)
+        json.dumps({"rates": all_rates, "rates_after": rates_after, "results": results}, indent=2)
     )
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 import torch
+import torch.nn.functional as F
 
 from executor_svc.attention import torch_ops
 from executor_svc.attention.torch_ops import _write_kv
@@ -38,6 +39,10 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 # fast-math: vectorised exp (glibc's libmvec) and reassociated sums; the kernel keeps every
 # value finite (its running max starts at -1e30, not -inf), which fast-math assumes.
 FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# Whole prompts (no cached prefix) of at least this many tokens go to torch's fused causal SDPA
+# on their fresh K/V instead: its blocked kernel is ~1.7x faster than ours on a 2 048-token
+# prompt (74 against 126 ms per layer, one thread, SmolLM-135M shapes); below, ours wins or ties.
+FLASH_MIN_TOKENS = 256
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -160,14 +165,22 @@ def paged_attention(
         return torch_ops.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
         )
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+    _kernel(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    return out
+
+
+def _kernel(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out):
+    """Fill ``out`` for every sequence whose seq_len is not negative (negative = skip)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
+    if num_tokens == 0:
+        return
     if query.stride(2) != 1:
         query = query.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
     query_start_loc = query_start_loc.to(torch.int32).contiguous()
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
-    if num_tokens == 0:
-        return out
     rc = _lib.llmserve_paged_attention_f32(  # type: ignore[union-attr]
         query.data_ptr(), query.stride(0), query.stride(1),
         key_cache.data_ptr(), value_cache.data_ptr(),
@@ -178,7 +191,6 @@ def paged_attention(
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"paged attention kernel rejected its arguments (code {rc})")
-    return out
 
 
 def attend(
@@ -190,12 +202,46 @@ def attend(
     md: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """``write_kv`` then ``paged_attention`` for one layer of the model's forward."""
+    """``write_kv`` then attention for one layer of the model's forward: the kernel for the
+    whole batch, except long whole prompts, which take torch's fused causal attention on their
+    fresh K/V (``FLASH_MIN_TOKENS``); the split is decided once per forward."""
     scratch = md.scratch
     has_skips = scratch.get("cpu.has_skips")
     if has_skips is None:
         has_skips = scratch["cpu.has_skips"] = bool((md.slot_mapping < 0).any())
     _write_kv(key, value, key_cache, value_cache, md.slot_mapping, has_skips)
-    return paged_attention(
-        query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale
-    )
+    if md.max_query_len < FLASH_MIN_TOKENS or not _supported(query, key_cache):
+        return paged_attention(
+            query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale
+        )
+    plan = scratch.get("cpu.flash")
+    if plan is None:
+        plan = scratch["cpu.flash"] = _flash_plan(md)
+    flash_rows, kernel_seq_lens = plan
+    out = torch.empty(query.shape, dtype=torch.float32)
+    _kernel(query, key_cache, value_cache, md.block_tables, kernel_seq_lens,
+            md.query_start_loc, scale, out)  # fmt: skip
+    for s, e in flash_rows:
+        attn = F.scaled_dot_product_attention(
+            query[s:e].transpose(0, 1),  # [H, L, d]
+            key[s:e].transpose(0, 1),  # [kvh, L, d]
+            value[s:e].transpose(0, 1),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
+        out[s:e] = attn.transpose(0, 1)
+    return out
+
+
+def _flash_plan(md: AttentionMetadata) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """Row ranges of the long whole prompts, and seq_lens with those marked -1 for the kernel."""
+    starts = md.query_start_loc.tolist()
+    lens = md.seq_lens.tolist()
+    rows, kernel_lens = [], list(lens)
+    for i, n in enumerate(lens):
+        q_len = starts[i + 1] - starts[i]
+        if q_len == n and q_len >= FLASH_MIN_TOKENS:
+            rows.append((starts[i], starts[i + 1]))
+            kernel_lens[i] = -1
+    return rows, torch.tensor(kernel_lens, dtype=torch.int32)

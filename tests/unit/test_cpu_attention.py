@@ -116,3 +116,23 @@ def test_without_a_compiler_auto_falls_back_to_torch(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "fallback ok" in result.stdout
+
+
+@needs_kernel
+def test_long_whole_prompts_take_fused_sdpa_and_match(monkeypatch):
+    """attend() sends whole prompts of >= FLASH_MIN_TOKENS to torch's causal SDPA on their fresh
+    K/V and the rest (decodes, a chunk after a cached prefix) to the kernel: same results."""
+    monkeypatch.setattr(cpu_ops, "FLASH_MIN_TOKENS", 20)
+    q_lens, seq_lens = [1, 24, 5, 30], [40, 24, 30, 30]
+    query, kc, vc, bt, sl, qsl, dense = make_batch(q_lens, seq_lens, block_size=8,
+                                                   num_heads=6, num_kv_heads=2)  # fmt: skip
+    # The new tokens' K/V, as the layer hands them over (already in the cache via make_batch).
+    key = torch.cat([k[n - q :] for (k, _), q, n in zip(dense, q_lens, seq_lens, strict=True)])
+    value = torch.cat([v[n - q :] for (_, v), q, n in zip(dense, q_lens, seq_lens, strict=True)])
+    slots = torch.full((sum(q_lens),), -1, dtype=torch.long)  # already written: skip the write
+    md = AttentionMetadata(slot_mapping=slots, block_tables=bt, seq_lens=sl, query_start_loc=qsl,
+                           max_query_len=30, max_seq_len=40)  # fmt: skip
+    out = get_attention_backend("cpu", "cpu").attend(query, key, value, kc, vc, md, 0.25)
+    rows, kernel_lens = md.scratch["cpu.flash"]
+    assert rows == [(1, 25), (30, 60)] and kernel_lens.tolist() == [40, -1, 30, -1]
+    torch.testing.assert_close(out, dense_reference(query, qsl, dense, 0.25), atol=2e-5, rtol=1e-4)

@@ -239,6 +239,7 @@ extern "C" int llmserve_paged_attention_f32(
   std::vector<Item> items;
   for (int i = 0; i < num_seqs; ++i) {
     const int s = query_start_loc[i], e = query_start_loc[i + 1];
+    if (seq_lens[i] < 0) continue;  // attended elsewhere by the caller; its rows are left as is
     if (e - s > seq_lens[i]) return 2;
     // Later tiles of a prefill see more keys: put them first so the long items start early.
     for (int t1 = e; t1 > s; t1 -= TILE)
