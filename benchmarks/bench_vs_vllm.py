@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -107,6 +108,12 @@ def main() -> None:
     p.add_argument("--only", nargs="*", help="subset of: random sharegpt prefix prefix-off")
     p.add_argument("--backends", default="llmserve,vllm")
     p.add_argument("--executor-args", default="", help="extra executor flags, space separated")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat each workload, alternating which backend runs first (ABBA); median ratio",
+    )
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = build_model(ROOT / ".cache")
@@ -139,10 +146,20 @@ def main() -> None:
         address = stack.start_scheduler()
         for name in [w for w in wanted if w in workloads]:
             flags, cached = workloads[name]
-            report = run_bench(
-                ["--backend", args.backends, "--address", address, *common, *flags],
-                args.out / f"{name}.json",
-            )
+            order = args.backends.split(",")
+            ratios = []
+            for rnd in range(args.rounds):
+                backends = ",".join(order if rnd % 2 == 0 else order[::-1])
+                report = run_bench(
+                    ["--backend", backends, "--address", address, *common, *flags],
+                    args.out / f"{name}-{rnd}.json",
+                )
+                ratios += [r["output_throughput"] for r in report["ratios"]]
+                _print_summary(f"{name}#{rnd}", report, None)
+            if len(ratios) > 1:
+                print(f"{name:>10} llmserve / baseline per round: "
+                      f"{', '.join(f'{r:.3f}' for r in ratios)}; median "
+                      f"{statistics.median(ratios):.3f}", flush=True)  # fmt: skip
             requests = make_workload(
                 report["config"]["workload"],
                 report["config"]["num_prompts"],

@@ -110,7 +110,8 @@ constexpr int TILE = 16;          // query tokens per work item
 constexpr int TRANSPOSE_ROWS = 8; // rows from which transposing a K block pays off
 
 struct Item {
-  int seq, kv_head, t0, t1;  // query tokens [t0, t1) of the batch
+  int seq, t0, t1;  // query tokens [t0, t1) of the batch
+  int g0, g1;       // KV heads [g0, g1)
 };
 
 struct Args {
@@ -123,9 +124,38 @@ struct Args {
   float* out;  // [num_tokens, H, D] contiguous
 };
 
+// Softmax update and V accumulation of one row for n scores already in s (generic head_dim).
+void row_update(float* s, int n, const float* vb, int64_t tok_stride, int D, float& m, float& l,
+                float* o) {
+  float mx = m;
+  for (int j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  const float corr = std::exp(m - mx);  // 0 on the first block (m = -1e30)
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - mx);
+    sum += s[j];
+  }
+  m = mx;
+  l = l * corr + sum;
+#pragma omp simd
+  for (int d = 0; d < D; ++d) o[d] *= corr;
+  for (int j = 0; j < n; ++j) {
+    const float p = s[j];
+    const float* v = vb + j * tok_stride;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) o[d] += p * v[d];
+  }
+}
+
+// Rows of an item are (token t, head h) for its tokens and the query heads of its KV heads:
+// r = t * rows_per_tok + (h - g0 * G). Walking blocks in the outer loop and KV heads inside
+// reads each block's K and V front to back once (with all heads, 12 KB contiguous each for the
+// benchmark's model), the next block prefetched while this one is computed.
 void run_item(const Args& a, const Item& it, std::vector<float>& buf) {
   const int G = a.H / a.KVH, D = a.D, BS = a.BS;
-  const int ntok = it.t1 - it.t0, rows = ntok * G;
+  const int per_tok = (it.g1 - it.g0) * G;
+  const int ntok = it.t1 - it.t0, rows = ntok * per_tok;
   const int q_start = a.qsl[it.seq], q_len = a.qsl[it.seq + 1] - q_start;
   const int seq_len = a.seq_lens[it.seq];
   const int first_pos = seq_len - q_len;  // position of the sequence's first query token
@@ -137,85 +167,80 @@ void run_item(const Args& a, const Item& it, std::vector<float>& buf) {
   float* l = m + rows;
   float* sc = l + rows;
   float* kt = sc + (size_t)rows * BS;
-  std::vector<int> pos(rows);
   for (int t = 0; t < ntok; ++t) {
-    for (int j = 0; j < G; ++j) {
-      const int r = t * G + j, h = it.kv_head * G + j;
+    for (int j = 0; j < per_tok; ++j) {
+      const int r = t * per_tok + j, h = it.g0 * G + j;
       const float* src = a.q + (int64_t)(it.t0 + t) * a.q_stride_t + (int64_t)h * a.q_stride_h;
       for (int d = 0; d < D; ++d) qr[(size_t)r * D + d] = src[d] * a.scale;
-      pos[r] = first_pos + (it.t0 - q_start) + t;
     }
   }
   std::fill(acc, acc + (size_t)rows * D, 0.0f);
   // A finite "minus infinity": the library is built with -ffast-math (no infinities).
   std::fill(m, m + rows, -1e30f);
   std::fill(l, l + rows, 0.0f);
-  const int last = pos[rows - 1];  // rows are in token order: the last sees the most keys
+  const int pos0 = first_pos + (it.t0 - q_start);  // position of the item's first token
+  const int last = pos0 + ntok - 1;                // the last token sees the most keys
   const int nblocks = last / BS + 1;
   const int32_t* table = a.block_tables + (int64_t)it.seq * a.bt_stride;
   const int64_t tok_stride = (int64_t)a.KVH * D;
+  const int64_t span = (int64_t)(it.g1 - it.g0) * D;  // floats per token this item reads
   const RowBlockFn fast = pick_row_block(D);
-  const bool transpose = !fast && rows >= TRANSPOSE_ROWS;
+  const bool transpose = !fast && ntok * G >= TRANSPOSE_ROWS;
   for (int b = 0; b < nblocks; ++b) {
-    const int64_t base = ((int64_t)table[b] * BS * a.KVH + it.kv_head) * D;
-    const float* kb = a.k_cache + base;
-    const float* vb = a.v_cache + base;
-    const int keys = std::min(BS, last + 1 - b * BS);
-    if (transpose) {
-      for (int j = 0; j < keys; ++j)
-        for (int d = 0; d < D; ++d) kt[(size_t)d * BS + j] = kb[j * tok_stride + d];
+    const int64_t block_base = (int64_t)table[b] * BS * tok_stride + (int64_t)it.g0 * D;
+    if (b + 1 < nblocks) {
+      const int64_t next = (int64_t)table[b + 1] * BS * tok_stride + (int64_t)it.g0 * D;
+      for (int j = 0; j < BS; ++j)
+        for (int64_t d = 0; d < span; d += 16) {
+          __builtin_prefetch(a.k_cache + next + j * tok_stride + d);
+          __builtin_prefetch(a.v_cache + next + j * tok_stride + d);
+        }
     }
-    for (int r = 0; r < rows; ++r) {
-      const int n = std::min(keys, pos[r] + 1 - b * BS);  // causal: keys up to pos[r]
-      if (n <= 0) continue;
-      const float* q = qr + (size_t)r * D;
-      float* s = sc + (size_t)r * BS;
-      if (fast) {
-        fast(q, kb, vb, tok_stride, n, s, m[r], l[r], acc + (size_t)r * D);
-        continue;
-      }
+    const int keys = std::min(BS, last + 1 - b * BS);
+    for (int g = it.g0; g < it.g1; ++g) {
+      const float* kb = a.k_cache + block_base + (int64_t)(g - it.g0) * D;
+      const float* vb = a.v_cache + block_base + (int64_t)(g - it.g0) * D;
       if (transpose) {
-        for (int j = 0; j < BS; ++j) s[j] = 0.0f;
-        for (int d = 0; d < D; ++d) {
-          const float qd = q[d];
-          const float* kd = kt + (size_t)d * BS;
+        for (int j = 0; j < keys; ++j)
+          for (int d = 0; d < D; ++d) kt[(size_t)d * BS + j] = kb[j * tok_stride + d];
+      }
+      for (int t = 0; t < ntok; ++t) {
+        const int n = std::min(keys, pos0 + t + 1 - b * BS);  // causal: keys up to its position
+        if (n <= 0) continue;
+        for (int j = 0; j < G; ++j) {
+          const int r = t * per_tok + (g - it.g0) * G + j;
+          const float* q = qr + (size_t)r * D;
+          float* s = sc + (size_t)r * BS;
+          float* o = acc + (size_t)r * D;
+          if (fast) {
+            fast(q, kb, vb, tok_stride, n, s, m[r], l[r], o);
+            continue;
+          }
+          if (transpose) {
+            for (int k = 0; k < BS; ++k) s[k] = 0.0f;
+            for (int d = 0; d < D; ++d) {
+              const float qd = q[d];
+              const float* kd = kt + (size_t)d * BS;
 #pragma omp simd
-          for (int j = 0; j < BS; ++j) s[j] += qd * kd[j];
-        }
-      } else {
-        for (int j = 0; j < n; ++j) {
-          const float* k = kb + j * tok_stride;
-          float dot = 0.0f;
+              for (int k = 0; k < BS; ++k) s[k] += qd * kd[k];
+            }
+          } else {
+            for (int k = 0; k < n; ++k) {
+              const float* kk = kb + k * tok_stride;
+              float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int d = 0; d < D; ++d) dot += q[d] * k[d];
-          s[j] = dot;
+              for (int d = 0; d < D; ++d) dot += q[d] * kk[d];
+              s[k] = dot;
+            }
+          }
+          row_update(s, n, vb, tok_stride, D, m[r], l[r], o);
         }
-      }
-      float mx = m[r];
-      for (int j = 0; j < n; ++j) mx = std::max(mx, s[j]);
-      const float corr = std::exp(m[r] - mx);  // 0 on the first block (m = -1e30)
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int j = 0; j < n; ++j) {
-        s[j] = std::exp(s[j] - mx);
-        sum += s[j];
-      }
-      m[r] = mx;
-      l[r] = l[r] * corr + sum;
-      float* o = acc + (size_t)r * D;
-#pragma omp simd
-      for (int d = 0; d < D; ++d) o[d] *= corr;
-      for (int j = 0; j < n; ++j) {
-        const float p = s[j];
-        const float* v = vb + j * tok_stride;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) o[d] += p * v[d];
       }
     }
   }
   for (int t = 0; t < ntok; ++t) {
-    for (int j = 0; j < G; ++j) {
-      const int r = t * G + j, h = it.kv_head * G + j;
+    for (int j = 0; j < per_tok; ++j) {
+      const int r = t * per_tok + j, h = it.g0 * G + j;
       float* dst = a.out + ((int64_t)(it.t0 + t) * a.H + h) * D;
       const float inv = 1.0f / l[r];
       for (int d = 0; d < D; ++d) dst[d] = acc[(size_t)r * D + d] * inv;
@@ -236,14 +261,25 @@ extern "C" int llmserve_paged_attention_f32(
     return 1;
   Args a{q, q_stride_t, q_stride_h, k_cache, v_cache, block_tables, bt_stride, seq_lens,
          query_start_loc, num_heads, num_kv_heads, head_dim, block_size, scale, out};
+  // One item per (sequence, tile) reads whole blocks; with threads to spare and few such items,
+  // KV heads get items of their own so every thread has work.
+  int num_items = 0;
+  for (int i = 0; i < num_seqs; ++i)
+    num_items += (query_start_loc[i + 1] - query_start_loc[i] + TILE - 1) / TILE;
+  const bool split_heads = num_threads > 1 && num_items < 4 * num_threads;
   std::vector<Item> items;
   for (int i = 0; i < num_seqs; ++i) {
     const int s = query_start_loc[i], e = query_start_loc[i + 1];
     if (seq_lens[i] < 0) continue;  // attended elsewhere by the caller; its rows are left as is
     if (e - s > seq_lens[i]) return 2;
     // Later tiles of a prefill see more keys: put them first so the long items start early.
-    for (int t1 = e; t1 > s; t1 -= TILE)
-      for (int g = 0; g < num_kv_heads; ++g) items.push_back({i, g, std::max(s, t1 - TILE), t1});
+    for (int t1 = e; t1 > s; t1 -= TILE) {
+      const int t0 = std::max(s, t1 - TILE);
+      if (split_heads)
+        for (int g = 0; g < num_kv_heads; ++g) items.push_back({i, t0, t1, g, g + 1});
+      else
+        items.push_back({i, t0, t1, 0, num_kv_heads});
+    }
   }
   const int n = (int)items.size();
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
