@@ -12,7 +12,8 @@ attention not counted) at the measured rate, and each backend's share of that fl
         --vllm-python /path/to/vllm-venv/bin/python --only random --out bench-results/vllm
 
 Workloads: random (64 x 128 -> 128), sharegpt (200 sharegpt-like), prefix (64 x (1024 common
-+ 32 own) -> 32), prefix-off (the same, llmserve's prefix caching off, llmserve only).
++ 32 own) -> 32), prefix-off (the same, llmserve's prefix caching off, llmserve only), b1
+(batch-1 decode latency at 512 tokens of context, see ``batch1_latency``).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench-results/vllm"))
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--num-device-blocks", type=int, default=4096)
-    p.add_argument("--only", nargs="*", help="subset of: random sharegpt prefix prefix-off")
+    p.add_argument("--only", nargs="*", help="subset of: random sharegpt prefix prefix-off b1")
     p.add_argument("--backends", default="llmserve,vllm")
     p.add_argument("--executor-args", default="", help="extra executor flags, space separated")
     p.add_argument(
@@ -140,7 +141,7 @@ def main() -> None:
         "prefix": (["--workload", "shared-prefix", "--num-prompts", "64", "--prefix-len", "1024",
                     "--question-len", "32", "--output-len", "32"], 1024),
     }  # fmt: skip
-    wanted = args.only or ["random", "sharegpt", "prefix", "prefix-off"]
+    wanted = args.only or ["random", "sharegpt", "prefix", "prefix-off", "b1"]
     results = {}
     try:
         address = stack.start_scheduler()
@@ -173,6 +174,8 @@ def main() -> None:
             results[name] = {"report": report, "gemm_floor_s": floor, "mm_floor_s": mm_floor}
             print(f"{name:>10} torch.mm floor {mm_floor:.1f} s")
             _print_summary(name, report, floor)
+        if "b1" in wanted:
+            results["b1"] = batch1_latency(address, common, args.backends, args.out)
         if "prefix-off" in wanted:
             stack.stop_scheduler()
             address = stack.start_scheduler("--no-prefix-caching")
@@ -190,6 +193,25 @@ def main() -> None:
     (args.out / "summary.json").write_text(
         json.dumps({"rates": all_rates, "rates_after": rates_after, "results": results}, indent=2)
     )
+
+
+def batch1_latency(address: str, common: list[str], backends: str, out: Path) -> dict:
+    """Batch-1 decode: one 512-token prompt run to 1 and to 129 output tokens; the difference
+    of the two wall times over 128 is the time per decoded token at ~512-640 tokens of context,
+    whatever each engine's fixed cost per request."""
+    times: dict[str, dict[int, float]] = {}
+    for n in (1, 129):
+        flags = ["--workload", "random", "--num-prompts", "1", "--input-len", "512",
+                 "--output-len", str(n)]  # fmt: skip
+        report = run_bench(
+            ["--backend", backends, "--address", address, *common, *flags], out / f"b1-{n}.json"
+        )
+        for r in report["results"]:
+            times.setdefault(r["backend"], {})[n] = r["duration_s"]
+    ms = {b: (t[129] - t[1]) / 128 * 1e3 for b, t in times.items()}
+    for b, v in ms.items():
+        print(f"{'b1':>10} {b:>8}: {v:.2f} ms per token at 512 tokens of context", flush=True)
+    return {"durations": times, "ms_per_token": ms}
 
 
 def _workload_kwargs(flags: list[str]) -> dict:
