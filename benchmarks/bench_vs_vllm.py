@@ -102,7 +102,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--vllm-python", required=True)
     p.add_argument("--vllm-cpu-cores", default="1")
-    p.add_argument("--vllm-kv-cache-gib", type=float, default=4.0)
+    p.add_argument("--vllm-kv-cache-gib", type=int, default=4)
     p.add_argument("--out", type=Path, default=Path("bench-results/vllm"))
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--num-device-blocks", type=int, default=4096)

@@ -84,7 +84,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     vllm.add_argument(
         "--vllm-cpu-cores", default="0", help="VLLM_CPU_OMP_THREADS_BIND, e.g. 0 or 0-1"
     )
-    vllm.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
+    vllm.add_argument(
+        "--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (whole GiB)"
+    )
     vllm.add_argument("--vllm-dtype", default="float32")
     vllm.add_argument("--vllm-enforce-eager", action="store_true")
     vllm.add_argument("--vllm-no-prefix-caching", action="store_true")

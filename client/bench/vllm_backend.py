@@ -36,7 +36,7 @@ class VLLMBackend:
         python: str | Path,
         max_num_seqs: int = 256,
         cpu_cores: str = "0",
-        kv_cache_gib: float = 4.0,
+        kv_cache_gib: int = 4,
         dtype: str = "float32",
         enforce_eager: bool = False,
         enable_prefix_caching: bool = True,
@@ -57,6 +57,9 @@ class VLLMBackend:
             "enable_prefix_caching": enable_prefix_caching,
             "seed": 0,
         }
+        # Prompts are token ids; a checkpoint without tokenizer files runs without detokenizing.
+        if not any((self.model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+            self.llm_args["skip_tokenizer_init"] = True
 
     def limits(self) -> tuple[int, int]:
         config = json.loads((self.model_dir / "config.json").read_text())
@@ -94,7 +97,7 @@ class VLLMBackend:
             )
             env = dict(os.environ)
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.cpu_cores)
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gib:g}")
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))  # whole GiB only
             env.setdefault("HF_HUB_OFFLINE", "1")
             # Its own virtualenv only: no llmserve paths leaking into vLLM's imports.
             env.pop("PYTHONPATH", None)

@@ -40,14 +40,17 @@ def main(job_path: str, result_path: str) -> None:
         job = json.load(f)
     llm = LLM(model=job["model"], **job.get("llm_args", {}))
     prompts = [{"prompt_token_ids": ids} for ids, _ in job["requests"]]
+    detokenize = not job.get("llm_args", {}).get("skip_tokenizer_init", False)
     params = [
-        SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)
+        SamplingParams(
+            max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0, detokenize=detokenize
+        )
         for _, n in job["requests"]
     ]
     # Warm-up outside the timed run (first-call compilation, allocator growth).
     llm.generate(
         [{"prompt_token_ids": list(range(1, 9))}],
-        SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0),
+        SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0, detokenize=detokenize),
         use_tqdm=False,
     )
     start_mono = time.monotonic()

@@ -51,6 +51,7 @@ def test_backend_needs_its_python_and_a_model(tmp_path: Path) -> None:
     assert isinstance(backend, VLLMBackend)
     assert backend.limits() == (512, 512)
     assert backend.llm_args["max_num_seqs"] == 7 and backend.llm_args["dtype"] == "float32"
+    assert backend.llm_args["skip_tokenizer_init"]  # the tiny checkpoint has no tokenizer
     with pytest.raises(ValueError, match="throughput mode only"):
         backend.run([BenchRequest([1], 1)], [0.5])
 
@@ -59,8 +60,9 @@ def test_backend_needs_its_python_and_a_model(tmp_path: Path) -> None:
     not os.environ.get("LLMSERVE_VLLM_PYTHON"), reason="set LLMSERVE_VLLM_PYTHON to run vLLM"
 )
 def test_real_vllm_generates_exact_lengths(tmp_path: Path) -> None:
-    model = model_factory.make_tiny_checkpoint(tmp_path / "llama")
-    backend = VLLMBackend(model, python=os.environ["LLMSERVE_VLLM_PYTHON"], kv_cache_gib=0.5)
+    # vLLM's CPU attention needs a head_dim of 32 or more.
+    model = model_factory.make_tiny_checkpoint(tmp_path / "llama", head_dim=64)
+    backend = VLLMBackend(model, python=os.environ["LLMSERVE_VLLM_PYTHON"], kv_cache_gib=1)
     reqs = random_workload(
         4, input_len=10, output_len=5, range_ratio=0.5, vocab_size=512, max_model_len=512
     )
@@ -71,7 +73,7 @@ def test_real_vllm_generates_exact_lengths(tmp_path: Path) -> None:
     code = bench_main(
         ["throughput", "--backend", "vllm", "--model-dir", str(model), "--workload", "random",
          "--num-prompts", "2", "--input-len", "8", "--output-len", "3", "--no-progress",
-         "--vllm-python", os.environ["LLMSERVE_VLLM_PYTHON"], "--vllm-kv-cache-gib", "0.5",
+         "--vllm-python", os.environ["LLMSERVE_VLLM_PYTHON"], "--vllm-kv-cache-gib", "1",
          "--output", str(out)]
     )  # fmt: skip
     assert code == 0 and out.exists()
