@@ -9,6 +9,19 @@
 #   --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 # and make sure that base provides Python >= 3.11 as `python`/`pip` (Ubuntu's needs a venv).
 ARG BASE_IMAGE=python:3.11-slim
+
+# The CPU paged-attention kernel, compiled ahead of time for x86-64-v3 (AVX2 + FMA) in a stage
+# of its own, so the image carries the library and not the compiler. The flags are
+# executor_svc/attention/cpu_ops.py's FLAGS plus PORTABLE_MARCH (a test keeps them equal).
+FROM ${BASE_IMAGE} AS kernel
+RUN apt-get update -q && apt-get install -y -q --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+COPY executor_svc/attention/csrc/paged_attention.cpp /src/
+# (Not on other architectures: an empty file then, which the executor never loads there.)
+RUN mkdir -p /out && (g++ -O3 -ffast-math -fopenmp -shared -fPIC -std=c++17 -march=x86-64-v3 \
+    /src/paged_attention.cpp -o /out/paged_attention-x86-64-v3.so \
+    || : > /out/paged_attention-x86-64-v3.so)
+
 FROM ${BASE_IMAGE}
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -22,6 +35,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     LLMSERVE_CACHE=/home/llmserve/.cache/llmserve
 
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin llmserve
+
+# The prebuilt attention kernel and the OpenMP runtime it links (on a CPU without AVX2/FMA the
+# executor uses the torch attention ops instead).
+RUN apt-get update -q && apt-get install -y -q --no-install-recommends libgomp1 \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=kernel /out/paged_attention-x86-64-v3.so /opt/llmserve/kernels/
+ENV LLMSERVE_KERNEL_LIB=/opt/llmserve/kernels/paged_attention-x86-64-v3.so
 WORKDIR /opt/llmserve
 
 # torch first and from its own index: the project pins torch==2.13.0, which the local build
@@ -47,6 +67,7 @@ USER llmserve
 # Bake the demo checkpoint into the image (a few seconds) so `--model demo` starts at once and
 # every scaled executor replica serves identical weights.
 RUN python -c "from executor_svc.demo_model import ensure_demo_model; print(ensure_demo_model())"
+RUN python -c "from executor_svc.attention import cpu_ops; print('cpu kernel:', cpu_ops.available())"
 
 # gRPC: scheduler 50051, executor 50061; HTTP: frontend 8000, metrics 9400 (scheduler) 9401 (executor).
 EXPOSE 50051 50061 8000 9400 9401

@@ -7,7 +7,9 @@ compiler builds it into a small shared library at first use (about a second), ca
 ``$LLMSERVE_KERNEL_DIR`` (default ``~/.cache/llmserve/kernels``) by a hash of the source, the
 flags, the compiler and the CPU's features; it is called through ctypes.
 
-No compiler, a failed build, or ``LLMSERVE_CPU_KERNEL=0``: ``available()`` is False and
+Without a compiler, ``$LLMSERVE_KERNEL_LIB`` may name a library built ahead of time for
+x86-64-v3 (AVX2 + FMA; the Docker image carries one): it is used when this CPU has those
+features. No library at all, a failed build, or ``LLMSERVE_CPU_KERNEL=0``: ``available()`` is False and
 ``get_attention_backend("auto", "cpu")`` takes the torch backend. Anything the kernel does not
 cover (a dtype other than fp32) goes to the torch ops, which stay the reference in tests.
 """
@@ -39,6 +41,10 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 # fast-math: vectorised exp (glibc's libmvec) and reassociated sums; the kernel keeps every
 # value finite (its running max starts at -1e30, not -inf), which fast-math assumes.
 FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# A library built ahead of time (no compiler where it runs) targets this level, and is only
+# loaded on a CPU with these features.
+PORTABLE_MARCH = "-march=x86-64-v3"
+PORTABLE_FEATURES = ("avx2", "fma", "bmi2", "f16c")
 # Whole prompts (no cached prefix) of at least this many tokens go to torch's fused causal SDPA
 # on their fresh K/V instead: its blocked kernel is ~1.7x faster than ours on a 2 048-token
 # prompt (74 against 126 ms per layer, one thread, SmolLM-135M shapes); below, ours wins or ties.
@@ -65,9 +71,25 @@ def _cache_dir() -> Path:
     return Path(base) / "llmserve" / "kernels"
 
 
+def _prebuilt() -> Path | None:
+    """$LLMSERVE_KERNEL_LIB, when it exists and this CPU can run it."""
+    path = os.environ.get("LLMSERVE_KERNEL_LIB")
+    if not path or not Path(path).is_file():
+        return None
+    flags = set(_cpu_features().split())
+    missing = [f for f in PORTABLE_FEATURES if f not in flags]
+    if missing:
+        log.info("cpu_kernel.prebuilt_unsupported", missing=missing)
+        return None
+    return Path(path)
+
+
 def _build() -> Path | None:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx or not shutil.which(cxx):
+        prebuilt = _prebuilt()
+        if prebuilt is not None:
+            return prebuilt
         log.info("cpu_kernel.no_compiler", hint="the torch attention backend is used instead")
         return None
     try:

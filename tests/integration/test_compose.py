@@ -201,7 +201,9 @@ def test_dockerfile_shape() -> None:
     assert lines[-1].startswith("CMD ")
     # Every packaged directory is copied into the image. (README.md is required by
     # pyproject.toml itself, so any install fails without it; it is not re-checked here.)
-    copied = {line.split()[1] for line in lines if line.startswith("COPY ")}
+    copied = {
+        line.split()[1] for line in lines if line.startswith("COPY ") and "--from=" not in line
+    }
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -212,6 +214,13 @@ def test_dockerfile_shape() -> None:
     assert {"50051", "50061", "8000", "9400", "9401"} <= set(expose)
     for name in copied - {"README.md"}:
         assert (ROOT / name).exists(), name
+    # The kernel stage compiles with exactly the flags the executor itself would use.
+    from executor_svc.attention import cpu_ops
+
+    text = (ROOT / "Dockerfile").read_text()
+    compile_line = text[text.index("g++ -O3") : text.index("/src/paged_attention.cpp -o")]
+    assert compile_line.replace("\\", " ").split()[1:] == [*cpu_ops.FLAGS, cpu_ops.PORTABLE_MARCH]
+    assert "ENV LLMSERVE_KERNEL_LIB=" in text
     # The image installs the runtime dependencies only: no CUDA-only triton (a CUDA torch
     # brings its own) and nothing only tests or `make run` use.
     runtime = " ".join(project["project"]["dependencies"])

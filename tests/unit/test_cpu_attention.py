@@ -136,3 +136,45 @@ def test_long_whole_prompts_take_fused_sdpa_and_match(monkeypatch):
     rows, kernel_lens = md.scratch["cpu.flash"]
     assert rows == [(1, 25), (30, 60)] and kernel_lens.tolist() == [40, -1, 30, -1]
     torch.testing.assert_close(out, dense_reference(query, qsl, dense, 0.25), atol=2e-5, rtol=1e-4)
+
+
+def test_a_prebuilt_library_serves_without_a_compiler(tmp_path):
+    """What the Docker image does: no compiler, $LLMSERVE_KERNEL_LIB built ahead of time for
+    x86-64-v3; on a CPU with those features the kernel is used and matches the reference."""
+    import shutil
+
+    cxx = shutil.which("g++")
+    features = set(cpu_ops._cpu_features().split())
+    if cxx is None or not set(cpu_ops.PORTABLE_FEATURES) <= features:
+        pytest.skip("needs g++ to build the library and an x86-64-v3 CPU to run it")
+    lib = tmp_path / "paged_attention-x86-64-v3.so"
+    build = subprocess.run(
+        [cxx, *cpu_ops.FLAGS, cpu_ops.PORTABLE_MARCH, str(cpu_ops.SOURCE), "-o", str(lib)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr
+    code = (
+        "import torch\n"
+        "from executor_svc.attention import cpu_ops, get_attention_backend\n"
+        "from tests.unit.test_torch_attention import dense_reference, make_batch\n"
+        "assert cpu_ops.available()\n"
+        "assert get_attention_backend('auto', 'cpu').name == 'cpu'\n"
+        "q, kc, vc, bt, sl, qsl, dense = make_batch([1, 5], [40, 5], num_heads=4,"
+        " num_kv_heads=2, head_dim=24)\n"
+        "out = cpu_ops.paged_attention(q, kc, vc, bt, sl, qsl, 0.3)\n"
+        "torch.testing.assert_close(out, dense_reference(q, qsl, dense, 0.3), atol=2e-5,"
+        " rtol=2e-5)\n"
+        "print('prebuilt ok')\n"
+    )
+    env = dict(
+        os.environ,
+        PATH=str(tmp_path),
+        CXX="",
+        LLMSERVE_KERNEL_DIR=str(tmp_path / "k"),
+        LLMSERVE_KERNEL_LIB=str(lib),
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "prebuilt ok" in result.stdout
