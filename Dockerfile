@@ -39,7 +39,7 @@ RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin llmserve
 # The prebuilt attention kernel and the OpenMP runtime it links (on a CPU without AVX2/FMA the
 # executor uses the torch attention ops instead).
 RUN apt-get update -q && apt-get install -y -q --no-install-recommends libgomp1 \
-    && rm -rf /var/lib/apt/lists/*
+    && apt-get clean && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 COPY --from=kernel /out/paged_attention-x86-64-v3.so /opt/llmserve/kernels/
 ENV LLMSERVE_KERNEL_LIB=/opt/llmserve/kernels/paged_attention-x86-64-v3.so
 WORKDIR /opt/llmserve
