@@ -222,11 +222,23 @@ class Scheduler(SchedulerState):
             step.added.append(req)
 
     def _schedule_waiting(self, step: _StepBudget, out: SchedulerOutput) -> None:
-        """Phase 4: new (or recomputed) requests in policy order, while they fit."""
+        """Phase 4: new (or recomputed) requests in policy order, while they fit.
+
+        A request whose next uncached prompt block is being computed right now by a running
+        request (one admitted this step included) waits for it: a step later that block is in
+        the prefix cache and the request skips it, instead of computing the same prefix again
+        beside it (a burst of requests with one long system prompt computes it once).
+        """
+        inflight: set[bytes] | None = None
         while step.tokens > 0 and (req := self._waiting.peek()) is not None:
             n = req.num_seqs_when_running
             if step.num_seqs + n > self.config.max_num_seqs:
                 break
+            if self.block_manager.enable_prefix_caching:
+                if inflight is None:
+                    inflight = self._prefix_blocks_in_flight()
+                if self._waits_for_prefix(req, inflight):
+                    break
             admitted = self._admit(req, step, out)
             if admitted is _Admit.ENDED:  # it could never fit and has been ended
                 continue
@@ -234,6 +246,39 @@ class Scheduler(SchedulerState):
                 break
             step.num_seqs += n
             step.added.append(req)
+            if inflight is not None:
+                inflight.update(self._uncomputed_prompt_hashes(req))
+
+    def _uncomputed_prompt_hashes(self, req: Request) -> list[bytes]:
+        """Hashes of the full prompt blocks `req` has still to compute (to be cached)."""
+        seq = req.seqs[0]
+        if not seq.use_prefix_cache or seq.num_computed_tokens >= seq.num_prompt_tokens:
+            return []
+        bm = self.block_manager
+        num_full = seq.num_prompt_tokens // bm.block_size
+        bm.ensure_hashes(seq, num_full)
+        return seq.block_hashes[seq.num_computed_tokens // bm.block_size : num_full]
+
+    def _prefix_blocks_in_flight(self) -> set[bytes]:
+        inflight: set[bytes] = set()
+        for req in self._running:
+            if req.status == _RUNNING:
+                inflight.update(self._uncomputed_prompt_hashes(req))
+        return inflight
+
+    def _waits_for_prefix(self, req: Request, inflight: set[bytes]) -> bool:
+        if not inflight:
+            return False
+        seq = req.seqs[0]
+        if not seq.use_prefix_cache:
+            return False
+        bm = self.block_manager
+        hits = len(bm.find_cached_prefix(seq, len(seq.token_ids) - 1))
+        max_blocks = (len(seq.token_ids) - 1) // bm.block_size
+        if hits >= max_blocks:
+            return False
+        bm.ensure_hashes(seq, hits + 1)
+        return seq.block_hashes[hits] in inflight
 
     def _make_room(
         self,

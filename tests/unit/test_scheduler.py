@@ -460,3 +460,41 @@ def test_resumed_request_skips_sequences_that_had_already_finished():
     sched.finish_sequence("x/0", RequestStatus.FINISHED_LENGTH)
     assert sched.take_finished_requests() == [req]
     sched.check_invariants()
+
+
+def test_a_request_waits_for_a_prefix_being_computed_instead_of_computing_it_again():
+    sched = make_scheduler(enable_prefix_caching=True, num_device_blocks=64)
+    prefix = list(range(100, 124))  # 6 blocks of 4
+    first = Request("first", [*prefix, 1, 2], SamplingParams(max_tokens=4))
+    second = Request("second", [*prefix, 3, 4], SamplingParams(max_tokens=4))
+    add(sched, [first, second])
+    out = step(sched)
+    # The second would compute the same 6 blocks beside the first: it waits one step.
+    assert scheduled(out) == {"first/0": 26}
+    out = step(sched)
+    assert scheduled(out)["second/0"] == 2  # its prefix came from the cache
+    assert sched.block_manager.prefix_cache_hits == 24
+
+
+def test_waiting_for_a_prefix_ends_when_its_computation_goes_away():
+    # The request computing the prefix is aborted before it is done: nobody waits for ever.
+    sched = make_scheduler(
+        enable_prefix_caching=True, num_device_blocks=64, max_num_batched_tokens=8
+    )
+    prefix = list(range(100, 124))
+    add(sched, [Request("a", [*prefix, 1], SamplingParams(max_tokens=4))])
+    step(sched)  # "a" computes its first chunk of 8 tokens
+    add(sched, [Request("b", [*prefix, 2], SamplingParams(max_tokens=4))])
+    out = step(sched)
+    assert "b/0" not in scheduled(out)  # waits: a's next blocks are being computed
+    sched.abort_request("a")
+    out = step(sched)
+    assert "b/0" in scheduled(out)
+
+
+def test_unrelated_prompts_do_not_wait():
+    sched = make_scheduler(enable_prefix_caching=True, num_device_blocks=64)
+    reqs = make_requests(3, prompt_len=12)
+    add(sched, reqs)
+    out = step(sched)
+    assert set(scheduled(out)) == {"r0/0", "r1/0", "r2/0"}
