@@ -133,9 +133,14 @@ class ExecutorPool:
                 instance_id=describe.instance_id,
                 blocks=describe.num_device_blocks,
             )
-            handle = ExecutorHandle(address, channel, stub, describe, self.new_scheduler(describe))
-            handle.draining = describe.draining
-            return handle
+            return ExecutorHandle(
+                address,
+                channel,
+                stub,
+                describe,
+                self.new_scheduler(describe),
+                draining=describe.draining,
+            )
 
     async def reconnect(self, ex: ExecutorHandle) -> bool | None:
         """One attempt (after a back-off) to bring an unhealthy executor back: None while it

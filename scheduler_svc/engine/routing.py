@@ -97,6 +97,7 @@ class Router:
             or [ex for ex in executors if ex.healthy]
             or list(executors)
         )
+        hashes: dict[int, list[bytes]] = {}  # one hash chain per block size, for every use
         if len(candidates) == 1:
             chosen = candidates[0]
         elif self.policy == "round-robin":
@@ -104,30 +105,31 @@ class Router:
         elif self.policy == "least-loaded":
             chosen = max(candidates, key=lambda e: (e.sched.num_free_blocks, -e.sched.num_waiting))
         else:
-            hashes: dict[int, list[bytes]] = {}
             _, i = min((self._cost(ex, req, hashes), i) for i, ex in enumerate(candidates))
             chosen = candidates[i]
         if self.policy == "kv":
-            self._note_routed(chosen, req)
-            self._remember(chosen, req)
+            self._note_routed(chosen, req, hashes)
+            self._remember(chosen, req, hashes)
         return chosen
 
-    def _remember(self, ex: ExecutorHandle, req: Request) -> None:
+    def _remember(self, ex: ExecutorHandle, req: Request, hashes: dict[int, list[bytes]]) -> None:
         bm = ex.sched.block_manager
         if not (bm.enable_prefix_caching and req.seqs[0].use_prefix_cache):
             return
         soon = self._soon.setdefault(id(ex), {})
-        for h in _chain(req, bm.block_size, {}):
+        for h in _chain(req, bm.block_size, hashes):
             soon[h] = ex.step_id
         if len(soon) > 1 << 16:  # drop what has expired
             oldest = ex.step_id - _SOON_STEPS
             self._soon[id(ex)] = {h: s for h, s in soon.items() if s >= oldest}
 
     def _cost(self, ex: ExecutorHandle, req: Request, hashes: dict[int, list[bytes]]) -> float:
-        bm = ex.sched.block_manager
-        blocks = bm.num_blocks_for(len(req.seqs[0].token_ids))
-        to_prefill = blocks - cached_prefix_blocks(ex, req, hashes, self._soon.get(id(ex)))
-        return self.prefill_weight * to_prefill + self._load(ex)
+        return self.prefill_weight * self._to_prefill(ex, req, hashes) + self._load(ex)
+
+    def _to_prefill(self, ex: ExecutorHandle, req: Request, hashes: dict[int, list[bytes]]) -> int:
+        """Blocks of `req` that `ex` would compute: all but those cached or soon cached."""
+        blocks = ex.sched.block_manager.num_blocks_for(len(req.seqs[0].token_ids))
+        return blocks - cached_prefix_blocks(ex, req, hashes, self._soon.get(id(ex)))
 
     def _load(self, ex: ExecutorHandle) -> int:
         """Blocks left to prefill for its waiting requests plus its running sequences; counted
@@ -145,14 +147,13 @@ class Router:
             self._pending[id(ex)] = (ex.step_id, base, added)
         return base + added
 
-    def _note_routed(self, ex: ExecutorHandle, req: Request) -> None:
-        """Add the request's prefill there (what is not cached or soon cached) to its load."""
+    def _note_routed(
+        self, ex: ExecutorHandle, req: Request, hashes: dict[int, list[bytes]]
+    ) -> None:
+        """Add the request's prefill there to its load."""
         self._load(ex)  # make sure the entry is this step's
         step, base, added = self._pending[id(ex)]
-        bm = ex.sched.block_manager
-        blocks = bm.num_blocks_for(len(req.seqs[0].token_ids))
-        blocks -= cached_prefix_blocks(ex, req, {}, self._soon.get(id(ex)))
-        self._pending[id(ex)] = (step, base, added + blocks)
+        self._pending[id(ex)] = (step, base, added + self._to_prefill(ex, req, hashes))
 
     def forget(self, ex: ExecutorHandle) -> None:
         self._pending.pop(id(ex), None)

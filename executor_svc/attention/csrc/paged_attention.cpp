@@ -70,6 +70,24 @@ inline v16 reduce16(const v16* a) {
                                  29, 31);
 }
 
+// The online-softmax step of one row over n new scores in s: s becomes the weights
+// exp(s - new max), m and l move on, and the factor that rescales the row's accumulator is
+// returned (0 on the first block, where m = -1e30).
+inline float softmax_update(float* s, int n, float& m, float& l) {
+  float mx = m;
+  for (int j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  const float corr = std::exp(m - mx);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - mx);
+    sum += s[j];
+  }
+  m = mx;
+  l = l * corr + sum;
+  return corr;
+}
+
 // One row against n keys of a block for head_dim = 16 * DV, all in registers: scores (one dot
 // per key, the keys independent so they overlap), softmax weights, then the weighted sum of V
 // into the row's accumulator with two interleaved sets of partial sums (FMA latency).
@@ -94,17 +112,7 @@ void row_block(const float* q, const float* kb, const float* vb, int64_t tok_str
     for (int v = 1; v < DV; ++v) a += qv[v] * load16(k + 16 * v);
     s[j0] = hsum(a);
   }
-  float mx = m;
-  for (int j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
-  const float corr = std::exp(m - mx);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int j = 0; j < n; ++j) {
-    s[j] = std::exp(s[j] - mx);
-    sum += s[j];
-  }
-  m = mx;
-  l = l * corr + sum;
+  const float corr = softmax_update(s, n, m, l);
   v16 o0[DV], o1[DV];
   for (int v = 0; v < DV; ++v) {
     o0[v] = load16(acc + 16 * v) * corr;
@@ -162,17 +170,7 @@ struct Args {
 // Softmax update and V accumulation of one row for n scores already in s (generic head_dim).
 void row_update(float* s, int n, const float* vb, int64_t tok_stride, int D, float& m, float& l,
                 float* o) {
-  float mx = m;
-  for (int j = 0; j < n; ++j) mx = std::max(mx, s[j]);
-  const float corr = std::exp(m - mx);  // 0 on the first block (m = -1e30)
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int j = 0; j < n; ++j) {
-    s[j] = std::exp(s[j] - mx);
-    sum += s[j];
-  }
-  m = mx;
-  l = l * corr + sum;
+  const float corr = softmax_update(s, n, m, l);
 #pragma omp simd
   for (int d = 0; d < D; ++d) o[d] *= corr;
   for (int j = 0; j < n; ++j) {
