@@ -30,7 +30,7 @@ from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import Collected, collect, mixed_workload, run_in_threads
-from tests.support.stack import Stack, _env, _wait_port_file, tiny_model_dir
+from tests.support.stack import Stack, _env, _wait_port_file, stop_process, tiny_model_dir
 
 LEADER_KEY = "llmserve:leader"
 STATE_PREFIXES = (
@@ -77,13 +77,8 @@ class Scheduler:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self.proc.send_signal(signal.SIGCONT)  # a paused one could not act on SIGTERM
+        stop_process(self.proc)
 
 
 @pytest.fixture

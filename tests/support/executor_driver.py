@@ -22,6 +22,7 @@ import grpc
 
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
+from tests.support.stack import stop_process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -321,10 +322,4 @@ def executor_subprocess(
             time.sleep(0.1)
         yield proc, int(port_file.read_text())
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, timeout=15)

@@ -45,6 +45,18 @@ def _wait_port_file(path: Path, proc: subprocess.Popen, timeout: float, what: st
     raise TimeoutError(f"{what} did not start within {timeout}s")
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGTERM, then SIGKILL if it is still there after `timeout` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_serving(address: str, timeout: float = 60.0) -> None:
     """Block until the server's grpc.health.v1 status is SERVING."""
     deadline = time.monotonic() + timeout
@@ -119,13 +131,8 @@ class Stack:
 
     def stop(self) -> None:
         for proc in (self.scheduler_proc, self.executor_proc):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            if proc is not None:
+                stop_process(proc)
 
     def logs(self) -> str:
         out = []
