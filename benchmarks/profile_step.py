@@ -135,12 +135,21 @@ def synthetic(model_dir: Path, backend: str, context: int, iters: int) -> None:
     print_table(rows)
 
 
-def live(model_dir: Path, executor_args: list[str]) -> None:
+LIVE_WORKLOADS = {
+    "random": ["--workload", "random", "--num-prompts", "64", "--input-len", "128",
+               "--output-len", "128"],
+    "prefix": ["--workload", "shared-prefix", "--num-prompts", "64", "--prefix-len", "1024",
+               "--question-len", "32", "--output-len", "32"],
+    "sharegpt": ["--workload", "sharegpt-like", "--num-prompts", "200"],
+}  # fmt: skip
+
+
+def live(model_dir: Path, executor_args: list[str], workload: str = "random") -> None:
     import subprocess
     import tempfile
 
     import bench_vs_hf
-    from step_log_stats import busy_fraction
+    from step_log_stats import busy_fraction, summary
 
     work = Path(tempfile.mkdtemp(prefix="profile-live-"))
     bench_vs_hf.EXECUTOR_EXTRA = ["--cpu-threads", "1", *executor_args]
@@ -158,13 +167,13 @@ def live(model_dir: Path, executor_args: list[str]) -> None:
         try:
             address = stack.start_scheduler()
             bench_vs_hf.run_bench(
-                ["--backend", "llmserve", "--address", address, "--workload", "random",
-                 "--num-prompts", "64", "--input-len", "128", "--output-len", "128",
+                ["--backend", "llmserve", "--address", address, *LIVE_WORKLOADS[workload],
                  "--no-progress"],
-                work / "random.json",
+                work / f"{workload}.json",
             )  # fmt: skip
         finally:
             stack.close()
+    print(summary(log_path))
     print(busy_fraction(log_path, num_seqs=64))
 
 
@@ -175,13 +184,18 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--live", action="store_true", help="also the served run's idle time")
     p.add_argument("--executor-args", default="", help="extra executor flags for --live")
+    p.add_argument(
+        "--workload", choices=sorted(LIVE_WORKLOADS), default="random", help="what --live serves"
+    )
+    p.add_argument("--live-only", action="store_true", help="skip the in-process cases")
     args = p.parse_args()
     from bench_vs_hf import build_model
 
     model_dir = build_model(ROOT / ".cache")
-    synthetic(model_dir, args.backend, args.context, args.iters)
-    if args.live:
-        live(model_dir, args.executor_args.split())
+    if not args.live_only:
+        synthetic(model_dir, args.backend, args.context, args.iters)
+    if args.live or args.live_only:
+        live(model_dir, args.executor_args.split(), args.workload)
 
 
 if __name__ == "__main__":

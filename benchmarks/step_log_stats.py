@@ -61,23 +61,33 @@ def busy_fraction(path: str | Path, num_seqs: int = 64) -> str:
     )
 
 
+def summary(path: str | Path) -> str:
+    """Steps, busy seconds, and decode-only against steps carrying prefill tokens."""
+    steps = [d for d in read_steps(path) if d.get("num_seqs")]
+    decode = [d for d in steps if d["num_seqs"] == d["num_tokens"]]
+    mixed = [d for d in steps if d["num_seqs"] != d["num_tokens"]]
+    total = sum(d["ms"] for d in steps) / 1e3
+    lines = [f"steps {len(steps)}, executor busy {total:.1f} s"]
+    if steps and "end" in steps[0] and "end" in steps[-1]:
+        wall = steps[-1]["end"] - steps[0]["end"] + steps[0]["ms"] / 1e3
+        lines[0] += f" of {wall:.1f} s from the first step's start to the last step's end"
+    for name, rows in (("decode-only", decode), ("with prefill", mixed)):
+        if rows:
+            lines.append(
+                f"{name}: {len(rows)} steps, {sum(r['ms'] for r in rows) / 1e3:.1f} s, mean"
+                f" {statistics.mean(r['ms'] for r in rows):.1f} ms,"
+                f" mean {statistics.mean(r['num_seqs'] for r in rows):.1f} seqs,"
+                f" mean {statistics.mean(r['num_tokens'] for r in rows):.0f} tokens"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("log")
     p.add_argument("--num-seqs", type=int, default=64)
     args = p.parse_args()
-    steps = read_steps(args.log)
-    decode = [d for d in steps if d["num_seqs"] == d["num_tokens"]]
-    mixed = [d for d in steps if d["num_seqs"] != d["num_tokens"]]
-    total = sum(d["ms"] for d in steps) / 1e3
-    print(f"steps {len(steps)}, executor busy {total:.1f} s")
-    for name, rows in (("decode-only", decode), ("with prefill", mixed)):
-        if rows:
-            print(
-                f"{name}: {len(rows)} steps, mean {statistics.mean(r['ms'] for r in rows):.1f} ms,"
-                f" mean {statistics.mean(r['num_seqs'] for r in rows):.1f} seqs,"
-                f" mean {statistics.mean(r['num_tokens'] for r in rows):.0f} tokens"
-            )
+    print(summary(args.log))
     print(busy_fraction(args.log, args.num_seqs))
 
 

@@ -1,19 +1,23 @@
 // Paged attention for the CPU: one call per layer for the whole flattened batch (decodes and
 // prefill chunks alike), reading K/V in place through the block table. fp32 only.
 //
-// Built by executor_svc/attention/cpu_kernel.py with the system C++ compiler into a plain shared
+// Built by executor_svc/attention/cpu_ops.py with the system C++ compiler into a plain shared
 // library (no torch headers: it compiles in about a second) and called through ctypes.
 //
 // Layout (docs/internals.md): cache [num_blocks, block_size, num_kv_heads, head_dim]; sequence i
 // owns query rows query_start_loc[i] .. query_start_loc[i + 1], the last q_len positions of its
 // seq_lens[i] tokens. Query heads h and h' share KV head h / group.
 //
-// Work is split into items (sequence, KV head, tile of up to TILE query tokens); an item keeps
-// the online-softmax state (running max m, sum l, accumulator acc) of its rows = tokens x group
-// heads, and walks the sequence's blocks once, so each K/V block is read once per item.
-// Scores: with few rows (decode), one dot product per (row, key); with many rows (prefill),
-// the block's keys are transposed once into [head_dim][block_size] so each row's scores for a
-// whole block are head_dim vector multiply-adds over block_size lanes.
+// Work is split into items (sequence, tile of up to TILE query tokens, its KV heads); an item
+// keeps the softmax state (running max m, sum l, accumulator acc) of its rows = tokens x query
+// heads and walks the sequence's blocks, so each K/V block is read once per item.
+// head_dim = 16 * DV (32 ... 128): run_item_vec. Keys in chunks of up to 32 blocks: first the
+// scores of all rows for the chunk (few rows, i.e. decodes: a dot product per (row, key), 16 keys
+// reduced together; many rows: the block's keys transposed to [head_dim][16] and one broadcast
+// multiply-add per (row, dim)), then one softmax step per row over the chunk, then the weighted
+// sum of V with the rows of a KV head sharing each V load. Reading a block prefetches the next,
+// a head slice per key, spread over the work. Any other head_dim: run_item, plain loops with an
+// online softmax per block.
 
 #include <algorithm>
 #include <cmath>
@@ -70,87 +74,69 @@ inline v16 reduce16(const v16* a) {
                                  29, 31);
 }
 
+// exp of 16 floats: 2^n * e^r with n = round(x / ln 2) and |r| <= ln(2) / 2, e^r by its
+// degree-6 Taylor polynomial (relative error < 2e-7). Inputs below -87 give ~1e-38, not 0 (the
+// scores here are s - max <= 0, and a weight of 1e-38 is 0 to every sum it enters).
+inline v16 exp16(v16 x) {
+  typedef int32_t i16 __attribute__((vector_size(64)));
+  x = x < -87.0f ? v16{} - 87.0f : x;
+  x = x > 88.0f ? v16{} + 88.0f : x;
+  const v16 y = x * 1.44269504f;
+  const i16 n = __builtin_convertvector(y + (y < 0.0f ? v16{} - 0.5f : v16{} + 0.5f), i16);
+  const v16 nf = __builtin_convertvector(n, v16);
+  const v16 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+  v16 p = 1.0f / 720 + r * (1.0f / 5040);
+  p = 1.0f / 120 + r * p;
+  p = 1.0f / 24 + r * p;
+  p = 1.0f / 6 + r * p;
+  p = 0.5f + r * p;
+  p = 1.0f + r * p;
+  p = 1.0f + r * p;
+  i16 bits;
+  __builtin_memcpy(&bits, &p, sizeof bits);
+  bits += n << 23;
+  __builtin_memcpy(&p, &bits, sizeof p);
+  return p;
+}
+
 // The online-softmax step of one row over n new scores in s: s becomes the weights
 // exp(s - new max), m and l move on, and the factor that rescales the row's accumulator is
 // returned (0 on the first block, where m = -1e30).
 inline float softmax_update(float* s, int n, float& m, float& l) {
   float mx = m;
-  for (int j = 0; j < n; ++j) mx = std::max(mx, s[j]);
-  const float corr = std::exp(m - mx);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int j = 0; j < n; ++j) {
-    s[j] = std::exp(s[j] - mx);
-    sum += s[j];
+  int j = 0;
+  if (n >= 16) {
+    v16 vm = load16(s);
+    for (j = 16; j + 16 <= n; j += 16) {
+      const v16 x = load16(s + j);
+      vm = x > vm ? x : vm;
+    }
+    for (int u = 0; u < 16; ++u) mx = std::max(mx, vm[u]);
   }
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  v16 vsum = v16{};
+  for (j = 0; j + 16 <= n; j += 16) {
+    const v16 e = exp16(load16(s + j) - mx);
+    store16(s + j, e);
+    vsum += e;
+  }
+  if (j < n) {  // the tail through a padded vector: lanes past n get exp(-87) and are dropped
+    v16 t = v16{} - 1e30f;
+    for (int u = 0; u < n - j; ++u) t[u] = s[j + u];
+    const v16 e = exp16(t - mx);
+    for (int u = 0; u < n - j; ++u) {
+      s[j + u] = e[u];
+      vsum[u] += e[u];
+    }
+  }
+  const float corr = exp16(v16{} + (m - mx))[0];
   m = mx;
-  l = l * corr + sum;
+  l = l * corr + hsum(vsum);
   return corr;
 }
 
-// One row against n keys of a block for head_dim = 16 * DV, all in registers: scores (one dot
-// per key, the keys independent so they overlap), softmax weights, then the weighted sum of V
-// into the row's accumulator with two interleaved sets of partial sums (FMA latency).
-template <int DV>
-void row_block(const float* q, const float* kb, const float* vb, int64_t tok_stride, int n,
-               float* s, float& m, float& l, float* acc) {
-  v16 qv[DV];
-  for (int v = 0; v < DV; ++v) qv[v] = load16(q + 16 * v);
-  int j0 = 0;
-  for (; j0 + 16 <= n; j0 += 16) {
-    v16 a[16];
-    for (int u = 0; u < 16; ++u) {
-      const float* k = kb + (j0 + u) * tok_stride;
-      a[u] = qv[0] * load16(k);
-      for (int v = 1; v < DV; ++v) a[u] += qv[v] * load16(k + 16 * v);
-    }
-    store16(s + j0, reduce16(a));
-  }
-  for (; j0 < n; ++j0) {
-    const float* k = kb + j0 * tok_stride;
-    v16 a = qv[0] * load16(k);
-    for (int v = 1; v < DV; ++v) a += qv[v] * load16(k + 16 * v);
-    s[j0] = hsum(a);
-  }
-  const float corr = softmax_update(s, n, m, l);
-  v16 o0[DV], o1[DV];
-  for (int v = 0; v < DV; ++v) {
-    o0[v] = load16(acc + 16 * v) * corr;
-    o1[v] = v16{};
-  }
-  int j = 0;
-  for (; j + 1 < n; j += 2) {
-    const float* v0 = vb + j * tok_stride;
-    const float* v1 = v0 + tok_stride;
-    for (int v = 0; v < DV; ++v) {
-      o0[v] += s[j] * load16(v0 + 16 * v);
-      o1[v] += s[j + 1] * load16(v1 + 16 * v);
-    }
-  }
-  if (j < n) {
-    const float* v0 = vb + j * tok_stride;
-    for (int v = 0; v < DV; ++v) o0[v] += s[j] * load16(v0 + 16 * v);
-  }
-  for (int v = 0; v < DV; ++v) store16(acc + 16 * v, o0[v] + o1[v]);
-}
-
-using RowBlockFn = void (*)(const float*, const float*, const float*, int64_t, int, float*,
-                            float&, float&, float*);
-
-RowBlockFn pick_row_block(int head_dim) {
-  switch (head_dim) {
-    case 32: return row_block<2>;
-    case 48: return row_block<3>;
-    case 64: return row_block<4>;
-    case 80: return row_block<5>;
-    case 96: return row_block<6>;
-    case 128: return row_block<8>;
-    default: return nullptr;  // the generic loops below
-  }
-}
-
 constexpr int TILE = 16;          // query tokens per work item
-constexpr int TRANSPOSE_ROWS = 8; // rows from which transposing a K block pays off
+constexpr int TRANSPOSE_ROWS = 8; // rows per KV head from which transposing a K block pays off
 
 struct Item {
   int seq, t0, t1;  // query tokens [t0, t1) of the batch
@@ -167,6 +153,7 @@ struct Args {
   float* out;  // [num_tokens, H, D] contiguous
 };
 
+
 // Softmax update and V accumulation of one row for n scores already in s (generic head_dim).
 void row_update(float* s, int n, const float* vb, int64_t tok_stride, int D, float& m, float& l,
                 float* o) {
@@ -181,10 +168,8 @@ void row_update(float* s, int n, const float* vb, int64_t tok_stride, int D, flo
   }
 }
 
-// Rows of an item are (token t, head h) for its tokens and the query heads of its KV heads:
-// r = t * rows_per_tok + (h - g0 * G). Walking blocks in the outer loop and KV heads inside
-// reads each block's K and V front to back once (with all heads, 12 KB contiguous each for the
-// benchmark's model), the next block prefetched while this one is computed.
+// The generic path. Rows of an item are (token t, head h) for its tokens and the query heads of
+// its KV heads: r = t * rows_per_tok + (h - g0 * G); blocks outer, KV heads inside.
 void run_item(const Args& a, const Item& it, std::vector<float>& buf) {
   const int G = a.H / a.KVH, D = a.D, BS = a.BS;
   const int per_tok = (it.g1 - it.g0) * G;
@@ -192,14 +177,13 @@ void run_item(const Args& a, const Item& it, std::vector<float>& buf) {
   const int q_start = a.qsl[it.seq], q_len = a.qsl[it.seq + 1] - q_start;
   const int seq_len = a.seq_lens[it.seq];
   const int first_pos = seq_len - q_len;  // position of the sequence's first query token
-  // Scratch: q rows, acc rows, m, l, scores, transposed K block.
-  buf.resize((size_t)rows * D * 2 + (size_t)rows * 2 + (size_t)rows * BS + (size_t)D * BS);
+  // Scratch: q rows, acc rows, m, l, scores.
+  buf.resize((size_t)rows * D * 2 + (size_t)rows * 2 + (size_t)rows * BS);
   float* qr = buf.data();
   float* acc = qr + (size_t)rows * D;
   float* m = acc + (size_t)rows * D;
   float* l = m + rows;
   float* sc = l + rows;
-  float* kt = sc + (size_t)rows * BS;
   for (int t = 0; t < ntok; ++t) {
     for (int j = 0; j < per_tok; ++j) {
       const int r = t * per_tok + j, h = it.g0 * G + j;
@@ -216,28 +200,12 @@ void run_item(const Args& a, const Item& it, std::vector<float>& buf) {
   const int nblocks = last / BS + 1;
   const int32_t* table = a.block_tables + (int64_t)it.seq * a.bt_stride;
   const int64_t tok_stride = (int64_t)a.KVH * D;
-  const int64_t span = (int64_t)(it.g1 - it.g0) * D;  // floats per token this item reads
-  const RowBlockFn fast = pick_row_block(D);
-  const bool transpose = !fast && ntok * G >= TRANSPOSE_ROWS;
   for (int b = 0; b < nblocks; ++b) {
     const int64_t block_base = (int64_t)table[b] * BS * tok_stride + (int64_t)it.g0 * D;
-    if (b + 1 < nblocks) {
-      const int64_t next = (int64_t)table[b + 1] * BS * tok_stride + (int64_t)it.g0 * D;
-      // The first lines of each token's span: enough to start the hardware prefetcher on
-      // the block (and its TLB entry); prefetching every line stalled on full fill buffers.
-      for (int j = 0; j < BS; ++j) {
-        __builtin_prefetch(a.k_cache + next + j * tok_stride);
-        __builtin_prefetch(a.v_cache + next + j * tok_stride);
-      }
-    }
     const int keys = std::min(BS, last + 1 - b * BS);
     for (int g = it.g0; g < it.g1; ++g) {
       const float* kb = a.k_cache + block_base + (int64_t)(g - it.g0) * D;
       const float* vb = a.v_cache + block_base + (int64_t)(g - it.g0) * D;
-      if (transpose) {
-        for (int j = 0; j < keys; ++j)
-          for (int d = 0; d < D; ++d) kt[(size_t)d * BS + j] = kb[j * tok_stride + d];
-      }
       for (int t = 0; t < ntok; ++t) {
         const int n = std::min(keys, pos0 + t + 1 - b * BS);  // causal: keys up to its position
         if (n <= 0) continue;
@@ -246,26 +214,12 @@ void run_item(const Args& a, const Item& it, std::vector<float>& buf) {
           const float* q = qr + (size_t)r * D;
           float* s = sc + (size_t)r * BS;
           float* o = acc + (size_t)r * D;
-          if (fast) {
-            fast(q, kb, vb, tok_stride, n, s, m[r], l[r], o);
-            continue;
-          }
-          if (transpose) {
-            for (int k = 0; k < BS; ++k) s[k] = 0.0f;
-            for (int d = 0; d < D; ++d) {
-              const float qd = q[d];
-              const float* kd = kt + (size_t)d * BS;
-#pragma omp simd
-              for (int k = 0; k < BS; ++k) s[k] += qd * kd[k];
-            }
-          } else {
-            for (int k = 0; k < n; ++k) {
-              const float* kk = kb + k * tok_stride;
-              float dot = 0.0f;
+          for (int k = 0; k < n; ++k) {
+            const float* kk = kb + k * tok_stride;
+            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-              for (int d = 0; d < D; ++d) dot += q[d] * kk[d];
-              s[k] = dot;
-            }
+            for (int d = 0; d < D; ++d) dot += q[d] * kk[d];
+            s[k] = dot;
           }
           row_update(s, n, vb, tok_stride, D, m[r], l[r], o);
         }
@@ -279,6 +233,252 @@ void run_item(const Args& a, const Item& it, std::vector<float>& buf) {
       const float inv = 1.0f / l[r];
       for (int d = 0; d < D; ++d) dst[d] = acc[(size_t)r * D + d] * inv;
     }
+  }
+}
+
+// ---- The vectorised path, head_dim = 16 * DV ------------------------------------------------
+//
+// An item's rows are grouped by KV head (r = head * rows_per_head + t * G + j), so the rows of
+// a head share each K and V block. Keys are taken in chunks of up to 32 blocks: the scores of
+// every row for the whole chunk first, then one softmax step per row over the chunk (vector
+// max, exp and sum; the accumulator rescaled once per chunk, not per block), then the weighted
+// sum of V. A decode's chunk is usually its whole context, i.e. a plain two-pass softmax.
+
+constexpr int SCORE_FLOATS = 1 << 16;  // score scratch per item (rows x chunk keys): 256 KB
+
+// In-place transpose of a 16 x 16 tile held as 16 vectors: four rounds that swap the
+// off-diagonal h x h sub-blocks, h = 8, 4, 2, 1.
+inline void transpose16(v16* r) {
+#define LLMS_IDX(...) __VA_ARGS__
+#define LLMS_ROUND(H, A, B)                                     \
+  for (int i = 0; i < 16; ++i) {                                \
+    if (i & H) continue;                                        \
+    const v16 x = r[i], y = r[i + H];                           \
+    r[i] = __builtin_shufflevector(x, y, A);                    \
+    r[i + H] = __builtin_shufflevector(x, y, B);                \
+  }
+  LLMS_ROUND(8, LLMS_IDX(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+             LLMS_IDX(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+  LLMS_ROUND(4, LLMS_IDX(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+             LLMS_IDX(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+  LLMS_ROUND(2, LLMS_IDX(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+             LLMS_IDX(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+  LLMS_ROUND(1, LLMS_IDX(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+             LLMS_IDX(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#undef LLMS_ROUND
+#undef LLMS_IDX
+}
+
+// Scores of n <= 16 keys for few rows (decodes): one dot product per (row, key), the 16 keys'
+// partial sums reduced together. s has row stride ss.
+template <int DV>
+void scores_dot(const float* q, int rows, const float* kb, int64_t ts, int n, float* s, int ss,
+                const float* next) {
+  for (int i = 0; i < rows; ++i, q += 16 * DV, s += ss) {
+    v16 qv[DV];
+    for (int v = 0; v < DV; ++v) qv[v] = load16(q + 16 * v);
+    if (n == 16) {
+      v16 acc[16];
+      for (int u = 0; u < 16; ++u) {
+        const float* k = kb + u * ts;
+        if (next && i == 0)
+          for (int v = 0; v < DV; ++v) __builtin_prefetch(next + u * ts + 16 * v);
+        acc[u] = qv[0] * load16(k);
+        for (int v = 1; v < DV; ++v) acc[u] += qv[v] * load16(k + 16 * v);
+      }
+      store16(s, reduce16(acc));
+      continue;
+    }
+    for (int u = 0; u < n; ++u) {
+      const float* k = kb + u * ts;
+      v16 acc = qv[0] * load16(k);
+      for (int v = 1; v < DV; ++v) acc += qv[v] * load16(k + 16 * v);
+      s[u] = hsum(acc);
+    }
+  }
+}
+
+// Scores of RB rows against a transposed block kt [16 * DV][16]: one broadcast multiply-add
+// per (row, dim) over the 16 keys.
+template <int DV, int RB>
+void scores_t(const float* q, int rows, const float* kt, float* s, int ss) {
+  int i = 0;
+  for (; i + RB <= rows; i += RB) {
+    v16 acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = v16{};
+    const float* qi = q + (size_t)i * 16 * DV;
+    for (int d = 0; d < 16 * DV; ++d) {
+      const v16 k = load16(kt + 16 * d);
+      for (int r = 0; r < RB; ++r) acc[r] += qi[r * 16 * DV + d] * k;
+    }
+    for (int r = 0; r < RB; ++r) store16(s + (size_t)(i + r) * ss, acc[r]);
+  }
+  if constexpr (RB > 1)
+    if (i < rows) scores_t<DV, RB - 1>(q + (size_t)i * 16 * DV, rows - i, kt, s + (size_t)i * ss, ss);
+}
+
+// acc[r] += sum over keys j < n of s[r][j] * V[j], RB rows at a time with their accumulators
+// in registers (RB * DV <= 16 vectors).
+template <int DV, int RB>
+void weighted_v(const float* s, int rows, int ss, const float* vb, int64_t ts, int n, float* acc,
+                const float* next) {
+  int i = 0;
+  for (; i + RB <= rows; i += RB, next = nullptr) {
+    v16 o[RB][DV];
+    float* ai = acc + (size_t)i * 16 * DV;
+    for (int r = 0; r < RB; ++r)
+      for (int v = 0; v < DV; ++v) o[r][v] = load16(ai + (r * DV + v) * 16);
+    const float* si = s + (size_t)i * ss;
+    for (int j = 0; j < n; ++j) {
+      v16 vv[DV];
+      for (int v = 0; v < DV; ++v) vv[v] = load16(vb + j * ts + 16 * v);
+      if (next)
+        for (int v = 0; v < DV; ++v) __builtin_prefetch(next + j * ts + 16 * v);
+      for (int r = 0; r < RB; ++r) {
+        const float p = si[(size_t)r * ss + j];
+        for (int v = 0; v < DV; ++v) o[r][v] += p * vv[v];
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int v = 0; v < DV; ++v) store16(ai + (r * DV + v) * 16, o[r][v]);
+  }
+  if constexpr (RB > 1)
+    if (i < rows)
+      weighted_v<DV, RB - 1>(s + (size_t)i * ss, rows - i, ss, vb, ts, n,
+                             acc + (size_t)i * 16 * DV, next);
+}
+
+// One row's softmax step over its n visible scores of a chunk of nk: s[0, n) become weights
+// exp(s - new max), s[n, nk) zero; m and l move on; returns the accumulator's rescale factor.
+inline float chunk_softmax(float* s, int n, int nk, float& m, float& l) {
+  const int n16 = n & ~15;
+  v16 vm = v16{} - 1e30f;
+  for (int j = 0; j < n16; j += 16) {
+    const v16 x = load16(s + j);
+    vm = x > vm ? x : vm;
+  }
+  float mx = m;
+  for (int u = 0; u < 16; ++u) mx = std::max(mx, vm[u]);
+  for (int j = n16; j < n; ++j) mx = std::max(mx, s[j]);
+  v16 sum = v16{};
+  for (int j = 0; j < n16; j += 16) {
+    const v16 e = exp16(load16(s + j) - mx);
+    store16(s + j, e);
+    sum += e;
+  }
+  float tail = 0.0f;
+  for (int j = n16; j < n; ++j) tail += (s[j] = std::exp(s[j] - mx));
+  for (int j = n; j < nk; ++j) s[j] = 0.0f;
+  const float corr = std::exp(m - mx);
+  m = mx;
+  l = l * corr + hsum(sum) + tail;
+  return corr;
+}
+
+template <int DV>
+void run_item_vec(const Args& a, const Item& it, std::vector<float>& buf) {
+  constexpr int D = 16 * DV;
+  constexpr int RB_S = 8, RB_V = 16 / DV > 8 ? 8 : 16 / DV;
+  const int G = a.H / a.KVH, BS = a.BS;
+  const int heads = it.g1 - it.g0, ntok = it.t1 - it.t0;
+  const int per_head = ntok * G, rows = heads * per_head;
+  const int q_start = a.qsl[it.seq], q_len = a.qsl[it.seq + 1] - q_start;
+  const int pos0 = a.seq_lens[it.seq] - q_len + (it.t0 - q_start);  // the item's first token
+  const int last = pos0 + ntok - 1;
+  const int nblocks = last / BS + 1;
+  const int chunk = std::max(1, std::min(32, SCORE_FLOATS / (rows * BS)));  // blocks
+  const int ss = chunk * BS + 16;  // score row stride: a block of < 16 keys still stores 16
+  const int32_t* table = a.block_tables + (int64_t)it.seq * a.bt_stride;
+  const int64_t ts = (int64_t)a.KVH * D;
+  buf.resize((size_t)rows * (2 * D + 2 + ss) + (size_t)D * 16);
+  float* qr = buf.data();
+  float* acc = qr + (size_t)rows * D;
+  float* m = acc + (size_t)rows * D;
+  float* l = m + rows;
+  float* sc = l + rows;
+  float* kt = sc + (size_t)rows * ss;
+  for (int r = 0; r < rows; ++r) {
+    const int hl = r / per_head, t = (r % per_head) / G, h = (it.g0 + hl) * G + r % G;
+    const float* src = a.q + (int64_t)(it.t0 + t) * a.q_stride_t + (int64_t)h * a.q_stride_h;
+    for (int d = 0; d < D; ++d) qr[(size_t)r * D + d] = src[d] * a.scale;
+  }
+  std::fill(acc, acc + (size_t)rows * D, 0.0f);
+  std::fill(m, m + rows, -1e30f);  // finite: the library is built with -ffast-math
+  std::fill(l, l + rows, 0.0f);
+  const bool transpose = per_head >= TRANSPOSE_ROWS;
+  for (int c0 = 0; c0 < nblocks; c0 += chunk) {
+    const int c1 = std::min(nblocks, c0 + chunk), key0 = c0 * BS;
+    const int nk = std::min(c1 * BS, last + 1) - key0;
+    for (int b = c0; b < c1; ++b) {
+      const int keys = std::min(BS, last + 1 - b * BS);
+      const float* kb = a.k_cache + (int64_t)table[b] * BS * ts + (int64_t)it.g0 * D;
+      // What this block's reads prefetch, a head slice per key: the next K block, and after
+      // the chunk's last one the chunk's first V block (where the weighted sum starts).
+      const float* kn = b + 1 < c1 ? a.k_cache + (int64_t)table[b + 1] * BS * ts
+                                   : a.v_cache + (int64_t)table[c0] * BS * ts;
+      kn += (int64_t)it.g0 * D;
+      for (int hl = 0; hl < heads; ++hl)
+        for (int k0 = 0; k0 < keys; k0 += 16) {  // 16 keys at a time (block_size may be 32)
+          const int n = std::min(16, keys - k0);
+          const float* kk = kb + hl * D + k0 * ts;
+          const float* q = qr + (size_t)hl * per_head * D;
+          float* s = sc + (size_t)hl * per_head * ss + (b - c0) * BS + k0;
+          if (!transpose) {
+            scores_dot<DV>(q, per_head, kk, ts, n, s, ss, kn + hl * D + k0 * ts);
+            continue;
+          }
+          for (int c = 0; c < DV; ++c) {
+            v16 tile[16];
+            for (int u = 0; u < 16; ++u) tile[u] = u < n ? load16(kk + u * ts + 16 * c) : v16{};
+            transpose16(tile);
+            for (int e = 0; e < 16; ++e) store16(kt + (16 * c + e) * 16, tile[e]);
+          }
+          scores_t<DV, RB_S>(q, per_head, kt, s, ss);
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+      float* s = sc + (size_t)r * ss;
+      const int n = std::min(nk, pos0 + (r % per_head) / G + 1 - key0);  // causal
+      if (n <= 0) {
+        std::fill(s, s + nk, 0.0f);
+        continue;
+      }
+      const v16 corr = v16{} + chunk_softmax(s, n, nk, m[r], l[r]);
+      for (int v = 0; v < DV; ++v)
+        store16(acc + (size_t)r * D + 16 * v, load16(acc + (size_t)r * D + 16 * v) * corr);
+    }
+    for (int b = c0; b < c1; ++b) {
+      const int keys = std::min(BS, last + 1 - b * BS);
+      const float* vb = a.v_cache + (int64_t)table[b] * BS * ts + (int64_t)it.g0 * D;
+      const float* vn = b + 1 < c1
+                            ? a.v_cache + (int64_t)table[b + 1] * BS * ts + (int64_t)it.g0 * D
+                            : c1 < nblocks ? a.k_cache + (int64_t)table[c1] * BS * ts + (int64_t)it.g0 * D
+                            : nullptr;
+      for (int hl = 0; hl < heads; ++hl, vb += D)
+        weighted_v<DV, RB_V>(sc + (size_t)hl * per_head * ss + (b - c0) * BS, per_head, ss, vb,
+                             ts, keys, acc + (size_t)hl * per_head * D,
+                             vn ? vn + hl * D : nullptr);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int hl = r / per_head, t = (r % per_head) / G, h = (it.g0 + hl) * G + r % G;
+    float* dst = a.out + ((int64_t)(it.t0 + t) * a.H + h) * D;
+    const v16 inv = v16{} + 1.0f / l[r];
+    for (int v = 0; v < DV; ++v) store16(dst + 16 * v, load16(acc + (size_t)r * D + 16 * v) * inv);
+  }
+}
+
+using ItemFn = void (*)(const Args&, const Item&, std::vector<float>&);
+
+ItemFn pick_item_fn(int head_dim) {
+  switch (head_dim) {
+    case 32: return run_item_vec<2>;
+    case 48: return run_item_vec<3>;
+    case 64: return run_item_vec<4>;
+    case 80: return run_item_vec<5>;
+    case 96: return run_item_vec<6>;
+    case 128: return run_item_vec<8>;
+    default: return run_item;  // plain loops for any other head_dim
   }
 }
 
@@ -304,7 +504,6 @@ extern "C" int llmserve_paged_attention_f32(
   std::vector<Item> items;
   for (int i = 0; i < num_seqs; ++i) {
     const int s = query_start_loc[i], e = query_start_loc[i + 1];
-    if (seq_lens[i] < 0) continue;  // attended elsewhere by the caller; its rows are left as is
     if (e - s > seq_lens[i]) return 2;
     // Later tiles of a prefill see more keys: put them first so the long items start early.
     for (int t1 = e; t1 > s; t1 -= TILE) {
@@ -316,11 +515,12 @@ extern "C" int llmserve_paged_attention_f32(
     }
   }
   const int n = (int)items.size();
+  const ItemFn run = pick_item_fn(head_dim);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
     std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
-    for (int k = 0; k < n; ++k) run_item(a, items[k], buf);
+    for (int k = 0; k < n; ++k) run(a, items[k], buf);
   }
   return 0;
 }
