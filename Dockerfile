@@ -16,10 +16,10 @@ ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE} AS kernel
 RUN apt-get update -q && apt-get install -y -q --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
-COPY executor_svc/attention/csrc/paged_attention.cpp /src/
+COPY executor_svc/attention/csrc/ /src/
 # (Not on other architectures: an empty file then, which the executor never loads there.)
 RUN mkdir -p /out && (g++ -O3 -ffast-math -fopenmp -shared -fPIC -std=c++17 -march=x86-64-v3 \
-    /src/paged_attention.cpp -o /out/paged_attention-x86-64-v3.so \
+    /src/*.cpp -o /out/paged_attention-x86-64-v3.so \
     || : > /out/paged_attention-x86-64-v3.so)
 
 FROM ${BASE_IMAGE}

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from executor_svc.attention import cpu_ops
+
 if TYPE_CHECKING:
     from protos import executor_pb2
 
@@ -454,7 +456,11 @@ class Sampler:
             proc = apply_min_tokens(proc, params, short)
 
         sampled = [i for i, p in enumerate(params) if p.temperature >= _SAMPLING_EPS]
-        if not sampled:
+        # fp32 CPU logits: argmax and logsumexp of the raw rows in one compiled pass.
+        fused = cpu_ops.argmax_logsumexp(raw) if device.type == "cpu" else None
+        if not sampled and fused is not None and proc is raw:
+            token_ids = fused[0]  # all greedy, nothing applied: the raw rows' argmax
+        elif not sampled:
             token_ids = proc.argmax(dim=-1)  # fast path: no gathers, no noise
         else:
             token_ids = torch.empty(n, dtype=torch.int64, device=device)
@@ -481,7 +487,7 @@ class Sampler:
                 token_ids[s_idx[rows]] = tok
 
         # Logprobs come from the raw model distribution, whatever the sampling did.
-        lse = torch.logsumexp(raw, dim=-1)  # [n]
+        lse = fused[1] if fused is not None else torch.logsumexp(raw, dim=-1)  # [n]
         logprobs = raw.gather(-1, token_ids[:, None]).squeeze(-1) - lse
         max_n = min(max((p.num_logprobs for p in params), default=0), vocab)
         top_ids = top_lps = None

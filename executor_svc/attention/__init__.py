@@ -44,6 +44,10 @@ class AttentionBackend:
     # Optional fused entry point attend(q, k, v, key_cache, value_cache, md, scale) that may
     # reuse per-forward work through md.scratch; None = write_kv then paged_attention.
     attend_fn: Callable[..., torch.Tensor] | None = None
+    # Optional attend_rope(qk, v, cos, sin, num_heads, key_cache, value_cache, md, scale): the
+    # layer's rotary embedding folded into the same call; it returns None for inputs it does
+    # not take, and the model then rotates q and k itself and calls attend.
+    attend_rope_fn: Callable[..., torch.Tensor | None] | None = None
 
     def attend(
         self,
@@ -84,6 +88,7 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
         write_kv=ops.write_kv,
         paged_attention=ops.paged_attention,
         attend_fn=getattr(ops, "attend", None),
+        attend_rope_fn=getattr(ops, "attend_rope", None),
     )
 
 

@@ -264,11 +264,16 @@ class Attention(nn.Module):
             qk = torch.cat((q, k), dim=1)
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, h + kvh, d)
-        # One rotary call for q and k together: they share positions and frequencies.
-        qk = RotaryEmbedding.apply(qk, *rope)
-        q, k = qk[:, :h], qk[:, h:]
         key_cache, value_cache = kv_cache
-        out = self.backend.attend(q, k, v, key_cache, value_cache, md, self.scale)
+        fused = self.backend.attend_rope_fn
+        out = None
+        if fused is not None:  # rope, K/V write and attention in one call
+            out = fused(qk, v, *rope, h, key_cache, value_cache, md, self.scale)
+        if out is None:
+            # One rotary call for q and k together: they share positions and frequencies.
+            qk = RotaryEmbedding.apply(qk, *rope)
+            q, k = qk[:, :h], qk[:, h:]
+            out = self.backend.attend(q, k, v, key_cache, value_cache, md, self.scale)
         return self.o_proj(out.reshape(num_tokens, h * d))
 
 

@@ -103,6 +103,51 @@ def test_backend_writes_then_attends_and_auto_picks_it():
     torch.testing.assert_close(out, dense_reference(query, qsl, dense, 0.25), atol=2e-5, rtol=1e-4)
 
 
+@needs_kernel
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (40, 8)])
+def test_rope_write_and_attention_in_one_call_match_the_separate_ops(head_dim, block_size):
+    """attend_rope (the model's path on this backend) against rotating q and k with the model's
+    RotaryEmbedding and running the torch backend's attend: prefill chunks, decodes and a
+    skipped slot (-1) in one batch, GQA, the vectorised and the generic head_dim paths."""
+    from executor_svc.models.llama import RotaryEmbedding
+
+    h, kvh = 6, 2
+    q_lens, seq_lens = [1, 20, 3, 1], [30, 20, 40, 1]
+    query, kc, vc, bt, sl, qsl, _ = make_batch(q_lens, seq_lens, head_dim=head_dim,
+                                               block_size=block_size, num_heads=h,
+                                               num_kv_heads=kvh)  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    # The layer's packed projection: q, k, v heads side by side in each row, as llama.py slices it.
+    qkv = torch.randn(sum(q_lens), (h + 2 * kvh) * head_dim, generator=g)
+    qk = qkv[:, : (h + kvh) * head_dim].view(-1, h + kvh, head_dim)
+    v = qkv[:, (h + kvh) * head_dim :].view(-1, kvh, head_dim)
+    positions = torch.cat([torch.arange(n - q, n) for q, n in zip(q_lens, seq_lens, strict=True)])
+    slots = torch.cat([  # each new token's cache slot: its block's id * block_size + offset
+        bt[i].long()[pos // block_size] * block_size + pos % block_size
+        for i, pos in enumerate(torch.arange(n - q, n) for q, n in zip(q_lens, seq_lens, strict=True))
+    ])  # fmt: skip
+    slots[5] = -1  # a token whose K/V is already cached (e.g. recomputed): not written
+    rope = RotaryEmbedding(head_dim, 64, 10000.0, None)
+    cos, sin = rope.cos_sin(positions, torch.float32)
+
+    def metadata():
+        return AttentionMetadata(slot_mapping=slots, block_tables=bt, seq_lens=sl,
+                                 query_start_loc=qsl, max_query_len=20, max_seq_len=40)  # fmt: skip
+
+    kc2, vc2 = kc.clone(), vc.clone()
+    fused = cpu_ops.attend_rope(qk, v, cos, sin, h, kc, vc, metadata(), head_dim**-0.5)
+    rotated = RotaryEmbedding.apply(qk, cos, sin)
+    ref = get_attention_backend("torch", "cpu").attend(
+        rotated[:, :h], rotated[:, h:], v, kc2, vc2, metadata(), head_dim**-0.5
+    )
+    assert fused is not None
+    torch.testing.assert_close(kc, kc2, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(vc, vc2, atol=0, rtol=0)
+    torch.testing.assert_close(fused, ref, atol=2e-5, rtol=1e-4)
+    # Inputs it does not take (bf16) are left to the caller.
+    assert cpu_ops.attend_rope(qk.bfloat16(), v, cos, sin, h, kc, vc, metadata(), 0.1) is None
+
+
 def test_bfloat16_goes_to_the_torch_ops():
     query, kc, vc, bt, sl, qsl, dense = make_batch([1, 3], [20, 3], dtype=torch.bfloat16)
     out = cpu_ops.paged_attention(query, kc, vc, bt, sl, qsl, 0.25)
@@ -139,7 +184,7 @@ def test_a_prebuilt_library_serves_without_a_compiler(tmp_path):
         pytest.skip("needs g++ to build the library and an x86-64-v3 CPU to run it")
     lib = tmp_path / "paged_attention-x86-64-v3.so"
     build = subprocess.run(
-        [cxx, *cpu_ops.FLAGS, cpu_ops.PORTABLE_MARCH, str(cpu_ops.SOURCE), "-o", str(lib)],
+        [cxx, *cpu_ops.FLAGS, cpu_ops.PORTABLE_MARCH, *map(str, cpu_ops.SOURCES), "-o", str(lib)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert build.returncode == 0, build.stderr

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from executor_svc.attention import cpu_ops
 from executor_svc.sampler import (
     Sampler,
     SamplingParams,
@@ -448,6 +449,27 @@ def test_logit_bias_in_sampled_rows_bans_tokens():
     ]
     drawn = set(sample(logits, params, outputs=[[]] * 64).token_ids.tolist())
     assert drawn == {6, 7}
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
+def test_compiled_argmax_and_logsumexp_match_torch():
+    """The CPU library's one-pass reductions, which the greedy path and every logprob use:
+    ties go to the first index as with torch.argmax, odd widths and strided rows work, and the
+    sampler's greedy tokens and logprobs equal torch's."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 49157, generator=g)[:, 2:]  # width not a multiple of 16, row stride != width
+    x[1, 100] = x[1, 20_000] = 50.0  # a tie: the first one
+    x[2, -1] = 60.0  # the maximum in the scalar tail
+    x[3] = 1.0  # all equal
+    x[4, 5] = x[4, 21] = 70.0  # a tie within the first 16-wide step's lanes
+    ids, lse = cpu_ops.argmax_logsumexp(x)
+    assert ids.tolist() == x.argmax(-1).tolist()
+    torch.testing.assert_close(lse, torch.logsumexp(x, -1), atol=1e-5, rtol=1e-6)
+    out = sample(x, [P()] * 9, outputs=[[]] * 9)
+    assert out.token_ids.tolist() == x.argmax(-1).tolist()
+    ref = x.gather(-1, x.argmax(-1, keepdim=True)).squeeze(-1) - torch.logsumexp(x, -1)
+    torch.testing.assert_close(out.logprobs, ref, atol=1e-5, rtol=1e-6)
+    assert cpu_ops.argmax_logsumexp(x.double()) is None  # left to torch
 
 
 @pytest.mark.gpu

@@ -151,7 +151,25 @@ struct Args {
   int H, KVH, D, BS;
   float scale;
   float* out;  // [num_tokens, H, D] contiguous
+  // Rotary embedding (neox: halves rotated) of query token t: cos/sin [num_tokens, D / 2]
+  // rows; null = the query arrives rotated.
+  const float* cos; const float* sin;
 };
+
+// Row `src` (D floats) into dst: rotated by the token's cos/sin rows when given, times scale.
+inline void load_row(const float* src, const float* cs, const float* sn, int D, float scale,
+                     float* dst) {
+  if (!cs) {
+    for (int d = 0; d < D; ++d) dst[d] = src[d] * scale;
+    return;
+  }
+  const int half = D / 2;
+  for (int d = 0; d < half; ++d) {
+    const float x1 = src[d], x2 = src[d + half];
+    dst[d] = (x1 * cs[d] - x2 * sn[d]) * scale;
+    dst[d + half] = (x2 * cs[d] + x1 * sn[d]) * scale;
+  }
+}
 
 
 // Softmax update and V accumulation of one row for n scores already in s (generic head_dim).
@@ -187,8 +205,10 @@ void run_item(const Args& a, const Item& it, std::vector<float>& buf) {
   for (int t = 0; t < ntok; ++t) {
     for (int j = 0; j < per_tok; ++j) {
       const int r = t * per_tok + j, h = it.g0 * G + j;
-      const float* src = a.q + (int64_t)(it.t0 + t) * a.q_stride_t + (int64_t)h * a.q_stride_h;
-      for (int d = 0; d < D; ++d) qr[(size_t)r * D + d] = src[d] * a.scale;
+      const int64_t tok = it.t0 + t;
+      const float* src = a.q + tok * a.q_stride_t + (int64_t)h * a.q_stride_h;
+      load_row(src, a.cos ? a.cos + tok * (D / 2) : nullptr, a.sin ? a.sin + tok * (D / 2) : nullptr,
+               D, a.scale, qr + (size_t)r * D);
     }
   }
   std::fill(acc, acc + (size_t)rows * D, 0.0f);
@@ -399,8 +419,10 @@ void run_item_vec(const Args& a, const Item& it, std::vector<float>& buf) {
   float* kt = sc + (size_t)rows * ss;
   for (int r = 0; r < rows; ++r) {
     const int hl = r / per_head, t = (r % per_head) / G, h = (it.g0 + hl) * G + r % G;
-    const float* src = a.q + (int64_t)(it.t0 + t) * a.q_stride_t + (int64_t)h * a.q_stride_h;
-    for (int d = 0; d < D; ++d) qr[(size_t)r * D + d] = src[d] * a.scale;
+    const int64_t tok = it.t0 + t;
+    const float* src = a.q + tok * a.q_stride_t + (int64_t)h * a.q_stride_h;
+    load_row(src, a.cos ? a.cos + tok * (D / 2) : nullptr, a.sin ? a.sin + tok * (D / 2) : nullptr,
+             D, a.scale, qr + (size_t)r * D);
   }
   std::fill(acc, acc + (size_t)rows * D, 0.0f);
   std::fill(m, m + rows, -1e30f);  // finite: the library is built with -ffast-math
@@ -484,17 +506,35 @@ ItemFn pick_item_fn(int head_dim) {
 
 }  // namespace
 
+// The attention of one layer over the paged cache. When num_new > 0 it first stores the step's
+// new K/V rows (k_new, v_new: [num_new, KVH, D], row strides given, heads contiguous) at their
+// slots (-1 = skip), K rotated by cos/sin when those are given; the query is rotated by the
+// same rows, so a layer's rope, K/V write and attention are this one call.
 extern "C" int llmserve_paged_attention_f32(
     const float* q, int64_t q_stride_t, int64_t q_stride_h,
     const float* k_cache, const float* v_cache,
     const int32_t* block_tables, int64_t bt_stride,
     const int32_t* seq_lens, const int32_t* query_start_loc, int num_seqs,
     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-    float* out, int num_threads) {
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0)
+    float* out, int num_threads,
+    const float* k_new, int64_t k_stride_t, const float* v_new, int64_t v_stride_t,
+    const int64_t* slots, int num_new, const float* cos, const float* sin) {
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0 ||
+      (cos && head_dim % 2))
     return 1;
   Args a{q, q_stride_t, q_stride_h, k_cache, v_cache, block_tables, bt_stride, seq_lens,
-         query_start_loc, num_heads, num_kv_heads, head_dim, block_size, scale, out};
+         query_start_loc, num_heads, num_kv_heads, head_dim, block_size, scale, out, cos, sin};
+  const int64_t kv_row = (int64_t)num_kv_heads * head_dim;
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && num_new > 256)
+  for (int t = 0; t < num_new; ++t) {
+    if (slots[t] < 0) continue;
+    float* kd = const_cast<float*>(k_cache) + slots[t] * kv_row;
+    float* vd = const_cast<float*>(v_cache) + slots[t] * kv_row;
+    for (int g = 0; g < num_kv_heads; ++g)
+      load_row(k_new + t * k_stride_t + (int64_t)g * head_dim, cos ? cos + (int64_t)t * (head_dim / 2) : nullptr,
+               sin ? sin + (int64_t)t * (head_dim / 2) : nullptr, head_dim, 1.0f, kd + (int64_t)g * head_dim);
+    __builtin_memcpy(vd, v_new + t * v_stride_t, sizeof(float) * kv_row);
+  }
   // One item per (sequence, tile) reads whole blocks; with threads to spare and few such items,
   // KV heads get items of their own so every thread has work.
   int num_items = 0;
