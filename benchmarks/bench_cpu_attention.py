@@ -3,11 +3,13 @@
 against the torch ops, SmolLM-135M heads (9 query, 3 KV, head_dim 64), block size 16.
 
 Cases: decodes of 64 x 193 and 16 x 513 tokens and a 512-token prefill on a cache holding just
-those blocks (hot), and the 64 x 193 decode on a 4 096-block cache (3 GB over 30 layers in a
-real executor; here one layer, blocks drawn at random) with a matmul in between that evicts the
-caches, as the layers' weights do in a forward.
+those blocks (hot); decodes of 64 x 193 and 64 x 1089 on a 4 096- or 8 192-block cache (3-6 GB
+over 30 layers in a real executor; here one layer, blocks drawn at random) with a matmul in
+between that evicts the caches, as the layers' weights do in a forward; and the shared-prefix
+workload's shapes: 64 decodes whose first 1 024 tokens are the same blocks, and 63 chunks of 32
+tokens after that shared 1 024 (the step that admits them).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_cpu_attention.py
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_cpu_attention.py [--kernel-only]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from executor_svc.attention import cpu_ops, torch_ops  # noqa: E402
 H, KVH, D, BS = 9, 3, 64, 16
 
 
-def batch(q_lens: list[int], seq_lens: list[int], num_blocks: int | None = None):
+def batch(q_lens: list[int], seq_lens: list[int], num_blocks: int | None = None, shared: int = 0):
     per = [-(-n // BS) for n in seq_lens]
     num_blocks = num_blocks or sum(per)
     table = torch.zeros(len(seq_lens), max(per), dtype=torch.int32)
@@ -35,6 +37,8 @@ def batch(q_lens: list[int], seq_lens: list[int], num_blocks: int | None = None)
         table[i, :n] = ids[start : start + n]
         start += n
     kc, vc = torch.randn(num_blocks, BS, KVH, D), torch.randn(num_blocks, BS, KVH, D)
+    if shared:  # every sequence's first `shared` blocks are the first sequence's (a system prompt)
+        table[1:, :shared] = table[0, :shared]
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(sum(q_lens), H, D)
     return q, kc, vc, table, torch.tensor(seq_lens, dtype=torch.int32), qsl
@@ -60,6 +64,9 @@ def main() -> None:
         "decode 16 x 513": ([1] * 16, [513] * 16, None),
         "prefill 512": ([512], [512], None),
         "decode 64 x 193, 4096-block cache, evicted": ([1] * 64, [193] * 64, 4096),
+        "decode 64 x 1089, 8192-block cache, evicted": ([1] * 64, [1089] * 64, 8192),
+        "decode 64 x 1089, first 1024 shared": ([1] * 64, [1089] * 64, 8192, 64),
+        "chunks 63 x 32 after a shared 1024": ([32] * 63, [1056] * 63, 8192, 64),
     }
     w, x = torch.randn(576, 3072), torch.randn(64, 576)
 
@@ -67,13 +74,18 @@ def main() -> None:
         for _ in range(3):
             x @ w
 
+    kernel_only = "--kernel-only" in sys.argv[1:]
     print("| case | kernel ms | torch ops ms | kernel GFLOP/s |")
     print("|---|---:|---:|---:|")
-    for name, (q_lens, seq_lens, blocks) in cases.items():
-        args = (*batch(q_lens, seq_lens, blocks), D**-0.5)
+    for name, (q_lens, seq_lens, blocks, *shared) in cases.items():
+        args = (*batch(q_lens, seq_lens, blocks, *shared), D**-0.5)
         between = evict if blocks else None
         ours = timed(lambda a=args: cpu_ops.paged_attention(*a), between)
-        ref = timed(lambda a=args: torch_ops.paged_attention(*a), between)
+        ref = (
+            float("nan")
+            if kernel_only
+            else timed(lambda a=args: torch_ops.paged_attention(*a), between, iters=5)
+        )
         flops = sum(
             4 * D * H * q * (n - q + 1 + n) / 2 for q, n in zip(q_lens, seq_lens, strict=True)
         )

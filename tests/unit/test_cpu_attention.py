@@ -55,6 +55,35 @@ def test_long_contexts_span_several_score_chunks(block_size):
           num_kv_heads=3, head_dim=64)  # fmt: skip
 
 
+def share_prefix(bt, dense, members, blocks, block_size):
+    """Point the tables of `members` at the first sequence's first `blocks` blocks (what the
+    prefix cache does for a common system prompt) and make their reference K/V agree."""
+    first, n = members[0], blocks * block_size
+    for j in members[1:]:
+        bt[j, :blocks] = bt[first, :blocks]
+        k, v = dense[j]
+        dense[j] = (torch.cat([dense[first][0][:n], k[n:]]), torch.cat([dense[first][1][:n], v[n:]]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 8), (40, 16)])
+def test_sequences_sharing_a_prefix_attend_to_it_together(head_dim, block_size):
+    """Sequences whose tables start with the same blocks: the kernel attends to those blocks
+    once for the group (then each sequence's own blocks from that state). Decodes and prefill
+    chunks after the prefix, a member whose chunk starts inside the shared blocks (so the group
+    shares fewer), a sequence sharing too little to group, and one outside any group."""
+    q_lens = [1, 1, 33, 1, 40, 1, 2]
+    seq_lens = [200, 137, 300, 90, 150, 70, 40]
+    query, kc, vc, bt, sl, qsl, dense = make_batch(q_lens, seq_lens, head_dim=head_dim,
+                                                   block_size=block_size, num_heads=9,
+                                                   num_kv_heads=3)  # fmt: skip
+    share_prefix(bt, dense, [0, 1, 2, 4], 128 // block_size, block_size)  # 4 sees < 128 keys
+    share_prefix(bt, dense, [3, 5], 2, block_size)  # below the kernel's minimum: no group
+    scale = head_dim**-0.5
+    out = cpu_ops.paged_attention(query, kc, vc, bt, sl, qsl, scale)
+    torch.testing.assert_close(out, dense_reference(query, qsl, dense, scale), atol=2e-5, rtol=1e-4)
+
+
 @needs_kernel
 def test_matches_the_per_token_loop_and_strided_queries():
     query, kc, vc, bt, sl, qsl, _ = make_batch([3, 1, 20], [10, 44, 20], head_dim=16)

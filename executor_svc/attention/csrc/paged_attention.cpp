@@ -395,58 +395,50 @@ inline float chunk_softmax(float* s, int n, int nk, float& m, float& l) {
   return corr;
 }
 
+// The rows of one work item and where they attend: blocks [b0, b1) of `table`, keys below
+// key_end; rows grouped by KV head (heads x per_head, heads from g0), row r at position pos[r]
+// (it sees keys <= pos[r]). q rows are loaded (rotated, scaled); m, l, acc hold the softmax state
+// the walk starts from and ends with.
+struct Rows {
+  const int32_t* table;
+  int b0, b1, key_end;
+  int heads, per_head, g0;
+  const float* q; const int* pos;
+  float* m; float* l; float* acc;
+};
+
 template <int DV>
-void run_item_vec(const Args& a, const Item& it, std::vector<float>& buf) {
+void attend_rows(const Args& a, const Rows& w, std::vector<float>& buf) {
   constexpr int D = 16 * DV;
   constexpr int RB_S = 8, RB_V = 16 / DV > 8 ? 8 : 16 / DV;
-  const int G = a.H / a.KVH, BS = a.BS;
-  const int heads = it.g1 - it.g0, ntok = it.t1 - it.t0;
-  const int per_head = ntok * G, rows = heads * per_head;
-  const int q_start = a.qsl[it.seq], q_len = a.qsl[it.seq + 1] - q_start;
-  const int pos0 = a.seq_lens[it.seq] - q_len + (it.t0 - q_start);  // the item's first token
-  const int last = pos0 + ntok - 1;
-  const int nblocks = last / BS + 1;
+  const int BS = a.BS, rows = w.heads * w.per_head;
+  if (w.b0 >= w.b1 || rows == 0) return;
   const int chunk = std::max(1, std::min(32, SCORE_FLOATS / (rows * BS)));  // blocks
   const int ss = chunk * BS + 16;  // score row stride: a block of < 16 keys still stores 16
-  const int32_t* table = a.block_tables + (int64_t)it.seq * a.bt_stride;
   const int64_t ts = (int64_t)a.KVH * D;
-  buf.resize((size_t)rows * (2 * D + 2 + ss) + (size_t)D * 16);
-  float* qr = buf.data();
-  float* acc = qr + (size_t)rows * D;
-  float* m = acc + (size_t)rows * D;
-  float* l = m + rows;
-  float* sc = l + rows;
+  buf.resize((size_t)rows * ss + (size_t)D * 16);
+  float* sc = buf.data();
   float* kt = sc + (size_t)rows * ss;
-  for (int r = 0; r < rows; ++r) {
-    const int hl = r / per_head, t = (r % per_head) / G, h = (it.g0 + hl) * G + r % G;
-    const int64_t tok = it.t0 + t;
-    const float* src = a.q + tok * a.q_stride_t + (int64_t)h * a.q_stride_h;
-    load_row(src, a.cos ? a.cos + tok * (D / 2) : nullptr, a.sin ? a.sin + tok * (D / 2) : nullptr,
-             D, a.scale, qr + (size_t)r * D);
-  }
-  std::fill(acc, acc + (size_t)rows * D, 0.0f);
-  std::fill(m, m + rows, -1e30f);  // finite: the library is built with -ffast-math
-  std::fill(l, l + rows, 0.0f);
-  const bool transpose = per_head >= TRANSPOSE_ROWS;
-  for (int c0 = 0; c0 < nblocks; c0 += chunk) {
-    const int c1 = std::min(nblocks, c0 + chunk), key0 = c0 * BS;
-    const int nk = std::min(c1 * BS, last + 1) - key0;
+  const bool transpose = w.per_head >= TRANSPOSE_ROWS;
+  const int64_t head0 = (int64_t)w.g0 * D;
+  for (int c0 = w.b0; c0 < w.b1; c0 += chunk) {
+    const int c1 = std::min(w.b1, c0 + chunk), key0 = c0 * BS;
+    const int nk = std::min(c1 * BS, w.key_end) - key0;
     for (int b = c0; b < c1; ++b) {
-      const int keys = std::min(BS, last + 1 - b * BS);
-      const float* kb = a.k_cache + (int64_t)table[b] * BS * ts + (int64_t)it.g0 * D;
+      const int keys = std::min(BS, w.key_end - b * BS);
+      const float* kb = a.k_cache + (int64_t)w.table[b] * BS * ts + head0;
       // What this block's reads prefetch, a head slice per key: the next K block, and after
       // the chunk's last one the chunk's first V block (where the weighted sum starts).
-      const float* kn = b + 1 < c1 ? a.k_cache + (int64_t)table[b + 1] * BS * ts
-                                   : a.v_cache + (int64_t)table[c0] * BS * ts;
-      kn += (int64_t)it.g0 * D;
-      for (int hl = 0; hl < heads; ++hl)
+      const float* kn = (b + 1 < c1 ? a.k_cache + (int64_t)w.table[b + 1] * BS * ts
+                                    : a.v_cache + (int64_t)w.table[c0] * BS * ts) + head0;
+      for (int hl = 0; hl < w.heads; ++hl)
         for (int k0 = 0; k0 < keys; k0 += 16) {  // 16 keys at a time (block_size may be 32)
           const int n = std::min(16, keys - k0);
           const float* kk = kb + hl * D + k0 * ts;
-          const float* q = qr + (size_t)hl * per_head * D;
-          float* s = sc + (size_t)hl * per_head * ss + (b - c0) * BS + k0;
+          const float* q = w.q + (size_t)hl * w.per_head * D;
+          float* s = sc + (size_t)hl * w.per_head * ss + (b - c0) * BS + k0;
           if (!transpose) {
-            scores_dot<DV>(q, per_head, kk, ts, n, s, ss, kn + hl * D + k0 * ts);
+            scores_dot<DV>(q, w.per_head, kk, ts, n, s, ss, kn + hl * D + k0 * ts);
             continue;
           }
           for (int c = 0; c < DV; ++c) {
@@ -455,33 +447,82 @@ void run_item_vec(const Args& a, const Item& it, std::vector<float>& buf) {
             transpose16(tile);
             for (int e = 0; e < 16; ++e) store16(kt + (16 * c + e) * 16, tile[e]);
           }
-          scores_t<DV, RB_S>(q, per_head, kt, s, ss);
+          scores_t<DV, RB_S>(q, w.per_head, kt, s, ss);
         }
     }
     for (int r = 0; r < rows; ++r) {
       float* s = sc + (size_t)r * ss;
-      const int n = std::min(nk, pos0 + (r % per_head) / G + 1 - key0);  // causal
+      const int n = std::min(nk, w.pos[r] + 1 - key0);  // causal
       if (n <= 0) {
         std::fill(s, s + nk, 0.0f);
         continue;
       }
-      const v16 corr = v16{} + chunk_softmax(s, n, nk, m[r], l[r]);
-      for (int v = 0; v < DV; ++v)
-        store16(acc + (size_t)r * D + 16 * v, load16(acc + (size_t)r * D + 16 * v) * corr);
+      const v16 corr = v16{} + chunk_softmax(s, n, nk, w.m[r], w.l[r]);
+      float* o = w.acc + (size_t)r * D;
+      for (int v = 0; v < DV; ++v) store16(o + 16 * v, load16(o + 16 * v) * corr);
     }
     for (int b = c0; b < c1; ++b) {
-      const int keys = std::min(BS, last + 1 - b * BS);
-      const float* vb = a.v_cache + (int64_t)table[b] * BS * ts + (int64_t)it.g0 * D;
-      const float* vn = b + 1 < c1
-                            ? a.v_cache + (int64_t)table[b + 1] * BS * ts + (int64_t)it.g0 * D
-                            : c1 < nblocks ? a.k_cache + (int64_t)table[c1] * BS * ts + (int64_t)it.g0 * D
-                            : nullptr;
-      for (int hl = 0; hl < heads; ++hl, vb += D)
-        weighted_v<DV, RB_V>(sc + (size_t)hl * per_head * ss + (b - c0) * BS, per_head, ss, vb,
-                             ts, keys, acc + (size_t)hl * per_head * D,
+      const int keys = std::min(BS, w.key_end - b * BS);
+      const float* vb = a.v_cache + (int64_t)w.table[b] * BS * ts + head0;
+      const float* vn = b + 1 < c1 ? a.v_cache + (int64_t)w.table[b + 1] * BS * ts + head0
+                        : c1 < w.b1 ? a.k_cache + (int64_t)w.table[c1] * BS * ts + head0
+                                    : nullptr;
+      for (int hl = 0; hl < w.heads; ++hl, vb += D)
+        weighted_v<DV, RB_V>(sc + (size_t)hl * w.per_head * ss + (b - c0) * BS, w.per_head, ss,
+                             vb, ts, keys, w.acc + (size_t)hl * w.per_head * D,
                              vn ? vn + hl * D : nullptr);
     }
   }
+}
+
+// Softmax state of every (query token, head) after the shared prefix of its sequence's group;
+// empty when the batch has no group (see find_groups).
+struct Shared {
+  std::vector<int> prefix_blocks;  // per sequence: leading blocks attended by its group
+  std::vector<float> m, l, acc;    // per (token, head): [T * H], [T * H], [T * H * D]
+};
+
+// Per-item scratch: q rows, acc rows, m, l, positions.
+struct ItemScratch {
+  std::vector<float> f, buf;
+  std::vector<int> pos;
+};
+
+template <int DV>
+void run_item_vec(const Args& a, const Item& it, ItemScratch& sc, const Shared& sh) {
+  constexpr int D = 16 * DV;
+  const int G = a.H / a.KVH;
+  const int heads = it.g1 - it.g0, ntok = it.t1 - it.t0;
+  const int per_head = ntok * G, rows = heads * per_head;
+  const int q_start = a.qsl[it.seq], q_len = a.qsl[it.seq + 1] - q_start;
+  const int pos0 = a.seq_lens[it.seq] - q_len + (it.t0 - q_start);  // the item's first token
+  const int prefix = sh.prefix_blocks.empty() ? 0 : sh.prefix_blocks[it.seq];
+  sc.f.resize((size_t)rows * (2 * D + 2));
+  sc.pos.resize(rows);
+  float* qr = sc.f.data();
+  float* acc = qr + (size_t)rows * D;
+  float* m = acc + (size_t)rows * D;
+  float* l = m + rows;
+  for (int r = 0; r < rows; ++r) {
+    const int hl = r / per_head, t = (r % per_head) / G, h = (it.g0 + hl) * G + r % G;
+    const int64_t tok = it.t0 + t;
+    const float* src = a.q + tok * a.q_stride_t + (int64_t)h * a.q_stride_h;
+    load_row(src, a.cos ? a.cos + tok * (D / 2) : nullptr, a.sin ? a.sin + tok * (D / 2) : nullptr,
+             D, a.scale, qr + (size_t)r * D);
+    sc.pos[r] = pos0 + t;
+    if (prefix > 0) {  // start from the state after the group's shared blocks
+      const int64_t th = tok * a.H + h;
+      m[r] = sh.m[th], l[r] = sh.l[th];
+      std::copy_n(sh.acc.data() + th * D, D, acc + (size_t)r * D);
+    } else {
+      m[r] = -1e30f, l[r] = 0.0f;  // finite: the library is built with -ffast-math
+      std::fill_n(acc + (size_t)r * D, D, 0.0f);
+    }
+  }
+  const int last = pos0 + ntok - 1;
+  const Rows w{a.block_tables + (int64_t)it.seq * a.bt_stride, prefix, last / a.BS + 1, last + 1,
+               heads, per_head, it.g0, qr, sc.pos.data(), m, l, acc};
+  attend_rows<DV>(a, w, sc.buf);
   for (int r = 0; r < rows; ++r) {
     const int hl = r / per_head, t = (r % per_head) / G, h = (it.g0 + hl) * G + r % G;
     float* dst = a.out + ((int64_t)(it.t0 + t) * a.H + h) * D;
@@ -490,17 +531,127 @@ void run_item_vec(const Args& a, const Item& it, std::vector<float>& buf) {
   }
 }
 
-using ItemFn = void (*)(const Args&, const Item&, std::vector<float>&);
+// A group: sequences whose block tables start with the same `blocks` blocks, all of whose query
+// rows see all of them. Its rows for one KV head, tiled, attend to those blocks once for the
+// whole group (many rows: the transposed-K path), and each sequence's own items then start
+// after them from the saved state: a shared system prompt is read once per tile, not once per
+// sequence, and its scores are computed at the many-row rate.
+struct Group {
+  std::vector<int> seqs;
+  int blocks;
+};
 
-ItemFn pick_item_fn(int head_dim) {
-  switch (head_dim) {
-    case 32: return run_item_vec<2>;
-    case 48: return run_item_vec<3>;
-    case 64: return run_item_vec<4>;
-    case 80: return run_item_vec<5>;
-    case 96: return run_item_vec<6>;
-    case 128: return run_item_vec<8>;
-    default: return run_item;  // plain loops for any other head_dim
+constexpr int MIN_SHARED_BLOCKS = 4;
+constexpr int GROUP_TILE_TOKENS = 48;  // query tokens per group work item (x G rows)
+
+std::vector<Group> find_groups(const Args& a, int num_seqs) {
+  std::vector<Group> groups;
+  std::vector<char> used(num_seqs, 0);
+  for (int i = 0; i < num_seqs; ++i) {
+    if (used[i]) continue;
+    const int32_t* ti = a.block_tables + (int64_t)i * a.bt_stride;
+    const int q_len_i = a.qsl[i + 1] - a.qsl[i];
+    int blocks = (a.seq_lens[i] - q_len_i + 1) / a.BS;  // full blocks every row of i sees
+    Group g{{i}, blocks};
+    for (int j = i + 1; j < num_seqs && blocks >= MIN_SHARED_BLOCKS; ++j) {
+      const int32_t* tj = a.block_tables + (int64_t)j * a.bt_stride;
+      if (used[j] || tj[0] != ti[0]) continue;
+      const int q_len_j = a.qsl[j + 1] - a.qsl[j];
+      int n = std::min(blocks, (a.seq_lens[j] - q_len_j + 1) / a.BS);
+      int k = 1;
+      while (k < n && tj[k] == ti[k]) ++k;
+      if (k < MIN_SHARED_BLOCKS) continue;
+      g.seqs.push_back(j);
+      g.blocks = std::min(g.blocks, k);
+    }
+    if (g.seqs.size() < 2 || g.blocks < MIN_SHARED_BLOCKS) continue;
+    for (int s : g.seqs) used[s] = 1;
+    groups.push_back(std::move(g));
+  }
+  return groups;
+}
+
+struct GroupItem {
+  int group, g;     // group, KV head
+  int tok0, tok1;   // range in the group's token list
+};
+
+// A group item's rows (its tokens x the query heads of KV head g) over the shared blocks; the
+// state goes to sh.m/l/acc at each (token, head).
+template <int DV>
+void run_group_item(const Args& a, const Group& grp, const std::vector<int>& toks,
+                    const GroupItem& gi, ItemScratch& sc, Shared& sh) {
+  constexpr int D = 16 * DV;
+  const int G = a.H / a.KVH, ntok = gi.tok1 - gi.tok0, rows = ntok * G;
+  sc.f.resize((size_t)rows * (2 * D + 2));
+  sc.pos.assign(rows, 1 << 30);  // every row sees every shared key
+  float* qr = sc.f.data();
+  float* acc = qr + (size_t)rows * D;
+  float* m = acc + (size_t)rows * D;
+  float* l = m + rows;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t tok = toks[gi.tok0 + r / G];
+    const int h = gi.g * G + r % G;
+    load_row(a.q + tok * a.q_stride_t + (int64_t)h * a.q_stride_h,
+             a.cos ? a.cos + tok * (D / 2) : nullptr, a.sin ? a.sin + tok * (D / 2) : nullptr, D,
+             a.scale, qr + (size_t)r * D);
+    m[r] = -1e30f, l[r] = 0.0f;
+    std::fill_n(acc + (size_t)r * D, D, 0.0f);
+  }
+  const Rows w{a.block_tables + (int64_t)grp.seqs[0] * a.bt_stride, 0, grp.blocks,
+               grp.blocks * a.BS, 1, rows, gi.g, qr, sc.pos.data(), m, l, acc};
+  attend_rows<DV>(a, w, sc.buf);
+  for (int r = 0; r < rows; ++r) {
+    const int64_t th = (int64_t)toks[gi.tok0 + r / G] * a.H + gi.g * G + r % G;
+    sh.m[th] = m[r], sh.l[th] = l[r];
+    std::copy_n(acc + (size_t)r * D, D, sh.acc.data() + th * D);
+  }
+}
+
+// Both phases for head_dim 16 * DV: the groups' shared prefixes, then every item.
+template <int DV>
+void run_all_vec(const Args& a, int num_seqs, int num_tokens, const std::vector<Item>& items,
+                 int num_threads) {
+  Shared sh;
+  const std::vector<Group> groups = find_groups(a, num_seqs);
+  std::vector<std::vector<int>> toks(groups.size());
+  std::vector<GroupItem> gitems;
+  if (!groups.empty()) {
+    sh.prefix_blocks.assign(num_seqs, 0);
+    sh.m.resize((size_t)num_tokens * a.H);
+    sh.l.resize((size_t)num_tokens * a.H);
+    sh.acc.resize((size_t)num_tokens * a.H * 16 * DV);
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      for (int s : groups[gi].seqs) {
+        sh.prefix_blocks[s] = groups[gi].blocks;
+        for (int t = a.qsl[s]; t < a.qsl[s + 1]; ++t) toks[gi].push_back(t);
+      }
+      const int n = (int)toks[gi].size();
+      for (int g = 0; g < a.KVH; ++g)
+        for (int t0 = 0; t0 < n; t0 += GROUP_TILE_TOKENS)
+          gitems.push_back({(int)gi, g, t0, std::min(n, t0 + GROUP_TILE_TOKENS)});
+    }
+  }
+  const int ng = (int)gitems.size(), n = (int)items.size();
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+  {
+    ItemScratch sc;
+#pragma omp for schedule(dynamic, 1)
+    for (int k = 0; k < ng; ++k)
+      run_group_item<DV>(a, groups[gitems[k].group], toks[gitems[k].group], gitems[k], sc, sh);
+#pragma omp for schedule(dynamic, 1)
+    for (int k = 0; k < n; ++k) run_item_vec<DV>(a, items[k], sc, sh);
+  }
+}
+
+// The generic path for any head_dim, item by item.
+void run_all_generic(const Args& a, const std::vector<Item>& items, int num_threads) {
+  const int n = (int)items.size();
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+    for (int k = 0; k < n; ++k) run_item(a, items[k], buf);
   }
 }
 
@@ -554,13 +705,15 @@ extern "C" int llmserve_paged_attention_f32(
         items.push_back({i, t0, t1, 0, num_kv_heads});
     }
   }
-  const int n = (int)items.size();
-  const ItemFn run = pick_item_fn(head_dim);
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-  {
-    std::vector<float> buf;
-#pragma omp for schedule(dynamic, 1)
-    for (int k = 0; k < n; ++k) run(a, items[k], buf);
+  const int num_tokens = query_start_loc[num_seqs];
+  switch (head_dim) {
+    case 32: run_all_vec<2>(a, num_seqs, num_tokens, items, num_threads); break;
+    case 48: run_all_vec<3>(a, num_seqs, num_tokens, items, num_threads); break;
+    case 64: run_all_vec<4>(a, num_seqs, num_tokens, items, num_threads); break;
+    case 80: run_all_vec<5>(a, num_seqs, num_tokens, items, num_threads); break;
+    case 96: run_all_vec<6>(a, num_seqs, num_tokens, items, num_threads); break;
+    case 128: run_all_vec<8>(a, num_seqs, num_tokens, items, num_threads); break;
+    default: run_all_generic(a, items, num_threads);  // plain loops for any other head_dim
   }
   return 0;
 }
