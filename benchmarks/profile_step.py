@@ -5,8 +5,9 @@ Part 1 (in-process, the SmolLM-135M-shaped random Llama, fp32, one torch thread)
 at batch 1, 16 and 64 (``--context`` tokens each already in the cache) and one 2 048-token
 prefill, each run through ``ModelRunner.execute``. Timers wrap the code of each family, so a
 step's wall time splits into: prepare (``prepare_inputs``), GEMMs (every ``Linear``), attention
-(the backend's ``attend``: K/V write + paged attention; the K/V write alone also shown), norms,
-rope, logits (the lm_head on sampled rows), sampler, cache ops (swap/copy lists; none here) and
+(the backend's ``attend``: K/V write + paged attention; the K/V write alone also shown; on
+the cpu backend rope, K/V write and attention are one kernel call, all counted here), norms,
+rope (when separate), logits (the lm_head on sampled rows), sampler, cache ops (swap/copy lists; none here) and
 other (embedding, activation, residual adds, Python between ops).
 
 Part 2 (``--live``): the whole stack (Redis, executor with one thread, scheduler) serves the
@@ -62,6 +63,9 @@ def instrument(runner: ModelRunner) -> None:
     llama.RotaryEmbedding.apply = staticmethod(_timed("rope", llama.RotaryEmbedding.apply))
     llama.LlamaForCausalLM.compute_logits = _timed("logits", llama.LlamaForCausalLM.compute_logits)
     AttentionBackend.attend = _timed("attention", AttentionBackend.attend)
+    if runner.backend.attend_rope_fn is not None:  # rope + K/V write + attention in one call
+        fused = _timed("attention", runner.backend.attend_rope_fn)
+        object.__setattr__(runner.backend, "attend_rope_fn", fused)  # a frozen dataclass
     ops = sys.modules[runner.backend.write_kv.__module__]
     if hasattr(ops, "_write_kv"):  # what attend() calls: patched in its module
         ops._write_kv = _timed("kv_write", ops._write_kv)
