@@ -145,6 +145,8 @@ LIVE_WORKLOADS = {
     "prefix": ["--workload", "shared-prefix", "--num-prompts", "64", "--prefix-len", "1024",
                "--question-len", "32", "--output-len", "32"],
     "sharegpt": ["--workload", "sharegpt-like", "--num-prompts", "200"],
+    "b1": ["--workload", "random", "--num-prompts", "1", "--input-len", "512",
+           "--output-len", "129"],
 }  # fmt: skip
 
 

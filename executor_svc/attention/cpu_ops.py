@@ -142,6 +142,9 @@ def load() -> ctypes.CDLL | None:
     red = lib.llmserve_argmax_logsumexp_f32
     red.argtypes = [p, i64, i64, i64, p, p, i32]
     red.restype = ctypes.c_int
+    act = lib.llmserve_silu_mul_f32
+    act.argtypes = [p, i64, i64, i64, p, i32]
+    act.restype = ctypes.c_int
     _lib = lib
     return lib
 
@@ -182,6 +185,26 @@ def argmax_logsumexp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     if rc != 0:
         return None
     return ids, lse
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for fp32 CPU rows [gate | up] ([n, 2 * i] -> [n, i]) in one pass (torch
+    takes three: silu, then the product); None when the library cannot take the input."""
+    if not (
+        gate_up.device.type == "cpu"
+        and gate_up.dtype == torch.float32
+        and gate_up.dim() == 2
+        and gate_up.shape[1] % 2 == 0
+        and gate_up.stride(1) == 1
+        and load() is not None
+    ):
+        return None
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=torch.float32)
+    rc = _lib.llmserve_silu_mul_f32(  # type: ignore[union-attr]
+        gate_up.data_ptr(), rows, inter, gate_up.stride(0), out.data_ptr(), torch.get_num_threads()
+    )
+    return out if rc == 0 else None
 
 
 def write_kv(

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor_svc.attention import AttentionBackend, AttentionMetadata
+from executor_svc.attention import AttentionBackend, AttentionMetadata, cpu_ops
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
 
@@ -288,8 +288,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = None
+        if gate_up.device.type == "cpu" and gate_up.shape[-1] == 2 * self.intermediate_size:
+            act = cpu_ops.silu_mul(gate_up)  # one pass; None when the kernel cannot take it
+        if act is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
