@@ -62,7 +62,10 @@ def share_prefix(bt, dense, members, blocks, block_size):
     for j in members[1:]:
         bt[j, :blocks] = bt[first, :blocks]
         k, v = dense[j]
-        dense[j] = (torch.cat([dense[first][0][:n], k[n:]]), torch.cat([dense[first][1][:n], v[n:]]))
+        dense[j] = (
+            torch.cat([dense[first][0][:n], k[n:]]),
+            torch.cat([dense[first][1][:n], v[n:]]),
+        )
 
 
 @needs_kernel
