@@ -130,7 +130,7 @@ def main() -> None:
     stack.redis.start()
     stack.start_executor()
     common = [
-        "--model-dir", str(model), "--max-batch-size", str(args.max_num_seqs), "--seed", "0",
+        "--model-dir", str(model), "--max-batch-size", str(args.max_num_seqs),
         "--vllm-python", args.vllm_python, "--vllm-cpu-cores", args.vllm_cpu_cores,
         "--vllm-kv-cache-gib", str(args.vllm_kv_cache_gib), "--no-progress",
     ]  # fmt: skip
@@ -151,10 +151,14 @@ def main() -> None:
             ratios = []
             for rnd in range(args.rounds):
                 backends = ",".join(order if rnd % 2 == 0 else order[::-1])
+                # A new seed each round: llmserve's stack (and its prefix cache) outlives a
+                # round while vLLM starts afresh, so repeated prompts would be cache hits for
+                # llmserve alone.
                 report = run_bench(
-                    ["--backend", backends, "--address", address, *common, *flags],
+                    ["--backend", backends, "--address", address, *common, *flags,
+                     "--seed", str(rnd)],
                     args.out / f"{name}-{rnd}.json",
-                )
+                )  # fmt: skip
                 ratios += [r["output_throughput"] for r in report["ratios"]]
                 _print_summary(f"{name}#{rnd}", report, None)
             if len(ratios) > 1:
@@ -166,7 +170,7 @@ def main() -> None:
                 report["config"]["num_prompts"],
                 vocab_size=report["config"]["vocab_size"],
                 max_model_len=report["config"]["max_model_len"],
-                seed=0,
+                seed=args.rounds - 1,  # the requests of the last round, whose report this is
                 **_workload_kwargs(flags),
             )
             floor = floor_seconds(SMOLLM_135M, requests, rates, cached)
