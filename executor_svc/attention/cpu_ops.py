@@ -36,8 +36,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-# The library: every csrc/*.cpp (paged attention, the sampler's row reductions) in one .so.
-SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
+# The library: every csrc/*.cpp (paged attention, the sampler's row reductions, elementwise
+# ops) in one .so; the cache key covers the headers they include too.
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.cpp"))
 # fast-math: vectorised exp (glibc's libmvec) and reassociated sums; the kernel keeps every
 # value finite (its running max starts at -1e30, not -inf), which fast-math assumes.
 FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -92,7 +94,7 @@ def _build() -> Path | None:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    source = b"".join(p.name.encode() + p.read_bytes() for p in SOURCES)
+    source = b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))
     for flags in ([*FLAGS, "-march=native"], FLAGS):  # -march=native may be refused
         key = hashlib.sha256(
             source + " ".join(flags).encode() + version.stdout.encode() + _cpu_features().encode()

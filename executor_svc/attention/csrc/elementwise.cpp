@@ -5,42 +5,9 @@
 #include <cmath>
 #include <cstdint>
 
-namespace {
+#include "simd.h"
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-inline v16 load16(const float* p) {
-  v16 v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
-
-// Same as paged_attention.cpp's exp16 (each source file stands alone).
-inline v16 exp16(v16 x) {
-  x = x < -87.0f ? v16{} - 87.0f : x;
-  x = x > 88.0f ? v16{} + 88.0f : x;
-  const v16 y = x * 1.44269504f;
-  const i16 n = __builtin_convertvector(y + (y < 0.0f ? v16{} - 0.5f : v16{} + 0.5f), i16);
-  const v16 nf = __builtin_convertvector(n, v16);
-  const v16 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
-  v16 p = 1.0f / 720 + r * (1.0f / 5040);
-  p = 1.0f / 120 + r * p;
-  p = 1.0f / 24 + r * p;
-  p = 1.0f / 6 + r * p;
-  p = 0.5f + r * p;
-  p = 1.0f + r * p;
-  p = 1.0f + r * p;
-  i16 bits;
-  __builtin_memcpy(&bits, &p, sizeof bits);
-  bits += n << 23;
-  __builtin_memcpy(&p, &bits, sizeof p);
-  return p;
-}
-
-}  // namespace
+using namespace llmserve;
 
 // out[r, j] = silu(x[r, j]) * x[r, n + j] for j < n: x rows [gate | up] with row stride
 // x_stride, out [rows, n] contiguous.

@@ -1,0 +1,51 @@
+// Types shared by the paged-attention sources: paged_attention.cpp (the entry point and the
+// generic path) and attention_vec.cpp (the vectorised path and shared-prefix groups).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace llmserve {
+
+constexpr int TILE = 16;          // query tokens per work item
+constexpr int TRANSPOSE_ROWS = 8; // rows per KV head from which transposing a K block pays off
+
+struct Item {
+  int seq, t0, t1;  // query tokens [t0, t1) of the batch
+  int g0, g1;       // KV heads [g0, g1)
+};
+
+struct Args {
+  const float* q; int64_t q_stride_t, q_stride_h;  // query [num_tokens, H, D], any row strides
+  const float* k_cache; const float* v_cache;
+  const int32_t* block_tables; int64_t bt_stride;
+  const int32_t* seq_lens; const int32_t* qsl;
+  int H, KVH, D, BS;
+  float scale;
+  float* out;  // [num_tokens, H, D] contiguous
+  // Rotary embedding (neox: halves rotated) of query token t: cos/sin [num_tokens, D / 2]
+  // rows; null = the query arrives rotated.
+  const float* cos; const float* sin;
+};
+
+// Row `src` (D floats) into dst: rotated by the token's cos/sin rows when given, times scale.
+inline void load_row(const float* src, const float* cs, const float* sn, int D, float scale,
+                     float* dst) {
+  if (!cs) {
+    for (int d = 0; d < D; ++d) dst[d] = src[d] * scale;
+    return;
+  }
+  const int half = D / 2;
+  for (int d = 0; d < half; ++d) {
+    const float x1 = src[d], x2 = src[d + half];
+    dst[d] = (x1 * cs[d] - x2 * sn[d]) * scale;
+    dst[d + half] = (x2 * cs[d] + x1 * sn[d]) * scale;
+  }
+}
+
+// The vectorised path for head_dim in {32, 48, 64, 80, 96, 128}; false for any other (then the
+// caller takes the generic path).
+bool run_all_vec(const Args& a, int num_seqs, int num_tokens, const std::vector<Item>& items,
+                 int num_threads);
+
+}  // namespace llmserve

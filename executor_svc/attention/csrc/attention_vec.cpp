@@ -1,0 +1,393 @@
+// The vectorised paged-attention path (head_dim = 16 * DV) and shared-prefix groups; see
+// paged_attention.cpp for the layout and the work items.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "attention.h"
+#include "simd.h"
+
+namespace llmserve {
+namespace {
+
+// // An item's rows are grouped by KV head (r = head * rows_per_head + t * G + j), so the rows of
+// a head share each K and V block. Keys are taken in chunks of up to 32 blocks: the scores of
+// every row for the whole chunk first, then one softmax step per row over the chunk (vector
+// max, exp and sum; the accumulator rescaled once per chunk, not per block), then the weighted
+// sum of V. A decode's chunk is usually its whole context, i.e. a plain two-pass softmax.
+
+constexpr int SCORE_FLOATS = 1 << 16;  // score scratch per item (rows x chunk keys): 256 KB
+
+// Scores of n <= 16 keys for few rows (decodes): one dot product per (row, key), the 16 keys'
+// partial sums reduced together. s has row stride ss.
+template <int DV>
+void scores_dot(const float* q, int rows, const float* kb, int64_t ts, int n, float* s, int ss,
+                const float* next) {
+  for (int i = 0; i < rows; ++i, q += 16 * DV, s += ss) {
+    v16 qv[DV];
+    for (int v = 0; v < DV; ++v) qv[v] = load16(q + 16 * v);
+    if (n == 16) {
+      v16 acc[16];
+      for (int u = 0; u < 16; ++u) {
+        const float* k = kb + u * ts;
+        if (next && i == 0)
+          for (int v = 0; v < DV; ++v) __builtin_prefetch(next + u * ts + 16 * v);
+        acc[u] = qv[0] * load16(k);
+        for (int v = 1; v < DV; ++v) acc[u] += qv[v] * load16(k + 16 * v);
+      }
+      store16(s, reduce16(acc));
+      continue;
+    }
+    for (int u = 0; u < n; ++u) {
+      const float* k = kb + u * ts;
+      v16 acc = qv[0] * load16(k);
+      for (int v = 1; v < DV; ++v) acc += qv[v] * load16(k + 16 * v);
+      s[u] = hsum(acc);
+    }
+  }
+}
+
+// Scores of RB rows against a transposed block kt [16 * DV][16]: one broadcast multiply-add
+// per (row, dim) over the 16 keys.
+template <int DV, int RB>
+void scores_t(const float* q, int rows, const float* kt, float* s, int ss) {
+  int i = 0;
+  for (; i + RB <= rows; i += RB) {
+    v16 acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = v16{};
+    const float* qi = q + (size_t)i * 16 * DV;
+    for (int d = 0; d < 16 * DV; ++d) {
+      const v16 k = load16(kt + 16 * d);
+      for (int r = 0; r < RB; ++r) acc[r] += qi[r * 16 * DV + d] * k;
+    }
+    for (int r = 0; r < RB; ++r) store16(s + (size_t)(i + r) * ss, acc[r]);
+  }
+  if constexpr (RB > 1)
+    if (i < rows) scores_t<DV, RB - 1>(q + (size_t)i * 16 * DV, rows - i, kt, s + (size_t)i * ss, ss);
+}
+
+// acc[r] += sum over keys j < n of s[r][j] * V[j], RB rows at a time with their accumulators
+// in registers (RB * DV <= 16 vectors).
+template <int DV, int RB>
+void weighted_v(const float* s, int rows, int ss, const float* vb, int64_t ts, int n, float* acc,
+                const float* next) {
+  int i = 0;
+  for (; i + RB <= rows; i += RB, next = nullptr) {
+    v16 o[RB][DV];
+    float* ai = acc + (size_t)i * 16 * DV;
+    for (int r = 0; r < RB; ++r)
+      for (int v = 0; v < DV; ++v) o[r][v] = load16(ai + (r * DV + v) * 16);
+    const float* si = s + (size_t)i * ss;
+    for (int j = 0; j < n; ++j) {
+      v16 vv[DV];
+      for (int v = 0; v < DV; ++v) vv[v] = load16(vb + j * ts + 16 * v);
+      if (next)
+        for (int v = 0; v < DV; ++v) __builtin_prefetch(next + j * ts + 16 * v);
+      for (int r = 0; r < RB; ++r) {
+        const float p = si[(size_t)r * ss + j];
+        for (int v = 0; v < DV; ++v) o[r][v] += p * vv[v];
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int v = 0; v < DV; ++v) store16(ai + (r * DV + v) * 16, o[r][v]);
+  }
+  if constexpr (RB > 1)
+    if (i < rows)
+      weighted_v<DV, RB - 1>(s + (size_t)i * ss, rows - i, ss, vb, ts, n,
+                             acc + (size_t)i * 16 * DV, next);
+}
+
+// One row's softmax step over its n visible scores of a chunk of nk: s[0, n) become weights
+// exp(s - new max), s[n, nk) zero; m and l move on; returns the accumulator's rescale factor.
+inline float chunk_softmax(float* s, int n, int nk, float& m, float& l) {
+  const int n16 = n & ~15;
+  v16 vm = v16{} - 1e30f;
+  for (int j = 0; j < n16; j += 16) {
+    const v16 x = load16(s + j);
+    vm = x > vm ? x : vm;
+  }
+  float mx = m;
+  for (int u = 0; u < 16; ++u) mx = std::max(mx, vm[u]);
+  for (int j = n16; j < n; ++j) mx = std::max(mx, s[j]);
+  v16 sum = v16{};
+  for (int j = 0; j < n16; j += 16) {
+    const v16 e = exp16(load16(s + j) - mx);
+    store16(s + j, e);
+    sum += e;
+  }
+  float tail = 0.0f;
+  for (int j = n16; j < n; ++j) tail += (s[j] = std::exp(s[j] - mx));
+  for (int j = n; j < nk; ++j) s[j] = 0.0f;
+  const float corr = std::exp(m - mx);
+  m = mx;
+  l = l * corr + hsum(sum) + tail;
+  return corr;
+}
+
+// The rows of one work item and where they attend: blocks [b0, b1) of `table`, keys below
+// key_end; rows grouped by KV head (heads x per_head, heads from g0), row r at position pos[r]
+// (it sees keys <= pos[r]). q rows are loaded (rotated, scaled); m, l, acc hold the softmax state
+// the walk starts from and ends with.
+struct Rows {
+  const int32_t* table;
+  int b0, b1, key_end;
+  int heads, per_head, g0;
+  const float* q; const int* pos;
+  float* m; float* l; float* acc;
+};
+
+template <int DV>
+void attend_rows(const Args& a, const Rows& w, std::vector<float>& buf) {
+  constexpr int D = 16 * DV;
+  constexpr int RB_S = 8, RB_V = 16 / DV > 8 ? 8 : 16 / DV;
+  const int BS = a.BS, rows = w.heads * w.per_head;
+  if (w.b0 >= w.b1 || rows == 0) return;
+  const int chunk = std::max(1, std::min(32, SCORE_FLOATS / (rows * BS)));  // blocks
+  const int ss = chunk * BS + 16;  // score row stride: a block of < 16 keys still stores 16
+  const int64_t ts = (int64_t)a.KVH * D;
+  buf.resize((size_t)rows * ss + (size_t)D * 16);
+  float* sc = buf.data();
+  float* kt = sc + (size_t)rows * ss;
+  const bool transpose = w.per_head >= TRANSPOSE_ROWS;
+  const int64_t head0 = (int64_t)w.g0 * D;
+  for (int c0 = w.b0; c0 < w.b1; c0 += chunk) {
+    const int c1 = std::min(w.b1, c0 + chunk), key0 = c0 * BS;
+    const int nk = std::min(c1 * BS, w.key_end) - key0;
+    for (int b = c0; b < c1; ++b) {
+      const int keys = std::min(BS, w.key_end - b * BS);
+      const float* kb = a.k_cache + (int64_t)w.table[b] * BS * ts + head0;
+      // What this block's reads prefetch, a head slice per key: the next K block, and after
+      // the chunk's last one the chunk's first V block (where the weighted sum starts).
+      const float* kn = (b + 1 < c1 ? a.k_cache + (int64_t)w.table[b + 1] * BS * ts
+                                    : a.v_cache + (int64_t)w.table[c0] * BS * ts) + head0;
+      for (int hl = 0; hl < w.heads; ++hl)
+        for (int k0 = 0; k0 < keys; k0 += 16) {  // 16 keys at a time (block_size may be 32)
+          const int n = std::min(16, keys - k0);
+          const float* kk = kb + hl * D + k0 * ts;
+          const float* q = w.q + (size_t)hl * w.per_head * D;
+          float* s = sc + (size_t)hl * w.per_head * ss + (b - c0) * BS + k0;
+          if (!transpose) {
+            scores_dot<DV>(q, w.per_head, kk, ts, n, s, ss, kn + hl * D + k0 * ts);
+            continue;
+          }
+          for (int c = 0; c < DV; ++c) {
+            v16 tile[16];
+            for (int u = 0; u < 16; ++u) tile[u] = u < n ? load16(kk + u * ts + 16 * c) : v16{};
+            transpose16(tile);
+            for (int e = 0; e < 16; ++e) store16(kt + (16 * c + e) * 16, tile[e]);
+          }
+          scores_t<DV, RB_S>(q, w.per_head, kt, s, ss);
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+      float* s = sc + (size_t)r * ss;
+      const int n = std::min(nk, w.pos[r] + 1 - key0);  // causal
+      if (n <= 0) {
+        std::fill(s, s + nk, 0.0f);
+        continue;
+      }
+      const v16 corr = v16{} + chunk_softmax(s, n, nk, w.m[r], w.l[r]);
+      float* o = w.acc + (size_t)r * D;
+      for (int v = 0; v < DV; ++v) store16(o + 16 * v, load16(o + 16 * v) * corr);
+    }
+    for (int b = c0; b < c1; ++b) {
+      const int keys = std::min(BS, w.key_end - b * BS);
+      const float* vb = a.v_cache + (int64_t)w.table[b] * BS * ts + head0;
+      const float* vn = b + 1 < c1 ? a.v_cache + (int64_t)w.table[b + 1] * BS * ts + head0
+                        : c1 < w.b1 ? a.k_cache + (int64_t)w.table[c1] * BS * ts + head0
+                                    : nullptr;
+      for (int hl = 0; hl < w.heads; ++hl, vb += D)
+        weighted_v<DV, RB_V>(sc + (size_t)hl * w.per_head * ss + (b - c0) * BS, w.per_head, ss,
+                             vb, ts, keys, w.acc + (size_t)hl * w.per_head * D,
+                             vn ? vn + hl * D : nullptr);
+    }
+  }
+}
+
+// Softmax state of every (query token, head) after the shared prefix of its sequence's group;
+// empty when the batch has no group (see find_groups).
+struct Shared {
+  std::vector<int> prefix_blocks;  // per sequence: leading blocks attended by its group
+  std::vector<float> m, l, acc;    // per (token, head): [T * H], [T * H], [T * H * D]
+};
+
+// Per-item scratch: q rows, acc rows, m, l, positions.
+struct ItemScratch {
+  std::vector<float> f, buf;
+  std::vector<int> pos;
+};
+
+template <int DV>
+void run_item_vec(const Args& a, const Item& it, ItemScratch& sc, const Shared& sh) {
+  constexpr int D = 16 * DV;
+  const int G = a.H / a.KVH;
+  const int heads = it.g1 - it.g0, ntok = it.t1 - it.t0;
+  const int per_head = ntok * G, rows = heads * per_head;
+  const int q_start = a.qsl[it.seq], q_len = a.qsl[it.seq + 1] - q_start;
+  const int pos0 = a.seq_lens[it.seq] - q_len + (it.t0 - q_start);  // the item's first token
+  const int prefix = sh.prefix_blocks.empty() ? 0 : sh.prefix_blocks[it.seq];
+  sc.f.resize((size_t)rows * (2 * D + 2));
+  sc.pos.resize(rows);
+  float* qr = sc.f.data();
+  float* acc = qr + (size_t)rows * D;
+  float* m = acc + (size_t)rows * D;
+  float* l = m + rows;
+  for (int r = 0; r < rows; ++r) {
+    const int hl = r / per_head, t = (r % per_head) / G, h = (it.g0 + hl) * G + r % G;
+    const int64_t tok = it.t0 + t;
+    const float* src = a.q + tok * a.q_stride_t + (int64_t)h * a.q_stride_h;
+    load_row(src, a.cos ? a.cos + tok * (D / 2) : nullptr, a.sin ? a.sin + tok * (D / 2) : nullptr,
+             D, a.scale, qr + (size_t)r * D);
+    sc.pos[r] = pos0 + t;
+    if (prefix > 0) {  // start from the state after the group's shared blocks
+      const int64_t th = tok * a.H + h;
+      m[r] = sh.m[th], l[r] = sh.l[th];
+      std::copy_n(sh.acc.data() + th * D, D, acc + (size_t)r * D);
+    } else {
+      m[r] = -1e30f, l[r] = 0.0f;  // finite: the library is built with -ffast-math
+      std::fill_n(acc + (size_t)r * D, D, 0.0f);
+    }
+  }
+  const int last = pos0 + ntok - 1;
+  const Rows w{a.block_tables + (int64_t)it.seq * a.bt_stride, prefix, last / a.BS + 1, last + 1,
+               heads, per_head, it.g0, qr, sc.pos.data(), m, l, acc};
+  attend_rows<DV>(a, w, sc.buf);
+  for (int r = 0; r < rows; ++r) {
+    const int hl = r / per_head, t = (r % per_head) / G, h = (it.g0 + hl) * G + r % G;
+    float* dst = a.out + ((int64_t)(it.t0 + t) * a.H + h) * D;
+    const v16 inv = v16{} + 1.0f / l[r];
+    for (int v = 0; v < DV; ++v) store16(dst + 16 * v, load16(acc + (size_t)r * D + 16 * v) * inv);
+  }
+}
+
+// A group: sequences whose block tables start with the same `blocks` blocks, all of whose query
+// rows see all of them. Its rows for one KV head, tiled, attend to those blocks once for the
+// whole group (many rows: the transposed-K path), and each sequence's own items then start
+// after them from the saved state: a shared system prompt is read once per tile, not once per
+// sequence, and its scores are computed at the many-row rate.
+struct Group {
+  std::vector<int> seqs;
+  int blocks;
+};
+
+constexpr int MIN_SHARED_BLOCKS = 4;
+constexpr int GROUP_TILE_TOKENS = 48;  // query tokens per group work item (x G rows)
+
+std::vector<Group> find_groups(const Args& a, int num_seqs) {
+  std::vector<Group> groups;
+  std::vector<char> used(num_seqs, 0);
+  for (int i = 0; i < num_seqs; ++i) {
+    if (used[i]) continue;
+    const int32_t* ti = a.block_tables + (int64_t)i * a.bt_stride;
+    const int q_len_i = a.qsl[i + 1] - a.qsl[i];
+    int blocks = (a.seq_lens[i] - q_len_i + 1) / a.BS;  // full blocks every row of i sees
+    Group g{{i}, blocks};
+    for (int j = i + 1; j < num_seqs && blocks >= MIN_SHARED_BLOCKS; ++j) {
+      const int32_t* tj = a.block_tables + (int64_t)j * a.bt_stride;
+      if (used[j] || tj[0] != ti[0]) continue;
+      const int q_len_j = a.qsl[j + 1] - a.qsl[j];
+      int n = std::min(blocks, (a.seq_lens[j] - q_len_j + 1) / a.BS);
+      int k = 1;
+      while (k < n && tj[k] == ti[k]) ++k;
+      if (k < MIN_SHARED_BLOCKS) continue;
+      g.seqs.push_back(j);
+      g.blocks = std::min(g.blocks, k);
+    }
+    if (g.seqs.size() < 2 || g.blocks < MIN_SHARED_BLOCKS) continue;
+    for (int s : g.seqs) used[s] = 1;
+    groups.push_back(std::move(g));
+  }
+  return groups;
+}
+
+struct GroupItem {
+  int group, g;     // group, KV head
+  int tok0, tok1;   // range in the group's token list
+};
+
+// A group item's rows (its tokens x the query heads of KV head g) over the shared blocks; the
+// state goes to sh.m/l/acc at each (token, head).
+template <int DV>
+void run_group_item(const Args& a, const Group& grp, const std::vector<int>& toks,
+                    const GroupItem& gi, ItemScratch& sc, Shared& sh) {
+  constexpr int D = 16 * DV;
+  const int G = a.H / a.KVH, ntok = gi.tok1 - gi.tok0, rows = ntok * G;
+  sc.f.resize((size_t)rows * (2 * D + 2));
+  sc.pos.assign(rows, 1 << 30);  // every row sees every shared key
+  float* qr = sc.f.data();
+  float* acc = qr + (size_t)rows * D;
+  float* m = acc + (size_t)rows * D;
+  float* l = m + rows;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t tok = toks[gi.tok0 + r / G];
+    const int h = gi.g * G + r % G;
+    load_row(a.q + tok * a.q_stride_t + (int64_t)h * a.q_stride_h,
+             a.cos ? a.cos + tok * (D / 2) : nullptr, a.sin ? a.sin + tok * (D / 2) : nullptr, D,
+             a.scale, qr + (size_t)r * D);
+    m[r] = -1e30f, l[r] = 0.0f;
+    std::fill_n(acc + (size_t)r * D, D, 0.0f);
+  }
+  const Rows w{a.block_tables + (int64_t)grp.seqs[0] * a.bt_stride, 0, grp.blocks,
+               grp.blocks * a.BS, 1, rows, gi.g, qr, sc.pos.data(), m, l, acc};
+  attend_rows<DV>(a, w, sc.buf);
+  for (int r = 0; r < rows; ++r) {
+    const int64_t th = (int64_t)toks[gi.tok0 + r / G] * a.H + gi.g * G + r % G;
+    sh.m[th] = m[r], sh.l[th] = l[r];
+    std::copy_n(acc + (size_t)r * D, D, sh.acc.data() + th * D);
+  }
+}
+
+// Both phases for head_dim 16 * DV: the groups' shared prefixes, then every item.
+template <int DV>
+void run_all_dv(const Args& a, int num_seqs, int num_tokens, const std::vector<Item>& items,
+                int num_threads) {
+  Shared sh;
+  const std::vector<Group> groups = find_groups(a, num_seqs);
+  std::vector<std::vector<int>> toks(groups.size());
+  std::vector<GroupItem> gitems;
+  if (!groups.empty()) {
+    sh.prefix_blocks.assign(num_seqs, 0);
+    sh.m.resize((size_t)num_tokens * a.H);
+    sh.l.resize((size_t)num_tokens * a.H);
+    sh.acc.resize((size_t)num_tokens * a.H * 16 * DV);
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      for (int s : groups[gi].seqs) {
+        sh.prefix_blocks[s] = groups[gi].blocks;
+        for (int t = a.qsl[s]; t < a.qsl[s + 1]; ++t) toks[gi].push_back(t);
+      }
+      const int n = (int)toks[gi].size();
+      for (int g = 0; g < a.KVH; ++g)
+        for (int t0 = 0; t0 < n; t0 += GROUP_TILE_TOKENS)
+          gitems.push_back({(int)gi, g, t0, std::min(n, t0 + GROUP_TILE_TOKENS)});
+    }
+  }
+  const int ng = (int)gitems.size(), n = (int)items.size();
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+  {
+    ItemScratch sc;
+#pragma omp for schedule(dynamic, 1)
+    for (int k = 0; k < ng; ++k)
+      run_group_item<DV>(a, groups[gitems[k].group], toks[gitems[k].group], gitems[k], sc, sh);
+#pragma omp for schedule(dynamic, 1)
+    for (int k = 0; k < n; ++k) run_item_vec<DV>(a, items[k], sc, sh);
+  }
+}
+
+}  // namespace
+
+bool run_all_vec(const Args& a, int num_seqs, int num_tokens, const std::vector<Item>& items,
+                 int num_threads) {
+  switch (a.D) {
+    case 32: run_all_dv<2>(a, num_seqs, num_tokens, items, num_threads); return true;
+    case 48: run_all_dv<3>(a, num_seqs, num_tokens, items, num_threads); return true;
+    case 64: run_all_dv<4>(a, num_seqs, num_tokens, items, num_threads); return true;
+    case 80: run_all_dv<5>(a, num_seqs, num_tokens, items, num_threads); return true;
+    case 96: run_all_dv<6>(a, num_seqs, num_tokens, items, num_threads); return true;
+    case 128: run_all_dv<8>(a, num_seqs, num_tokens, items, num_threads); return true;
+    default: return false;
+  }
+}
+
+}  // namespace llmserve

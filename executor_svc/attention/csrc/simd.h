@@ -1,0 +1,104 @@
+// Vector helpers shared by the CPU kernel library's sources (csrc/*.cpp): 16-float vectors that
+// GCC lowers to AVX-512, AVX2 pairs or SSE quads, whatever -march allows.
+#pragma once
+
+#include <cstdint>
+
+namespace llmserve {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+inline float hsum(v16 v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  v8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  a += b;
+  v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3);
+  v4 d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  c += d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// The lane sums of 16 vectors as one vector (lane u = sum of a[u]): four rounds of two-source
+// shuffles and adds, ~3 operations per key where a horizontal sum each would take ~8.
+inline v16 reduce16(const v16* a) {
+  v16 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: a[2i] partials, 8-15: a[2i + 1]
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // lanes 4k..4k+3: key 4i + k
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                   22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // lanes 2k, 2k+1: key 8i + k
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                   22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
+// exp of 16 floats: 2^n * e^r with n = round(x / ln 2) and |r| <= ln(2) / 2, e^r by its
+// degree-6 Taylor polynomial (relative error < 2e-7). Inputs below -87 give ~1e-38, not 0 (the
+// scores here are s - max <= 0, and a weight of 1e-38 is 0 to every sum it enters).
+inline v16 exp16(v16 x) {
+  x = x < -87.0f ? v16{} - 87.0f : x;
+  x = x > 88.0f ? v16{} + 88.0f : x;
+  const v16 y = x * 1.44269504f;
+  const i16 n = __builtin_convertvector(y + (y < 0.0f ? v16{} - 0.5f : v16{} + 0.5f), i16);
+  const v16 nf = __builtin_convertvector(n, v16);
+  const v16 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+  v16 p = 1.0f / 720 + r * (1.0f / 5040);
+  p = 1.0f / 120 + r * p;
+  p = 1.0f / 24 + r * p;
+  p = 1.0f / 6 + r * p;
+  p = 0.5f + r * p;
+  p = 1.0f + r * p;
+  p = 1.0f + r * p;
+  i16 bits;
+  __builtin_memcpy(&bits, &p, sizeof bits);
+  bits += n << 23;
+  __builtin_memcpy(&p, &bits, sizeof p);
+  return p;
+}
+
+// In-place transpose of a 16 x 16 tile held as 16 vectors: four rounds that swap the
+// off-diagonal h x h sub-blocks, h = 8, 4, 2, 1.
+inline void transpose16(v16* r) {
+#define LLMS_IDX(...) __VA_ARGS__
+#define LLMS_ROUND(H, A, B)                                     \
+  for (int i = 0; i < 16; ++i) {                                \
+    if (i & H) continue;                                        \
+    const v16 x = r[i], y = r[i + H];                           \
+    r[i] = __builtin_shufflevector(x, y, A);                    \
+    r[i + H] = __builtin_shufflevector(x, y, B);                \
+  }
+  LLMS_ROUND(8, LLMS_IDX(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+             LLMS_IDX(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+  LLMS_ROUND(4, LLMS_IDX(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+             LLMS_IDX(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+  LLMS_ROUND(2, LLMS_IDX(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+             LLMS_IDX(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+  LLMS_ROUND(1, LLMS_IDX(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+             LLMS_IDX(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#undef LLMS_ROUND
+#undef LLMS_IDX
+}
+
+}  // namespace llmserve
