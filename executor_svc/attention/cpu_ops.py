@@ -147,6 +147,9 @@ def load() -> ctypes.CDLL | None:
     act = lib.llmserve_silu_mul_f32
     act.argtypes = [p, i64, i64, i64, p, i32]
     act.restype = ctypes.c_int
+    norm = lib.llmserve_add_rms_norm_f32
+    norm.argtypes = [p, i64, p, i64, p, i64, i64, ctypes.c_float, p, p, i32]
+    norm.restype = ctypes.c_int
     _lib = lib
     return lib
 
@@ -207,6 +210,36 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         gate_up.data_ptr(), rows, inter, gate_up.stride(0), out.data_ptr(), torch.get_num_threads()
     )
     return out if rc == 0 else None
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """RMSNorm of ``x + delta`` (of ``x`` when delta is None) over fp32 CPU rows [n, dim], in one
+    pass: returns (x + delta, normed), the sum being x itself when delta is None; None when the
+    library cannot take the inputs (then the caller uses torch)."""
+    if not (
+        _rows_ok(x)
+        and (delta is None or (_rows_ok(delta) and delta.shape == x.shape))
+        and weight.dtype == torch.float32
+        and weight.is_contiguous()
+        and weight.shape == (x.shape[1],)
+        and load() is not None
+    ):
+        return None
+    rows, dim = x.shape
+    out = torch.empty(rows, dim, dtype=torch.float32)
+    total = x if delta is None else torch.empty(rows, dim, dtype=torch.float32)
+    rc = _lib.llmserve_add_rms_norm_f32(  # type: ignore[union-attr]
+        x.data_ptr(), x.stride(0), None if delta is None else delta.data_ptr(),
+        0 if delta is None else delta.stride(0), weight.data_ptr(), rows, dim, eps,
+        None if delta is None else total.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return (total, out) if rc == 0 else None
 
 
 def write_kv(

@@ -164,6 +164,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
+            if x.device.type == "cpu" and (
+                fused := cpu_ops.add_rms_norm(x, None, self.weight, self.eps)
+            ):
+                return fused[1]
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Statistics in fp32 whatever the compute dtype, as the reference implementation does.
         xf = x.float()
@@ -312,8 +316,16 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         md: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(rope, self.input_layernorm(x), kv_cache, md)
+        norm = self.post_attention_layernorm
+        fused = (
+            cpu_ops.add_rms_norm(x, h, norm.weight, norm.eps) if x.device.type == "cpu" else None
+        )
+        if fused is None:
+            x = x + h
+            return x + self.mlp(norm(x))
+        x, normed = fused  # the residual add and the norm in one pass
+        return x + self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):

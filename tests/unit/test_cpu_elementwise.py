@@ -1,4 +1,5 @@
-"""The CPU kernel library's elementwise ops against torch (csrc/elementwise.cpp)."""
+"""The CPU kernel library's elementwise ops against torch (csrc/elementwise.cpp): the MLP's
+activation and RMSNorm with its residual add."""
 
 from __future__ import annotations
 
@@ -28,3 +29,21 @@ def test_silu_mul_declines_what_it_does_not_take():
     assert cpu_ops.silu_mul(torch.randn(2, 8, dtype=torch.float64)) is None
     assert cpu_ops.silu_mul(torch.randn(2, 7)) is None  # odd width: no [gate | up] halves
     assert cpu_ops.silu_mul(torch.randn(4, 2, 8)) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,dim", [(1, 576), (5, 40), (64, 4099)])
+def test_add_rms_norm_matches_torch(rows, dim):
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(rows, dim + 5, generator=g)[:, :dim]  # strided rows
+    delta = torch.randn(rows, dim, generator=g)
+    w = torch.randn(dim, generator=g)
+    total, normed = cpu_ops.add_rms_norm(x, delta, w, 1e-5)
+    torch.testing.assert_close(total, x + delta, atol=0, rtol=0)
+    ref = F.rms_norm(x + delta, (dim,), w, 1e-5)
+    torch.testing.assert_close(normed, ref, atol=1e-5, rtol=1e-5)
+    same, normed = cpu_ops.add_rms_norm(x, None, w, 1e-5)  # no residual: the norm alone
+    assert same is x
+    torch.testing.assert_close(normed, F.rms_norm(x, (dim,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    assert cpu_ops.add_rms_norm(x.double(), None, w.double(), 1e-5) is None
+    assert cpu_ops.add_rms_norm(x, delta[:, :-1], w, 1e-5) is None  # shapes differ
