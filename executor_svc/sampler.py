@@ -456,8 +456,8 @@ class Sampler:
             proc = apply_min_tokens(proc, params, short)
 
         sampled = [i for i, p in enumerate(params) if p.temperature >= _SAMPLING_EPS]
-        # fp32 CPU logits: argmax and logsumexp of the raw rows in one compiled pass.
-        fused = cpu_ops.argmax_logsumexp(raw) if device.type == "cpu" else None
+        # fp32 CPU logits: argmax and logsumexp of the raw rows in one compiled pass (else None).
+        fused = cpu_ops.argmax_logsumexp(raw)
         if not sampled and fused is not None and proc is raw:
             token_ids = fused[0]  # all greedy, nothing applied: the raw rows' argmax
         elif not sampled:

@@ -29,7 +29,6 @@ import structlog
 import torch
 
 from executor_svc.attention import torch_ops
-from executor_svc.attention.torch_ops import _write_kv
 
 if TYPE_CHECKING:
     from executor_svc.attention import AttentionMetadata
@@ -264,7 +263,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Same contract as ``torch_ops.paged_attention``; one kernel call for the whole batch."""
     num_tokens, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
+    num_kv_heads = key_cache.shape[2]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert key_cache.shape[3] == head_dim and value_cache.shape == key_cache.shape
     assert query_start_loc.shape == (seq_lens.shape[0] + 1,)
@@ -273,33 +272,74 @@ def paged_attention(
         return torch_ops.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
         )
+    if query.stride(2) != 1:
+        query = query.contiguous()
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
-    _kernel(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    if num_tokens:
+        meta = _Meta(block_tables, seq_lens, query_start_loc, None)
+        _run(query, key_cache, value_cache, meta, scale, out)
     return out
 
 
-def _kernel(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out):
-    """Fill ``out`` with the attention of every query row."""
-    num_tokens, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
-    if num_tokens == 0:
-        return
-    if query.stride(2) != 1:
-        query = query.contiguous()
-    block_tables = block_tables.to(torch.int32).contiguous()
-    seq_lens = seq_lens.to(torch.int32).contiguous()
-    query_start_loc = query_start_loc.to(torch.int32).contiguous()
+class _Meta:
+    """The batch metadata as the kernel takes it (int32/int64, contiguous) and its pointers."""
+
+    def __init__(self, block_tables, seq_lens, query_start_loc, slot_mapping) -> None:
+        self.tables = block_tables.to(torch.int32).contiguous()
+        self.seq_lens = seq_lens.to(torch.int32).contiguous()
+        self.qsl = query_start_loc.to(torch.int32).contiguous()
+        self.slots = None if slot_mapping is None else slot_mapping.to(torch.int64).contiguous()
+
+    @staticmethod
+    def of(md: AttentionMetadata) -> _Meta:
+        """Made once per forward, by the first layer; the others reuse it."""
+        meta = md.scratch.get("cpu.meta")
+        if meta is None:
+            meta = md.scratch["cpu.meta"] = _Meta(
+                md.block_tables, md.seq_lens, md.query_start_loc, md.slot_mapping
+            )
+        return meta
+
+
+def _run(query, key_cache, value_cache, meta: _Meta, scale, out, new=None, rope=None) -> None:
+    """The kernel call: ``query`` [T, H, D] rows with head_dim contiguous; ``new`` = (key,
+    value) [T, KVH, D] written first at meta.slots; ``rope`` = (cos, sin) rotating q and new k."""
+    num_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    key, value = new if new is not None else (None, None)
+    cos, sin = rope if rope is not None else (None, None)
     rc = _lib.llmserve_paged_attention_f32(  # type: ignore[union-attr]
         query.data_ptr(), query.stride(0), query.stride(1),
         key_cache.data_ptr(), value_cache.data_ptr(),
-        block_tables.data_ptr(), block_tables.stride(0),
-        seq_lens.data_ptr(), query_start_loc.data_ptr(), seq_lens.shape[0],
+        meta.tables.data_ptr(), meta.tables.stride(0),
+        meta.seq_lens.data_ptr(), meta.qsl.data_ptr(), meta.seq_lens.shape[0],
         num_heads, num_kv_heads, head_dim, block_size, scale,
         out.data_ptr(), torch.get_num_threads(),
-        None, 0, None, 0, None, 0, None, None,
+        None if key is None else key.data_ptr(), 0 if key is None else key.stride(0),
+        None if value is None else value.data_ptr(), 0 if value is None else value.stride(0),
+        None if key is None else meta.slots.data_ptr(), 0 if key is None else key.shape[0],
+        None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"paged attention kernel rejected its arguments (code {rc})")
+
+
+def _fused(query, key, value, rope, key_cache, value_cache, md, scale) -> torch.Tensor | None:
+    """K/V write (rope on q and k when given) and attention in one kernel call; None when the
+    kernel does not take these inputs."""
+    d = query.shape[2]
+    rows_ok = all(t.stride(2) == 1 and t.stride(1) == d for t in (query, key, value))
+    if not (
+        rows_ok
+        and _supported(query, key_cache)
+        and key.dtype == value.dtype == torch.float32
+        and value_cache.is_contiguous()
+        and (rope is None or all(t.dtype == torch.float32 and t.is_contiguous() for t in rope))
+    ):
+        return None
+    out = torch.empty(query.shape, dtype=torch.float32)
+    _run(query, key_cache, value_cache, _Meta.of(md), scale, out, (key, value), rope)
+    return out
 
 
 def attend(
@@ -311,18 +351,14 @@ def attend(
     md: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """``write_kv`` then the kernel for the whole batch: one layer of the model's forward.
-    (Whole prompts go through the kernel too: since its chunked two-pass softmax it is ~2.2x
-    faster than torch's fused causal SDPA on one thread, 33.6 against 73.1 ms for a 2 048-token
-    prompt with SmolLM-135M heads.)"""
-    scratch = md.scratch
-    has_skips = scratch.get("cpu.has_skips")
-    if has_skips is None:
-        has_skips = scratch["cpu.has_skips"] = bool((md.slot_mapping < 0).any())
-    _write_kv(key, value, key_cache, value_cache, md.slot_mapping, has_skips)
-    return paged_attention(
-        query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale
-    )
+    """K/V write and attention of one layer in one kernel call (torch's ops for inputs the
+    kernel does not take). Whole prompts go through the kernel too: since its chunked two-pass
+    softmax it is ~2.2x faster than torch's fused causal SDPA on one thread
+    (``benchmarks/bench_cpu_ops.py``)."""
+    out = _fused(query, key, value, None, key_cache, value_cache, md, scale)
+    if out is None:
+        return torch_ops.attend(query, key, value, key_cache, value_cache, md, scale)
+    return out
 
 
 def attend_rope(
@@ -336,45 +372,8 @@ def attend_rope(
     md: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor | None:
-    """Rotary embedding, K/V write and attention of one layer in one kernel call (the model's
-    neox rope); None when the kernel does not take these inputs (then the caller rotates and
-    calls ``attend``). The per-forward metadata is made kernel-ready once, by the first layer."""
-    d = qk.shape[2]
-    if not (
-        _supported(qk, key_cache)
-        and value_cache.is_contiguous()
-        and qk.stride(2) == 1
-        and qk.stride(1) == d
-        and value.stride(2) == 1
-        and value.stride(1) == d
-        and cos.dtype == sin.dtype == torch.float32
-        and cos.is_contiguous()
-        and sin.is_contiguous()
-    ):
-        return None
-    meta = md.scratch.get("cpu.meta")
-    if meta is None:
-        tensors = (
-            md.block_tables.to(torch.int32).contiguous(),
-            md.seq_lens.to(torch.int32).contiguous(),
-            md.query_start_loc.to(torch.int32).contiguous(),
-            md.slot_mapping.to(torch.int64).contiguous(),
-        )
-        meta = md.scratch["cpu.meta"] = (tensors, [t.data_ptr() for t in tensors])
-    (tables, seq_lens, _, _), (bt_ptr, sl_ptr, qsl_ptr, slot_ptr) = meta
-    num_tokens = qk.shape[0]
-    num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
-    out = torch.empty(num_tokens, num_heads, d, dtype=torch.float32)
-    k = qk[:, num_heads:]
-    rc = _lib.llmserve_paged_attention_f32(  # type: ignore[union-attr]
-        qk.data_ptr(), qk.stride(0), d,
-        key_cache.data_ptr(), value_cache.data_ptr(),
-        bt_ptr, tables.stride(0), sl_ptr, qsl_ptr, seq_lens.shape[0],
-        num_heads, num_kv_heads, d, block_size, scale,
-        out.data_ptr(), torch.get_num_threads(),
-        k.data_ptr(), k.stride(0), value.data_ptr(), value.stride(0),
-        slot_ptr, num_tokens, cos.data_ptr(), sin.data_ptr(),
-    )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"paged attention kernel rejected its arguments (code {rc})")
-    return out
+    """Rotary embedding (the model's neox rope), K/V write and attention of one layer in one
+    kernel call; None when the kernel does not take these inputs (then the caller rotates and
+    calls ``attend``)."""
+    key = qk[:, num_heads:]
+    return _fused(qk[:, :num_heads], key, value, (cos, sin), key_cache, value_cache, md, scale)

@@ -164,15 +164,22 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            if x.device.type == "cpu" and (
-                fused := cpu_ops.add_rms_norm(x, None, self.weight, self.eps)
-            ):
+            fused = cpu_ops.add_rms_norm(x, None, self.weight, self.eps)  # fp32 CPU rows
+            if fused is not None:
                 return fused[1]
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Statistics in fp32 whatever the compute dtype, as the reference implementation does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(x + delta, norm(x + delta)): one compiled pass for fp32 CPU rows."""
+        fused = cpu_ops.add_rms_norm(x, delta, self.weight, self.eps)
+        if fused is not None:
+            return fused
+        x = x + delta
+        return x, self(x)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -292,9 +299,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        act = None
-        if gate_up.device.type == "cpu" and gate_up.shape[-1] == 2 * self.intermediate_size:
-            act = cpu_ops.silu_mul(gate_up)  # one pass; None when the kernel cannot take it
+        act = cpu_ops.silu_mul(gate_up)  # fp32 CPU: one pass; None for anything else
         if act is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = F.silu(gate) * up
@@ -317,14 +322,7 @@ class DecoderLayer(nn.Module):
         md: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.self_attn(rope, self.input_layernorm(x), kv_cache, md)
-        norm = self.post_attention_layernorm
-        fused = (
-            cpu_ops.add_rms_norm(x, h, norm.weight, norm.eps) if x.device.type == "cpu" else None
-        )
-        if fused is None:
-            x = x + h
-            return x + self.mlp(norm(x))
-        x, normed = fused  # the residual add and the norm in one pass
+        x, normed = self.post_attention_layernorm.add_forward(x, h)
         return x + self.mlp(normed)
 
 

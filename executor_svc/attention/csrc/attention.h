@@ -43,6 +43,15 @@ inline void load_row(const float* src, const float* cs, const float* sn, int D, 
   }
 }
 
+// Query row (token tok, head h) of the batch into dst: rotated by the token's cos/sin rows when
+// the call carries them, times the softmax scale.
+inline void load_query(const Args& a, int64_t tok, int h, float* dst) {
+  const int64_t half = a.D / 2;
+  load_row(a.q + tok * a.q_stride_t + (int64_t)h * a.q_stride_h,
+           a.cos ? a.cos + tok * half : nullptr, a.sin ? a.sin + tok * half : nullptr, a.D, a.scale,
+           dst);
+}
+
 // The vectorised path for head_dim in {32, 48, 64, 80, 96, 128}; false for any other (then the
 // caller takes the generic path).
 bool run_all_vec(const Args& a, int num_seqs, int num_tokens, const std::vector<Item>& items,

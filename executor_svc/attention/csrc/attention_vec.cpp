@@ -65,7 +65,8 @@ void scores_t(const float* q, int rows, const float* kt, float* s, int ss) {
     for (int r = 0; r < RB; ++r) store16(s + (size_t)(i + r) * ss, acc[r]);
   }
   if constexpr (RB > 1)
-    if (i < rows) scores_t<DV, RB - 1>(q + (size_t)i * 16 * DV, rows - i, kt, s + (size_t)i * ss, ss);
+    if (i < rows)
+      scores_t<DV, RB - 1>(q + (size_t)i * 16 * DV, rows - i, kt, s + (size_t)i * ss, ss);
 }
 
 // acc[r] += sum over keys j < n of s[r][j] * V[j], RB rows at a time with their accumulators
@@ -237,9 +238,7 @@ void run_item_vec(const Args& a, const Item& it, ItemScratch& sc, const Shared& 
   for (int r = 0; r < rows; ++r) {
     const int hl = r / per_head, t = (r % per_head) / G, h = (it.g0 + hl) * G + r % G;
     const int64_t tok = it.t0 + t;
-    const float* src = a.q + tok * a.q_stride_t + (int64_t)h * a.q_stride_h;
-    load_row(src, a.cos ? a.cos + tok * (D / 2) : nullptr, a.sin ? a.sin + tok * (D / 2) : nullptr,
-             D, a.scale, qr + (size_t)r * D);
+    load_query(a, tok, h, qr + (size_t)r * D);
     sc.pos[r] = pos0 + t;
     if (prefix > 0) {  // start from the state after the group's shared blocks
       const int64_t th = tok * a.H + h;
@@ -323,9 +322,7 @@ void run_group_item(const Args& a, const Group& grp, const std::vector<int>& tok
   for (int r = 0; r < rows; ++r) {
     const int64_t tok = toks[gi.tok0 + r / G];
     const int h = gi.g * G + r % G;
-    load_row(a.q + tok * a.q_stride_t + (int64_t)h * a.q_stride_h,
-             a.cos ? a.cos + tok * (D / 2) : nullptr, a.sin ? a.sin + tok * (D / 2) : nullptr, D,
-             a.scale, qr + (size_t)r * D);
+    load_query(a, tok, h, qr + (size_t)r * D);
     m[r] = -1e30f, l[r] = 0.0f;
     std::fill_n(acc + (size_t)r * D, D, 0.0f);
   }

@@ -99,10 +99,7 @@ void run_item(const Args& a, const Item& it, std::vector<float>& buf) {
   for (int t = 0; t < ntok; ++t) {
     for (int j = 0; j < per_tok; ++j) {
       const int r = t * per_tok + j, h = it.g0 * G + j;
-      const int64_t tok = it.t0 + t;
-      const float* src = a.q + tok * a.q_stride_t + (int64_t)h * a.q_stride_h;
-      load_row(src, a.cos ? a.cos + tok * (D / 2) : nullptr, a.sin ? a.sin + tok * (D / 2) : nullptr,
-               D, a.scale, qr + (size_t)r * D);
+      load_query(a, it.t0 + t, h, qr + (size_t)r * D);
     }
   }
   std::fill(acc, acc + (size_t)rows * D, 0.0f);
@@ -172,7 +169,7 @@ using namespace llmserve;
 // same rows, so a layer's rope, K/V write and attention are this one call.
 extern "C" int llmserve_paged_attention_f32(
     const float* q, int64_t q_stride_t, int64_t q_stride_h,
-    const float* k_cache, const float* v_cache,
+    float* k_cache, float* v_cache,
     const int32_t* block_tables, int64_t bt_stride,
     const int32_t* seq_lens, const int32_t* query_start_loc, int num_seqs,
     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
@@ -188,11 +185,13 @@ extern "C" int llmserve_paged_attention_f32(
 #pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && num_new > 256)
   for (int t = 0; t < num_new; ++t) {
     if (slots[t] < 0) continue;
-    float* kd = const_cast<float*>(k_cache) + slots[t] * kv_row;
-    float* vd = const_cast<float*>(v_cache) + slots[t] * kv_row;
+    float* kd = k_cache + slots[t] * kv_row;
+    float* vd = v_cache + slots[t] * kv_row;
+    const float* cs = cos ? cos + (int64_t)t * (head_dim / 2) : nullptr;
+    const float* sn = sin ? sin + (int64_t)t * (head_dim / 2) : nullptr;
     for (int g = 0; g < num_kv_heads; ++g)
-      load_row(k_new + t * k_stride_t + (int64_t)g * head_dim, cos ? cos + (int64_t)t * (head_dim / 2) : nullptr,
-               sin ? sin + (int64_t)t * (head_dim / 2) : nullptr, head_dim, 1.0f, kd + (int64_t)g * head_dim);
+      load_row(k_new + t * k_stride_t + (int64_t)g * head_dim, cs, sn, head_dim, 1.0f,
+               kd + (int64_t)g * head_dim);
     __builtin_memcpy(vd, v_new + t * v_stride_t, sizeof(float) * kv_row);
   }
   // One item per (sequence, tile) reads whole blocks; with threads to spare and few such items,
