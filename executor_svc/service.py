@@ -74,7 +74,7 @@ def _rpc(method: F) -> F:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except _NotReady:
             context.abort(grpc.StatusCode.UNAVAILABLE, "executor is still loading its model")
-        except (_WrongInstance, _Fenced) as e:
+        except (_WrongInstance, _Fenced, _OutOfOrder) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except _StepFailed:
             # Already logged with its traceback; the step was rolled back.
@@ -99,6 +99,10 @@ class _WrongInstance(Exception):
 
 class _Fenced(Exception):
     pass
+
+
+class _OutOfOrder(Exception):
+    """A step planned to follow another (after_step_id) that did not run just before it."""
 
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
@@ -132,6 +136,11 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.last_step_time = 0.0  # time.monotonic() of the last ExecuteModel call
         # Newest scheduler leadership epoch seen in a Reset: older ones are fenced off.
         self.leader_epoch = 0
+        # Step order for async scheduling: (step_id, succeeded) of the last ExecuteModel that
+        # ended, and a counter Reset bumps; a step sent with after_step_id waits on them.
+        self._order = threading.Condition()
+        self._last_step: tuple[int, bool] = (0, False)
+        self._generation = 0
         if runner is not None:
             self.attach(
                 runner,
@@ -225,11 +234,45 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             self.leader_epoch = request.leader_epoch
             num_dropped = len(self._seqs)
             self._seqs.clear()
+        with self._order:
+            self._generation += 1
+            self._last_step = (0, False)
+            self._order.notify_all()
         log.info("executor.reset", num_dropped=num_dropped)
         return pb.ResetResponse(num_dropped=num_dropped)
 
     @_rpc
     def ExecuteModel(self, request: pb.ExecuteModelRequest, context: grpc.ServicerContext) -> Any:
+        if request.after_step_id:
+            self._wait_for_step(request.after_step_id, context)
+        ok = False
+        try:
+            reply = self._execute(request)
+            ok = True
+            return reply
+        finally:
+            with self._order:
+                self._last_step = (request.step_id, ok)
+                self._order.notify_all()
+
+    def _wait_for_step(self, step_id: int, context: grpc.ServicerContext) -> None:
+        """Block until step `step_id` has ended; raise unless it succeeded (and no Reset came
+        in between): a step planned to follow it would act on a state that does not exist."""
+        remaining = context.time_remaining() if context is not None else None
+        with self._order:
+            generation = self._generation
+            arrived = self._order.wait_for(
+                lambda: self._last_step[0] == step_id or self._generation != generation,
+                timeout=remaining,
+            )
+            if self._generation != generation:
+                raise _OutOfOrder(f"the executor was reset before step {step_id} ran")
+            if not arrived:
+                raise _OutOfOrder(f"step {step_id}, which this step follows, never ran")
+            if not self._last_step[1]:
+                raise _OutOfOrder(f"step {step_id}, which this step follows, failed")
+
+    def _execute(self, request: pb.ExecuteModelRequest) -> Any:
         runner = self.runner
         if request.instance_id and request.instance_id != self.instance_id:
             raise _WrongInstance(

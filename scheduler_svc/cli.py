@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="wait for each decode step's result before sending the next (by default the next "
+        "is planned and sent while the executor still runs the current one)",
+    )
     p.add_argument("--watermark", type=float, default=0.01)
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--num-device-blocks", type=int, help="use at most this many KV blocks")
@@ -156,6 +162,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         policy=args.policy,
         preemption_mode=args.preemption_mode,
         enable_prefix_caching=not args.no_prefix_caching,
+        async_scheduling=not args.no_async_scheduling,
         watermark=args.watermark,
         max_logprobs=args.max_logprobs,
         finished_ttl_s=args.finished_ttl,

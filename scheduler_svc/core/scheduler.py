@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from scheduler_svc.core.ahead import plan_ahead
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.request import Request, RequestStatus, Sequence
 from scheduler_svc.core.scheduler_output import CachedSeqData, NewSeqData, SchedulerOutput
@@ -57,9 +58,10 @@ class Scheduler(SchedulerState):
         schedule(). Whatever it holds (drops, swaps, copies) must reach the executor unless
         out.is_empty.
         """
-        if self._in_flight is not None:
+        if self._in_flight:
             raise RuntimeError(
-                f"schedule() called before update_from_output() of step {self._in_flight.step_id}"
+                "schedule() called before update_from_output() of step "
+                f"{self._in_flight[-1].step_id}"
             )
         self._step_id += 1
         out = SchedulerOutput(self._step_id)
@@ -81,7 +83,32 @@ class Scheduler(SchedulerState):
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - step.tokens
         # A step that computes nothing has no result to wait for: the engine may skip it (or
         # send it for its drops and copies) without calling update_from_output().
-        self._in_flight = out if out.scheduled else None
+        if out.scheduled:
+            self._in_flight.append(out)
+        return out
+
+    def schedule_ahead(self) -> SchedulerOutput | None:
+        """Async scheduling: the decode step after the one in flight, planned before its
+        result is back, or None when only schedule() can tell what comes next (see ahead.py).
+
+        The executor must run it right after the step in flight; both results go to
+        update_from_output() in order.
+        """
+        if len(self._in_flight) != 1 or len(self._waiting) or len(self._swapped):
+            return None
+        out = plan_ahead(
+            self._in_flight[0],
+            self._running,
+            self.block_manager,
+            self.config.max_model_len,
+            self._step_id + 1,
+        )
+        if out is None:
+            return None
+        self._step_id += 1
+        out.finished_seq_ids.extend(self._pending_drops)
+        self._pending_drops.clear()
+        self._in_flight.append(out)
         return out
 
     def _schedule_running(self, step: _StepBudget, out: SchedulerOutput) -> list[Request]:
@@ -454,9 +481,9 @@ class Scheduler(SchedulerState):
         Returns the sequences that got a token, in batch order. Sequences that ended while the
         step was in flight are skipped; an output discarded by reset_executor() is ignored.
         """
-        if output is not self._in_flight:
+        if not self._in_flight or output is not self._in_flight[0]:
             return []
-        self._in_flight = None
+        del self._in_flight[0]
         bm = self.block_manager
         caching = bm.enable_prefix_caching
         bs = bm.block_size

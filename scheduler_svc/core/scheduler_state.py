@@ -37,7 +37,9 @@ class SchedulerState:
         self._finished: list[Request] = []  # since take_finished_requests()
         self._num_added = 0  # tie-break of equal arrival times: order of add_request
         self._step_id = 0
-        self._in_flight: SchedulerOutput | None = None
+        # Steps scheduled and not yet given back to update_from_output(), oldest first: one,
+        # or two when schedule_ahead() planned the next while the first was running.
+        self._in_flight: list[SchedulerOutput] = []
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ requests
@@ -139,7 +141,7 @@ class SchedulerState:
 
         Any step in flight is discarded (its update_from_output becomes a no-op).
         """
-        self._in_flight = None
+        self._in_flight.clear()
         self._pending_drops.clear()
         requeue = [r for r in self._running if r.status == _RUNNING]
         requeue += self._swapped.ordered()

@@ -60,6 +60,9 @@ class EngineConfig:
     finished_ttl_s: float = 3600.0
     max_backlog_steps: int = 1024
     step_timeout_s: float = 120.0
+    # Plan and send the next decode step while the executor runs the current one (see
+    # core/ahead.py): the executor never waits for the scheduler between decode steps.
+    async_scheduling: bool = True
     # An executor unreachable this long hands its requests to the live ones (recomputed there).
     executor_failover_s: float = 10.0
     # Also serve executors that register themselves in Redis (llmserve-executor --redis-url),

@@ -16,6 +16,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -260,9 +261,13 @@ class Engine:
             await ex.channel.close()
 
     async def _step(self, ex: ExecutorHandle) -> bool:
-        """One engine step on `ex` (its lock held); True when there was nothing to do."""
+        """One engine step on `ex` (its lock held), or with async scheduling a run of them:
+        while a decode step runs, the one after it is planned and sent (schedule_ahead), so the
+        executor goes from one to the next without waiting for us. True when there was
+        nothing to do."""
         out = None
         record = EngineStep()
+        in_flight: list[_Sent] = []
         try:
             if failpoints.ARMED:
                 failpoints.hit("engine.schedule")
@@ -270,37 +275,76 @@ class Engine:
             self._handle_scheduler_finished(ex)
             if out.is_empty:
                 return True
-            ex.step_id += 1
-            msg = execute_request(out, ex.step_id)
-            msg.instance_id = ex.describe.instance_id
-            msg.leader_epoch = self.pool.epoch
-            t0 = time.perf_counter()
-            call = ex.stub.ExecuteModel(msg, timeout=self.config.step_timeout_s)
-            # The previous step's Redis write goes out now, while the executor computes (its
-            # record was queued without waking the writer).
-            self.persister.kick()
-            try:
-                resp = await call
-            except grpc.aio.AioRpcError as e:
+            in_flight.append(self._send(ex, out, 0))
+            while in_flight:
+                sent = in_flight[0]
+                out = None  # planning: a crash here is the plan's, not the running step's
+                if len(in_flight) == 1 and self._may_plan_ahead(ex):
+                    if failpoints.ARMED:
+                        failpoints.hit("engine.schedule")
+                    ahead = ex.sched.schedule_ahead()
+                    if ahead is not None:
+                        in_flight.append(self._send(ex, ahead, sent.step_id))
+                        ex.num_steps_ahead += 1
+                out = sent.out
+                # The previous step's Redis write goes out now, while the executor computes
+                # (its record was queued without waking the writer).
                 self.persister.kick()
-                self._step_failed(ex, e)
-                return False
-            ex.step_seconds += time.perf_counter() - t0
-            ex.num_steps += 1
-            ex.consecutive_failures = 0
-            if failpoints.ARMED:
-                failpoints.hit("engine.process_step")
-            self._process_step(ex, out, resp, record)
-            ex.num_crashed_steps = 0
-            if resp.draining:
-                self._draining(ex)
+                try:
+                    resp = await sent.call
+                except grpc.aio.AioRpcError as e:
+                    self.persister.kick()
+                    self._step_failed(ex, e)
+                    return False
+                del in_flight[0]
+                done = time.perf_counter()
+                # Busy from when the executor could start it: its sending, or the end of the
+                # step it followed.
+                ex.step_seconds += done - max(sent.sent_at, ex.last_step_done)
+                ex.last_step_done = done
+                ex.num_steps += 1
+                ex.consecutive_failures = 0
+                if failpoints.ARMED:
+                    failpoints.hit("engine.process_step")
+                self._process_step(ex, out, resp, record)
+                record = EngineStep()
+                ex.num_crashed_steps = 0
+                if resp.draining:
+                    self._draining(ex)
         except Exception as e:
             self._step_crashed(ex, out, record, e)
             try:
                 await ex.stub.Reset(epb.ResetRequest(leader_epoch=self.pool.epoch), timeout=5)
             except grpc.aio.AioRpcError as reset_error:
                 self._step_failed(ex, reset_error)
+        finally:
+            for sent in in_flight:  # after a failure: its results are not wanted any more
+                sent.call.cancel()
         return False
+
+    def _send(self, ex: ExecutorHandle, out: SchedulerOutput, after_step_id: int) -> _Sent:
+        """Send the step `out` to `ex` (after step `after_step_id` when planned ahead)."""
+        ex.step_id += 1
+        msg = execute_request(out, ex.step_id)
+        msg.instance_id = ex.describe.instance_id
+        msg.leader_epoch = self.pool.epoch
+        msg.after_step_id = after_step_id
+        call = ex.stub.ExecuteModel(msg, timeout=self.config.step_timeout_s)
+        return _Sent(out, ex.step_id, call, time.perf_counter())
+
+    def _may_plan_ahead(self, ex: ExecutorHandle) -> bool:
+        """Whether the next step may be sent before this one is back: not when the step's
+        outcome must be seen first (stopping, draining, a write backlog), nor when an abort or
+        a recovery waits for the executor's lock (they get in between two steps)."""
+        return (
+            self.config.async_scheduling
+            and not self._stopping
+            and ex.healthy
+            and not ex.draining
+            and not ex.retired
+            and ex.num_lock_waiters == 0
+            and not self.persister.over_backlog
+        )
 
     def _step_crashed(
         self, ex: ExecutorHandle, out: SchedulerOutput | None, record: EngineStep, error: Exception
@@ -418,7 +462,7 @@ class Engine:
 
     async def executor_lost(self, ex: ExecutorHandle, reason: str) -> None:
         """`ex` stopped answering or restarted while idle: reconnect it (and recompute)."""
-        async with ex.lock:
+        async with ex.exclusive():
             if not ex.healthy:
                 return
             log.warning("executor.lost", address=ex.address, reason=reason)
@@ -450,6 +494,16 @@ class Engine:
                     self.fail_request(handle, record, "executor rejected the request repeatedly")
             self.persister.submit(record.to_record())
             ex.consecutive_failures = 0
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A step on its way to an executor."""
+
+    out: SchedulerOutput
+    step_id: int  # ExecuteModelRequest.step_id
+    call: grpc.aio.UnaryUnaryCall
+    sent_at: float  # time.perf_counter()
 
 
 def _log_task_failure(task: asyncio.Task) -> None:

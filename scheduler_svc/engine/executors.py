@@ -9,8 +9,10 @@ own scheduler core, sized from what it reports in Describe.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -47,14 +49,34 @@ class ExecutorHandle:
     idle: bool = False
     # Steps that raised inside the scheduler since the last one that completed.
     num_crashed_steps: int = 0
-    # For metrics: steps sent, seconds spent awaiting them, wall time the last one ended.
+    # For metrics: steps sent, seconds the executor was busy with them, wall time the last
+    # one ended (time.time(), and time.perf_counter() for the busy time).
     num_steps: int = 0
+    num_steps_ahead: int = 0  # of those, planned while the one before was running
     step_seconds: float = 0.0
     last_step_time: float = 0.0
+    last_step_done: float = 0.0
+    # Tasks waiting in exclusive(): the engine loop plans no step ahead while there are any.
+    num_lock_waiters: int = 0
     # Left the registry for good (scaled down) and dropped by the pool: its loop ends.
     retired: bool = False
     # Shutting down gracefully: finishes what it runs, gets no new requests.
     draining: bool = False
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Hold `lock` from outside the engine loop (an abort, a recovery): between two steps,
+        never in the middle of one. The loop plans no step ahead while someone waits here, so
+        a run of decode steps planned ahead ends at the next step."""
+        self.num_lock_waiters += 1
+        try:
+            await self.lock.acquire()
+        finally:
+            self.num_lock_waiters -= 1
+        try:
+            yield
+        finally:
+            self.lock.release()
 
 
 def expand_addresses(addresses: list[str]) -> list[str]:

@@ -238,6 +238,12 @@ class EngineMetrics:
             "Seconds each executor spent on steps (its busy fraction is the rate of this).",
             labels=["model_name", "executor"],
         )
+        ahead = CounterMetricFamily(
+            "llmserve:executor_steps_planned_ahead",
+            "Of those, steps planned and sent while the step before was still running (async "
+            "scheduling).",
+            labels=["model_name", "executor"],
+        )
         queries = CounterMetricFamily(
             "llmserve:executor_prefix_cache_queries",
             "Prompt tokens looked up in each executor's prefix cache (routing shows in these).",
@@ -251,11 +257,13 @@ class EngineMetrics:
         for ex in executors:
             steps.add_metric([model, ex.address], ex.num_steps)
             busy.add_metric([model, ex.address], ex.step_seconds)
+            ahead.add_metric([model, ex.address], ex.num_steps_ahead)
             bm = ex.sched.block_manager
             queries.add_metric([model, ex.address], bm.prefix_cache_queries)
             hits.add_metric([model, ex.address], bm.prefix_cache_hits)
         yield steps
         yield busy
+        yield ahead
         yield queries
         yield hits
 

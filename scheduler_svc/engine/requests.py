@@ -228,7 +228,7 @@ async def abort(engine: Engine, req_id: str, *, missing_ok: bool = False) -> boo
             raise Unavailable("request store (Redis) is unavailable") from e
         raise NotFound(f"request {public_id(req_id)!r} not found (unknown or expired)")
     ex = handle.executor
-    async with ex.lock:  # never in the middle of this executor's step
+    async with ex.exclusive():  # never in the middle of this executor's step
         if handle.finished_in_engine:
             return False
         ex.sched.abort_request(req_id)

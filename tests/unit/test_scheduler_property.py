@@ -5,6 +5,11 @@ new and cached sequences) and keeps, for every KV slot, a tag of the token prefi
 from. Every computed position a sequence attends to must carry its own prefix's tag, so a wrong
 prefix-cache hit, a missed copy-on-write, a bad swap mapping or a block reused while still read
 all show up as a mismatch.
+
+With `ahead`, the engine's async scheduling is played too: after each step is sent, the next is
+planned with schedule_ahead() before the first one's result is applied, and the executor runs
+every step the moment it is sent, so a planned-ahead step sees the state its predecessor left
+while the scheduler's stop checks and aborts for that predecessor come only afterwards.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class FakeExecutor:
     num_device_blocks: int
     num_cpu_blocks: int
     block_size: int
+    max_model_len: int
     seqs: dict[str, ExecSeq] = field(default_factory=dict)
     kv: dict[tuple[int, int], int] = field(default_factory=dict)  # (block, offset) -> tag
     cpu_kv: dict[tuple[int, int], int] = field(default_factory=dict)
@@ -94,6 +100,7 @@ class FakeExecutor:
         for sid, num in batch:
             e = self.seqs[sid]
             assert num >= 1 and e.num_computed + num <= len(e.tokens), sid
+            assert e.num_computed + num <= self.max_model_len, f"{sid}: past max_model_len"
             assert len(e.table) * bs >= e.num_computed + num, f"{sid}: table too short"
             for pos in range(e.num_computed):  # what attention reads
                 slot = (e.table[pos // bs], pos % bs)
@@ -139,15 +146,20 @@ config_st = st.fixed_dictionaries(
         "enable_prefix_caching": st.booleans(),
         "watermark": st.sampled_from([0.0, 0.1]),
         "long_prefill_token_threshold": st.one_of(st.none(), st.integers(1, 6)),
+        "max_model_len": st.sampled_from([64, 64, 12]),
     }
 )
 
 
-def run_workload(cfg: dict, requests: list[dict], reset_at: int | None) -> None:
+def run_workload(
+    cfg: dict, requests: list[dict], reset_at: int | None, ahead: bool = False
+) -> None:
     cfg = dict(cfg)
     cfg["max_num_batched_tokens"] = cfg["max_num_seqs"] + cfg.pop("extra_budget")
-    sched = Scheduler(SchedulerConfig(max_model_len=64, max_waiting=100, **cfg))
-    ex = FakeExecutor(cfg["num_device_blocks"], cfg["num_cpu_blocks"], cfg["block_size"])
+    sched = Scheduler(SchedulerConfig(max_waiting=100, **cfg))
+    ex = FakeExecutor(
+        cfg["num_device_blocks"], cfg["num_cpu_blocks"], cfg["block_size"], cfg["max_model_len"]
+    )
     reqs: dict[str, Request] = {}
     spec = {f"q{i}": r for i, r in enumerate(requests)}
 
@@ -156,11 +168,14 @@ def run_workload(cfg: dict, requests: list[dict], reset_at: int | None) -> None:
 
     def maybe_finish(seq) -> None:
         s = spec[seq.req_id]
-        if seq.num_output_tokens >= s["max_tokens"]:
+        # As the engine's output processor: max_tokens, or the model length reached.
+        if seq.num_output_tokens >= s["max_tokens"] or seq.num_tokens >= cfg["max_model_len"]:
             sched.finish_sequence(seq.seq_id, RequestStatus.FINISHED_LENGTH)
         elif s["eos_stop"] and seq.token_ids[-1] == 0:
             sched.finish_sequence(seq.seq_id, RequestStatus.FINISHED_STOPPED, 0)
 
+    in_flight: list[tuple[SchedulerOutput, dict[str, int]]] = []  # sent: (step, its samples)
+    num_ahead = 0
     for step_no in range(MAX_STEPS):
         for rid, s in spec.items():
             if s["arrival"] == step_no:
@@ -174,15 +189,24 @@ def run_workload(cfg: dict, requests: list[dict], reset_at: int | None) -> None:
         if step_no == reset_at:
             sched.reset_executor()
             ex.reset()
-        out = sched.schedule()
+            in_flight.clear()
+        if not in_flight:
+            out = sched.schedule()
+            in_flight.append((out, ex.execute(out, sample)))
         for rid, s in spec.items():
             if s["abort_at"] == step_no and s["abort_in_flight"]:
                 sched.abort_request(rid)
-        sampled = ex.execute(out, sample)
+        if ahead and len(in_flight) == 1:
+            nxt = sched.schedule_ahead()
+            if nxt is not None:
+                num_ahead += 1
+                in_flight.append((nxt, ex.execute(nxt, sample)))
+        out, sampled = in_flight.pop(0)
         got = sched.update_from_output(out, sampled)
         assert {s.seq_id for s in got} <= set(sampled)
         for seq in got:
-            assert seq.token_ids == ex.seqs[seq.seq_id].tokens
+            # The executor may be a step ahead (and has then sampled one token more).
+            assert ex.seqs[seq.seq_id].tokens[: len(seq.token_ids)] == seq.token_ids
             maybe_finish(seq)
         sched.check_invariants()
         for e in ex.seqs.values():  # every held sequence agrees with the scheduler's view
@@ -191,6 +215,10 @@ def run_workload(cfg: dict, requests: list[dict], reset_at: int | None) -> None:
             break
     else:
         raise AssertionError(f"livelock: unfinished after {MAX_STEPS} steps: {sched.get_stats()}")
+    for out, sampled in in_flight:  # a step planned ahead for sequences that have ended since
+        assert sched.update_from_output(out, sampled) == []
+    if not ahead:
+        assert num_ahead == 0
 
     for r in reqs.values():
         assert r.is_finished and all(s.is_finished for s in r.seqs), r.req_id
@@ -210,8 +238,9 @@ def run_workload(cfg: dict, requests: list[dict], reset_at: int | None) -> None:
     cfg=config_st,
     requests=st.lists(request_st, min_size=1, max_size=8),
     reset_at=st.one_of(st.none(), st.integers(1, 20)),
+    ahead=st.booleans(),
 )
 def test_random_workloads_finish_without_leaks_and_keep_the_executor_consistent(
-    cfg, requests, reset_at
+    cfg, requests, reset_at, ahead
 ):
-    run_workload(cfg, requests, reset_at)
+    run_workload(cfg, requests, reset_at, ahead)
