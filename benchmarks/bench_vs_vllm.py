@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -110,6 +111,19 @@ def main() -> None:
     p.add_argument("--backends", default="llmserve,vllm")
     p.add_argument("--executor-args", default="", help="extra executor flags, space separated")
     p.add_argument(
+        "--pin",
+        action="store_true",
+        help="give each engine's compute thread the core(s) of --vllm-cpu-cores to itself: "
+        "llmserve's executor runs there (--cpu-cores), vLLM's compute thread is bound there, "
+        "and this script with everything it starts (llmserve's scheduler, Redis, the clients, "
+        "vLLM's front-end process) runs on the other cores",
+    )
+    p.add_argument(
+        "--scheduler-args",
+        default="",
+        help="extra scheduler flags, space separated (e.g. --no-async-scheduling)",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -127,6 +141,16 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-vs-vllm-"))
     stack = Stack(model, work, args.max_num_seqs, args.num_device_blocks)
     bench_vs_hf.EXECUTOR_EXTRA = ["--cpu-threads", "1", *args.executor_args.split()]
+    if args.pin:
+        from executor_svc.cli import format_cpu_list, parse_cpu_list
+
+        compute = parse_cpu_list(args.vllm_cpu_cores)
+        rest = os.sched_getaffinity(0) - compute
+        if not rest:
+            p.error("--pin needs a core besides --vllm-cpu-cores")
+        os.sched_setaffinity(0, rest)  # inherited by every process started from here on
+        bench_vs_hf.EXECUTOR_EXTRA += ["--cpu-cores", args.vllm_cpu_cores]
+        print(f"pinned: compute on {args.vllm_cpu_cores}, the rest on {format_cpu_list(rest)}")
     stack.redis.start()
     stack.start_executor()
     common = [
@@ -144,7 +168,8 @@ def main() -> None:
     wanted = args.only or ["random", "sharegpt", "prefix", "prefix-off", "b1"]
     results = {}
     try:
-        address = stack.start_scheduler()
+        scheduler_args = args.scheduler_args.split()
+        address = stack.start_scheduler(*scheduler_args)
         for name in [w for w in wanted if w in workloads]:
             flags, cached = workloads[name]
             order = args.backends.split(",")
@@ -179,10 +204,22 @@ def main() -> None:
             print(f"{name:>10} torch.mm floor {mm_floor:.1f} s")
             _print_summary(name, report, floor)
         if "b1" in wanted:
-            results["b1"] = batch1_latency(address, common, args.backends, args.out)
+            order = args.backends.split(",")
+            rounds = [
+                batch1_latency(
+                    address, common, ",".join(order if rnd % 2 == 0 else order[::-1]), args.out
+                )
+                for rnd in range(args.rounds)
+            ]
+            results["b1"] = rounds[-1] | {"rounds": rounds}
+            if len(rounds) > 1:
+                for b in order:
+                    per = [r["ms_per_token"][b] for r in rounds]
+                    print(f"{'b1':>10} {b:>8}: {', '.join(f'{v:.2f}' for v in per)} ms per "
+                          f"token; median {statistics.median(per):.2f}", flush=True)  # fmt: skip
         if "prefix-off" in wanted:
             stack.stop_scheduler()
-            address = stack.start_scheduler("--no-prefix-caching")
+            address = stack.start_scheduler("--no-prefix-caching", *scheduler_args)
             flags, _ = workloads["prefix"]
             report = run_bench(
                 ["--backend", "llmserve", "--address", address, *common, *flags],

@@ -150,7 +150,12 @@ LIVE_WORKLOADS = {
 }  # fmt: skip
 
 
-def live(model_dir: Path, executor_args: list[str], workload: str = "random") -> None:
+def live(
+    model_dir: Path,
+    executor_args: list[str],
+    workload: str = "random",
+    scheduler_args: list[str] = (),  # type: ignore[assignment]
+) -> None:
     import subprocess
     import tempfile
 
@@ -171,7 +176,7 @@ def live(model_dir: Path, executor_args: list[str], workload: str = "random") ->
         finally:
             subprocess.Popen = real_popen  # type: ignore
         try:
-            address = stack.start_scheduler()
+            address = stack.start_scheduler(*scheduler_args)
             bench_vs_hf.run_bench(
                 ["--backend", "llmserve", "--address", address, *LIVE_WORKLOADS[workload],
                  "--no-progress"],
@@ -180,7 +185,7 @@ def live(model_dir: Path, executor_args: list[str], workload: str = "random") ->
         finally:
             stack.close()
     print(summary(log_path))
-    print(busy_fraction(log_path, num_seqs=64))
+    print(busy_fraction(log_path, num_seqs=1 if workload == "b1" else 64))
 
 
 def main() -> None:
@@ -190,6 +195,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--live", action="store_true", help="also the served run's idle time")
     p.add_argument("--executor-args", default="", help="extra executor flags for --live")
+    p.add_argument("--scheduler-args", default="", help="extra scheduler flags for --live")
     p.add_argument(
         "--workload", choices=sorted(LIVE_WORKLOADS), default="random", help="what --live serves"
     )
@@ -201,7 +207,7 @@ def main() -> None:
     if not args.live_only:
         synthetic(model_dir, args.backend, args.context, args.iters)
     if args.live or args.live_only:
-        live(model_dir, args.executor_args.split(), args.workload)
+        live(model_dir, args.executor_args.split(), args.workload, args.scheduler_args.split())
 
 
 if __name__ == "__main__":

@@ -17,6 +17,24 @@ from executor_svc.server import ExecutorServer
 log = structlog.get_logger(__name__)
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """CPU ids from a list such as ``0-3,8`` (Linux's cpuset notation)."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"{text!r} is not a list of cores such as 0-3,8")
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first:
+            raise ValueError(f"{part.strip()!r}: the range runs backwards")
+        cores.update(range(first, last + 1))
+    return cores
+
+
+def format_cpu_list(cores: set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cores))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="llmserve-executor",
@@ -59,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch intra-op threads for CPU inference (default: torch's choice); on a small "
         "host shared with the scheduler, 1 per executor avoids threads waiting on a busy core",
+    )
+    p.add_argument(
+        "--cpu-cores",
+        metavar="LIST",
+        help="run this executor on these CPU cores only, e.g. 0-3,8 (Linux): its compute "
+        "threads keep them to themselves when the scheduler runs on others (as vLLM's "
+        "VLLM_CPU_OMP_THREADS_BIND); without --cpu-threads, one thread per core",
     )
     p.add_argument(
         "--redis-url",
@@ -140,11 +165,28 @@ def main(argv: list[str] | None = None) -> int:
     tp_error = _tensor_parallel_error(args)
     if tp_error is not None:
         parser.error(tp_error)
+    cores = None
+    if args.cpu_cores is not None:
+        try:
+            cores = parse_cpu_list(args.cpu_cores)
+        except ValueError as e:
+            parser.error(f"--cpu-cores: {e}")
+        allowed = os.sched_getaffinity(0)
+        if not cores <= allowed:
+            parser.error(
+                f"--cpu-cores: {format_cpu_list(cores - allowed)} not available to this process "
+                f"(it may use {format_cpu_list(allowed)})"
+            )
+        # Every thread there is now (the calling one alone sets only itself), and every thread
+        # started later (torch's, gRPC's, the tensor-parallel workers') inherits the set.
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), cores)
     configure_logging(args.log_level)
-    if args.cpu_threads:
+    threads = args.cpu_threads or (len(cores) if cores else None)
+    if threads:
         import torch
 
-        torch.set_num_threads(args.cpu_threads)
+        torch.set_num_threads(threads)
     server = ExecutorServer(
         args.model,
         args.host,

@@ -335,7 +335,81 @@ def test_reset_drops_state(served: Served, driver: ExecutorDriver) -> None:
     assert driver.stub.Reset(pb.ResetRequest()).num_dropped == 0
 
 
+# ------------------------------------------------------------------ steps sent ahead
+
+
+def test_a_step_sent_ahead_runs_right_after_its_predecessor(
+    served: Served, driver: ExecutorDriver
+) -> None:
+    """after_step_id: a step that arrives first still waits for the one it follows, and then
+    decodes from the token that one sampled (the scheduler never sent it)."""
+    driver.add("p1", PROMPTS["p1"])
+    driver.step()  # the prompt; the executor holds p1 and its first token
+    first, num_scheduled = driver.build_request()  # p1's next decode
+    seq = driver.seqs["p1"]
+    nc = seq.num_computed_tokens + 1  # once `first` ran
+    ahead = pb.ExecuteModelRequest(step_id=first.step_id + 1, after_step_id=first.step_id)
+    room = len(seq.block_table) * BLOCK_SIZE
+    if nc < room:
+        ahead.decode_seq_ids.append("p1")
+        ahead.decode_num_computed_tokens.append(nc)
+    else:
+        new_block = driver._alloc(driver.free_device, 1)
+        ahead.cached_sequences.add(
+            seq_id="p1", new_block_ids=new_block, num_scheduled_tokens=1, num_computed_tokens=nc
+        )
+    later = driver.stub.ExecuteModel.future(ahead, timeout=60)
+    time.sleep(0.3)
+    assert not later.done(), "ran before the step it follows"
+    resp = driver.stub.ExecuteModel(first)
+    driver.commit(resp, num_scheduled)
+    second = later.result()
+    tokens = [*second.decode_token_ids, *(s.token_id for s in second.sampled)]
+    assert driver.seqs["p1"].output_token_ids + tokens == served.hf_greedy("p1")[:3]
+
+    # A step following one that failed (here: an unknown sequence) is refused, not run.
+    bad = pb.ExecuteModelRequest(
+        step_id=100, decode_seq_ids=["nope"], decode_num_computed_tokens=[3]
+    )
+    follow = pb.ExecuteModelRequest(step_id=101, after_step_id=100)
+    follow_call = driver.stub.ExecuteModel.future(follow, timeout=60)
+    with pytest.raises(grpc.RpcError) as err:
+        driver.stub.ExecuteModel(bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        follow_call.result()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "step 100, which this step follows, failed" in err.value.details()
+
+    # One waiting for a step that never comes gives up at a Reset.
+    orphan = driver.stub.ExecuteModel.future(
+        pb.ExecuteModelRequest(step_id=201, after_step_id=200), timeout=60
+    )
+    time.sleep(0.2)
+    driver.stub.Reset(pb.ResetRequest())
+    with pytest.raises(grpc.RpcError) as err:
+        orphan.result()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "reset" in err.value.details()
+
+
 # ------------------------------------------------------------------ CLI
+
+
+def test_cli_cpu_cores_pins_every_thread(tmp_path: Path) -> None:
+    model_dir = make_tiny_checkpoint(tmp_path / "pinned", "llama")
+    args = ["--device", "cpu", "--num-device-blocks", "16", "--swap-space", "0.001"]
+    with (
+        executor_subprocess(model_dir, tmp_path, *args, "--cpu-cores", "0") as (proc, port),
+        executor_channel(port) as stub,
+    ):
+        driver = ExecutorDriver(stub, stub.Describe(pb.DescribeRequest()))
+        assert len(driver.generate([[5, 6, 7]], 2)["seq-0"]) == 2
+        tasks = list(Path(f"/proc/{proc.pid}/task").iterdir())
+        assert len(tasks) > 1  # gRPC's threads too
+        for task in tasks:
+            status = (task / "status").read_text()
+            assert "Cpus_allowed_list:\t0\n" in status, task
 
 
 def test_cli_subprocess_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
