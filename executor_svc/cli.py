@@ -171,16 +171,20 @@ def main(argv: list[str] | None = None) -> int:
             cores = parse_cpu_list(args.cpu_cores)
         except ValueError as e:
             parser.error(f"--cpu-cores: {e}")
-        allowed = os.sched_getaffinity(0)
-        if not cores <= allowed:
+        online = set(range(os.cpu_count() or 1))
+        if not cores <= online:
             parser.error(
-                f"--cpu-cores: {format_cpu_list(cores - allowed)} not available to this process "
-                f"(it may use {format_cpu_list(allowed)})"
+                f"--cpu-cores: {format_cpu_list(cores - online)} not available to this process "
+                f"(this machine has {format_cpu_list(online)})"
             )
-        # Every thread there is now (the calling one alone sets only itself), and every thread
-        # started later (torch's, gRPC's, the tensor-parallel workers') inherits the set.
-        for tid in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(tid), cores)
+        try:
+            # Every thread there is now (the calling one alone sets only itself), and every
+            # thread started later (torch's, gRPC's, the tensor-parallel workers') inherits
+            # the set. It may leave the set this process was started with (taskset).
+            for tid in os.listdir("/proc/self/task"):
+                os.sched_setaffinity(int(tid), cores)
+        except OSError as e:  # a container's cpuset without those cores
+            parser.error(f"--cpu-cores: cannot run on {format_cpu_list(cores)}: {e}")
     configure_logging(args.log_level)
     threads = args.cpu_threads or (len(cores) if cores else None)
     if threads:
