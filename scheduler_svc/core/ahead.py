@@ -8,7 +8,8 @@ between steps (outputs, stop checks, detokenizing, Redis, the next plan, the rou
 while the executor computes instead of in between.
 
 It is planned only when it is certain: every running request is one sequence that the step in
-flight samples, nothing waits or is swapped out, and the blocks the next tokens need are free.
+flight samples, nothing is swapped out, nothing waits unless every sequence slot
+(max_num_seqs) stays taken, and the blocks the next tokens need are free.
 Anything else (new requests, prefill chunks, preemption, n > 1) goes through schedule() once the
 step in flight is back. A sequence that the step in flight ends by length is left out; one that
 a stop token or string ends computes one token too many, which update_from_output() drops (it
@@ -32,10 +33,12 @@ def plan_ahead(
     bm: BlockManager,
     max_model_len: int,
     step_id: int,
+    min_seqs: int = 0,
 ) -> SchedulerOutput | None:
     """The step after `in_flight` (whose result is not applied yet), or None when it is not
-    certain. Sequence state is still as before `in_flight`: each sampling sequence has
-    computed all but its last token, and `in_flight` computes that one."""
+    certain or would run fewer than `min_seqs` sequences (with requests waiting: a slot that
+    frees is schedule()'s to fill). Sequence state is still as before `in_flight`: each
+    sampling sequence has computed all but its last token, and `in_flight` computes that one."""
     sampling: set[str] = set()
     for seq, num in in_flight.scheduled:
         if seq.status != _RUNNING:
@@ -68,7 +71,7 @@ def plan_ahead(
             need += 1
         else:
             return None  # a block nobody vouched for yet: let schedule() check it
-    if not entries or need > bm.num_free_blocks:
+    if not entries or len(entries) < min_seqs or need > bm.num_free_blocks:
         return None
     out = SchedulerOutput(step_id)
     for req, seq, grows in entries:

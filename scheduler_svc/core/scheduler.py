@@ -94,7 +94,7 @@ class Scheduler(SchedulerState):
         The executor must run it right after the step in flight; both results go to
         update_from_output() in order.
         """
-        if len(self._in_flight) != 1 or len(self._waiting) or len(self._swapped):
+        if len(self._in_flight) != 1 or len(self._swapped):
             return None
         out = plan_ahead(
             self._in_flight[0],
@@ -102,6 +102,8 @@ class Scheduler(SchedulerState):
             self.block_manager,
             self.config.max_model_len,
             self._step_id + 1,
+            # Waiting requests could only be admitted into a free sequence slot.
+            self.config.max_num_seqs if len(self._waiting) else 0,
         )
         if out is None:
             return None

@@ -18,7 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protos import scheduler_pb2 as pb
 from scheduler_svc.local.redis_server import RedisServer
-from tests.support.api_helpers import Collected, collect, gen_request, run_in_threads, stub_for
+from tests.support.api_helpers import (
+    Collected,
+    collect,
+    gen_request,
+    run_in_threads,
+    stub_for,
+    wait_until_idle,
+)
 from tests.support.stack import make_stack
 
 PROMPTS = [[5 + 7 * i + j for j in range(3 + 5 * i)] for i in range(6)]
@@ -146,10 +153,5 @@ def test_an_abort_gets_in_between_planned_ahead_steps(stacks):
     assert time.monotonic() - t0 < 5.0
     assert got.finish[0] == pb.FINISH_REASON_ABORT
     assert len(got.tokens[0]) < 480
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        info = stub.GetServerInfo(pb.GetServerInfoRequest())
-        if info.kv_cache_usage == 0.0 and info.num_running == 0:
-            break
-        time.sleep(0.05)
+    info = wait_until_idle(stub)
     assert info.kv_cache_usage == 0.0 and info.num_running == 0

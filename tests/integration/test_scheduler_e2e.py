@@ -20,6 +20,7 @@ from tests.support.api_helpers import (
     hf_greedy,
     run_in_threads,
     stub_for,
+    wait_until_idle,
 )
 from tests.support.stack import make_stack
 
@@ -117,13 +118,7 @@ def test_abort_mid_stream_returns_blocks(llmserve_stack, api):
     collect(stream, got)
     assert got.finish[0] == pb.FINISH_REASON_ABORT
     assert len(got.tokens[0]) < 400
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        info = api.GetServerInfo(pb.GetServerInfoRequest())
-        if info.kv_cache_usage == 0.0 and info.num_running == 0:
-            break
-        time.sleep(0.05)
-    assert info.kv_cache_usage == 0.0
+    assert wait_until_idle(api).kv_cache_usage == 0.0
     state = api.GetRequest(pb.GetRequestRequest(request_id="to-abort"))
     assert state.status == pb.REQUEST_STATUS_FINISHED
     assert state.sequences[0].finish_reason == pb.FINISH_REASON_ABORT

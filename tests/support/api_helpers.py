@@ -152,3 +152,14 @@ def stream_in_threads(
             raise TimeoutError("the streams did not start")
         time.sleep(0.01)
     return results, threads
+
+
+def wait_until_idle(stub: pb_grpc.SchedulerStub, timeout: float = 10.0) -> pb.GetServerInfoResponse:
+    """GetServerInfo once nothing runs and every KV block is free (or the last one at the
+    timeout: the caller asserts on it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = stub.GetServerInfo(pb.GetServerInfoRequest())
+        if (info.kv_cache_usage == 0.0 and info.num_running == 0) or time.monotonic() > deadline:
+            return info
+        time.sleep(0.05)
