@@ -392,6 +392,19 @@ def test_a_step_sent_ahead_runs_right_after_its_predecessor(
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "reset" in err.value.details()
 
+    # Callers that give up while waiting free the executor's threads at once (more of them
+    # than it has threads: were they still held, Describe would get none).
+    orphans = [
+        driver.stub.ExecuteModel.future(
+            pb.ExecuteModelRequest(step_id=401 + i, after_step_id=400 + i), timeout=60
+        )
+        for i in range(12)
+    ]
+    time.sleep(0.3)
+    for call in orphans:
+        call.cancel()
+    assert driver.stub.Describe(pb.DescribeRequest(), timeout=10).block_size == BLOCK_SIZE
+
 
 # ------------------------------------------------------------------ CLI
 
