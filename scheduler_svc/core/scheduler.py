@@ -475,37 +475,6 @@ class Scheduler(SchedulerState):
         out.preempted_req_ids.append(req.req_id)
         self.num_preemptions += 1
 
-    def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, int]
-    ) -> list[Sequence]:
-        """Apply a step's results: advance computed counts, append sampled tokens.
-
-        Returns the sequences that got a token, in batch order. Sequences that ended while the
-        step was in flight are skipped; an output discarded by reset_executor() is ignored.
-        """
-        if not self._in_flight or output is not self._in_flight[0]:
-            return []
-        del self._in_flight[0]
-        bm = self.block_manager
-        caching = bm.enable_prefix_caching
-        bs = bm.block_size
-        got = []
-        for seq, num in output.scheduled:
-            if seq.status != _RUNNING:
-                continue
-            nc = seq.num_computed_tokens + num
-            seq.num_computed_tokens = nc
-            tokens = seq.token_ids
-            if nc == len(tokens):
-                token = sampled.get(seq.seq_id)
-                if token is None:
-                    raise ValueError(f"the executor returned no token for {seq.seq_id!r}")
-                tokens.append(token)
-                got.append(seq)
-            if caching and nc // bs > seq.num_cached_blocks:
-                bm.cache_full_blocks(seq)
-        return got
-
 
 def _sort_key(req: Request) -> tuple:
     return req.sort_key

@@ -1,5 +1,6 @@
 """What one executor's scheduler holds between steps: its requests and queues, how requests
-enter and end, and what can be read about them. The policy that plans a step is
+enter and end, how a step's result changes them (update_from_output), and what can be read
+about them. The policy that plans a step is
 `scheduler.Scheduler`, built on this."""
 
 from __future__ import annotations
@@ -130,6 +131,37 @@ class SchedulerState:
         self._swapped.remove(req.req_id)
         del self._requests[req.req_id]
         self._finished.append(req)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[Sequence]:
+        """Apply a step's results: advance computed counts, append sampled tokens.
+
+        Returns the sequences that got a token, in batch order. Sequences that ended while the
+        step was in flight are skipped; an output discarded by reset_executor() is ignored.
+        """
+        if not self._in_flight or output is not self._in_flight[0]:
+            return []
+        del self._in_flight[0]
+        bm = self.block_manager
+        caching = bm.enable_prefix_caching
+        bs = bm.block_size
+        got = []
+        for seq, num in output.scheduled:
+            if seq.status != _RUNNING:
+                continue
+            nc = seq.num_computed_tokens + num
+            seq.num_computed_tokens = nc
+            tokens = seq.token_ids
+            if nc == len(tokens):
+                token = sampled.get(seq.seq_id)
+                if token is None:
+                    raise ValueError(f"the executor returned no token for {seq.seq_id!r}")
+                tokens.append(token)
+                got.append(seq)
+            if caching and nc // bs > seq.num_cached_blocks:
+                bm.cache_full_blocks(seq)
+        return got
 
     def take_finished_requests(self) -> list[Request]:
         """Requests ended since the last call (by the scheduler itself, abort, or finish)."""

@@ -25,7 +25,7 @@ from protos import executor_pb2 as epb
 from scheduler_svc import failpoints
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler_output import SchedulerOutput
-from scheduler_svc.engine import recovery, requests
+from scheduler_svc.engine import faults, recovery, requests
 from scheduler_svc.engine.config import EngineConfig, GenerateInput, ServerInfo
 from scheduler_svc.engine.executors import ExecutorHandle, ExecutorPool
 from scheduler_svc.engine.health import HealthMonitor
@@ -243,7 +243,7 @@ class Engine:
         while not self._stopping and not ex.retired:
             if not ex.healthy:
                 self.persister.kick()
-                await self._reconnect(ex)
+                await faults.reconnect(self, ex)
                 continue
             if self.persister.over_backlog:
                 await self.persister.wait_below_backlog()
@@ -294,7 +294,7 @@ class Engine:
                     resp = await sent.call
                 except grpc.aio.AioRpcError as e:
                     self.persister.kick()
-                    self._step_failed(ex, e)
+                    faults.step_failed(self, ex, e)
                     return False
                 del in_flight[0]
                 done = time.perf_counter()
@@ -310,13 +310,13 @@ class Engine:
                 record = EngineStep()
                 ex.num_crashed_steps = 0
                 if resp.draining:
-                    self._draining(ex)
+                    faults.draining(self, ex)
         except Exception as e:
-            self._step_crashed(ex, out, record, e)
+            faults.step_crashed(self, ex, out, record, e)
             try:
                 await ex.stub.Reset(epb.ResetRequest(leader_epoch=self.pool.epoch), timeout=5)
             except grpc.aio.AioRpcError as reset_error:
-                self._step_failed(ex, reset_error)
+                faults.step_failed(self, ex, reset_error)
         finally:
             for sent in in_flight:  # after a failure: its results are not wanted any more
                 sent.call.cancel()
@@ -345,37 +345,6 @@ class Engine:
             and ex.num_lock_waiters == 0
             and not self.persister.over_backlog
         )
-
-    def _step_crashed(
-        self, ex: ExecutorHandle, out: SchedulerOutput | None, record: EngineStep, error: Exception
-    ) -> None:
-        """A step raised inside the scheduler (a bug): log it once, keep serving.
-
-        The requests of the step end with an error finish: what the step did to their state is
-        unknown, and one of them may be what triggers the bug. What the step had already
-        recorded is still written, so clients and Redis agree on every token. Every other
-        request of the executor is recomputed on a fresh scheduler core, whose state is known.
-        A step that cannot even be planned fails nobody, unless it fails three times in a row.
-        """
-        ex.num_crashed_steps += 1
-        log.error(
-            "engine.step_crashed",
-            address=ex.address,
-            error=repr(error),
-            num_crashed_steps=ex.num_crashed_steps,
-            exc_info=error,
-        )
-        give_up = out is None and ex.num_crashed_steps >= 3
-        in_step = {seq.req_id for seq, _ in out.scheduled} if out is not None else set()
-        for handle in list(self.requests.values()):
-            if handle.executor is not ex or handle.finished_in_engine:
-                continue
-            if give_up or handle.req_id in in_step:
-                self.fail_request(
-                    handle, record, "internal error in the scheduler while running this request"
-                )
-        self.persister.submit(record.to_record())
-        recovery.rebuild_core(self, ex)
 
     def _process_step(
         self,
@@ -436,64 +405,11 @@ class Engine:
         record.after.append(lambda: self.requests.pop(handle.req_id, None))
         log.info("request.finished", req_id=handle.req_id, reasons=handle.finish_reasons())
 
-    # ---------------------------------------------------------------- executor faults
-
-    def _step_failed(self, ex: ExecutorHandle, e: grpc.aio.AioRpcError) -> None:
-        if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "leadership epoch" in (
-            e.details() or ""
-        ):
-            self.leadership_lost(f"executor {ex.address} refused the step: {e.details()}")
-            return
-        ex.consecutive_failures += 1
-        log.error(
-            "executor.step_failed", address=ex.address, code=e.code().name, details=e.details()
-        )
-        self.pool.mark_failed(ex)
-        self.health.update()
-
-    def _draining(self, ex: ExecutorHandle) -> None:
-        """`ex` said it is shutting down gracefully: nothing new for it, and what it has not
-        started (also a request it preempts) goes elsewhere."""
-        if not ex.draining:
-            log.info("executor.draining", address=ex.address, running=ex.sched.num_running)
-            ex.draining = True
-        if ex.sched.num_waiting:
-            recovery.move_waiting(self, ex)
+    # ---------------------------------------------------------------- executor faults (faults.py)
 
     async def executor_lost(self, ex: ExecutorHandle, reason: str) -> None:
         """`ex` stopped answering or restarted while idle: reconnect it (and recompute)."""
-        async with ex.exclusive():
-            if not ex.healthy:
-                return
-            log.warning("executor.lost", address=ex.address, reason=reason)
-            self.pool.mark_failed(ex)
-        self.health.update()
-
-    async def _reconnect(self, ex: ExecutorHandle) -> None:
-        """One attempt to bring `ex` back; past the fail-over time, its requests move."""
-        reshaped = await self.pool.reconnect(ex)
-        if reshaped is None:  # still unreachable
-            if self.pool.failover_due(ex):
-                recovery.fail_over(self, ex)
-            return
-        if reshaped:
-            # Back with another cache shape: the old core's block ids may not even exist
-            # there. A fresh core sized for it; the requests are recomputed.
-            async with ex.lock:
-                recovery.rebuild_core(self, ex)
-        ex.healthy = True
-        self.health.update()
-        ex.wake.set()
-        if ex.consecutive_failures >= 3:
-            # The same step keeps failing: fail what is running rather than loop forever.
-            record = EngineStep()
-            for req_id in list(ex.sched.running_request_ids()):
-                handle = self.requests.get(req_id)
-                if handle is not None and not handle.finished_in_engine:
-                    ex.sched.abort_request(req_id)
-                    self.fail_request(handle, record, "executor rejected the request repeatedly")
-            self.persister.submit(record.to_record())
-            ex.consecutive_failures = 0
+        await faults.executor_lost(self, ex, reason)
 
 
 @dataclass(slots=True)
