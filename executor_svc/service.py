@@ -258,24 +258,20 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     def _wait_for_step(self, step_id: int, context: grpc.ServicerContext) -> None:
         """Block until step `step_id` has ended; raise unless it succeeded (and no Reset came
         in between): a step planned to follow it would act on a state that does not exist."""
-        remaining = context.time_remaining() if context is not None else None
-
-        def active() -> bool:
-            return context is None or context.is_active()
 
         def wake() -> None:
             with self._order:
                 self._order.notify_all()
 
-        if context is not None:
-            context.add_callback(wake)  # a caller that gives up (cancel, deadline) frees us
+        context.add_callback(wake)  # a caller that gives up (cancel, deadline) frees us
+        active = context.is_active
         with self._order:
             generation = self._generation
             arrived = self._order.wait_for(
                 lambda: (
                     self._last_step[0] == step_id or self._generation != generation or not active()
                 ),
-                timeout=remaining,
+                timeout=context.time_remaining(),
             )
             if not active():
                 raise _OutOfOrder(f"the caller went away while step {step_id} was awaited")

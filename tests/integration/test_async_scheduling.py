@@ -11,10 +11,8 @@ steps ahead (its Prometheus counter says how many).
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from protos import scheduler_pb2 as pb
 from scheduler_svc.local.redis_server import RedisServer
@@ -26,28 +24,14 @@ from tests.support.api_helpers import (
     stub_for,
     wait_until_idle,
 )
+from tests.support.prom import free_port, scrape, total
 from tests.support.stack import make_stack
 
 PROMPTS = [[5 + 7 * i + j for j in range(3 + 5 * i)] for i in range(6)]
 
 
 def _planned_ahead(port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "llmserve:executor_steps_planned_ahead_total"
-    )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return total(scrape(port), "llmserve:executor_steps_planned_ahead_total")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +44,7 @@ def stacks(tmp_path_factory):
             redis = RedisServer(data_dir=tmp / "redis")
             redis.start()
             cleanup.append(redis.close)
-            port = _free_port()
+            port = free_port()
             stack = make_stack(tmp, redis, scheduler_args=["--metrics-port", str(port), *extra])
             cleanup.append(stack.stop)
             channel, stub = stub_for(stack.address)

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from client import LLMClient, SamplingParams
 from scheduler_svc.local.redis_server import RedisServer
+from tests.support.prom import free_port, scrape, total
 from tests.support.stack import make_stack
 
 VLLM_NAMES = [
@@ -38,28 +37,6 @@ VLLM_NAMES = [
     "llmserve:request_generation_tokens",
     "llmserve:iteration_tokens_total",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int) -> dict[str, dict[tuple, float]]:
-    """{sample name: {sorted label items: value}} of one scrape."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
-
-
-def total(samples: dict[str, dict[tuple, float]], name: str, **labels: str) -> float:
-    want = set(labels.items())
-    return sum(v for k, v in samples.get(name, {}).items() if want <= set(k))
 
 
 @pytest.fixture(scope="module")
