@@ -39,9 +39,14 @@ log = structlog.get_logger(__name__)
 # ops) in one .so; the cache key covers the headers they include too.
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(CSRC.glob("*.cpp"))
-# fast-math: vectorised exp (glibc's libmvec) and reassociated sums; the kernel keeps every
-# value finite (its running max starts at -1e30, not -inf), which fast-math assumes.
-FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# fast-math: the kernels keep every value finite (a running max starts at -1e30, not -inf), which
+# fast-math assumes. But not reassociation: the order of every sum is written out in the source
+# (vector lanes, then a fixed tree), the same for every row whatever the step looks like, and the
+# compiler must not regroup it differently in different inlined copies (step invariance, see
+# executor_svc/numerics.py).
+FLAGS = [
+    "-O3", "-ffast-math", "-fno-associative-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+]  # fmt: skip
 # A library built ahead of time (no compiler where it runs) targets this level, and is only
 # loaded on a CPU with these features.
 PORTABLE_MARCH = "-march=x86-64-v3"

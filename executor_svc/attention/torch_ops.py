@@ -5,7 +5,9 @@ per layer; ``slot = block_id * block_size + offset``. A batch is flattened: sequ
 query rows ``query_start_loc[i] : query_start_loc[i + 1]`` and those rows are the *last* ``q_len``
 positions of its ``seq_lens[i]`` tokens, whose K/V are already in the cache.
 
-``paged_attention`` is vectorised: decode rows (one query token) of all sequences are handled by
+With step-invariant numerics on (``executor_svc.numerics``, the default) ``paged_attention``
+and ``attend`` go to ``torch_invariant``: every row computed the same way whatever its
+co-runners. Off, ``paged_attention`` is vectorised: decode rows (one query token) of all sequences are handled by
 one gather + one ``scaled_dot_product_attention``, and the remaining (prefill / chunked-prefill) sequences by one
 padded gather + one masked ``scaled_dot_product_attention``. ``paged_attention_naive`` is the
 obviously-correct per-sequence, per-token loop used by tests.
@@ -18,6 +20,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from executor_svc import numerics
+from executor_svc.attention import torch_invariant
 
 if TYPE_CHECKING:
     from executor_svc.attention import AttentionMetadata
@@ -244,6 +249,10 @@ def paged_attention(
     assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
     if num_tokens == 0:
         return torch.empty_like(query)
+    if numerics.deterministic():
+        return torch_invariant.paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
+        )
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     is_decode = q_lens == 1
     if bool(is_decode.all()):
@@ -300,7 +309,7 @@ def attend(
     if has_skips is None:
         has_skips = scratch["torch.has_skips"] = bool((md.slot_mapping < 0).any())
     _write_kv(key, value, key_cache, value_cache, md.slot_mapping, has_skips)
-    if md.max_query_len != 1:
+    if md.max_query_len != 1 or numerics.deterministic():
         return paged_attention(
             query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale
         )

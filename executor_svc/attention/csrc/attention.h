@@ -8,7 +8,12 @@
 namespace llmserve {
 
 constexpr int TILE = 16;          // query tokens per work item
-constexpr int TRANSPOSE_ROWS = 8; // rows per KV head from which transposing a K block pays off
+// Keys per softmax chunk of the vectorised path. Chunks start at multiples of it, whatever the
+// step looks like: the chunking (and so the rounding) of a row's softmax is fixed by its position.
+constexpr int CHUNK_KEYS = 128;
+// An item of a prefill tile takes one KV head when all heads would give it more rows than this
+// (its score scratch is rows x CHUNK_KEYS floats).
+constexpr int MAX_ITEM_ROWS = 128;
 
 struct Item {
   int seq, t0, t1;  // query tokens [t0, t1) of the batch

@@ -12,13 +12,16 @@
 namespace llmserve {
 namespace {
 
-// // An item's rows are grouped by KV head (r = head * rows_per_head + t * G + j), so the rows of
-// a head share each K and V block. Keys are taken in chunks of up to 32 blocks: the scores of
-// every row for the whole chunk first, then one softmax step per row over the chunk (vector
-// max, exp and sum; the accumulator rescaled once per chunk, not per block), then the weighted
-// sum of V. A decode's chunk is usually its whole context, i.e. a plain two-pass softmax.
-
-constexpr int SCORE_FLOATS = 1 << 16;  // score scratch per item (rows x chunk keys): 256 KB
+// An item's rows are grouped by KV head (r = head * rows_per_head + t * G + j), so the rows of
+// a head share each K and V block. Keys are taken in chunks of CHUNK_KEYS: the scores of every
+// row for the whole chunk first, then one softmax step per row over the chunk (vector max, exp
+// and sum; the accumulator rescaled once per chunk, not per block), then the weighted sum of V.
+//
+// Step invariance (docs/internals.md): a row's result depends only on its query, its position
+// and the cache, never on the other rows of its step. So every row takes the same arithmetic in
+// the same order: one score formula (scores_dot) whatever the number of rows, chunks that start
+// at fixed key multiples (not sized by the rows' scratch), keys past a row's position weighted
+// by an exact 0, and shared-prefix groups that end on a chunk boundary.
 
 // Scores of n <= 16 keys for few rows (decodes): one dot product per (row, key), the 16 keys'
 // partial sums reduced together. s has row stride ss.
@@ -47,26 +50,6 @@ void scores_dot(const float* q, int rows, const float* kb, int64_t ts, int n, fl
       s[u] = hsum(acc);
     }
   }
-}
-
-// Scores of RB rows against a transposed block kt [16 * DV][16]: one broadcast multiply-add
-// per (row, dim) over the 16 keys.
-template <int DV, int RB>
-void scores_t(const float* q, int rows, const float* kt, float* s, int ss) {
-  int i = 0;
-  for (; i + RB <= rows; i += RB) {
-    v16 acc[RB];
-    for (int r = 0; r < RB; ++r) acc[r] = v16{};
-    const float* qi = q + (size_t)i * 16 * DV;
-    for (int d = 0; d < 16 * DV; ++d) {
-      const v16 k = load16(kt + 16 * d);
-      for (int r = 0; r < RB; ++r) acc[r] += qi[r * 16 * DV + d] * k;
-    }
-    for (int r = 0; r < RB; ++r) store16(s + (size_t)(i + r) * ss, acc[r]);
-  }
-  if constexpr (RB > 1)
-    if (i < rows)
-      scores_t<DV, RB - 1>(q + (size_t)i * 16 * DV, rows - i, kt, s + (size_t)i * ss, ss);
 }
 
 // acc[r] += sum over keys j < n of s[r][j] * V[j], RB rows at a time with their accumulators
@@ -118,12 +101,19 @@ inline float chunk_softmax(float* s, int n, int nk, float& m, float& l) {
     store16(s + j, e);
     sum += e;
   }
-  float tail = 0.0f;
-  for (int j = n16; j < n; ++j) tail += (s[j] = std::exp(s[j] - mx));
+  if (n16 < n) {  // the tail through one padded vector, the same exp as the full vectors
+    v16 t = v16{} - 1e30f;
+    for (int u = 0; u < n - n16; ++u) t[u] = s[n16 + u];
+    const v16 e = exp16(t - mx);
+    for (int u = 0; u < n - n16; ++u) {
+      s[n16 + u] = e[u];
+      sum[u] += e[u];
+    }
+  }
   for (int j = n; j < nk; ++j) s[j] = 0.0f;
-  const float corr = std::exp(m - mx);
+  const float corr = exp16(v16{} + (m - mx))[0];
   m = mx;
-  l = l * corr + hsum(sum) + tail;
+  l = l * corr + hsum(sum);
   return corr;
 }
 
@@ -139,22 +129,26 @@ struct Rows {
   float* m; float* l; float* acc;
 };
 
+// Blocks per chunk: CHUNK_KEYS keys (a whole number of blocks, at least one). Fixed per block
+// size, so a chunk boundary is the same key for a decode, a prefill and a group.
+inline int chunk_blocks(int BS) { return std::max(1, CHUNK_KEYS / BS); }
+
 template <int DV>
 void attend_rows(const Args& a, const Rows& w, std::vector<float>& buf) {
   constexpr int D = 16 * DV;
-  constexpr int RB_S = 8, RB_V = 16 / DV > 8 ? 8 : 16 / DV;
+  constexpr int RB_V = 16 / DV > 8 ? 8 : 16 / DV;
   const int BS = a.BS, rows = w.heads * w.per_head;
   if (w.b0 >= w.b1 || rows == 0) return;
-  const int chunk = std::max(1, std::min(32, SCORE_FLOATS / (rows * BS)));  // blocks
+  const int chunk = chunk_blocks(BS);
   const int ss = chunk * BS + 16;  // score row stride: a block of < 16 keys still stores 16
   const int64_t ts = (int64_t)a.KVH * D;
-  buf.resize((size_t)rows * ss + (size_t)D * 16);
+  buf.resize((size_t)rows * ss);
   float* sc = buf.data();
-  float* kt = sc + (size_t)rows * ss;
-  const bool transpose = w.per_head >= TRANSPOSE_ROWS;
   const int64_t head0 = (int64_t)w.g0 * D;
-  for (int c0 = w.b0; c0 < w.b1; c0 += chunk) {
-    const int c1 = std::min(w.b1, c0 + chunk), key0 = c0 * BS;
+  // Chunks start at multiples of `chunk` blocks counted from block 0, whatever b0 is (a group's
+  // rows continue at b0 = a multiple of chunk, see find_groups).
+  for (int c0 = w.b0; c0 < w.b1; c0 = (c0 / chunk + 1) * chunk) {
+    const int c1 = std::min(w.b1, (c0 / chunk + 1) * chunk), key0 = c0 * BS;
     const int nk = std::min(c1 * BS, w.key_end) - key0;
     for (int b = c0; b < c1; ++b) {
       const int keys = std::min(BS, w.key_end - b * BS);
@@ -166,20 +160,9 @@ void attend_rows(const Args& a, const Rows& w, std::vector<float>& buf) {
       for (int hl = 0; hl < w.heads; ++hl)
         for (int k0 = 0; k0 < keys; k0 += 16) {  // 16 keys at a time (block_size may be 32)
           const int n = std::min(16, keys - k0);
-          const float* kk = kb + hl * D + k0 * ts;
-          const float* q = w.q + (size_t)hl * w.per_head * D;
-          float* s = sc + (size_t)hl * w.per_head * ss + (b - c0) * BS + k0;
-          if (!transpose) {
-            scores_dot<DV>(q, w.per_head, kk, ts, n, s, ss, kn + hl * D + k0 * ts);
-            continue;
-          }
-          for (int c = 0; c < DV; ++c) {
-            v16 tile[16];
-            for (int u = 0; u < 16; ++u) tile[u] = u < n ? load16(kk + u * ts + 16 * c) : v16{};
-            transpose16(tile);
-            for (int e = 0; e < 16; ++e) store16(kt + (16 * c + e) * 16, tile[e]);
-          }
-          scores_t<DV, RB_S>(q, w.per_head, kt, s, ss);
+          scores_dot<DV>(w.q + (size_t)hl * w.per_head * D, w.per_head, kb + hl * D + k0 * ts,
+                         ts, n, sc + (size_t)hl * w.per_head * ss + (b - c0) * BS + k0, ss,
+                         kn + hl * D + k0 * ts);
         }
     }
     for (int r = 0; r < rows; ++r) {
@@ -263,7 +246,7 @@ void run_item_vec(const Args& a, const Item& it, ItemScratch& sc, const Shared& 
 
 // A group: sequences whose block tables start with the same `blocks` blocks, all of whose query
 // rows see all of them. Its rows for one KV head, tiled, attend to those blocks once for the
-// whole group (many rows: the transposed-K path), and each sequence's own items then start
+// whole group, and each sequence's own items then start
 // after them from the saved state: a shared system prompt is read once per tile, not once per
 // sequence, and its scores are computed at the many-row rate.
 struct Group {
@@ -294,6 +277,10 @@ std::vector<Group> find_groups(const Args& a, int num_seqs) {
       g.seqs.push_back(j);
       g.blocks = std::min(g.blocks, k);
     }
+    // The shared part ends on a chunk boundary, so each member continues with the chunks it
+    // would have taken alone.
+    const int chunk = chunk_blocks(a.BS);
+    g.blocks -= g.blocks % chunk;
     if (g.seqs.size() < 2 || g.blocks < MIN_SHARED_BLOCKS) continue;
     for (int s : g.seqs) used[s] = 1;
     groups.push_back(std::move(g));

@@ -11,13 +11,16 @@
 // Work is split into items (sequence, tile of up to TILE query tokens, its KV heads); an item
 // keeps the softmax state (running max m, sum l, accumulator acc) of its rows = tokens x query
 // heads and walks the sequence's blocks, so each K/V block is read once per item.
-// head_dim = 16 * DV (32 ... 128): attention_vec.cpp. Keys in chunks of up to 32 blocks: first the
-// scores of all rows for the chunk (few rows, i.e. decodes: a dot product per (row, key), 16 keys
-// reduced together; many rows: the block's keys transposed to [head_dim][16] and one broadcast
-// multiply-add per (row, dim)), then one softmax step per row over the chunk, then the weighted
-// sum of V with the rows of a KV head sharing each V load. Reading a block prefetches the next,
-// a head slice per key, spread over the work. Any other head_dim: run_item, plain loops with an
-// online softmax per block.
+// head_dim = 16 * DV (32 ... 128): attention_vec.cpp. Keys in chunks of CHUNK_KEYS that start at
+// fixed key multiples: first the scores of all the item's rows for the chunk (a dot product per
+// (row, key), 16 keys reduced together), then one softmax step per row over the chunk, then the
+// weighted sum of V with the rows of a KV head sharing each V load. Reading a block prefetches
+// the next, a head slice per key, spread over the work. Any other head_dim: run_item, plain
+// loops with an online softmax per block.
+//
+// Every row is computed the same way whatever else is in the step (how many rows its item has,
+// which tile or item it lands in, decode or prefill, shared-prefix group or not, thread count):
+// the step-invariance guarantee of docs/internals.md rests on it.
 
 #include <algorithm>
 #include <cmath>
@@ -207,7 +210,7 @@ extern "C" int llmserve_paged_attention_f32(
     // Later tiles of a prefill see more keys: put them first so the long items start early.
     for (int t1 = e; t1 > s; t1 -= TILE) {
       const int t0 = std::max(s, t1 - TILE);
-      if (split_heads)
+      if (split_heads || (t1 - t0) * num_heads > MAX_ITEM_ROWS)
         for (int g = 0; g < num_kv_heads; ++g) items.push_back({i, t0, t1, g, g + 1});
       else
         items.push_back({i, t0, t1, 0, num_kv_heads});
