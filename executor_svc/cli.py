@@ -12,6 +12,7 @@ from pathlib import Path
 
 import structlog
 
+from executor_svc import numerics
 from executor_svc.server import ExecutorServer
 
 log = structlog.get_logger(__name__)
@@ -70,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="split the model over N ranks: this process and N-1 workers it starts (gloo on "
         "the CPU, NCCL on CUDA with one device per rank); N must divide the attention heads",
+    )
+    p.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="step-invariant numerics (default on; env LLMSERVE_DETERMINISTIC): a sequence's "
+        "logits, and so its greedy or seeded output, are bitwise the same however its tokens "
+        "were batched, chunked, preempted or recovered. --no-deterministic lets the CPU matmuls "
+        "pick oneDNN's kernels by shape (see README, 'Exact outputs')",
     )
     p.add_argument(
         "--cpu-threads",
@@ -186,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:  # a container's cpuset without those cores
             parser.error(f"--cpu-cores: cannot run on {format_cpu_list(cores)}: {e}")
     configure_logging(args.log_level)
+    if args.deterministic is not None:
+        numerics.set_deterministic(args.deterministic)
+        # Tensor-parallel workers are processes of their own: they read the environment.
+        os.environ["LLMSERVE_DETERMINISTIC"] = "1" if args.deterministic else "0"
     threads = args.cpu_threads or (len(cores) if cores else None)
     if threads:
         import torch
@@ -228,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmserve-executor: could not load {args.model}: {e}", file=sys.stderr)
         server.stop(0)
         return 1
+    log_numerics()
     registration = None
     if args.redis_url:
         from executor_svc.registry import ExecutorRegistration
@@ -244,6 +259,23 @@ def main(argv: list[str] | None = None) -> int:
         if registration is not None:
             registration.stop()
     return 0
+
+
+def log_numerics() -> None:
+    """Say at start-up whether outputs are step-invariant here, and why not when they are not."""
+    from executor_svc.attention import cpu_ops
+
+    if not numerics.deterministic():
+        log.info("executor.numerics", deterministic=False, note="--no-deterministic")
+    elif not cpu_ops.available():
+        log.warning(
+            "executor.numerics",
+            deterministic=True,
+            step_invariant=False,
+            reason="no compiled CPU kernels (no C++ compiler): matmuls go to oneDNN/MKL",
+        )
+    else:
+        log.info("executor.numerics", deterministic=True, step_invariant=True)
 
 
 def _tensor_parallel_error(args: argparse.Namespace) -> str | None:

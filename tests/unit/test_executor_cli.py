@@ -28,3 +28,19 @@ def test_unusable_core_lists_are_refused_before_anything_starts(value, needle, c
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
     assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"), [(None, True), ("1", True), ("0", False), ("off", False)]
+)
+def test_step_invariant_numerics_default_on_and_env_turns_them_off(env, expected, monkeypatch):
+    from executor_svc import numerics
+
+    monkeypatch.setattr(numerics, "_enabled", None)  # read the environment again
+    if env is None:
+        monkeypatch.delenv("LLMSERVE_DETERMINISTIC", raising=False)
+    else:
+        monkeypatch.setenv("LLMSERVE_DETERMINISTIC", env)
+    assert numerics.deterministic() is expected
+    numerics.set_deterministic(not expected)
+    assert numerics.deterministic() is (not expected)
