@@ -23,6 +23,7 @@ import asyncio
 import random
 import re
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,11 +149,14 @@ def completion_args(i: int, model: str) -> dict:
     return args
 
 
-async def run_streams(
-    oai: openai.AsyncOpenAI, model: str, tag: str, progress: list[int]
-) -> list[Stream]:
+async def run_streams(base_url: str, model: str, tag: str, progress: list[int]) -> list[Stream]:
     """Every completion at once; `progress[i]` counts the characters stream i has received."""
     out = [Stream() for _ in range(NUM_STREAMS)]
+    # A client per run: connections a previous run left idle in the pool would race the
+    # frontend's keep-alive timeout (5 s) and fail before reaching it. The client's own retries
+    # stay on (its default): they only resend a request no response has begun for, under the
+    # same request id (idempotent), so a stream cut mid-way still fails the round.
+    oai = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=300)
 
     async def one(i: int) -> None:
         try:
@@ -166,11 +170,12 @@ async def run_streams(
                     progress[i] = len(out[i].text)
                     out[i].finish = choice.finish_reason or out[i].finish
         except Exception as e:  # recorded, then asserted on: one failed stream fails the round
-            out[i].error = repr(e)
+            out[i].error = f"{e!r} from {e.__cause__!r}"
 
-    await asyncio.wait_for(
-        asyncio.gather(*(one(i) for i in range(NUM_STREAMS))), timeout=ROUND_TIMEOUT_S
-    )
+    async with oai:
+        await asyncio.wait_for(
+            asyncio.gather(*(one(i) for i in range(NUM_STREAMS))), timeout=ROUND_TIMEOUT_S
+        )
     return out
 
 
@@ -215,6 +220,11 @@ def resume_points(dep: Deployment, request_id: str) -> list[int]:
     return [int(m) for m in re.findall(pattern, dep.logs())]
 
 
+def num_resumed(dep: Deployment, tag: str) -> Counter[str]:
+    """How many times each request of a round was resumed by a new leader."""
+    return Counter(re.findall(rf"request\.resumed\s.*req_id=({re.escape(tag)}-\d+)\b", dep.logs()))
+
+
 def first_difference(a: Sequence, b: Sequence) -> int:
     """The first index where `a` and `b` differ (the shorter one's length if one is a prefix)."""
     return next(
@@ -251,12 +261,11 @@ def test_every_stream_equals_the_undisturbed_run_under_leader_kills(deployment) 
     dep = deployment
 
     async def main() -> list[dict]:
-        oai = openai.AsyncOpenAI(
-            base_url=f"{dep.frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=300
-        )
-        model = (await oai.models.list()).data[0].id
+        base_url = dep.frontend.base_url
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused") as oai:
+            model = (await oai.models.list()).data[0].id
         t0 = time.monotonic()
-        reference = await run_streams(oai, model, "ref", [0] * NUM_STREAMS)
+        reference = await run_streams(base_url, model, "ref", [0] * NUM_STREAMS)
         print(f"reference run: {time.monotonic() - t0:.1f} s")
         assert all(r.error is None and r.finish == "length" for r in reference), reference
         ref_chars = [len(r.text) for r in reference]
@@ -267,7 +276,7 @@ def test_every_stream_equals_the_undisturbed_run_under_leader_kills(deployment) 
             marks = [m + rnd * MARK_SHIFT_PER_ROUND for m in KILL_MARKS]
             t0 = time.monotonic()
             got, fractions = await asyncio.gather(
-                run_streams(oai, model, tag, progress),
+                run_streams(base_url, model, tag, progress),
                 kill_leaders(dep, progress, ref_chars, marks),
             )
             round_diffs = [
@@ -275,14 +284,17 @@ def test_every_stream_equals_the_undisturbed_run_under_leader_kills(deployment) 
                 for i, (g, r) in enumerate(zip(got, reference, strict=True))
                 if (g.text, g.finish, g.error) != (r.text, r.finish, None)
             ]
+            resumed = num_resumed(dep, tag)
             print(
                 f"round {rnd}: {time.monotonic() - t0:.1f} s, kills at "
-                f"{[round(f, 2) for f in fractions]} of the text, {len(round_diffs)} differ"
+                f"{[round(f, 2) for f in fractions]} of the text, "
+                f"{sum(resumed.values())} resumes, {len(round_diffs)} differ"
             )
+            # Every stream was cut mid-way at least once, or the round proved little.
+            assert len(resumed) == NUM_STREAMS, sorted(resumed)
             for d in round_diffs:
                 print("  ", d)
             diffs += round_diffs
-        await oai.close()
         return diffs
 
     diffs = asyncio.run(main())
