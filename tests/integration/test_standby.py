@@ -17,68 +17,26 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import psutil
 import pytest
 import redis as redis_lib
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from client.async_client import channel_target
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import Collected, collect, mixed_workload, run_in_threads
-from tests.support.stack import Stack, _env, _wait_port_file, stop_process, tiny_model_dir
+from tests.support.stack import Stack, tiny_model_dir
+from tests.support.standby import LEADER_KEY, Scheduler, follow_channel
 
-LEADER_KEY = "llmserve:leader"
 STATE_PREFIXES = (
     "llmserve:request:",
     "llmserve:tokens:",
     "llmserve:logprobs:",
     "llmserve:index:unfinished",
 )
-
-
-class Scheduler:
-    def __init__(self, workdir: Path, executor: str, redis_url: str) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.workdir = workdir
-        self.port_file = workdir / "scheduler.port"
-        log = open(workdir / "scheduler.log", "ab")  # noqa: SIM115 -- owned by the process
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "scheduler_svc", "--executor", executor, "--redis-url",
-             redis_url, "--port", "0", "--port-file", str(self.port_file), "--leader-election",
-             "--log-level", "info"],
-            env=_env(), stdout=log, stderr=log,
-        )  # fmt: skip
-        self.port = _wait_port_file(self.port_file, self.proc, 60, "scheduler")
-        self.address = f"127.0.0.1:{self.port}"
-
-    def health(self) -> int | None:
-        try:
-            with grpc.insecure_channel(self.address) as ch:
-                reply = health_pb2_grpc.HealthStub(ch).Check(
-                    health_pb2.HealthCheckRequest(), timeout=1
-                )
-            return reply.status
-        except grpc.RpcError:
-            return None
-
-    def wait_serving(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while self.health() != health_pb2.HealthCheckResponse.SERVING:
-            assert time.monotonic() < deadline, self.log()[-3000:]
-            time.sleep(0.05)
-
-    def log(self) -> str:
-        return (self.workdir / "scheduler.log").read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)  # a paused one could not act on SIGTERM
-        stop_process(self.proc)
 
 
 @pytest.fixture
@@ -119,11 +77,6 @@ def leader_pair(start):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "standby" in err.value.details()
     return first, second
-
-
-def follow_channel(*schedulers: Scheduler) -> grpc.Channel:
-    target, options = channel_target(",".join(s.address for s in schedulers))
-    return grpc.insecure_channel(target, options=options)
 
 
 def test_the_standby_takes_over_a_killed_leader_under_50_streams(deployment) -> None:

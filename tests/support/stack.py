@@ -144,9 +144,15 @@ class Stack:
 
 
 def tiny_model_dir(root: Path) -> Path:
+    return demo_model_dir(root, size="tiny")
+
+
+def demo_model_dir(root: Path, size: str = "demo") -> Path:
+    """The demo checkpoint of `size` under `root` ("demo": what `python -m executor_svc` serves
+    by default), built on first use."""
     from executor_svc.demo_model import ensure_demo_model
 
-    return ensure_demo_model(root, size="tiny", seed=0)
+    return ensure_demo_model(root, size=size, seed=0)
 
 
 def make_stack(

@@ -1,0 +1,83 @@
+"""Schedulers with `--leader-election` as real processes: a leader and its standbys on one Redis.
+
+Each `Scheduler` is one `python -m scheduler_svc --leader-election` process. It can be started on
+a given port, so that one killed and started again is found where clients already look for it
+(a frontend's or client's channel over every scheduler address follows the SERVING one).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client.async_client import channel_target
+from tests.support.stack import _env, _wait_port_file, stop_process
+
+LEADER_KEY = "llmserve:leader"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+class Scheduler:
+    def __init__(
+        self,
+        workdir: Path,
+        executor: str,
+        redis_url: str,
+        *extra: str,
+        port: int = 0,
+        log_level: str = "info",
+    ) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        # A fresh port file per start: a restarted process must not be taken as up from the
+        # file its predecessor wrote.
+        self.port_file = workdir / f"scheduler-{time.monotonic_ns()}.port"
+        log = open(workdir / "scheduler.log", "ab")  # noqa: SIM115 -- owned by the process
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "scheduler_svc", "--executor", executor, "--redis-url",
+             redis_url, "--port", str(port), "--port-file", str(self.port_file),
+             "--leader-election", "--log-level", log_level, *extra],
+            env=_env(), stdout=log, stderr=log,
+        )  # fmt: skip
+        try:
+            self.port = _wait_port_file(self.port_file, self.proc, 60, "scheduler")
+        except BaseException:
+            stop_process(self.proc)  # nobody else holds it yet to stop it
+            raise
+        self.address = f"127.0.0.1:{self.port}"
+
+    def health(self) -> int | None:
+        try:
+            with grpc.insecure_channel(self.address) as ch:
+                reply = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(), timeout=1
+                )
+            return reply.status
+        except grpc.RpcError:
+            return None
+
+    def wait_serving(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.health() != SERVING:
+            assert time.monotonic() < deadline, self.log()[-3000:]
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        return (self.workdir / "scheduler.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a paused one could not act on SIGTERM
+        stop_process(self.proc)
+
+
+def follow_channel(*schedulers: Scheduler) -> grpc.Channel:
+    """One channel over every scheduler's address; calls go to the SERVING one (the leader)."""
+    target, options = channel_target(",".join(s.address for s in schedulers))
+    return grpc.insecure_channel(target, options=options)
