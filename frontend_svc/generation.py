@@ -27,6 +27,20 @@ log = structlog.get_logger(__name__)
 
 # Statuses after which the stream is retried: the scheduler went away or is starting.
 _RETRY = {grpc.StatusCode.UNAVAILABLE}
+# A stream whose connection the transport cut mid-response (the scheduler killed while it was
+# sending) can also surface as UNKNOWN or INTERNAL with the transport's own words rather than
+# UNAVAILABLE: it is retried too. Any other UNKNOWN is the server's answer and is not.
+_CUT_MARKERS = ("Stream removed", "Connection reset", "Socket closed", "RST_STREAM")
+
+
+def retryable(err: LLMServeError) -> bool:
+    """Whether a failed stream should be resumed: the scheduler is away, or its connection was
+    cut mid-stream."""
+    if err.code in _RETRY:
+        return True
+    return err.code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and any(
+        m in err.message for m in _CUT_MARKERS
+    )
 
 
 class ResilientStream:
@@ -84,7 +98,7 @@ class ResilientStream:
                 if not all(self.finished):
                     raise LLMServeError(grpc.StatusCode.UNAVAILABLE, "stream ended early")
             except LLMServeError as err:
-                if err.code not in _RETRY:
+                if not retryable(err):
                     raise
                 now = time.monotonic()
                 if outage_since is None:

@@ -5,8 +5,9 @@ OpenAI frontend given both scheduler addresses. 120 streaming completions (half 
 seeded sampling; 400 to 464 tokens each, `ignore_eos`) run once undisturbed, then in 5 rounds
 during which the leader is killed with SIGKILL three times. After each kill the killed
 scheduler is started again on its own port, so a standby is always there and the frontend's
-channel (over both addresses, following the SERVING one) finds it. Every text and finish reason
-must equal the undisturbed run's.
+channel (over both addresses, following the SERVING one) finds it. Every text, finish reason and
+token logprob must equal the undisturbed run's (the logprobs catch a recovery that changes the
+logits' last bits even where no near-tie turns that into another token).
 
 The same prompts every round, against one reference: what a kill changes is how each request's
 tokens are grouped into steps (the new leader recomputes every prompt plus its output so far as
@@ -59,6 +60,9 @@ class Stream:
     text: str = ""
     finish: str | None = None
     error: str | None = None
+    # Each token's logprob: equal floats mean equal logits in practice, so a recovery that
+    # changes any last bit shows even where no near-tie turns it into another token.
+    logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -142,6 +146,7 @@ def completion_args(i: int, model: str) -> dict:
         prompt=prompt,
         max_tokens=MIN_TOKENS + (i * 37) % (MAX_TOKENS - MIN_TOKENS + 1),
         stream=True,
+        logprobs=1,
         extra_body={"ignore_eos": True},
     )
     # Half greedy, half seeded sampling: both are exact claims.
@@ -167,6 +172,8 @@ async def run_streams(base_url: str, model: str, tag: str, progress: list[int]) 
             async for chunk in stream:
                 for choice in chunk.choices:
                     out[i].text += choice.text
+                    if choice.logprobs is not None:
+                        out[i].logprobs += choice.logprobs.token_logprobs or []
                     progress[i] = len(out[i].text)
                     out[i].finish = choice.finish_reason or out[i].finish
         except Exception as e:  # recorded, then asserted on: one failed stream fails the round
@@ -237,10 +244,14 @@ def describe_difference(dep: Deployment, i: int, tag: str, got: Stream, want: St
     positions at which it was resumed (a repeat or a gap there is a recovery bug, not
     numerics)."""
     first_char = first_difference(got.text, want.text)
+    first_lp = first_difference(got.logprobs, want.logprobs)
     diff = {
         "stream": i,
         "kind": "greedy" if i % 2 == 0 else "seeded",
         "first_char": first_char,
+        "first_logprob": first_lp,
+        "logprob_at": got.logprobs[first_lp : first_lp + 1]
+        + want.logprobs[first_lp : first_lp + 1],
         "chars": (len(got.text), len(want.text)),
         "finish": (got.finish, want.finish),
         "error": got.error,
@@ -282,7 +293,7 @@ def test_every_stream_equals_the_undisturbed_run_under_leader_kills(deployment) 
             round_diffs = [
                 {"round": rnd, **describe_difference(dep, i, tag, g, r)}
                 for i, (g, r) in enumerate(zip(got, reference, strict=True))
-                if (g.text, g.finish, g.error) != (r.text, r.finish, None)
+                if (g.text, g.finish, g.error, g.logprobs) != (r.text, r.finish, None, r.logprobs)
             ]
             resumed = num_resumed(dep, tag)
             print(

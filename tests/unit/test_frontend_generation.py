@@ -1,0 +1,26 @@
+"""Which failed streams the frontend resumes (frontend_svc/generation.py)."""
+
+import grpc
+import pytest
+
+from client.errors import LLMServeError
+from frontend_svc.generation import retryable
+
+
+@pytest.mark.parametrize(
+    ("code", "message", "expected"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses", True),
+        # The scheduler killed mid-stream: grpc reports the cut connection in its own words.
+        (grpc.StatusCode.UNKNOWN, "Stream removed", True),
+        (grpc.StatusCode.UNKNOWN, "recvmsg:Connection reset by peer (104)", True),
+        (grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2", True),
+        # The server's own answers are final.
+        (grpc.StatusCode.UNKNOWN, "Exception calling application: boom", False),
+        (grpc.StatusCode.INVALID_ARGUMENT, "params.max_tokens must be >= 1", False),
+        (grpc.StatusCode.NOT_FOUND, "unknown request id", False),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", False),
+    ],
+)
+def test_only_outages_and_cut_connections_are_resumed(code, message, expected):
+    assert retryable(LLMServeError(code, message)) is expected
