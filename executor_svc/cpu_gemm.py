@@ -27,11 +27,13 @@ import os
 from dataclasses import dataclass
 from typing import Protocol
 
+import structlog
 import torch
 
 from executor_svc import numerics
 from executor_svc.attention import cpu_ops
 
+log = structlog.get_logger(__name__)
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -50,6 +52,9 @@ def _load() -> ctypes.CDLL | None:
             lib.llmserve_gemm_nr.argtypes = []
             lib.llmserve_gemm_nr.restype = ctypes.c_int
             _lib = lib
+        elif numerics.deterministic():
+            # fp32 CPU matmuls then take oneDNN / MKL, whose bits depend on the batch's rows.
+            log.warning("cpu_gemm.unavailable", hint="matmuls are not step-invariant")
     return _lib
 
 
