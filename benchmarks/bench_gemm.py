@@ -89,11 +89,18 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=0.1, help="per implementation and round")
     p.add_argument("--hot", action="store_true", help="one copy of each weight (cache-resident)")
+    p.add_argument(
+        "--stat",
+        choices=("median", "min"),
+        default="median",
+        help="over rounds (min: busy machine)",
+    )
     args = p.parse_args()
     if not cpu_gemm.available():
         sys.exit("the CPU kernel library is not available (no C++ compiler?)")
     print(cpu_flags())
-    print(f"torch {torch.__version__}, {args.rounds} alternated rounds, medians\n")
+    stat = statistics.median if args.stat == "median" else min
+    print(f"torch {torch.__version__}, {args.rounds} alternated rounds, {args.stat} of rounds\n")
     cols = ["threads", "matmul", "K x N", "M", "ours ms", "oneDNN ms", "MKL ms"]
     cols += ["ours", "oneDNN", "MKL", "ours / oneDNN"]
     print("| " + " | ".join(cols) + " |")
@@ -107,7 +114,7 @@ def main() -> None:
                 for _ in range(args.rounds):
                     for impl in IMPLS:
                         times[impl].append(time_call(calls[impl], args.seconds))
-                med = {impl: statistics.median(t) for impl, t in times.items()}
+                med = {impl: stat(t) for impl, t in times.items()}
                 # One row streams the weights: GB/s of them; more rows: GFLOP/s.
                 unit, work = ("GB/s", k * n * 4) if m == 1 else ("GFLOP/s", 2 * m * k * n)
                 rates = " | ".join(f"{work / med[i] / 1e9:.1f} {unit}" for i in IMPLS)
