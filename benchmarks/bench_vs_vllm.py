@@ -50,13 +50,13 @@ def gemm_rate(cfg: dict, m: int, kind: str = "packed", repeats: int = 5) -> floa
     ``mm`` = ``torch.mm`` (MKL), ``packed`` = oneDNN on prepacked weights (the fastest here)."""
     import torch
 
-    from executor_svc.cpu_gemm import linear_packed, pack
+    from executor_svc.cpu_gemm import OneDnnWeight
 
     torch.set_num_threads(1)
     shapes = [*gemm_shapes(cfg), (cfg["hidden_size"], cfg["vocab_size"])]
     mats = [(torch.randn(m, k), torch.randn(k, n)) for k, n in shapes]
     if kind == "packed":
-        mats = [(a, pack(b)) for a, b in mats]
+        mats = [(a, OneDnnWeight.pack(b)) for a, b in mats]
         if any(b is None for _, b in mats):
             return float("nan")
     flops = sum(2 * m * k * n for k, n in shapes)
@@ -64,7 +64,7 @@ def gemm_rate(cfg: dict, m: int, kind: str = "packed", repeats: int = 5) -> floa
     for _ in range(repeats):
         start = time.perf_counter()
         for a, b in mats:
-            torch.mm(a, b) if kind == "mm" else linear_packed(a, b, None)
+            torch.mm(a, b) if kind == "mm" else b.linear(a, None)
         best = min(best, time.perf_counter() - start)
     return flops / best
 

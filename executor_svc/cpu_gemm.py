@@ -1,68 +1,171 @@
-"""Prepacked oneDNN weights for CPU fp32 matmuls.
+"""CPU fp32 matmuls: a step-invariant GEMM of our own (the default), or oneDNN on prepacked weights.
 
-oneDNN's matmul reads its weight in a blocked layout of its own. Given a plain matrix it
-reorders it on every call; packed once at load (``torch.ops.mkldnn._reorder_linear_weight``,
-what torch's inductor does when it freezes a model), it skips that copy. On the benchmark's model
-(one thread, AMD EPYC with AVX-512; ``benchmarks/profile_step.py``, docs/benchmarks.md) the
-layer matmuls run at ~180-200 GFLOP/s packed against ~120-150 unpacked and ~55-80 for
-``torch.mm`` (MKL), for 16 to 2 048 rows; one row is memory-bound and about equal.
+Step-invariant (``numerics.deterministic()``, the default): ``csrc/gemm.cpp`` computes every
+output element as one fixed chain, ``bias + sum_k x[m, k] * w[k, n]`` with k ascending, whatever
+the number of rows, the other rows or the threads. A sequence's logits then do not depend on how
+its tokens were batched: oneDNN's packed linear gives a row other bits at one row than inside
+two or more, and MKL's ``torch.matmul`` differs between 1-7 rows and 300, enough to flip a
+near-tie. Weights are packed once at load into panels of ``NR`` columns ([N / NR][K][NR], the
+last zero-padded; ``PanelWeight``), the layout the kernel streams fastest; plain ``[in, out]``
+matrices (tensor-parallel shards, ``LLMSERVE_PREPACK=0``) go through the same kernel with the
+same bits (``matmul``).
 
-The packed tensor is opaque (only oneDNN's linear reads it), so a packed ``Linear`` gives up its
-plain weight (no second copy in memory); a tied lm_head keeps the embedding it shares and gets
-a packed copy. ``LLMSERVE_PREPACK=0`` turns this off.
+Off (``LLMSERVE_DETERMINISTIC=0``): oneDNN's matmul on weights reordered once into its blocked
+layout (``torch.ops.mkldnn._reorder_linear_weight``, what inductor does when it freezes a
+model; ``OneDnnWeight``), which saves the reorder oneDNN does on every call given a plain
+matrix; unpacked matrices keep ``models.llama.matmul_io``'s MKL / oneDNN choice.
+
+A packed ``Linear`` gives up its plain weight (one copy in memory); a tied lm_head keeps the
+embedding it shares and gets a packed copy. CUDA, fp16 / bf16 and a missing compiler keep the
+torch paths. ``LLMSERVE_PREPACK=0`` turns packing off.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+from dataclasses import dataclass
+from typing import Protocol
 
+import structlog
 import torch
-from torch import nn
 
-from executor_svc.models.llama import Linear
+from executor_svc import numerics
+from executor_svc.attention import cpu_ops
+
+log = structlog.get_logger(__name__)
+_lib: ctypes.CDLL | None = None
+_tried = False
 
 
-def _pack_fn():
-    try:
-        if not torch.backends.mkldnn.is_available():
+def _load() -> ctypes.CDLL | None:
+    """The kernel library with the GEMM's signatures set, or None (no compiler, turned off)."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        lib = cpu_ops.load()
+        if lib is not None and hasattr(lib, "llmserve_gemm_f32"):
+            p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+            # x, M, K, ldx, w, N, ldw, bias, y, ldy, num_threads
+            lib.llmserve_gemm_f32.argtypes = [p, i64, i64, i64, p, i64, i64, p, p, i64, i32]
+            lib.llmserve_gemm_f32.restype = ctypes.c_int
+            lib.llmserve_gemm_nr.argtypes = []
+            lib.llmserve_gemm_nr.restype = ctypes.c_int
+            _lib = lib
+        elif numerics.deterministic():
+            # fp32 CPU matmuls then take oneDNN / MKL, whose bits depend on the batch's rows.
+            log.warning("cpu_gemm.unavailable", hint="matmuls are not step-invariant")
+    return _lib
+
+
+def available() -> bool:
+    """Whether the step-invariant kernel can run here."""
+    return _load() is not None
+
+
+def panel_width() -> int:
+    """Columns per panel of the packed layout (the kernel's NR)."""
+    lib = _load()
+    assert lib is not None, "the CPU kernel library is not available"
+    return lib.llmserve_gemm_nr()
+
+
+def _is_cpu_f32(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32
+
+
+def _run(x: torch.Tensor, w: torch.Tensor, n: int, ldw: int, bias: torch.Tensor | None):
+    """The kernel call; ``w`` packed (``ldw`` = 0) or plain ``[K, N]`` with row stride ``ldw``."""
+    assert x.dim() == 2 and _is_cpu_f32(x), (x.shape, x.dtype, x.device)
+    assert bias is None or (_is_cpu_f32(bias) and bias.is_contiguous() and bias.shape == (n,))
+    if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+        x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = _lib.llmserve_gemm_f32(  # type: ignore[union-attr]
+        x.data_ptr(), m, k, max(x.stride(0), k), w.data_ptr(), n, ldw,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"gemm kernel rejected x {tuple(x.shape)} w {tuple(w.shape)} (code {rc})")
+    return y
+
+
+class PackedWeight(Protocol):
+    """A weight in the layout one CPU matmul reads; ``Linear`` calls ``linear`` on it."""
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+@dataclass(slots=True, eq=False)
+class PanelWeight:
+    """An ``[in, out]`` matrix as panels for the step-invariant kernel."""
+
+    panels: torch.Tensor  # [ceil(out / NR), in, NR] fp32, the last panel zero-padded
+    out_features: int
+
+    @classmethod
+    def pack(cls, w_io: torch.Tensor) -> PanelWeight:
+        k, n = w_io.shape
+        nr = panel_width()
+        num = -(-n // nr)
+        padded = torch.zeros(k, num * nr, dtype=torch.float32)
+        padded[:, :n] = w_io
+        panels = padded.view(k, num, nr).permute(1, 0, 2).contiguous()
+        return cls(panels, n)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [rows, in] @ W (+ bias)``, each element in the fixed order (module doc)."""
+        assert x.shape[-1] == self.panels.shape[1], (x.shape, self.panels.shape)
+        return _run(x, self.panels, self.out_features, 0, bias)
+
+
+@dataclass(slots=True, eq=False)
+class OneDnnWeight:
+    """oneDNN's opaque blocked form of an ``[in, out]`` matrix."""
+
+    packed: torch.Tensor
+
+    @classmethod
+    def pack(cls, w_io: torch.Tensor) -> OneDnnWeight | None:
+        try:
+            if not torch.backends.mkldnn.is_available():
+                return None
+            reorder = torch.ops.mkldnn._reorder_linear_weight
+            return cls(reorder(w_io.t().contiguous()))  # oneDNN wants [out, in]
+        except (AttributeError, RuntimeError):
             return None
-        return torch.ops.mkldnn._reorder_linear_weight
-    except (AttributeError, RuntimeError):
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+
+
+def pack(w_io: torch.Tensor) -> PackedWeight | None:
+    """The packed form of an ``[in, out]`` fp32 CPU matrix for this process's numerics mode
+    (module doc); None where packing does not apply (then the caller keeps the plain matrix)."""
+    if os.environ.get("LLMSERVE_PREPACK", "1") == "0" or not _is_cpu_f32(w_io) or w_io.dim() != 2:
         return None
+    if numerics.deterministic():
+        return PanelWeight.pack(w_io) if available() else None
+    return OneDnnWeight.pack(w_io)
 
 
-def pack(w_io: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed form of an ``[in, out]`` fp32 CPU matrix, or None where not possible."""
-    fn = _pack_fn()
-    if fn is None or w_io.device.type != "cpu" or w_io.dtype != torch.float32:
+def matmul(
+    x: torch.Tensor, w_io: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``x [rows, in] @ w_io [in, out] (+ bias)`` on a plain matrix with the step-invariant
+    kernel, bitwise equal to ``PanelWeight.pack(w_io).linear(x, bias)``; None where it does not
+    apply (not fp32 CPU, deterministic numerics off, no kernel), for the caller's own path."""
+    if not (
+        numerics.deterministic()
+        and _is_cpu_f32(x)
+        and _is_cpu_f32(w_io)
+        and x.dim() == 2
+        and w_io.dim() == 2
+        and (bias is None or _is_cpu_f32(bias))
+        and available()
+    ):
         return None
-    try:
-        return fn(w_io.t().contiguous())  # oneDNN wants [out, in]
-    except RuntimeError:
-        return None
-
-
-def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
-    """``x [rows, in] @ W (+ bias)`` with W packed by ``pack``."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-
-
-def prepack_model(model: nn.Module) -> int:
-    """Pack every ``Linear`` and the lm_head of a CPU fp32 model in place; returns how many."""
-    if os.environ.get("LLMSERVE_PREPACK", "1") == "0":
-        return 0
-    count = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and module.packed is None:
-            packed = pack(module.weight.data)
-            if packed is not None:
-                module.packed = packed
-                module.weight.data = module.weight.data.new_empty(0)
-                count += 1
-    lm_head = getattr(model, "lm_head", None)
-    if isinstance(lm_head, torch.Tensor) and getattr(model, "packed_lm_head", 1) is None:
-        packed = pack(lm_head.data)
-        if packed is not None:
-            model.packed_lm_head = packed
-            count += 1
-    return count
+    if w_io.stride(1) != 1 or w_io.stride(0) < w_io.shape[1]:
+        w_io = w_io.contiguous()
+    return _run(x, w_io, w_io.shape[1], max(w_io.stride(0), w_io.shape[1]), bias)

@@ -198,12 +198,10 @@ def load_model(
     with torch.no_grad():
         load_weights(model, _weight_files(model_dir))
     model.eval().requires_grad_(False)
-    # Not under tensor parallelism yet: its row-parallel layers and lm_head use matmul_io on
-    # the plain weights.
+    # Not under tensor parallelism yet: its layers and lm_head use matmul_io on the plain
+    # weights, which with step-invariant numerics runs the same kernel unpacked (same bits).
     if tp is None and dev.type == "cpu" and torch_dtype == torch.float32:
-        from executor_svc.cpu_gemm import prepack_model
-
-        prepack_model(model)
+        model.prepack_weights()
 
     info = ModelInfo(
         architecture=arch,

@@ -8,8 +8,9 @@ K-blocking chosen by the number of rows, attention split by chunk or by co-runne
 order fixed per row and per position instead. See docs/internals.md, "Step-invariant numerics".
 
 Off (``--no-deterministic`` / ``LLMSERVE_DETERMINISTIC=0``) the CPU matmuls go to oneDNN, which
-picks kernels by shape: usually a little faster, and a near-tie can then fall the other way
-after a recovery.
+picks kernels by shape, so a near-tie can fall the other way after a recovery. It is not faster
+on the development machine (docs/benchmarks.md, issue 24): the step-invariant GEMM
+(``cpu_gemm``) matches it from 16 to 512 rows and streams one row's weights ~1.6x faster.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor_svc import cpu_gemm
 from executor_svc.attention import AttentionBackend, AttentionMetadata, cpu_ops
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
@@ -117,7 +118,13 @@ def matmul_io(x: torch.Tensor, w_io: torch.Tensor, bias: torch.Tensor | None = N
     is 10-25% faster than either MKL form. CUDA (cuBLAS) runs every form at the same speed, so
     it takes the plain matmul; so do CPU fp16/bf16, which oneDNN supports only on CPUs with the
     matching instructions.
+
+    With step-invariant numerics (the default) fp32 CPU goes to ``cpu_gemm.matmul`` instead:
+    MKL and oneDNN give a row other bits depending on how many rows come with it.
     """
+    y = cpu_gemm.matmul(x, w_io, bias)  # None: not fp32 CPU, or numerics not step-invariant
+    if y is not None:
+        return y
     use_onednn = x.shape[0] > 1 or torch.get_num_threads() > 1
     if use_onednn and x.is_cpu and x.dtype == torch.float32 and _ONEDNN_LINEAR is not None:
         return _ONEDNN_LINEAR(x.contiguous(), w_io.t(), bias, "none", [], "")
@@ -141,7 +148,7 @@ class Linear(nn.Module):
             offset += size
         self.weight = _set_loader(nn.Parameter(torch.empty(in_features, offset)), self._load)
         self.bias = _set_loader(nn.Parameter(torch.empty(offset)), self._load) if bias else None
-        self.packed: torch.Tensor | None = None  # oneDNN layout, set by cpu_gemm.prepack_model
+        self.packed: cpu_gemm.PackedWeight | None = None  # set by prepack(); weight is emptied
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
         start, size = self.shard_offsets[shard_id]
@@ -150,9 +157,19 @@ class Linear(nn.Module):
         else:
             param.data.narrow(0, start, size).copy_(loaded)
 
+    def prepack(self) -> bool:
+        """Replace the plain weight by its packed form for CPU fp32 (``cpu_gemm.pack``), keeping
+        one copy in memory; False where packing does not apply."""
+        if self.packed is None:
+            self.packed = cpu_gemm.pack(self.weight.data)
+            if self.packed is None:
+                return False
+            self.weight.data = self.weight.data.new_empty(0)
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return _ONEDNN_LINEAR(x.contiguous(), self.packed, self.bias, "none", [], "")
+            return self.packed.linear(x, self.bias)
         return matmul_io(x, self.weight, self.bias)
 
 
@@ -348,7 +365,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.packed_lm_head: torch.Tensor | None = None  # set by cpu_gemm.prepack_model
+        self.packed_lm_head: cpu_gemm.PackedWeight | None = None  # set by prepack_weights()
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
@@ -372,8 +389,21 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab]; call it only on the rows that sample."""
         if self.packed_lm_head is not None:
-            return _ONEDNN_LINEAR(hidden.contiguous(), self.packed_lm_head, None, "none", [], "")
+            return self.packed_lm_head.linear(hidden, None)
         return matmul_io(hidden, self.lm_head)
+
+    def prepack_weights(self) -> int:
+        """Pack every ``Linear`` and the lm_head for CPU fp32 (``cpu_gemm`` module doc) in place;
+        returns how many were packed. A tied lm_head gets its own packed copy: the embedding
+        lookup still reads the plain matrix."""
+        count = sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
+        if self.packed_lm_head is None:
+            self.packed_lm_head = cpu_gemm.pack(self.lm_head.data)
+            if self.packed_lm_head is not None:
+                count += 1
+                if self.lm_head is not self.embed_tokens:
+                    self.lm_head.data = self.lm_head.data.new_empty(0)
+        return count
 
     def checkpoint_to_param_name(self, name: str) -> tuple[str, Any] | None:
         """(parameter name, shard id) a checkpoint tensor loads into; None for tensors to skip."""

@@ -1,0 +1,230 @@
+// Step-invariant fp32 GEMM: y[M, N] = x[M, K] @ w[K, N] (+ bias[N]) where every output element
+// is computed in one fixed order, whatever M, the other rows, the tile a row lands in, or the
+// thread count. Part of the CPU kernel library (executor_svc/attention/cpu_ops.py builds
+// csrc/*.cpp into one); called from executor_svc/cpu_gemm.py.
+//
+// The order, by construction: y[m, n] = bias[n] + acc with acc = 0, then acc = fma(x[m, k],
+// w[k, n], acc) for k = 0, 1, ..., K - 1, one register accumulator per element, no K split, no
+// partial sums. Every tile shape (rows 1..kMR, 1 or several panels) runs the same chain per
+// element, so a row computed alone (a decode) and the same row inside a 512-row prefill give the
+// same bits. Threads split panels and row blocks, never K. The FMA is an explicit intrinsic, so
+// the compiler's contraction choices cannot differ between tile shapes, and each thread pins
+// MXCSR to IEEE (no flush-to-zero) for the call, so denormal handling does not depend on which
+// thread computes which panel.
+//
+// Weights: "packed" is the layout this file reads fastest, [ceil(N / kNR)][K][kNR] (panels of
+// kNR columns, each contiguous, the last zero-padded); "plain" is [K, N] with a row stride (the
+// tensor-parallel shards and anything not packed at load). Both give the same bits.
+
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+
+using namespace llmserve;
+
+namespace {
+
+constexpr int kNR = 48;  // panel width: 3 vectors; 576, 960, 1536, 3072, 49152 are multiples
+constexpr int kVecs = kNR / 16;
+constexpr int kMR = 8;      // rows per tile: 8 x 3 = 24 accumulators of the 32 zmm registers
+constexpr int kGemvP = 4;   // panels in flight for one row: 12 independent chains hide latency
+constexpr int64_t kABytes = 256 * 1024;  // a row block of x kept in L2 across the panels
+
+inline v16 fma16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  typedef float v8 __attribute__((vector_size(32)));
+  const v8 lo = (v8)_mm256_fmadd_ps(
+      (__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+      (__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+      (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+  const v8 hi = (v8)_mm256_fmadd_ps(
+      (__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+      (__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+      (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return a * b + c;  // no FMA instruction: a product and a sum, the same in every tile
+#endif
+}
+
+inline v16 splat16(float s) { return v16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+
+// MXCSR for the duration of a thread's share: round to nearest, all exceptions masked, no FTZ /
+// DAZ (fast-math may have set them in the loading thread only; OpenMP workers differ).
+struct IeeeMode {
+#if defined(__SSE__)
+  unsigned saved = _mm_getcsr();
+  IeeeMode() { _mm_setcsr(0x1F80); }
+  ~IeeeMode() { _mm_setcsr(saved); }
+#endif
+};
+
+// Where panel p's element (k, j) lives: panel(p)[k * ldb + j].
+struct Panels {
+  const float* base;
+  int64_t stride;  // from panel p to p + 1
+  int64_t ldb;     // from row k to k + 1 inside a panel
+  const float* tail;  // plain weights: the last, partial panel copied and zero-padded; or null
+  int64_t num;        // panels
+  int64_t n;          // valid columns
+
+  const float* at(int64_t p) const { return tail && p == num - 1 ? tail : base + p * stride; }
+  int64_t ld(int64_t p) const { return tail && p == num - 1 ? kNR : ldb; }
+  int64_t cols(int64_t p) const { return p == num - 1 ? n - p * kNR : kNR; }
+};
+
+// R rows x P panels (consecutive, sharing ld and stride) of y; ncols valid columns from col 0.
+template <int R, int P>
+inline void tile(const float* x, int64_t ldx, int64_t K, const float* b, int64_t stride,
+                 int64_t ldb, const float* bias, float* y, int64_t ldy, int64_t ncols) {
+  v16 acc[R][P][kVecs];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+      for (int j = 0; j < kVecs; ++j) acc[r][p][j] = v16{};
+  for (int64_t k = 0; k < K; ++k) {
+    v16 bv[P][kVecs];
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+      for (int j = 0; j < kVecs; ++j) bv[p][j] = load16(b + p * stride + k * ldb + 16 * j);
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      const v16 a = splat16(x[r * ldx + k]);
+#pragma GCC unroll 32
+      for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+        for (int j = 0; j < kVecs; ++j) acc[r][p][j] = fma16(a, bv[p][j], acc[r][p][j]);
+    }
+  }
+  // The bias comes last, after the whole chain: bias + (sum over k), one rounding.
+  for (int r = 0; r < R; ++r) {
+    float* yr = y + r * ldy;
+    if (ncols == P * kNR) {
+      for (int p = 0; p < P; ++p)
+        for (int j = 0; j < kVecs; ++j) {
+          v16 v = acc[r][p][j];
+          if (bias) v += load16(bias + p * kNR + 16 * j);
+          store16(yr + p * kNR + 16 * j, v);
+        }
+    } else {
+      float buf[P * kNR];
+      for (int p = 0; p < P; ++p)
+        for (int j = 0; j < kVecs; ++j) store16(buf + p * kNR + 16 * j, acc[r][p][j]);
+      for (int64_t c = 0; c < ncols; ++c) yr[c] = bias ? buf[c] + bias[c] : buf[c];
+    }
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t,
+                        const float*, float*, int64_t, int64_t);
+// Row-tile kernels by row count, for the remainder tile of a row block.
+constexpr TileFn kRowTiles[kMR + 1] = {nullptr,       tile<1, 1>, tile<2, 1>, tile<3, 1>,
+                                       tile<4, 1>,    tile<5, 1>, tile<6, 1>, tile<7, 1>,
+                                       tile<kMR, 1>};
+
+// Rows [m0, m1) of one panel, in tiles of kMR rows and one smaller tile at the end.
+void rows_of_panel(const float* x, int64_t ldx, int64_t K, const Panels& w, int64_t p,
+                   const float* bias, float* y, int64_t ldy, int64_t m0, int64_t m1) {
+  const float* b = w.at(p);
+  const int64_t ldb = w.ld(p), col = p * kNR, ncols = w.cols(p);
+  const float* bp = bias ? bias + col : nullptr;
+  for (int64_t m = m0; m < m1; m += kMR) {
+    const int64_t r = m1 - m < kMR ? m1 - m : kMR;
+    kRowTiles[r](x + m * ldx, ldx, K, b, 0, ldb, bp, y + m * ldy + col, ldy, ncols);
+  }
+}
+
+// One row (a decode step): memory-bound, so kGemvP panels per pass keep enough loads and
+// independent FMA chains in flight; panels [p0, p1).
+void gemv(const float* x, int64_t K, const Panels& w, const float* bias, float* y, int64_t p0,
+          int64_t p1) {
+  const int64_t full = w.tail ? w.num - 1 : w.num;  // panels readable at base + p * stride
+  int64_t p = p0;
+  for (; p + kGemvP <= p1 && p + kGemvP <= full; p += kGemvP) {
+    const int64_t ncols = (p + kGemvP == w.num) ? w.n - p * kNR : kGemvP * kNR;
+    tile<1, kGemvP>(x, 0, K, w.base + p * w.stride, w.stride, w.ldb,
+                    bias ? bias + p * kNR : nullptr, y + p * kNR, 0, ncols);
+  }
+  for (; p < p1; ++p) rows_of_panel(x, 0, K, w, p, bias, y, 0, 0, 1);
+}
+
+// [begin, end) of `total` items for thread t of nt, contiguous, sizes differing by at most 1.
+inline void share(int64_t total, int t, int nt, int64_t* begin, int64_t* end) {
+  *begin = total * t / nt;
+  *end = total * (t + 1) / nt;
+}
+
+int run(const float* x, int64_t M, int64_t K, int64_t ldx, const Panels& w, const float* bias,
+        float* y, int64_t ldy, int num_threads) {
+  const int64_t P = w.num;
+  // Row blocks of equal size (a multiple of kMR) whose x rows fit kABytes: the block stays in
+  // L2 while the panels stream past it, each panel read once per block.
+  int64_t mc = kABytes / (K * (int64_t)sizeof(float)) / kMR * kMR;
+  if (mc < kMR) mc = kMR;
+  const int64_t blocks = (M + mc - 1) / mc;
+  mc = ((M + blocks - 1) / blocks + kMR - 1) / kMR * kMR;
+  // Threads only where there is enough work to pay for waking them (a few microseconds).
+  const bool parallel = num_threads > 1 && M * K * w.n >= (1 << 17) && P * blocks > 1;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+  {
+    IeeeMode ieee;
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t i0, i1;
+    if (M == 1) {
+      share(P, t, nt, &i0, &i1);
+      gemv(x, K, w, bias, y, i0, i1);
+    } else if (P >= 2 * nt) {
+      // Each thread its share of the panels in every block: equal work, same x block.
+      share(P, t, nt, &i0, &i1);
+      for (int64_t m0 = 0; m0 < M; m0 += mc)
+        for (int64_t p = i0; p < i1; ++p)
+          rows_of_panel(x, ldx, K, w, p, bias, y, ldy, m0, m0 + mc < M ? m0 + mc : M);
+    } else {
+      // Few panels: split (block, panel) pairs instead.
+      share(blocks * P, t, nt, &i0, &i1);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t m0 = i / P * mc;
+        rows_of_panel(x, ldx, K, w, i % P, bias, y, ldy, m0, m0 + mc < M ? m0 + mc : M);
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+// Panel width of the packed layout (the Python side pads N up to a multiple of it).
+extern "C" int llmserve_gemm_nr() { return kNR; }
+
+// y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w (+ bias [N] when not null).
+// ldw = 0: w is packed, [ceil(N / kNR)][K][kNR]; ldw >= N: w is plain [K, N] with row stride
+// ldw. Returns 0, or 1 for arguments it rejects.
+extern "C" int llmserve_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx,
+                                 const float* w, int64_t N, int64_t ldw, const float* bias,
+                                 float* y, int64_t ldy, int num_threads) {
+  if (M < 0 || K <= 0 || N <= 0 || ldx < K || ldy < N || (ldw != 0 && ldw < N)) return 1;
+  if (M == 0) return 0;
+  Panels panels{w, ldw ? kNR : K * kNR, ldw ? ldw : kNR, nullptr, (N + kNR - 1) / kNR, N};
+  std::vector<float> tail;
+  if (ldw && N % kNR) {
+    // The plain matrix's last panel would be read past its rows' ends: copy it, zero-padded.
+    const int64_t c0 = (panels.num - 1) * kNR;
+    tail.assign(K * kNR, 0.0f);
+    for (int64_t k = 0; k < K; ++k) std::memcpy(&tail[k * kNR], w + k * ldw + c0, (N - c0) * 4);
+    panels.tail = tail.data();
+  }
+  return run(x, M, K, ldx, panels, bias, y, ldy, num_threads < 1 ? 1 : num_threads);
+}
