@@ -18,7 +18,7 @@ RUN apt-get update -q && apt-get install -y -q --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 COPY executor_svc/attention/csrc/ /src/
 # (Not on other architectures: an empty file then, which the executor never loads there.)
-RUN mkdir -p /out && (g++ -O3 -ffast-math -fopenmp -shared -fPIC -std=c++17 -march=x86-64-v3 \
+RUN mkdir -p /out && (g++ -O3 -ffast-math -fno-associative-math -fopenmp -shared -fPIC -std=c++17 -march=x86-64-v3 \
     /src/*.cpp -o /out/paged_attention-x86-64-v3.so \
     || : > /out/paged_attention-x86-64-v3.so)
 

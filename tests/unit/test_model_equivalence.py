@@ -49,10 +49,11 @@ def assert_logits_match_hf(model_dir, prompts, **runner_kwargs) -> ModelRunner:
     with torch.no_grad():
         for p, got in zip(prompts, ours, strict=True):
             want = hf(torch.tensor([p])).logits[0]
-            # 4e-4: the compiled CPU attention sums in another order than HF's SDPA (its error
-            # against an fp64 reference is no larger than the torch ops'); over 120 positions of
-            # a random model that moved one logit of 61 440 by 2.9e-4 (torch ops: 0.9e-4).
-            torch.testing.assert_close(got, want, atol=4e-4, rtol=1e-4)
+            # 6e-4: ours and HF's fp32 both round, in other orders (the step-invariant kernels
+            # sum in an order fixed per row). Against HF in fp64 on the llama3-rope model's 120
+            # positions ours is off by 2.4e-4 at most and HF's own fp32 by 2.4e-4, in opposite
+            # directions there: 4.8e-4 between the two (torch backend 5.0e-4).
+            torch.testing.assert_close(got, want, atol=6e-4, rtol=1e-4)
     return runner
 
 
