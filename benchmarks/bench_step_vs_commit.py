@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Decode step time of this working tree against another commit, alternated in one run.
+
+The other commit is checked out in a temporary git worktree. Each round starts one worker
+process per side (ABAB...), which imports ``executor_svc`` from its side's tree, loads the
+SmolLM-135M-shaped random Llama (fp32, ``auto`` attention backend, weights packed as that side
+packs them) and times ``--steps`` decode steps at each batch size; the table gives the medians
+over rounds. Used for issue 24: the step-invariant path against the code before it.
+
+    HF_HUB_OFFLINE=1 PYTHONPATH=. .venv/bin/python benchmarks/bench_step_vs_commit.py 917db5a \
+        [--batches 1,64] [--threads 1] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker(tree: str, batches: list[int], context: int, threads: int, steps: int) -> None:
+    sys.path.insert(0, tree)
+    # executor_svc first: the benchmark helpers below put this tree's root on sys.path too.
+    from executor_svc.model_runner import ModelRunner
+
+    sys.path.insert(1, str(ROOT / "benchmarks"))
+    import profile_step
+    import torch
+    from bench_vs_hf import build_model
+
+    assert Path(sys.modules["executor_svc"].__file__).is_relative_to(tree)
+    torch.set_num_threads(threads)
+    blocks = max(batches) * -(-(context + 2) // 16) + 16
+    runner = ModelRunner(
+        build_model(ROOT / ".cache"), device="cpu", num_device_blocks=blocks,
+        swap_space_gib=0.01, attention_backend="auto",
+    )  # fmt: skip
+    out = {}
+    for b in batches:
+        seqs = profile_step.decode_batch(runner, b, context)
+        for _ in range(2):  # warm
+            runner.execute(seqs, [], [], [])
+        start = time.perf_counter()
+        for _ in range(steps):
+            runner.execute(seqs, [], [], [])
+        out[b] = (time.perf_counter() - start) / steps * 1e3
+    print(json.dumps(out))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("commit")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--context", type=int, default=192)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # the tree to import from
+    args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.worker:
+        worker(args.worker, batches, args.context, args.threads, args.steps)
+        return
+    base = Path(tempfile.mkdtemp())
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base),
+                    args.commit], check=True)  # fmt: skip
+    sides = {args.commit: str(base), "working tree": str(ROOT)}
+    times: dict[str, dict[int, list[float]]] = {s: {b: [] for b in batches} for s in sides}
+    try:
+        for rnd in range(args.rounds):
+            for side, tree in sides.items():
+                cmd = [sys.executable, __file__, args.commit, "--worker", tree, "--batches",
+                       args.batches, "--context", str(args.context), "--threads",
+                       str(args.threads), "--steps", str(args.steps)]  # fmt: skip
+                res = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=tree)
+                for b, ms in json.loads(res.stdout.strip().splitlines()[-1]).items():
+                    times[side][int(b)].append(ms)
+            print(f"round {rnd}: " + ", ".join(
+                f"{s} x{b} {t[b][-1]:.2f} ms" for s, t in times.items() for b in batches
+            ), flush=True)  # fmt: skip
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)])
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = next((ln for ln in cpuinfo if ln.startswith("flags")), "").split()
+    print(f"\nthreads={args.threads}, context {args.context}, medians of {args.rounds} rounds")
+    print("cpu flags: " + " ".join(f for f in flags if f.startswith(("avx", "amx", "fma"))))
+    print(f"| batch | {args.commit} ms/step | working tree ms/step | tok/s ratio (new / old) |")
+    print("| ---: | ---: | ---: | ---: |")
+    for b in batches:
+        old, new = (statistics.median(times[s][b]) for s in sides)
+        print(f"| {b} | {old:.2f} | {new:.2f} | {old / new:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
