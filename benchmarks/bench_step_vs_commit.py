@@ -25,10 +25,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def worker(tree: str, batches: list[int], context: int, threads: int, steps: int) -> None:
+def worker(
+    tree: str, batches: list[int], context: int, threads: int, steps: int, prefill: int
+) -> None:
     sys.path.insert(0, tree)
     # executor_svc first: the benchmark helpers below put this tree's root on sys.path too.
-    from executor_svc.model_runner import ModelRunner
+    from executor_svc.model_runner import ModelRunner, ScheduledSequence
 
     sys.path.insert(1, str(ROOT / "benchmarks"))
     import profile_step
@@ -37,7 +39,7 @@ def worker(tree: str, batches: list[int], context: int, threads: int, steps: int
 
     assert Path(sys.modules["executor_svc"].__file__).is_relative_to(tree)
     torch.set_num_threads(threads)
-    blocks = max(batches) * -(-(context + 2) // 16) + 16
+    blocks = max(max(batches) * -(-(context + 2) // 16), -(-prefill // 16)) + 16
     runner = ModelRunner(
         build_model(ROOT / ".cache"), device="cpu", num_device_blocks=blocks,
         swap_space_gib=0.01, attention_backend="auto",
@@ -50,7 +52,18 @@ def worker(tree: str, batches: list[int], context: int, threads: int, steps: int
         start = time.perf_counter()
         for _ in range(steps):
             runner.execute(seqs, [], [], [])
-        out[b] = (time.perf_counter() - start) / steps * 1e3
+        out[str(b)] = (time.perf_counter() - start) / steps * 1e3
+    if prefill:  # one sequence's whole prompt in one step, computed again each time
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(5, runner.info.vocab_size, (prefill,), generator=g).tolist()
+        params = profile_step.SamplingParams()
+        seq = ScheduledSequence("p", tokens, prefill, list(range(-(-prefill // 16))), 0, prefill,
+                                params)  # fmt: skip
+        runner.execute([seq], [], [], [])
+        start = time.perf_counter()
+        for _ in range(max(1, steps // 4)):
+            runner.execute([seq], [], [], [])
+        out[f"prefill {prefill}"] = (time.perf_counter() - start) / max(1, steps // 4) * 1e3
     print(json.dumps(out))
 
 
@@ -62,28 +75,31 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--prefill", type=int, default=0, help="also time a prefill of this many tokens")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # the tree to import from
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     if args.worker:
-        worker(args.worker, batches, args.context, args.threads, args.steps)
+        worker(args.worker, batches, args.context, args.threads, args.steps, args.prefill)
         return
     base = Path(tempfile.mkdtemp())
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base),
                     args.commit], check=True)  # fmt: skip
     sides = {args.commit: str(base), "working tree": str(ROOT)}
-    times: dict[str, dict[int, list[float]]] = {s: {b: [] for b in batches} for s in sides}
+    cases = [str(b) for b in batches] + ([f"prefill {args.prefill}"] if args.prefill else [])
+    times: dict[str, dict[str, list[float]]] = {s: {c: [] for c in cases} for s in sides}
     try:
         for rnd in range(args.rounds):
             for side, tree in sides.items():
                 cmd = [sys.executable, __file__, args.commit, "--worker", tree, "--batches",
                        args.batches, "--context", str(args.context), "--threads",
-                       str(args.threads), "--steps", str(args.steps)]  # fmt: skip
+                       str(args.threads), "--steps", str(args.steps), "--prefill",
+                       str(args.prefill)]  # fmt: skip
                 res = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=tree)
-                for b, ms in json.loads(res.stdout.strip().splitlines()[-1]).items():
-                    times[side][int(b)].append(ms)
+                for case, ms in json.loads(res.stdout.strip().splitlines()[-1]).items():
+                    times[side][case].append(ms)
             print(f"round {rnd}: " + ", ".join(
-                f"{s} x{b} {t[b][-1]:.2f} ms" for s, t in times.items() for b in batches
+                f"{s} {c} {t[c][-1]:.2f} ms" for s, t in times.items() for c in cases
             ), flush=True)  # fmt: skip
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)])
@@ -91,11 +107,11 @@ def main() -> None:
     flags = next((ln for ln in cpuinfo if ln.startswith("flags")), "").split()
     print(f"\nthreads={args.threads}, context {args.context}, medians of {args.rounds} rounds")
     print("cpu flags: " + " ".join(f for f in flags if f.startswith(("avx", "amx", "fma"))))
-    print(f"| batch | {args.commit} ms/step | working tree ms/step | tok/s ratio (new / old) |")
+    print(f"| step (batch) | {args.commit} ms | working tree ms | tok/s ratio (new / old) |")
     print("| ---: | ---: | ---: | ---: |")
-    for b in batches:
-        old, new = (statistics.median(times[s][b]) for s in sides)
-        print(f"| {b} | {old:.2f} | {new:.2f} | {old / new:.3f} |")
+    for c in cases:
+        old, new = (statistics.median(times[s][c]) for s in sides)
+        print(f"| {c} | {old:.2f} | {new:.2f} | {old / new:.3f} |")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -24,6 +25,7 @@ from client.params import SamplingParams
 from client.prompts import PromptInput
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 # Statuses after which the stream is retried: the scheduler went away or is starting.
 _RETRY = {grpc.StatusCode.UNAVAILABLE}
@@ -41,6 +43,22 @@ def retryable(err: LLMServeError) -> bool:
     return err.code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and any(
         m in err.message for m in _CUT_MARKERS
     )
+
+
+async def retrying(call: Callable[[], Awaitable[T]], timeout_s: float = 60.0) -> T:
+    """``await call()``, again while it fails as a stream would be resumed (``retryable``), for
+    up to ``timeout_s``: for the idempotent unary calls made mid-stream (detokenizing logprob
+    tokens), which a scheduler restart must not turn into an error either."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    while True:
+        try:
+            return await call()
+        except LLMServeError as err:
+            if not retryable(err) or time.monotonic() + delay > deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)
 
 
 class ResilientStream:

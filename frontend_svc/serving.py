@@ -15,7 +15,7 @@ from client.async_client import AsyncLLMClient
 from client.outputs import StreamDelta
 from client.params import SamplingParams
 from client.prompts import PromptInput
-from frontend_svc.generation import ResilientStream
+from frontend_svc.generation import ResilientStream, retrying
 
 log = structlog.get_logger(__name__)
 
@@ -128,6 +128,8 @@ async def token_texts(client: AsyncLLMClient, delta: StreamDelta) -> list[str]:
         lp = entry.get(tid)
         texts.append(lp.decoded_token if lp is not None and lp.decoded_token is not None else None)
     if any(t is None for t in texts) or len(texts) < len(delta.token_ids):
-        _, pieces = await client.detokenize(delta.token_ids, skip_special_tokens=False)
+        _, pieces = await retrying(
+            lambda: client.detokenize(delta.token_ids, skip_special_tokens=False)
+        )
         return pieces
     return [t or "" for t in texts]

@@ -12,6 +12,7 @@ from client.outputs import ServerInfo
 from client.params import SamplingParams
 from client.prompts import PromptInput
 from frontend_svc.errors import APIError
+from frontend_svc.generation import retrying
 from frontend_svc.serving import Run
 
 # A scheduler that restarts should be reached again quickly, not after gRPC's default back-off
@@ -89,7 +90,9 @@ class FrontendState:
             return prompt
         assert isinstance(prompt, list)
         try:
-            text, _ = await self.client.detokenize(prompt, skip_special_tokens=False)
+            text, _ = await retrying(
+                lambda: self.client.detokenize(prompt, skip_special_tokens=False)
+            )
         except LLMServeError as e:
             raise APIError.from_llmserve(e) from None
         return text

@@ -24,3 +24,28 @@ from frontend_svc.generation import retryable
 )
 def test_only_outages_and_cut_connections_are_resumed(code, message, expected):
     assert retryable(LLMServeError(code, message)) is expected
+
+
+def test_mid_stream_unary_calls_retry_an_outage_and_not_an_answer():
+    import asyncio
+
+    from frontend_svc.generation import retrying
+
+    calls = []
+
+    async def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise LLMServeError(grpc.StatusCode.UNKNOWN, "Stream removed")
+        return "ok"
+
+    assert asyncio.run(retrying(flaky, timeout_s=5)) == "ok" and len(calls) == 3
+
+    async def refused():
+        calls.append(1)
+        raise LLMServeError(grpc.StatusCode.INVALID_ARGUMENT, "bad token id")
+
+    calls.clear()
+    with pytest.raises(LLMServeError):
+        asyncio.run(retrying(refused, timeout_s=5))
+    assert len(calls) == 1
