@@ -103,6 +103,10 @@ def test_outputs_are_identical_with_and_without_planning_ahead(stacks):
     requests.append(
         {"prompt": PROMPTS[4], "params": {"max_tokens": 14, "temperature": 0.7, "seed": 11}}
     )
+    # Every request reports its tokens' logprobs: equal floats with and without steps planned
+    # ahead mean equal logits (step invariance, issue 24), not just equal argmaxes.
+    for r in requests:
+        r["params"].setdefault("logprobs", 0)
     ahead_before = _planned_ahead(async_port)
     expected = _run(sync_stub, requests)
     got = _run(async_stub, requests)
@@ -112,6 +116,7 @@ def test_outputs_are_identical_with_and_without_planning_ahead(stacks):
         assert g.tokens == e.tokens, req
         assert g.text == e.text, req
         assert g.finish == e.finish, req
+        assert g.logprobs == e.logprobs and g.logprobs, req
     assert got[len(plain)].finish[0] == pb.FINISH_REASON_STOP
     assert got[len(plain)].tokens[0] == ref[0].tokens[0][: ref[0].tokens[0].index(stop_token) + 1]
     assert _planned_ahead(async_port) > ahead_before + 5

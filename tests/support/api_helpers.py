@@ -48,6 +48,8 @@ class Collected:
     tokens: dict[int, list[int]] = field(default_factory=dict)
     text: dict[int, str] = field(default_factory=dict)
     finish: dict[int, int] = field(default_factory=dict)
+    # Per sequence, each token's logprob when the request asked for logprobs.
+    logprobs: dict[int, list[float]] = field(default_factory=dict)
     offsets_ok: bool = True
     error: grpc.RpcError | None = None
     messages: int = 0
@@ -59,6 +61,8 @@ class Collected:
             self.offsets_ok = False
         toks.extend(msg.token_ids)
         self.text[msg.index] = self.text.get(msg.index, "") + msg.text
+        if msg.logprobs:
+            self.logprobs.setdefault(msg.index, []).extend(lp.logprob for lp in msg.logprobs)
         if msg.finish_reason:
             self.finish[msg.index] = msg.finish_reason
         self.messages += 1
