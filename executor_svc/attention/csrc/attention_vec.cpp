@@ -86,34 +86,8 @@ void weighted_v(const float* s, int rows, int ss, const float* vb, int64_t ts, i
 // One row's softmax step over its n visible scores of a chunk of nk: s[0, n) become weights
 // exp(s - new max), s[n, nk) zero; m and l move on; returns the accumulator's rescale factor.
 inline float chunk_softmax(float* s, int n, int nk, float& m, float& l) {
-  const int n16 = n & ~15;
-  v16 vm = v16{} - 1e30f;
-  for (int j = 0; j < n16; j += 16) {
-    const v16 x = load16(s + j);
-    vm = x > vm ? x : vm;
-  }
-  float mx = m;
-  for (int u = 0; u < 16; ++u) mx = std::max(mx, vm[u]);
-  for (int j = n16; j < n; ++j) mx = std::max(mx, s[j]);
-  v16 sum = v16{};
-  for (int j = 0; j < n16; j += 16) {
-    const v16 e = exp16(load16(s + j) - mx);
-    store16(s + j, e);
-    sum += e;
-  }
-  if (n16 < n) {  // the tail through one padded vector, the same exp as the full vectors
-    v16 t = v16{} - 1e30f;
-    for (int u = 0; u < n - n16; ++u) t[u] = s[n16 + u];
-    const v16 e = exp16(t - mx);
-    for (int u = 0; u < n - n16; ++u) {
-      s[n16 + u] = e[u];
-      sum[u] += e[u];
-    }
-  }
-  for (int j = n; j < nk; ++j) s[j] = 0.0f;
-  const float corr = exp16(v16{} + (m - mx))[0];
-  m = mx;
-  l = l * corr + hsum(sum);
+  const float corr = softmax_update(s, n, m, l);
+  std::fill(s + n, s + nk, 0.0f);
   return corr;
 }
 

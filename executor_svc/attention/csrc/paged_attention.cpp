@@ -33,42 +33,6 @@
 namespace llmserve {
 namespace {
 
-// The online-softmax step of one row over n new scores in s: s becomes the weights
-// exp(s - new max), m and l move on, and the factor that rescales the row's accumulator is
-// returned (0 on the first block, where m = -1e30).
-inline float softmax_update(float* s, int n, float& m, float& l) {
-  float mx = m;
-  int j = 0;
-  if (n >= 16) {
-    v16 vm = load16(s);
-    for (j = 16; j + 16 <= n; j += 16) {
-      const v16 x = load16(s + j);
-      vm = x > vm ? x : vm;
-    }
-    for (int u = 0; u < 16; ++u) mx = std::max(mx, vm[u]);
-  }
-  for (; j < n; ++j) mx = std::max(mx, s[j]);
-  v16 vsum = v16{};
-  for (j = 0; j + 16 <= n; j += 16) {
-    const v16 e = exp16(load16(s + j) - mx);
-    store16(s + j, e);
-    vsum += e;
-  }
-  if (j < n) {  // the tail through a padded vector: lanes past n get exp(-87) and are dropped
-    v16 t = v16{} - 1e30f;
-    for (int u = 0; u < n - j; ++u) t[u] = s[j + u];
-    const v16 e = exp16(t - mx);
-    for (int u = 0; u < n - j; ++u) {
-      s[j + u] = e[u];
-      vsum[u] += e[u];
-    }
-  }
-  const float corr = exp16(v16{} + (m - mx))[0];
-  m = mx;
-  l = l * corr + hsum(vsum);
-  return corr;
-}
-
 // Softmax update and V accumulation of one row for n scores already in s (generic head_dim).
 void row_update(float* s, int n, const float* vb, int64_t tok_stride, int D, float& m, float& l,
                 float* o) {

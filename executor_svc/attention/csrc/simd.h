@@ -78,27 +78,4 @@ inline v16 exp16(v16 x) {
   return p;
 }
 
-// In-place transpose of a 16 x 16 tile held as 16 vectors: four rounds that swap the
-// off-diagonal h x h sub-blocks, h = 8, 4, 2, 1.
-inline void transpose16(v16* r) {
-#define LLMS_IDX(...) __VA_ARGS__
-#define LLMS_ROUND(H, A, B)                                     \
-  for (int i = 0; i < 16; ++i) {                                \
-    if (i & H) continue;                                        \
-    const v16 x = r[i], y = r[i + H];                           \
-    r[i] = __builtin_shufflevector(x, y, A);                    \
-    r[i + H] = __builtin_shufflevector(x, y, B);                \
-  }
-  LLMS_ROUND(8, LLMS_IDX(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
-             LLMS_IDX(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
-  LLMS_ROUND(4, LLMS_IDX(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
-             LLMS_IDX(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
-  LLMS_ROUND(2, LLMS_IDX(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
-             LLMS_IDX(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
-  LLMS_ROUND(1, LLMS_IDX(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
-             LLMS_IDX(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
-#undef LLMS_ROUND
-#undef LLMS_IDX
-}
-
 }  // namespace llmserve
