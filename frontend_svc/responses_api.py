@@ -45,7 +45,7 @@ _LAST_EVENT = {
 
 
 @dataclass
-class _Output:
+class ResponseOutput:
     """One response as it is being generated, and the objects the API shapes of it."""
 
     body: ResponsesRequest
@@ -57,11 +57,13 @@ class _Output:
     created_at: int = field(default_factory=lambda: int(time.time()))
     text: str = ""
     finish_reason: str | None = None
+    finished_at: int | None = None
 
     def add(self, d: StreamDelta) -> None:
         self.text += d.text
         if d.finished:
             self.finish_reason = d.finish_reason
+            self.finished_at = int(time.time())
 
     @property
     def status(self) -> str:
@@ -107,6 +109,7 @@ class _Output:
             "id": self.resp_id,
             "object": "response",
             "created_at": self.created_at,
+            "completed_at": self.finished_at if status == "completed" else None,
             "status": status,
             "error": {"code": "server_error", "message": "generation failed"} if failed else None,
             "incomplete_details": {"reason": reason} if reason else None,
@@ -130,10 +133,10 @@ class _Output:
         }
 
 
-class _Events:
+class ResponseEvents:
     """The Responses API's server-sent events, numbered in the order they are sent."""
 
-    def __init__(self, out: _Output) -> None:
+    def __init__(self, out: ResponseOutput) -> None:
         self.out = out
         self.sequence_number = 0
 
@@ -194,10 +197,12 @@ async def create_response(body: ResponsesRequest, request: Request):
     prompt = ChatPrompt(body.messages())
     base = request_id_from(request)
     run = state.start_run(base, [prompt], params, 0, caller_key(request))
-    out = _Output(body, params, run, f"resp_{base}", f"msg_{base}", model=await state.model_name())
+    out = ResponseOutput(
+        body, params, run, f"resp_{base}", f"msg_{base}", model=await state.model_name()
+    )
 
     if body.stream:
-        events = _Events(out)
+        events = ResponseEvents(out)
         first, rest = await start(run, request)
         return stream_response(run, first, rest, events.of, on_error=events.error, done="")
 

@@ -65,6 +65,8 @@ def test_response_is_the_chat_answer_in_the_responses_shape(oai, model):
     got = oai.responses.create(model=model, input="Hi", max_output_tokens=8, temperature=0)
     assert got.object == "response" and got.id.startswith("resp_")
     assert got.model == model and got.created_at > 0
+    if got.status == "completed":
+        assert got.completed_at >= got.created_at
     assert got.status == ("incomplete" if want.finish_reason == "length" else "completed")
     (item,) = got.output
     assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")

@@ -1,12 +1,18 @@
-"""The Responses API body's translation (frontend_svc/responses_protocol.py) and best_of's
-choice among candidates (frontend_svc/responses.py), without a server."""
+"""The Responses API body's translation (frontend_svc/responses_protocol.py), the objects and
+events made of its output (responses_api.py), and best_of's choice among candidates
+(responses.py), without a server."""
 
 from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
 
 import pytest
 
 from frontend_svc.errors import APIError
 from frontend_svc.responses import best_candidates
+from frontend_svc.responses_api import ResponseEvents, ResponseOutput
 from frontend_svc.responses_protocol import ResponsesRequest
 
 
@@ -92,3 +98,40 @@ def test_bad_input_items_are_named():
     with pytest.raises(APIError) as e:
         make_request(input=[{"role": "user", "content": [{"type": "input_text"}]}]).messages()
     assert e.value.param == "input[0].content[0].text"
+
+
+def _output(finish_reason: str | None = None) -> ResponseOutput:
+    run = SimpleNamespace(num_prompt_tokens=5, streams=[SimpleNamespace(forwarded=[2])])
+    req = make_request()
+    out = ResponseOutput(req, req.to_params(64), run, "resp_x", "msg_x", model="m")  # type: ignore[arg-type]
+    out.finish_reason = finish_reason
+    return out
+
+
+@pytest.mark.parametrize(
+    ("finish_reason", "status", "message_status", "last_event"),
+    [
+        ("stop", "completed", "completed", "response.completed"),
+        ("length", "incomplete", "incomplete", "response.incomplete"),
+        ("abort", "cancelled", "incomplete", "response.incomplete"),
+        ("error", "failed", "incomplete", "response.failed"),
+    ],
+)
+def test_finish_reasons_map_to_response_statuses(finish_reason, status, message_status, last_event):
+    out = _output(finish_reason)
+    body = out.response()
+    assert body["status"] == status and body["output"][0]["status"] == message_status
+    assert (body["error"] is not None) == (status == "failed")
+    assert body["usage"]["total_tokens"] == 7
+    events = ResponseEvents(out)
+    events.sequence_number = 5  # the opening events were sent
+    sent = asyncio.run(events.of(None, None))
+    assert sent[-1].startswith(f"event: {last_event}\n")
+    # A scheduler error mid-stream is an `error` event, numbered after the others.
+    (err,) = events.error(APIError(503, "no executor", type="service_unavailable"))
+    name, data = err.strip().split("\n")
+    assert name == "event: error"
+    assert json.loads(data.removeprefix("data: ")) == {
+        "type": "error", "sequence_number": 9, "code": "503", "message": "no executor",
+        "param": None,
+    }  # fmt: skip
