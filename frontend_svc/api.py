@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from client.errors import LLMServeError
@@ -22,8 +19,22 @@ from frontend_svc.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from frontend_svc.responses import chat_logprobs, completion_logprobs, prompt_logprobs, usage
-from frontend_svc.serving import Run, request_id_from, token_texts, until_disconnect
+from frontend_svc.responses import (
+    best_candidates,
+    chat_logprobs,
+    completion_logprobs,
+    cumulative_logprob,
+    prompt_logprobs,
+    usage,
+)
+from frontend_svc.serving import (
+    collect,
+    request_id_from,
+    sse,
+    start,
+    stream_response,
+    token_texts,
+)
 from frontend_svc.state import FrontendState
 
 router = APIRouter()
@@ -31,85 +42,6 @@ router = APIRouter()
 
 def _state(request: Request) -> FrontendState:
     return request.app.state.frontend
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before the response started (answered with 499, which
-    nobody reads, as nginx logs it)."""
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def _first_then_rest(it: AsyncIterator, request: Request) -> tuple[Any, AsyncIterator]:
-    """The first item (so that errors before any output get a proper status, not a broken
-    stream), racing the client's disconnect."""
-    first = asyncio.ensure_future(anext(it))
-    gone = asyncio.ensure_future(until_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if first not in done:
-        first.cancel()
-        raise ClientGone
-    return first.result(), it
-
-
-async def _collect(run: Run, request: Request, on_delta) -> None:
-    """Consume every delta (non-streaming), aborting the requests if the client goes away."""
-
-    async def consume() -> None:
-        async for i, d in run.deltas():
-            await on_delta(i, d)
-
-    work = asyncio.ensure_future(consume())
-    gone = asyncio.ensure_future(until_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if work not in done:
-        work.cancel()
-        run.abort_in_background()
-        raise ClientGone
-    work.result()
-
-
-def _stream_response(run: Run, first, rest: AsyncIterator, to_events) -> StreamingResponse:
-    async def body() -> AsyncIterator[str]:
-        completed = False
-        try:
-            # One write per delta, whatever number of events it makes.
-            if events := "".join(await to_events(*first)):
-                yield events
-            async for i, d in rest:
-                if events := "".join(await to_events(i, d)):
-                    yield events
-            if events := "".join(await to_events(None, None)):
-                yield events
-            completed = True
-        except LLMServeError as e:
-            yield _sse(APIError.from_llmserve(e).body())
-            completed = True
-        finally:
-            if not completed:
-                run.abort_in_background()  # the client went away mid-stream
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
-async def _start(state: FrontendState, run: Run, request: Request):
-    it = run.deltas()
-    try:
-        return await _first_then_rest(it, request)
-    except LLMServeError as e:
-        raise APIError.from_llmserve(e) from None
-    except ClientGone:
-        run.abort_in_background()
-        raise
 
 
 @router.post("/v1/completions")
@@ -121,7 +53,7 @@ async def completions(body: CompletionRequest, request: Request):
     base = request_id_from(request)
     run = state.start_run(base, prompts, params, body.priority, caller_key(request))
     rid, created, model = f"cmpl-{base}", int(time.time()), await state.model_name()
-    n = params.n
+    n = params.n  # sequences per prompt: best_of of them when it is given
     echo = [await state.prompt_text(p) if body.echo else "" for p in prompts]
     offsets: dict[int, int] = {}
 
@@ -149,7 +81,7 @@ async def completions(body: CompletionRequest, request: Request):
                         run.num_prompt_tokens, sum(sum(s.forwarded) for s in run.streams)
                     ),
                 }
-                return [_sse(last)]
+                return [sse(last)]
             c = i * n + d.index
             text = d.text
             if c not in sent_echo:
@@ -164,7 +96,7 @@ async def completions(body: CompletionRequest, request: Request):
                 "stop_reason": d.stop_reason,
             }
             return [
-                _sse(
+                sse(
                     {
                         "id": rid,
                         "object": "text_completion",
@@ -175,8 +107,8 @@ async def completions(body: CompletionRequest, request: Request):
                 )
             ]
 
-        first, rest = await _start(state, run, request)
-        return _stream_response(run, first, rest, to_events)
+        first, rest = await start(run, request)
+        return stream_response(run, first, rest, to_events)
 
     texts = {i * n + j: echo[i] for i in range(len(prompts)) for j in range(n)}
     for c, t in texts.items():
@@ -184,11 +116,14 @@ async def completions(body: CompletionRequest, request: Request):
     finish: dict[int, tuple] = {}
     lps: dict[int, dict] = {}
     prompt_lps: dict[int, list | None] = {}
+    scores: dict[int, float] = {}  # cumulative logprob of each candidate (best_of)
 
     async def on_delta(i, d) -> None:
         c = i * n + d.index
         if d.prompt_logprobs is not None:
             prompt_lps[i] = prompt_logprobs(d.prompt_logprobs)
+        if body.best_of is not None:
+            scores[c] = scores.get(c, 0.0) + cumulative_logprob(d)
         lp = await logprobs_of(c, d)
         if lp is not None:
             acc = lps.setdefault(
@@ -201,20 +136,30 @@ async def completions(body: CompletionRequest, request: Request):
             finish[c] = (d.finish_reason, d.stop_reason)
 
     try:
-        await _collect(run, request, on_delta)
+        await collect(run, request, on_delta)
     except LLMServeError as e:
-        raise APIError.from_llmserve(e) from None
+        err = APIError.from_llmserve(e)
+        if body.best_of is not None and err.message.startswith("params.n "):
+            # The scheduler sees best_of as n: name the field the client sent.
+            err.message, err.param = "best_of" + err.message[len("params.n") :], "best_of"
+        raise err from None
+    if body.best_of is None:
+        order = sorted(texts)
+    else:
+        order = best_candidates(scores, len(prompts), n, body.n)
     choices = [
         {
-            "index": c,
+            "index": k,
             "text": texts[c],
             "logprobs": lps.get(c) if body.logprobs is not None else None,
             "finish_reason": finish.get(c, (None, None))[0],
             "stop_reason": finish.get(c, (None, None))[1],
             "prompt_logprobs": prompt_lps.get(c // n),
         }
-        for c in sorted(texts)
+        for k, c in enumerate(order)
     ]
+    # Every candidate counts, best_of's discarded ones too: they were generated (as OpenAI
+    # bills them).
     completion_tokens = sum(sum(s.forwarded) for s in run.streams)
     return JSONResponse(
         {
@@ -249,7 +194,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         greeted: set[int] = set()
 
         def chunk(choices: list, **extra) -> str:
-            return _sse(
+            return sse(
                 {
                     "id": rid,
                     "object": "chat.completion.chunk",
@@ -313,8 +258,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 )
             return out
 
-        first, rest = await _start(state, run, request)
-        return _stream_response(run, first, rest, to_events)
+        first, rest = await start(run, request)
+        return stream_response(run, first, rest, to_events)
 
     texts = {j: "" for j in range(params.n)}
     lps: dict[int, list] = {j: [] for j in range(params.n)}
@@ -334,7 +279,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             finish[d.index] = (d.finish_reason, d.stop_reason)
 
     try:
-        await _collect(run, request, on_delta)
+        await collect(run, request, on_delta)
     except LLMServeError as e:
         raise APIError.from_llmserve(e) from None
     choices = [

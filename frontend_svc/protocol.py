@@ -124,9 +124,24 @@ class CompletionRequest(_Common):
     def to_params(self) -> SamplingParams:
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise bad_request("best_of other than n is not supported", "best_of")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        params = self.sampling_params(self.max_tokens, self.logprobs)
+        if self.best_of is None:
+            return params
+        # As vLLM: best_of candidates are generated and the n best returned, which a stream
+        # (sending tokens before the candidates are known) cannot do.
+        if self.stream:
+            raise bad_request("best_of is not supported with stream=true", "best_of")
+        if self.best_of < self.n:
+            raise bad_request(
+                f"best_of must be >= n, got best_of={self.best_of} and n={self.n}", "best_of"
+            )
+        # Candidates are ranked by their sampled tokens' logprobs, so they are asked for
+        # (0: the sampled token alone) even when the client did not; they are returned only if
+        # it did. The scheduler checks best_of against n's limits.
+        params.n = self.best_of
+        if params.logprobs is None:
+            params.logprobs = 0
+        return params
 
 
 class TextPart(BaseModel):

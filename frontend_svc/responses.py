@@ -1,4 +1,5 @@
-"""Scheduler stream deltas -> OpenAI response objects (completions and chat, whole or chunked)."""
+"""Scheduler stream deltas -> OpenAI response objects (completions and chat, whole or chunked),
+and best_of's choice among candidates."""
 
 from __future__ import annotations
 
@@ -72,3 +73,22 @@ def chat_logprobs(delta: StreamDelta, token_texts: list[str]) -> list[dict[str, 
             }
         )
     return content
+
+
+def cumulative_logprob(delta: StreamDelta) -> float:
+    """The sum of the logprobs of the tokens a delta sampled (the request asked for logprobs,
+    so each entry holds its sampled token)."""
+    return sum(
+        entry[tid].logprob for tid, entry in zip(delta.token_ids, delta.logprobs or [], strict=True)
+    )
+
+
+def best_candidates(scores: dict[int, float], num_prompts: int, best_of: int, n: int) -> list[int]:
+    """best_of as vLLM: of prompt i's candidates `i * best_of + j`, the `n` with the highest
+    cumulative logprob, best first (ties by index, so equal greedy candidates keep their
+    order); the choices of prompt i are then `i * n + rank`."""
+    out: list[int] = []
+    for i in range(num_prompts):
+        mine = range(i * best_of, (i + 1) * best_of)
+        out.extend(sorted(mine, key=lambda c: (-scores.get(c, 0.0), c))[:n])
+    return out

@@ -1,20 +1,26 @@
 """Running a request for an HTTP call: the scheduler's streams of every prompt merged, token
-texts for logprobs, aborts when the HTTP client goes away."""
+texts for logprobs, aborts when the HTTP client goes away, and the whole or streamed (server-sent
+events) HTTP answer every OpenAI route makes of it."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
+from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from client.async_client import AsyncLLMClient
+from client.errors import LLMServeError
 from client.outputs import StreamDelta
 from client.params import SamplingParams
 from client.prompts import PromptInput
+from frontend_svc.errors import APIError
 from frontend_svc.generation import ResilientStream, retrying
 
 log = structlog.get_logger(__name__)
@@ -118,6 +124,101 @@ async def until_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response started (answered with 499, which
+    nobody reads, as nginx logs it)."""
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def first_then_rest(it: AsyncIterator, request: Request) -> tuple[Any, AsyncIterator]:
+    """The first item (so that errors before any output get a proper status, not a broken
+    stream), racing the client's disconnect."""
+    first = asyncio.ensure_future(anext(it))
+    gone = asyncio.ensure_future(until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if first not in done:
+        first.cancel()
+        raise ClientGone
+    return first.result(), it
+
+
+async def collect(run: Run, request: Request, on_delta) -> None:
+    """Consume every delta (non-streaming), aborting the requests if the client goes away."""
+
+    async def consume() -> None:
+        async for i, d in run.deltas():
+            await on_delta(i, d)
+
+    work = asyncio.ensure_future(consume())
+    gone = asyncio.ensure_future(until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if work not in done:
+        work.cancel()
+        run.abort_in_background()
+        raise ClientGone
+    work.result()
+
+
+def stream_response(
+    run: Run,
+    first,
+    rest: AsyncIterator,
+    to_events: Callable[[Any, Any], Awaitable[list[str]]],
+    *,
+    on_error: Callable[[APIError], list[str]] = lambda e: [sse(e.body())],
+    done: str = "data: [DONE]\n\n",
+) -> StreamingResponse:
+    """The events `to_events(prompt index, delta)` makes of every delta, then of (None, None)
+    once all are in. A scheduler error mid-stream can no longer change the HTTP status, so it
+    becomes the events `on_error` makes of it; `done` ends the stream (the Responses API sends
+    no `[DONE]`: its last event says so)."""
+
+    async def body() -> AsyncIterator[str]:
+        completed = False
+        try:
+            # One write per delta, whatever number of events it makes.
+            if events := "".join(await to_events(*first)):
+                yield events
+            async for i, d in rest:
+                if events := "".join(await to_events(i, d)):
+                    yield events
+            if events := "".join(await to_events(None, None)):
+                yield events
+            completed = True
+        except LLMServeError as e:
+            yield "".join(on_error(APIError.from_llmserve(e)))
+            completed = True
+        finally:
+            if not completed:
+                run.abort_in_background()  # the client went away mid-stream
+        if done:
+            yield done
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def start(run: Run, request: Request):
+    """The first delta of a run and an iterator of the rest; errors before any output are
+    raised as APIError."""
+    it = run.deltas()
+    try:
+        return await first_then_rest(it, request)
+    except LLMServeError as e:
+        raise APIError.from_llmserve(e) from None
+    except ClientGone:
+        run.abort_in_background()
+        raise
 
 
 async def token_texts(client: AsyncLLMClient, delta: StreamDelta) -> list[str]:
