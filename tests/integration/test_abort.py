@@ -95,14 +95,15 @@ def test_abort_before_generate_wins(api):
     assert wait_until_idle(api).num_running == 0
 
 
-def test_get_request_right_after_abort_is_final(api):
+@pytest.mark.parametrize("round_", range(5))  # the race is one of timing: try it often
+def test_get_request_right_after_abort_is_final(api, round_):
     """For a running request and for a waiting one (every slot taken by others)."""
-    runners = [f"slot-{i}" for i in range(MAX_NUM_SEQS)]
+    runners = [f"slot-{round_}-{i}" for i in range(MAX_NUM_SEQS)]
     for rid in runners:
         next(api.Generate(gen_request([7, 8, 9], request_id=rid, max_tokens=LONG, detached=True)))
     for rid in runners:
         _wait_status(api, rid, pb.REQUEST_STATUS_RUNNING)
-    waiting = "queued"
+    waiting = f"queued-{round_}"
     call = api.Generate(gen_request([3, 4], request_id=waiting, max_tokens=LONG, detached=True))
     _wait_status(api, waiting, pb.REQUEST_STATUS_WAITING)
     assert api.Abort(pb.AbortRequest(request_id=waiting)).aborted
