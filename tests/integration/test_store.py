@@ -5,6 +5,7 @@ import json
 
 import pytest
 import redis
+import redis.asyncio
 
 from scheduler_svc.state.store import (
     FORMAT_VERSION,
@@ -12,6 +13,7 @@ from scheduler_svc.state.store import (
     FinishRecord,
     RequestStore,
     StoredRequest,
+    StoreFenced,
     StoreFormatError,
     StoreGapError,
     StoreUnavailable,
@@ -83,6 +85,24 @@ def test_an_abort_ahead_of_its_request_is_met_by_the_claim(redis_url):
     assert raw.exists("llmserve:abort:kept")
     assert 0 < raw.pttl("llmserve:request:early") <= 100_000  # expires like any finished one
     assert 0 < raw.pttl("llmserve:abort:kept") <= 60_000
+
+
+def test_abort_ahead_and_its_claim_are_fenced_by_the_leader_epoch(redis_url):
+    async def go():
+        raw = redis.asyncio.Redis.from_url(redis_url)
+        await raw.set("llmserve:leader:epoch", 2)
+        store = RequestStore(redis_url)
+        store.epoch = 2
+        assert await store.abort_ahead("e", ttl_s=60) is None
+        assert await store.create(make_record("e")) is Created.ABORTED
+        store.epoch = 1  # deposed: another scheduler leads now
+        with pytest.raises(StoreFenced):
+            await store.abort_ahead("f", ttl_s=60)
+        assert not await raw.exists("llmserve:abort:f")
+        await store.close()
+        await raw.aclose()
+
+    run(go())
 
 
 def test_append_is_idempotent_and_detects_gaps(redis_url):
