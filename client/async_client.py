@@ -175,7 +175,10 @@ class AsyncLLMClient:
             raise LLMServeError.from_rpc_error(err, request_id=request_id) from None
 
     async def abort(self, request_id: str) -> bool:
-        """True when the request was still active and is now aborted; False if it had finished."""
+        """True when the request was still active and is now aborted; False if it had finished,
+        or if no request had this id yet: then a request started with it within the server's
+        abort lifetime (60 s by default) ends at once as aborted. Either way, once this
+        returns, the request is final and reads (get_request, resume) show it."""
         resp = await self._unary("Abort", pb.AbortRequest(request_id=request_id), request_id)
         return resp.aborted
 

@@ -107,7 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_abort(args: argparse.Namespace) -> int:
     with LLMClient(args.address, timeout=args.timeout) as client:
         aborted = client.abort(args.request_id)
-    print("aborted" if aborted else "not active (already finished)")
+    print("aborted" if aborted else "not active (finished, or not started: it will end aborted)")
     return 0
 
 

@@ -175,10 +175,12 @@ class AbortRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
-    __slots__ = ("aborted",)
+    __slots__ = ("aborted", "pending")
     ABORTED_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     aborted: bool
-    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
+    pending: bool
+    def __init__(self, aborted: _Optional[bool] = ..., pending: _Optional[bool] = ...) -> None: ...
 
 class GetRequestRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -83,8 +83,12 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts a request by id from any client; its blocks are freed at once and its stream ends
-        with FINISH_REASON_ABORT.
+        """Aborts a request by id from any client holding the key that created it; its blocks are
+        freed at once and its stream ends with FINISH_REASON_ABORT. It answers only once that is
+        final: every read after it (GetRequest, Resume) shows the request finished. An id that no
+        request has (yet) is not an error: the abort is kept for a while (60 s by default) and a
+        Generate with that id in that time ends at once with FINISH_REASON_ABORT and no tokens,
+        also after a scheduler restart or fail-over (see AbortResponse.pending).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-cpu-blocks", type=int, help="use at most this many swap blocks")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--finished-ttl", type=float, default=3600.0, help="seconds")
+    p.add_argument(
+        "--abort-ahead-ttl",
+        type=float,
+        default=60.0,
+        help="seconds an abort of an id not known yet waits for a Generate with that id",
+    )
     p.add_argument("--max-backlog-steps", type=int, default=1024)
     p.add_argument(
         "--executor-failover",
@@ -166,6 +172,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         watermark=args.watermark,
         max_logprobs=args.max_logprobs,
         finished_ttl_s=args.finished_ttl,
+        abort_ahead_ttl_s=args.abort_ahead_ttl,
         max_backlog_steps=args.max_backlog_steps,
         executor_failover_s=args.executor_failover,
         health_interval_s=args.health_interval,

@@ -15,7 +15,7 @@ from scheduler_svc.api.auth import bearer_token, key_name
 from scheduler_svc.api.rpc_guard import Malformed, RateLimitedLog, reject_malformed
 from scheduler_svc.core.errors import EngineError, NotFound, QueueFull, Unavailable, ValidationError
 from scheduler_svc.engine import Engine
-from scheduler_svc.engine.config import scoped_id
+from scheduler_svc.engine.config import AbortOutcome, scoped_id
 
 log = structlog.get_logger(__name__)
 
@@ -127,11 +127,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if isinstance(request, Malformed):
             await reject_malformed(request, context)
         try:
-            aborted = await self.engine.abort(self._req_id(context, request.request_id))
+            outcome = await self.engine.abort(self._req_id(context, request.request_id))
         except (EngineError, ValueError) as e:
             await _abort_with(context, e)
             return pb.AbortResponse()
-        return pb.AbortResponse(aborted=aborted)
+        return pb.AbortResponse(
+            aborted=outcome is AbortOutcome.ABORTED, pending=outcome is AbortOutcome.PENDING
+        )
 
     async def GetRequest(self, request: pb.GetRequestRequest, context) -> pb.GetRequestResponse:
         if isinstance(request, Malformed):

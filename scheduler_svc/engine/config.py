@@ -3,12 +3,14 @@ Generate call hands it, and what GetServerInfo reports."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from scheduler_svc.core.sampling_params import SamplingParams
 
 __all__ = [
     "MAX_REQUEST_ID_LEN",
+    "AbortOutcome",
     "EngineConfig",
     "ExecutorInfo",
     "GenerateInput",
@@ -58,6 +60,8 @@ class EngineConfig:
     watermark: float = 0.01
     max_logprobs: int = 20
     finished_ttl_s: float = 3600.0
+    # How long an abort of an id not known yet waits in Redis for its Generate (engine/aborts.py).
+    abort_ahead_ttl_s: float = 60.0
     max_backlog_steps: int = 1024
     step_timeout_s: float = 120.0
     # Plan and send the next decode step while the executor runs the current one (see
@@ -89,6 +93,14 @@ class EngineConfig:
     # renewal.
     leader_election: bool = False
     lease_ttl_s: float = 2.0
+
+
+class AbortOutcome(enum.Enum):
+    """What an Abort did (AbortResponse's `aborted` and `pending`)."""
+
+    ABORTED = "aborted"  # it was active and has ended as aborted
+    NOT_ACTIVE = "not_active"  # it had finished already (or was ended by an earlier abort)
+    PENDING = "pending"  # no request had this id: one created soon with it ends aborted
 
 
 @dataclass(slots=True)

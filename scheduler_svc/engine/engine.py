@@ -25,8 +25,8 @@ from protos import executor_pb2 as epb
 from scheduler_svc import failpoints
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler_output import SchedulerOutput
-from scheduler_svc.engine import faults, recovery, requests
-from scheduler_svc.engine.config import EngineConfig, GenerateInput, ServerInfo
+from scheduler_svc.engine import aborts, faults, recovery, requests
+from scheduler_svc.engine.config import AbortOutcome, EngineConfig, GenerateInput, ServerInfo
 from scheduler_svc.engine.executors import ExecutorHandle, ExecutorPool
 from scheduler_svc.engine.health import HealthMonitor
 from scheduler_svc.engine.key_usage import KeyUsage
@@ -58,6 +58,7 @@ class Engine:
         self.pool = ExecutorPool(config, self.store)
         self.executors = self.pool.executors  # the same list
         self.requests: dict[str, RequestHandle] = {}  # active (unfinished or unacknowledged)
+        self.creating = aborts.CreatingIds()  # ids a Generate is claiming in Redis right now
         self.tokenizer = None
         self.ready = False
         # Leader election: waiting for the lease (standby), and why leadership was lost; once
@@ -212,7 +213,7 @@ class Engine:
         await self.store.close()
         log.info("engine.stopped", unfinished=len(self.requests))
 
-    # ---------------------------------------------------------------- requests (requests.py)
+    # ---------------------------------------------------------------- requests (requests.py, aborts.py)
 
     async def submit(self, inp: GenerateInput) -> tuple[RequestHandle, bool]:
         """The request's stream state, and whether this call created it (False: attached to
@@ -222,8 +223,9 @@ class Engine:
     async def attach(self, req_id: str) -> RequestHandle:
         return await requests.attach(self, req_id)
 
-    async def abort(self, req_id: str, *, missing_ok: bool = False) -> bool:
-        return await requests.abort(self, req_id, missing_ok=missing_ok)
+    async def abort(self, req_id: str, *, missing_ok: bool = False) -> AbortOutcome:
+        """Returns once the outcome is final and in Redis (see engine/aborts.py)."""
+        return await aborts.abort(self, req_id, missing_ok=missing_ok)
 
     async def get_request(self, req_id: str) -> RequestView:
         return await requests.get_request(self, req_id)

@@ -26,7 +26,7 @@ from scheduler_svc.engine.config import (
 )
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
 from scheduler_svc.output.tokenizer import encode_chat, encode_prompt
-from scheduler_svc.state.store import StoredRequest, StoreFenced, StoreUnavailable
+from scheduler_svc.state.store import Created, StoredRequest, StoreFenced, StoreUnavailable
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.engine import Engine
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 __all__ = [
-    "abort",
     "attach",
     "check_available",
     "check_ready",
@@ -81,32 +80,49 @@ async def submit(engine: Engine, inp: GenerateInput) -> tuple[RequestHandle, boo
         arrival_time=handle.arrival_time,
         n=inp.params.n,
     )
-    try:
-        created = await engine.store.create(record)
-    except StoreFenced as e:
-        engine.leadership_lost(f"a write was refused: {e}")
-        raise Unavailable("this scheduler is no longer the leader; retry") from e
-    except StoreUnavailable as e:
-        raise Unavailable(
-            "request store (Redis) is unavailable; the request was not accepted, retry later"
-        ) from e
-    if not created:
-        # Stored by an earlier call (possibly finished): attach to what is stored.
-        return await attach(engine, req_id), False
-    if req_id in engine.requests:  # a concurrent duplicate won the race in memory
-        return engine.requests[req_id], False
-    handle.init_outputs(engine.tokenizer, engine.eos_token_ids, engine.max_model_len)
-    engine.requests[req_id] = handle
-    engine.usage.admitted(handle)
-    enqueue(
-        engine,
-        handle,
-        Request(
-            req_id, prompt, inp.params, priority=inp.priority, arrival_time=handle.arrival_time
-        ),
-    )
+    # Held until the handle is registered: an abort of this id waits for that rather than
+    # finding neither a handle nor a stored request (engine/aborts.py).
+    with engine.creating.hold(req_id):
+        try:
+            created = await engine.store.create(record)
+        except StoreFenced as e:
+            engine.leadership_lost(f"a write was refused: {e}")
+            raise Unavailable("this scheduler is no longer the leader; retry") from e
+        except StoreUnavailable as e:
+            raise Unavailable(
+                "request store (Redis) is unavailable; the request was not accepted, retry later"
+            ) from e
+        if created is Created.EXISTS:
+            # Stored by an earlier call (possibly finished): attach to what is stored.
+            return await attach(engine, req_id), False
+        if req_id in engine.requests:  # a concurrent duplicate won the race in memory
+            return engine.requests[req_id], False
+        handle.init_outputs(engine.tokenizer, engine.eos_token_ids, engine.max_model_len)
+        if created is Created.ABORTED:
+            return _aborted_ahead(handle), True
+        engine.requests[req_id] = handle
+        engine.usage.admitted(handle)
+        enqueue(
+            engine,
+            handle,
+            Request(
+                req_id, prompt, inp.params, priority=inp.priority, arrival_time=handle.arrival_time
+            ),
+        )
     log.info("request.admitted", req_id=req_id, num_prompt_tokens=len(prompt), n=inp.params.n)
     return handle, True
+
+
+def _aborted_ahead(handle: RequestHandle) -> RequestHandle:
+    """A request an earlier abort ended before it began: Redis stored it finished as aborted
+    (no tokens), so its stream ends at once and nothing of it is ever scheduled."""
+    record = EngineStep()
+    for index in range(handle.n):
+        handle.finish_seq(index, RequestStatus.FINISHED_ABORTED, None, record)
+    record.publish()  # Redis holds the finish already: the claim wrote it
+    handle.finished_in_engine = True
+    log.info("request.aborted_before_start", req_id=handle.req_id)
+    return handle
 
 
 async def tokenize(engine: Engine, inp: GenerateInput) -> list[int]:
@@ -210,36 +226,6 @@ async def attach(engine: Engine, req_id: str) -> RequestHandle:
         # Stored but not (yet) resumed in this process: nothing new will arrive here.
         handle.close(f"request {public_id(req_id)!r} is not running on this scheduler yet; retry")
     return handle
-
-
-async def abort(engine: Engine, req_id: str, *, missing_ok: bool = False) -> bool:
-    if not engine.ready and not engine.stopping:  # while stopping, the state is still whole
-        if missing_ok:  # a stream that went away during start-up: nothing of it runs yet
-            return False
-        check_ready(engine)
-    handle = engine.requests.get(req_id)
-    if handle is None or handle.finished_in_engine:
-        if missing_ok or handle is not None:
-            return False
-        try:
-            if await engine.store.exists(req_id):
-                return False
-        except StoreUnavailable as e:
-            raise Unavailable("request store (Redis) is unavailable") from e
-        raise NotFound(f"request {public_id(req_id)!r} not found (unknown or expired)")
-    ex = handle.executor
-    async with ex.exclusive():  # never in the middle of this executor's step
-        if handle.finished_in_engine:
-            return False
-        ex.sched.abort_request(req_id)
-        record = EngineStep()
-        for index in range(handle.n):
-            handle.finish_seq(index, RequestStatus.FINISHED_ABORTED, None, record)
-        engine.finish_request(handle, record)
-        engine.persister.submit(record.to_record())
-    ex.wake.set()
-    log.info("request.aborted", req_id=req_id)
-    return True
 
 
 async def get_request(engine: Engine, req_id: str) -> RequestView:

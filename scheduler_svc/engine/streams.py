@@ -416,6 +416,10 @@ class RequestHandle:
     def view(self) -> RequestView:
         if all(log.finish_reason is not None for log in self.acked):
             status = _STATUS_OF_REASON[self.acked[0].finish_reason]
+        elif self.finished_in_engine and self.states[0].finish_status is not None:
+            # Final in the engine, its finish not yet acknowledged by Redis: already what it
+            # will be; the core has let go of it, so asking it would say "waiting".
+            status = self.states[0].finish_status
         elif self.executor is not None and (req := self.executor.sched.get_request(self.req_id)):
             status = req.status
         else:

@@ -99,6 +99,18 @@ class Persister:
         if self._queue:
             self._has_work.set()
 
+    async def acknowledged(self) -> None:
+        """Returns once every record submitted so far is in Redis and published: records are
+        written and acknowledged in order, so an empty one queued now marks the point."""
+        done = asyncio.get_running_loop().create_future()
+
+        def ack() -> None:
+            if not done.done():  # the waiter may have given up (cancelled) already
+                done.set_result(None)
+
+        self.submit(StepRecord(on_ack=ack))
+        await done
+
     async def wait_drained(self) -> None:
         self.kick()
         await self._drained.wait()

@@ -7,7 +7,7 @@ election is on (scheduler_svc/state/leader.py): a scheduler that lost the lease 
 
 from __future__ import annotations
 
-__all__ = ["APPEND_LUA", "BATCH_LUA", "CREATE_LUA"]
+__all__ = ["ABORT_AHEAD_LUA", "APPEND_LUA", "BATCH_LUA", "CREATE_LUA"]
 
 # One call per engine step for every sequence's new tokens. KEYS[1] and ARGV[1]: the leader
 # epoch key and the writer's epoch ("0": no leader election; otherwise the write is refused
@@ -62,16 +62,40 @@ end
 return out
 """
 
-# KEYS: request hash, unfinished set, leader epoch. ARGV: epoch, req_id, field, value, ...
-# Claims the id atomically.
+# KEYS: request hash, unfinished set, leader epoch, abort tombstone. ARGV: epoch, req_id,
+# honour_abort ("1"/"0"), finished TTL in ms, finish reasons of an aborted request (JSON),
+# then field, value, ... Claims the id atomically: 0 when it exists already, 1 when created.
+# An abort that came first (its tombstone, ABORT_AHEAD_LUA) wins: the request is stored
+# already finished as aborted, never listed as unfinished, and 2 is returned. Checking the
+# tombstone in the same script as the claim is what makes the race impossible: Redis runs
+# this and ABORT_AHEAD_LUA one after the other, so each sees the other's write or none of it.
 CREATE_LUA = """
 if ARGV[1] ~= '0' and redis.call('GET', KEYS[3]) ~= ARGV[1] then
   return redis.error_reply('FENCED leadership epoch ' .. ARGV[1] .. ' is not the current one')
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if ARGV[3] == '1' and redis.call('DEL', KEYS[4]) == 1 then
+  redis.call('HSET', KEYS[1], 'status', 'finished', 'finish_reasons', ARGV[5])
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  return 2
+end
 redis.call('SADD', KEYS[2], ARGV[2])
 return 1
+"""
+
+# An abort of an id this scheduler does not hold. KEYS: request hash, abort tombstone, leader
+# epoch. ARGV: epoch, tombstone TTL in ms. Returns the stored request's status ("active" or
+# "finished") when it exists; otherwise leaves the tombstone that CREATE_LUA honours and
+# returns "tombstoned".
+ABORT_AHEAD_LUA = """
+if ARGV[1] ~= '0' and redis.call('GET', KEYS[3]) ~= ARGV[1] then
+  return redis.error_reply('FENCED leadership epoch ' .. ARGV[1] .. ' is not the current one')
+end
+local status = redis.call('HGET', KEYS[1], 'status')
+if status then return status end
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+return 'tombstoned'
 """
 
 # Any other writes under leader election, fenced as one script call. KEYS[1]: leader epoch.

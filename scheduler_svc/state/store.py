@@ -11,6 +11,10 @@ Layout (format version 1), all keys `llmserve:<entity>:<id>`:
 - `llmserve:logprobs:<req_id>:<index>` list: one JSON entry per output token (only when the
   request asked for logprobs).
 - `llmserve:index:unfinished` set: ids of requests a restarted scheduler must resume.
+- `llmserve:abort:<req_id>` string, expiring (60 s by default): an abort that arrived before
+  any request with that id existed (`abort_ahead`). Creating the request consumes it and stores
+  the request already finished as aborted, so an abort never loses a race to its Generate,
+  on this scheduler or on the next leader.
 - `llmserve:health:probe` string: written by health checks to learn whether Redis accepts writes.
 - `llmserve:executor:<instance_id>` string (JSON: address): an executor's registration, which
   expires unless its heartbeat renews it; `llmserve:index:executors` set: the registered ids.
@@ -22,6 +26,7 @@ what is missing, so a write retried after a lost reply never duplicates a token.
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,8 +34,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
+from scheduler_svc.core.request import FinishReason
 from scheduler_svc.state.leader import EPOCH_KEY
-from scheduler_svc.state.scripts import APPEND_LUA, BATCH_LUA, CREATE_LUA
+from scheduler_svc.state.scripts import ABORT_AHEAD_LUA, APPEND_LUA, BATCH_LUA, CREATE_LUA
 
 FORMAT_VERSION = 1
 UNFINISHED_KEY = "llmserve:index:unfinished"
@@ -52,6 +58,14 @@ class StoreFenced(RuntimeError):
 
 class StoreGapError(RuntimeError):
     """Stored tokens are fewer than an append's offset (Redis lost data); resynchronise."""
+
+
+class Created(enum.IntEnum):
+    """What `RequestStore.create` did with an id."""
+
+    EXISTS = 0  # stored already (nothing written)
+    NEW = 1  # stored as active, listed as unfinished
+    ABORTED = 2  # an abort came first: stored already finished as aborted
 
 
 @dataclass(slots=True)
@@ -159,6 +173,10 @@ def _request_key(req_id: str) -> str:
     return f"llmserve:request:{req_id}"
 
 
+def _abort_key(req_id: str) -> str:
+    return f"llmserve:abort:{req_id}"
+
+
 def _tokens_key(req_id: str, index: int) -> str:
     return f"llmserve:tokens:{req_id}:{index}"
 
@@ -182,6 +200,7 @@ class RequestStore:
         self._append = self._redis.register_script(APPEND_LUA)
         self._create = self._redis.register_script(CREATE_LUA)
         self._batch = self._redis.register_script(BATCH_LUA)
+        self._abort_ahead = self._redis.register_script(ABORT_AHEAD_LUA)
         # The leader epoch writes carry (scheduler_svc/state/leader.py); 0: no leader election,
         # nothing is fenced and writes go out exactly as before.
         self.epoch = 0
@@ -204,8 +223,10 @@ class RequestStore:
             return str(e) or type(e).__name__
         return None
 
-    async def create(self, rec: StoredRequest) -> bool:
-        """Store a new request; False (and nothing written) if the id already exists."""
+    async def create(self, rec: StoredRequest, *, honour_abort: bool = True) -> Created:
+        """Store a new request unless the id exists. With `honour_abort`, an abort tombstone
+        left for the id (`abort_ahead`) is consumed and the request stored finished as aborted
+        (recovery's rewrites pass False: they restore requests that are running)."""
         key = _request_key(rec.req_id)
         mapping = {
             "v": FORMAT_VERSION,
@@ -219,13 +240,34 @@ class RequestStore:
             "stop_reasons": json.dumps([None] * rec.n),
             "error": "",
         }
-        args: list[Any] = [self.epoch, rec.req_id]
+        args: list[Any] = [
+            self.epoch,
+            rec.req_id,
+            int(honour_abort),
+            max(1, int(self.finished_ttl_s * 1000)),
+            json.dumps([FinishReason.ABORT.value] * rec.n),
+        ]
         for k, v in mapping.items():
             args.extend((k, v))
+        keys = [key, UNFINISHED_KEY, EPOCH_KEY, _abort_key(rec.req_id)]
         try:
-            return bool(await self._create(keys=[key, UNFINISHED_KEY, EPOCH_KEY], args=args))
+            return Created(await self._create(keys=keys, args=args))
         except (RedisError, OSError) as e:
             raise _unavailable(e) from e
+
+    async def abort_ahead(self, req_id: str, ttl_s: float) -> str | None:
+        """The stored status of `req_id` ("active" or "finished"), or None when it is not
+        stored: then a tombstone is left for `ttl_s` so that a request created with this id
+        in that time is stored finished as aborted (see `create`)."""
+        keys = [_request_key(req_id), _abort_key(req_id), EPOCH_KEY]
+        try:
+            status = await self._abort_ahead(
+                keys=keys, args=[self.epoch, max(1, int(ttl_s * 1000))]
+            )
+        except (RedisError, OSError) as e:
+            raise _unavailable(e) from e
+        status = status.decode() if isinstance(status, bytes) else str(status)
+        return None if status == "tombstoned" else status
 
     async def write_step(
         self,

@@ -130,6 +130,28 @@ def _code(call) -> grpc.StatusCode | None:
     return None
 
 
+def test_an_abort_by_another_key_never_ends_the_request(secured):
+    """Bob aborting alice's running id names his own (unknown) request: alice's runs on, and
+    the abort waits for bob's own request with that id (which it then ends)."""
+    stack, _ = secured
+    long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    with (
+        LLMClient(stack.address, timeout=30, api_key=KEY) as alice,
+        LLMClient(stack.address, timeout=30, api_key=OTHER_KEY) as bob,
+    ):
+        stream = alice.stream([5, 6, 7], long, request_id="contested")
+        first = next(stream)
+        assert bob.abort("contested") is False  # nothing of bob's was active
+        rest = list(stream)
+        tokens = list(first.token_ids) + [t for d in rest for t in d.token_ids]
+        assert len(tokens) == 300 and rest[-1].finish_reason == "length"
+        assert alice.get_request("contested").outputs[0].finish_reason == "length"
+        # Bob's own request with that id is the one his abort was kept for.
+        mine = list(bob.stream([9, 10], long, request_id="contested"))
+        assert [d.finish_reason for d in mine][-1] == "abort"
+        assert sum(len(d.token_ids) for d in mine) == 0
+
+
 def test_requests_belong_to_the_key_that_created_them(secured):
     stack, _ = secured
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -140,9 +162,8 @@ def test_requests_belong_to_the_key_that_created_them(secured):
         mine = list(alice.stream([5, 6, 7], params, request_id="shared-id"))
         assert {d.request_id for d in mine} == {"shared-id"}  # ids come back as chosen
         assert alice.get_request("shared-id").prompt_token_ids == [5, 6, 7]
-        # Another key cannot see, resume or abort it: to bob it does not exist.
+        # Another key cannot see or resume it: to bob it does not exist.
         assert _code(lambda: bob.get_request("shared-id")) == grpc.StatusCode.NOT_FOUND
-        assert _code(lambda: bob.abort("shared-id")) == grpc.StatusCode.NOT_FOUND
         assert _code(lambda: list(bob.resume("shared-id"))) == grpc.StatusCode.NOT_FOUND
         # The same id under bob's key is bob's own request, not an attach to alice's.
         theirs = list(bob.stream([9, 10, 11, 12], params, request_id="shared-id"))

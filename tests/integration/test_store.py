@@ -5,12 +5,15 @@ import json
 
 import pytest
 import redis
+import redis.asyncio
 
 from scheduler_svc.state.store import (
     FORMAT_VERSION,
+    Created,
     FinishRecord,
     RequestStore,
     StoredRequest,
+    StoreFenced,
     StoreFormatError,
     StoreGapError,
     StoreUnavailable,
@@ -50,6 +53,56 @@ def test_create_get_and_duplicate_id(redis_url):
     raw = redis.Redis.from_url(redis_url)
     assert raw.hget("llmserve:request:r1", "v") == str(FORMAT_VERSION).encode()
     assert raw.smembers("llmserve:index:unfinished") == {b"r1"}
+
+
+def test_an_abort_ahead_of_its_request_is_met_by_the_claim(redis_url):
+    """The tombstone and the claim are ordered by Redis: whichever runs second sees the other."""
+
+    async def go():
+        store = RequestStore(redis_url, finished_ttl_s=100)
+        assert await store.abort_ahead("early", ttl_s=60) is None  # unknown: tombstoned
+        assert await store.create(make_record("early", n=2)) is Created.ABORTED
+        aborted = await store.get("early")
+        assert await store.create(make_record("early", n=2)) is Created.EXISTS
+        assert await store.abort_ahead("early", ttl_s=60) == "finished"
+        assert await store.create(make_record("late")) is Created.NEW
+        assert await store.abort_ahead("late", ttl_s=60) == "active"  # no tombstone then
+        await store.abort_ahead("kept", ttl_s=60)
+        # Recovery's rewrite of a running request ignores a tombstone (and leaves it).
+        assert await store.create(make_record("kept"), honour_abort=False) is Created.NEW
+        await store.abort_ahead("brief", ttl_s=0.2)
+        await asyncio.sleep(0.4)
+        assert await store.create(make_record("brief")) is Created.NEW  # it expired
+        await store.close()
+        return aborted
+
+    aborted = run(go())
+    assert aborted.finished and aborted.finish_reasons == ["abort", "abort"]
+    assert aborted.outputs == [[], []]
+    raw = redis.Redis.from_url(redis_url)
+    assert raw.smembers("llmserve:index:unfinished") == {b"late", b"kept", b"brief"}
+    assert not raw.exists("llmserve:abort:early")  # consumed by the claim
+    assert raw.exists("llmserve:abort:kept")
+    assert 0 < raw.pttl("llmserve:request:early") <= 100_000  # expires like any finished one
+    assert 0 < raw.pttl("llmserve:abort:kept") <= 60_000
+
+
+def test_abort_ahead_and_its_claim_are_fenced_by_the_leader_epoch(redis_url):
+    async def go():
+        raw = redis.asyncio.Redis.from_url(redis_url)
+        await raw.set("llmserve:leader:epoch", 2)
+        store = RequestStore(redis_url)
+        store.epoch = 2
+        assert await store.abort_ahead("e", ttl_s=60) is None
+        assert await store.create(make_record("e")) is Created.ABORTED
+        store.epoch = 1  # deposed: another scheduler leads now
+        with pytest.raises(StoreFenced):
+            await store.abort_ahead("f", ttl_s=60)
+        assert not await raw.exists("llmserve:abort:f")
+        await store.close()
+        await raw.aclose()
+
+    run(go())
 
 
 def test_append_is_idempotent_and_detects_gaps(redis_url):
