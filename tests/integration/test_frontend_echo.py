@@ -165,3 +165,26 @@ def test_max_tokens_zero_through_grpc_finishes_after_prefill(grpc_client):
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ID_PROMPTS[0])
     stored = grpc_client.get_request(out.request_id)
     assert stored.outputs[0].token_ids == [] and stored.status == "finished"
+
+
+def test_streamed_echo_carries_the_same_logprobs(oai, model):
+    kwargs = {"model": model, "prompt": ID_PROMPTS, "echo": True, "logprobs": 1, "temperature": 0}
+    for max_tokens in (0, 2):
+        whole = oai.completions.create(max_tokens=max_tokens, **kwargs)
+        text: dict[int, str] = {}
+        lps: dict[int, dict[str, list]] = {}
+        for chunk in oai.completions.create(max_tokens=max_tokens, stream=True, **kwargs):
+            for c in chunk.choices:
+                text[c.index] = text.get(c.index, "") + c.text
+                if c.logprobs is not None:
+                    acc = lps.setdefault(c.index, {})
+                    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                        acc.setdefault(key, []).extend(getattr(c.logprobs, key))
+        for choice in whole.choices:
+            assert text[choice.index] == choice.text
+            assert lps[choice.index] == {
+                "tokens": choice.logprobs.tokens,
+                "token_logprobs": choice.logprobs.token_logprobs,
+                "top_logprobs": choice.logprobs.top_logprobs,
+                "text_offset": choice.logprobs.text_offset,
+            }
