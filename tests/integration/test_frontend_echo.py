@@ -188,3 +188,44 @@ def test_streamed_echo_carries_the_same_logprobs(oai, model):
                 "top_logprobs": choice.logprobs.top_logprobs,
                 "text_offset": choice.logprobs.text_offset,
             }
+
+
+def test_lm_eval_local_completions_scores_a_multiple_choice_doc(
+    frontend,
+    model,
+    hf_model,
+    llmserve_stack,  # noqa: F811
+):
+    # lm-eval's own `local-completions` model (optional dependency: not in pyproject) asking
+    # the loglikelihood of each choice of a multiple-choice doc, as a task's requests do; the
+    # answers must be HF's, so the same choice wins.
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    lm = LocalCompletionsAPI(
+        base_url=f"{frontend.base_url}/v1/completions",
+        model=model,
+        tokenizer=str(llmserve_stack.model_dir),
+        tokenizer_backend="huggingface",
+        max_retries=1,
+    )
+    context, choices = "The quick brown fox", [" jumps", " sleeps over", " is red"]
+    doc = {"query": context, "choices": choices}
+    requests = [
+        Instance("loglikelihood", doc, (context, c), idx=i, metadata=("tiny_mc", 0, 1))
+        for i, c in enumerate(choices)
+    ]
+    got = lm.loglikelihood(requests, disable_tqdm=True)
+    want = []
+    for c in choices:
+        ctx_ids, cont_ids = lm._encode_pair(context, c)
+        ids = ctx_ids + cont_ids
+        ref = _reference(hf_model, ids)
+        rows = ref[len(ctx_ids) - 1 : len(ids) - 1]
+        score = float(rows.gather(1, torch.tensor(cont_ids)[:, None]).sum())
+        greedy = rows.argmax(dim=-1).tolist() == cont_ids
+        want.append((score, greedy))
+    for (score, greedy), (want_score, want_greedy) in zip(got, want, strict=True):
+        assert score == pytest.approx(want_score, abs=1e-3) and greedy == want_greedy
+    assert max(range(3), key=lambda i: got[i][0]) == max(range(3), key=lambda i: want[i][0])
