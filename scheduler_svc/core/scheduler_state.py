@@ -155,9 +155,10 @@ class SchedulerState:
             tokens = seq.token_ids
             if nc == len(tokens):
                 token = sampled.get(seq.seq_id)
-                if token is None:
+                if token is not None:
+                    tokens.append(token)
+                elif not seq.prompt_only:  # prompt-only ones are never sampled, yet reported
                     raise ValueError(f"the executor returned no token for {seq.seq_id!r}")
-                tokens.append(token)
                 got.append(seq)
             if caching and nc // bs > seq.num_cached_blocks:
                 bm.cache_full_blocks(seq)

@@ -50,8 +50,8 @@ def process_step_outputs(
         if handle is None or handle.finished_in_engine:
             continue
         if not handle.params.max_tokens:
-            # A prompt-only request: the executor samples whenever a prefill completes, but
-            # the token is no output of it. It ends here, its prompt logprobs (above) in hand.
+            # A prompt-only request (max_tokens 0): the executor sampled nothing for it; it
+            # ends with the step that completed its prompt, its prompt logprobs (above) in hand.
             status = RequestStatus.FINISHED_LENGTH
             handle.finish_seq(seq.index, status, None, record)
         elif handle.params.logprobs is None:
