@@ -150,6 +150,18 @@ def test_one_generated_token_follows_the_prompt(oai, model, hf_model, grpc_clien
     assert got.usage.completion_tokens == 1
 
 
+def test_every_one_of_n_choices_scores_the_prompt(oai, model):
+    got = oai.completions.create(
+        model=model, prompt=ID_PROMPTS, echo=True, logprobs=1, max_tokens=0, n=2
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    for i, ids in enumerate(ID_PROMPTS):
+        first, second = got.choices[2 * i], got.choices[2 * i + 1]
+        assert first.finish_reason == second.finish_reason == "length"
+        assert len(first.logprobs.tokens) == len(ids)
+        assert first.logprobs == second.logprobs and first.text == second.text
+
+
 def test_max_tokens_zero_needs_echo(oai, model):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=model, prompt=TEXT_PROMPTS[0], max_tokens=0)
