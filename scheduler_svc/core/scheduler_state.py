@@ -137,7 +137,8 @@ class SchedulerState:
     ) -> list[Sequence]:
         """Apply a step's results: advance computed counts, append sampled tokens.
 
-        Returns the sequences that got a token, in batch order. Sequences that ended while the
+        Returns the sequences that got a token (or, prompt-only, completed their prompt), in
+        batch order. Sequences that ended while the
         step was in flight are skipped; an output discarded by reset_executor() is ignored.
         """
         if not self._in_flight or output is not self._in_flight[0]:
