@@ -49,7 +49,8 @@ class ScheduledSequence:
     num_computed_tokens: int  # tokens already in the KV cache
     num_scheduled_tokens: int  # compute token_ids[num_computed : num_computed + num_scheduled]
     sampling_params: SamplingParams
-    # A token is sampled iff num_computed_tokens + num_scheduled_tokens == len(token_ids).
+    # A token is sampled iff num_computed_tokens + num_scheduled_tokens == len(token_ids), and
+    # never for a prompt-only sequence (sampling_params.prompt_only).
 
 
 @dataclass(slots=True)
@@ -330,7 +331,11 @@ class ModelRunner:
         slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
         query_start_loc = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
 
-        sample_seq_indices = [i for i, s in enumerate(seqs) if seq_lens[i] == len(s.token_ids)]
+        sample_seq_indices = [
+            i
+            for i, s in enumerate(seqs)
+            if seq_lens[i] == len(s.token_ids) and not s.sampling_params.prompt_only
+        ]
         sample_rows = query_start_loc[1:].long()[sample_seq_indices] - 1
 
         dev = self.device if device is None else device

@@ -67,6 +67,8 @@ class SamplingParams:  # mirrors executor.proto SamplingParams
     logit_bias_values: tuple[float, ...] = ()
     # Top alternatives per prompt logprob; None = no prompt logprobs (read by the model runner).
     num_prompt_logprobs: int | None = None
+    # Never sampled: the sequence's request only scores its prompt (read by the model runner).
+    prompt_only: bool = False
 
     @classmethod
     def from_proto(
@@ -95,6 +97,7 @@ class SamplingParams:  # mirrors executor.proto SamplingParams
             num_prompt_logprobs=(
                 int(pb.num_prompt_logprobs) if pb.HasField("num_prompt_logprobs") else None
             ),
+            prompt_only=bool(pb.prompt_only),
         )
 
 

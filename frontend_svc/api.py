@@ -12,6 +12,7 @@ from starlette.requests import Request
 from client.errors import LLMServeError
 from client.prompts import ChatPrompt, to_prompt
 from frontend_svc.auth import caller_key
+from frontend_svc.echo import prompt_echo_logprobs
 from frontend_svc.errors import APIError, bad_request
 from frontend_svc.protocol import (
     ChatCompletionRequest,
@@ -56,6 +57,19 @@ async def completions(body: CompletionRequest, request: Request):
     n = params.n  # sequences per prompt: best_of of them when it is given
     echo = [await state.prompt_text(p) if body.echo else "" for p in prompts]
     offsets: dict[int, int] = {}
+    echo_lp = body.echo and body.logprobs is not None
+    prompt_toks = [await state.prompt_tokens(p) for p in prompts] if echo_lp else []
+    echoed: set[int] = set()  # choices whose prompt part of the logprobs is made
+
+    def echo_logprobs_of(i: int, c: int, d) -> dict | None:
+        """On a choice's first delta (which carries the prompt logprobs): the prompt's part
+        of its logprobs; the generated tokens' offsets continue after the prompt's texts."""
+        if not echo_lp or c in echoed:
+            return None
+        echoed.add(c)
+        ids, pieces = prompt_toks[i]
+        offsets[c] = sum(len(t) for t in pieces)
+        return prompt_echo_logprobs(ids, pieces, d.prompt_logprobs, body.logprobs or 0)
 
     async def logprobs_of(c: int, d) -> dict | None:
         if body.logprobs is None or not d.token_ids:
@@ -88,10 +102,16 @@ async def completions(body: CompletionRequest, request: Request):
                 sent_echo.add(c)
                 text = echo[i] + text
                 offsets[c] = len(echo[i])
+            head = echo_logprobs_of(i, c, d)
+            lp = await logprobs_of(c, d)
+            if head is not None:
+                for k in head:
+                    head[k].extend(lp[k] if lp is not None else [])
+                lp = head
             choice = {
                 "index": c,
                 "text": text,
-                "logprobs": await logprobs_of(c, d),
+                "logprobs": lp,
                 "finish_reason": d.finish_reason,
                 "stop_reason": d.stop_reason,
             }
@@ -120,10 +140,13 @@ async def completions(body: CompletionRequest, request: Request):
 
     async def on_delta(i, d) -> None:
         c = i * n + d.index
-        if d.prompt_logprobs is not None:
+        if d.prompt_logprobs is not None and body.prompt_logprobs is not None:
             prompt_lps[i] = prompt_logprobs(d.prompt_logprobs)
         if body.best_of is not None:
             scores[c] = scores.get(c, 0.0) + cumulative_logprob(d)
+        head = echo_logprobs_of(i, c, d)
+        if head is not None:
+            lps[c] = head
         lp = await logprobs_of(c, d)
         if lp is not None:
             acc = lps.setdefault(

@@ -124,7 +124,19 @@ class CompletionRequest(_Common):
     def to_params(self) -> SamplingParams:
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise bad_request(f"max_tokens must be >= 0, got {self.max_tokens}", "max_tokens")
+        if self.max_tokens == 0 and not self.echo:
+            # As vLLM: generating nothing only makes sense to read the prompt's logprobs back.
+            raise bad_request(
+                f"max_tokens must be at least 1 unless echo is true, got {self.max_tokens}",
+                "max_tokens",
+            )
         params = self.sampling_params(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            # Echo's logprobs cover the prompt's tokens: the scheduler's prompt logprobs, with
+            # as many alternatives as either field asks for.
+            params.prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
         if self.best_of is None:
             return params
         # As vLLM: best_of candidates are generated and the n best returned, which a stream

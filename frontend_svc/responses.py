@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from client.outputs import StreamDelta
+from frontend_svc.echo import top_with_chosen
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -47,7 +48,7 @@ def completion_logprobs(
     for tid, text, entry in zip(delta.token_ids, token_texts, delta.logprobs or [], strict=False):
         tokens.append(text)
         token_logprobs.append(entry[tid].logprob if tid in entry else None)
-        tops.append(dict(_top(entry)))
+        tops.append(top_with_chosen(entry, tid, text, len(entry)))
         offsets.append(offset)
         offset += len(text)
     return {

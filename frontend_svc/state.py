@@ -97,6 +97,18 @@ class FrontendState:
             raise APIError.from_llmserve(e) from None
         return text
 
+    async def prompt_tokens(self, prompt: PromptInput) -> tuple[list[int], list[str]]:
+        """A prompt's token ids as Generate computes them and each token's own text (echo's
+        logprobs are per prompt token, and the first one has no logprob entry to name it)."""
+        try:
+            ids, _ = await retrying(lambda: self.client.tokenize(prompt))
+            _, pieces = await retrying(
+                lambda: self.client.detokenize(ids, skip_special_tokens=False)
+            )
+        except LLMServeError as e:
+            raise APIError.from_llmserve(e) from None
+        return ids, pieces
+
     def client_for(self, api_key: str | None) -> AsyncLLMClient:
         """The scheduler client that acts with the caller's key (the frontend's own: None)."""
         if api_key is None:

@@ -45,7 +45,7 @@ class DescribeResponse(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "num_logprobs", "min_tokens", "min_tokens_suppressed_ids", "logit_bias", "num_prompt_logprobs")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "num_logprobs", "min_tokens", "min_tokens_suppressed_ids", "logit_bias", "num_prompt_logprobs", "prompt_only")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class SamplingParams(_message.Message):
     MIN_TOKENS_SUPPRESSED_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ONLY_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -79,7 +80,8 @@ class SamplingParams(_message.Message):
     min_tokens_suppressed_ids: _containers.RepeatedScalarFieldContainer[int]
     logit_bias: _containers.ScalarMap[int, float]
     num_prompt_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., min_tokens_suppressed_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., num_prompt_logprobs: _Optional[int] = ...) -> None: ...
+    prompt_only: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., min_tokens_suppressed_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., num_prompt_logprobs: _Optional[int] = ..., prompt_only: _Optional[bool] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "sampling_params", "block_table", "num_computed_tokens", "num_scheduled_tokens")

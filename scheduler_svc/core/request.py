@@ -95,6 +95,8 @@ class Sequence:
     sent: bool = False
     # False for requests that want prompt logprobs: a prefix-cache hit would skip positions.
     use_prefix_cache: bool = True
+    # max_tokens is 0: the executor samples nothing for it; it ends once its prompt is computed.
+    prompt_only: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -167,6 +169,7 @@ class Request:
             num_prompt_tokens=len(self.prompt_token_ids),
             seed=sequence_seed(self.sampling_params.seed, index),
             use_prefix_cache=self.sampling_params.prompt_logprobs is None,
+            prompt_only=self.sampling_params.max_tokens == 0,
         )
 
     def fork(self) -> list[Sequence]:

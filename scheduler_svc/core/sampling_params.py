@@ -45,8 +45,9 @@ class SamplingParams:
         """Raise ValidationError naming the first field out of range."""
         if not 1 <= self.n <= MAX_N:
             raise ValidationError(f"params.n must be in [1, {MAX_N}], got {self.n}")
-        if self.max_tokens < 1:
-            raise ValidationError(f"params.max_tokens must be >= 1, got {self.max_tokens}")
+        # 0 is a prompt-only request (scoring with prompt_logprobs): it ends after its prefill.
+        if self.max_tokens < 0:
+            raise ValidationError(f"params.max_tokens must be >= 0, got {self.max_tokens}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValidationError(
                 f"params.min_tokens must be in [0, max_tokens={self.max_tokens}], "

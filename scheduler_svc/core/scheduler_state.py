@@ -137,7 +137,8 @@ class SchedulerState:
     ) -> list[Sequence]:
         """Apply a step's results: advance computed counts, append sampled tokens.
 
-        Returns the sequences that got a token, in batch order. Sequences that ended while the
+        Returns the sequences that got a token (or, prompt-only, completed their prompt), in
+        batch order. Sequences that ended while the
         step was in flight are skipped; an output discarded by reset_executor() is ignored.
         """
         if not self._in_flight or output is not self._in_flight[0]:
@@ -155,9 +156,10 @@ class SchedulerState:
             tokens = seq.token_ids
             if nc == len(tokens):
                 token = sampled.get(seq.seq_id)
-                if token is None:
+                if token is not None:
+                    tokens.append(token)
+                elif not seq.prompt_only:  # prompt-only ones are never sampled, yet reported
                     raise ValueError(f"the executor returned no token for {seq.seq_id!r}")
-                tokens.append(token)
                 got.append(seq)
             if caching and nc // bs > seq.num_cached_blocks:
                 bm.cache_full_blocks(seq)

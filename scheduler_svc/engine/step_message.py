@@ -27,6 +27,8 @@ def executor_params(params: SamplingParams, seed: int | None) -> epb.SamplingPar
         msg.logit_bias.update(params.logit_bias)
     if params.prompt_logprobs is not None:
         msg.num_prompt_logprobs = params.prompt_logprobs
+    if not params.max_tokens:
+        msg.prompt_only = True
     if params.min_tokens > 0:
         # EOS is masked too, but the executor knows its own EOS ids: only stop ids travel, and
         # only for the (rare) requests that ask for min_tokens.

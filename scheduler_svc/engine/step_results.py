@@ -9,6 +9,7 @@ sequence, so it is kept to plain loops over plain data.
 from __future__ import annotations
 
 from protos import executor_pb2 as epb
+from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.streams import EngineStep, RequestHandle
@@ -48,7 +49,12 @@ def process_step_outputs(
         handle = get(seq.req_id)
         if handle is None or handle.finished_in_engine:
             continue
-        if handle.params.logprobs is None:
+        if not handle.params.max_tokens:
+            # A prompt-only request (max_tokens 0): the executor sampled nothing for it; it
+            # ends with the step that completed its prompt, its prompt logprobs (above) in hand.
+            status = RequestStatus.FINISHED_LENGTH
+            handle.finish_seq(seq.index, status, None, record)
+        elif handle.params.logprobs is None:
             status = handle.process_token(seq.index, tokens[seq.seq_id], 0.0, (), record)
         else:
             if by_id is None:

@@ -104,3 +104,22 @@ def test_prompt_logprobs_survive_a_scheduler_restart(stack, reference) -> None:
     first = next(d for d in deltas if d.token_offset == 0)
     _assert_matches(first.prompt_logprobs, reference)
     assert [t for d in deltas for t in d.token_ids] == out.outputs[0].token_ids
+
+
+def test_prompt_only_request_ends_after_prefill_and_survives_a_restart(stack, reference) -> None:
+    # max_tokens=0 (scoring a prompt): no output token, finished by length, prompt logprobs in;
+    # the stored record replays the same after a scheduler restart.
+    params = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=TOP)
+    with _client(stack) as client:
+        (out,) = client.generate(PROMPT, params, use_tqdm=False)
+    assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
+    _assert_matches(out.prompt_logprobs, reference)
+    stack.kill_scheduler()
+    stack.start_scheduler()
+    with _client(stack) as client:
+        deltas = list(client.resume(out.request_id))
+        state = client.get_request(out.request_id)
+    assert [t for d in deltas for t in d.token_ids] == []
+    assert deltas[-1].finish_reason == "length"
+    _assert_matches(deltas[0].prompt_logprobs, reference)
+    assert state.status == "finished" and state.outputs[0].token_ids == []

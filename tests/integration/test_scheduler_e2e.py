@@ -164,7 +164,8 @@ INVALID = [
     ("empty prompt", gen_request([]), "prompt"),
     ("empty text", gen_request(text=""), "prompt"),
     ("too long", gen_request([7] * 600), "maximum model length"),
-    ("max_tokens", gen_request([1, 2], max_tokens=0), "max_tokens"),
+    # max_tokens=0 is a prompt-only request (scoring); min_tokens may not exceed it.
+    ("max_tokens", gen_request([1, 2], max_tokens=0, min_tokens=1), "max_tokens"),
     ("n", gen_request([1, 2], n=0), "params.n"),
     ("temperature", gen_request([1, 2], temperature=-1), "temperature"),
     ("top_p", gen_request([1, 2], top_p=1.5), "top_p"),

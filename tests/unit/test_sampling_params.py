@@ -38,6 +38,7 @@ def test_defaults_are_valid():
         {"n": MAX_N},
         {"max_tokens": 1},
         {"min_tokens": 16, "max_tokens": 16},
+        {"max_tokens": 0},  # prompt-only (scoring): ends after the prefill
         {"temperature": 0.0},
         {"top_p": 1.0},
         {"top_p": 1e-6},
@@ -64,7 +65,6 @@ def test_boundary_values_are_valid(fields: dict):
     [
         ("n", 0),
         ("n", MAX_N + 1),
-        ("max_tokens", 0),
         ("max_tokens", -5),
         ("min_tokens", -1),
         ("min_tokens", 17),  # above the default max_tokens
