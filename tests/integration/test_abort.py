@@ -25,7 +25,7 @@ from tests.support.api_helpers import (
 from tests.support.stack import make_stack
 
 MAX_NUM_SEQS = 4
-LONG = 100_000  # max_tokens of a request that only an abort ends in a test's lifetime
+LONG = 100_000  # max_tokens (with ignore_eos) of a request only an abort ends in a test
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +81,18 @@ def test_abort_before_generate_wins(api):
     reply = api.Abort(pb.AbortRequest(request_id="early"))
     assert not reply.aborted and reply.pending  # nothing ran; the abort waits for the id
     t0 = time.monotonic()
-    got = collect(api.Generate(gen_request([5, 6, 7], request_id="early", max_tokens=LONG)))
+    got = collect(
+        api.Generate(gen_request([5, 6, 7], request_id="early", max_tokens=LONG, ignore_eos=True))
+    )
     assert got.error is None
     assert got.finish == {0: pb.FINISH_REASON_ABORT}
     assert got.tokens.get(0, []) == []  # no token was ever generated
     assert time.monotonic() - t0 < 5
     _assert_aborted_now(api, "early")
     # The id is taken by the aborted request: sending it again attaches, never generates.
-    again = collect(api.Generate(gen_request([5, 6, 7], request_id="early", max_tokens=LONG)))
+    again = collect(
+        api.Generate(gen_request([5, 6, 7], request_id="early", max_tokens=LONG, ignore_eos=True))
+    )
     assert again.finish == {0: pb.FINISH_REASON_ABORT} and again.tokens.get(0, []) == []
     reply = api.Abort(pb.AbortRequest(request_id="early"))
     assert not reply.aborted and not reply.pending  # it exists now, finished
@@ -100,17 +104,26 @@ def test_get_request_right_after_abort_is_final(api, round_):
     """For a running request and for a waiting one (every slot taken by others)."""
     runners = [f"slot-{round_}-{i}" for i in range(MAX_NUM_SEQS)]
     for rid in runners:
-        next(api.Generate(gen_request([7, 8, 9], request_id=rid, max_tokens=LONG, detached=True)))
+        next(
+            api.Generate(
+                gen_request(
+                    [7, 8, 9], request_id=rid, max_tokens=LONG, ignore_eos=True, detached=True
+                )
+            )
+        )
     for rid in runners:
         _wait_status(api, rid, pb.REQUEST_STATUS_RUNNING)
     waiting = f"queued-{round_}"
-    call = api.Generate(gen_request([3, 4], request_id=waiting, max_tokens=LONG, detached=True))
+    call = api.Generate(
+        gen_request([3, 4], request_id=waiting, max_tokens=LONG, ignore_eos=True, detached=True)
+    )
     _wait_status(api, waiting, pb.REQUEST_STATUS_WAITING)
     assert api.Abort(pb.AbortRequest(request_id=waiting)).aborted
     _assert_aborted_now(api, waiting)
     assert collect(call).finish == {0: pb.FINISH_REASON_ABORT}
     for rid in runners:  # each while the others still run, mid-step
-        assert api.Abort(pb.AbortRequest(request_id=rid)).aborted
+        reply = api.Abort(pb.AbortRequest(request_id=rid))
+        assert reply.aborted, (reply, _state(api, rid))
         _assert_aborted_now(api, rid)
     assert wait_until_idle(api).kv_cache_usage == 0.0
 
@@ -132,7 +145,7 @@ def test_abort_storm_never_loses_a_race(api, stack):
     def generate(i: int) -> None:
         start.wait()
         time.sleep(delays[i][0])
-        req = gen_request([9, 10, 11], request_id=ids[i], max_tokens=max_tokens[i])
+        req = gen_request([9, 10, 11], request_id=ids[i], max_tokens=max_tokens[i], ignore_eos=True)
         collect(api.Generate(req, timeout=120), streams[i])
 
     def abort(i: int) -> None:
@@ -189,7 +202,11 @@ def test_abort_ahead_survives_a_scheduler_kill_9(stack):
     channel, api = stub_for(stack.address)
     try:
         t0 = time.monotonic()
-        got = collect(api.Generate(gen_request([1, 2, 3], request_id="ghost", max_tokens=LONG)))
+        got = collect(
+            api.Generate(
+                gen_request([1, 2, 3], request_id="ghost", max_tokens=LONG, ignore_eos=True)
+            )
+        )
         assert got.error is None
         assert got.finish == {0: pb.FINISH_REASON_ABORT} and got.tokens.get(0, []) == []
         assert time.monotonic() - t0 < 5
