@@ -334,7 +334,9 @@ class ModelRunner:
         sample_seq_indices = [
             i
             for i, s in enumerate(seqs)
-            if seq_lens[i] == len(s.token_ids) and not s.sampling_params.prompt_only
+            # (forward-only callers, tests among them, pass no sampling params)
+            if seq_lens[i] == len(s.token_ids)
+            and not (s.sampling_params is not None and s.sampling_params.prompt_only)
         ]
         sample_rows = query_start_loc[1:].long()[sample_seq_indices] - 1
 
