@@ -4,11 +4,12 @@ evaluators (lm-eval's loglikelihood) score a prompt: `echo=true, logprobs=k, max
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from client.outputs import Logprob
 
-__all__ = ["prompt_echo_logprobs", "top_with_chosen"]
+__all__ = ["logprobs_object", "prompt_echo_logprobs", "top_with_chosen"]
 
 
 def top_with_chosen(entry: dict[int, Logprob], chosen: int, text: str, k: int) -> dict[str, float]:
@@ -22,6 +23,31 @@ def top_with_chosen(entry: dict[int, Logprob], chosen: int, text: str, k: int) -
     if chosen in entry:
         top.setdefault(text, entry[chosen].logprob)
     return top
+
+
+def logprobs_object(
+    rows: Iterable[tuple[int, str, dict[int, Logprob] | None, int]], text_offset: int
+) -> dict[str, Any]:
+    """The completions API's logprobs object over (token id, text, entry, k) rows: an entry of
+    None gives a null logprob and top; offsets count on from ``text_offset``."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = text_offset
+    for tid, text, entry, k in rows:
+        tokens.append(text)
+        if entry is None:
+            token_logprobs.append(None)
+            tops.append(None)
+        else:
+            token_logprobs.append(entry[tid].logprob if tid in entry else None)
+            tops.append(top_with_chosen(entry, tid, text, k))
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def prompt_echo_logprobs(
@@ -40,22 +66,9 @@ def prompt_echo_logprobs(
         raise RuntimeError(
             f"prompt logprobs for {len(entries)} tokens, prompt has {len(token_ids)} tokens"
         )
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    offset = 0
-    for pos, (tid, text) in enumerate(zip(token_ids, token_texts, strict=True)):
-        entry = entries[pos]
-        tokens.append(text)
-        if pos == 0 or entry is None:
-            token_logprobs.append(None)
-            tops.append(None)
-        else:
-            token_logprobs.append(entry[tid].logprob if tid in entry else None)
-            tops.append(top_with_chosen(entry, tid, text, k))
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
+    # The first prompt token has no prediction: null logprob and top.
+    rows = (
+        (tid, text, None if pos == 0 else entries[pos], k)
+        for pos, (tid, text) in enumerate(zip(token_ids, token_texts, strict=True))
+    )
+    return logprobs_object(rows, 0)

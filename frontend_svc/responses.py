@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from client.outputs import StreamDelta
-from frontend_svc.echo import top_with_chosen
+from frontend_svc.echo import logprobs_object
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -43,20 +43,13 @@ def completion_logprobs(
     delta: StreamDelta, token_texts: list[str], text_offset: int
 ) -> dict[str, Any]:
     """The completions API's logprobs object for the tokens of one delta."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    offset = text_offset
-    for tid, text, entry in zip(delta.token_ids, token_texts, delta.logprobs or [], strict=False):
-        tokens.append(text)
-        token_logprobs.append(entry[tid].logprob if tid in entry else None)
-        tops.append(top_with_chosen(entry, tid, text, len(entry)))
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
+    rows = (
+        (tid, text, entry, len(entry))
+        for tid, text, entry in zip(
+            delta.token_ids, token_texts, delta.logprobs or [], strict=False
+        )
+    )
+    return logprobs_object(rows, text_offset)
 
 
 def chat_logprobs(delta: StreamDelta, token_texts: list[str]) -> list[dict[str, Any]]:

@@ -135,17 +135,25 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+async def _done_before_disconnect(fut: asyncio.Future, request: Request) -> bool:
+    """Wait for ``fut`` or the HTTP client's disconnect, whichever comes first; False (and
+    ``fut`` cancelled) when the client went away first."""
+    gone = asyncio.ensure_future(until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({fut, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if fut not in done:
+        fut.cancel()
+        return False
+    return True
+
+
 async def first_then_rest(it: AsyncIterator, request: Request) -> tuple[Any, AsyncIterator]:
     """The first item (so that errors before any output get a proper status, not a broken
     stream), racing the client's disconnect."""
     first = asyncio.ensure_future(anext(it))
-    gone = asyncio.ensure_future(until_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if first not in done:
-        first.cancel()
+    if not await _done_before_disconnect(first, request):
         raise ClientGone
     return first.result(), it
 
@@ -158,13 +166,7 @@ async def collect(run: Run, request: Request, on_delta) -> None:
             await on_delta(i, d)
 
     work = asyncio.ensure_future(consume())
-    gone = asyncio.ensure_future(until_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if work not in done:
-        work.cancel()
+    if not await _done_before_disconnect(work, request):
         run.abort_in_background()
         raise ClientGone
     work.result()

@@ -13,32 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import LLMClient, SamplingParams
-from tests.support.frontend import Frontend
 from tests.support.stack import llmserve_stack  # noqa: F401 - the fixture
 
 TEXT_PROMPTS = ["The quick brown fox jumps", "Hello there, general"]
 ID_PROMPTS = [[5, 17, 42, 9, 88, 13, 61], [12, 7, 7, 30]]
-
-
-@pytest.fixture(scope="module")
-def frontend(llmserve_stack, tmp_path_factory):  # noqa: F811
-    fe = Frontend.start(tmp_path_factory.mktemp("frontend"), llmserve_stack.address)
-    try:
-        fe.wait_healthy()
-        yield fe
-    finally:
-        fe.stop()
-        assert "Traceback" not in fe.log(), fe.log()
-
-
-@pytest.fixture(scope="module")
-def oai(frontend):
-    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(oai) -> str:
-    return oai.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")

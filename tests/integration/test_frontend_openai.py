@@ -21,30 +21,9 @@ PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def frontend(llmserve_stack, tmp_path_factory):  # noqa: F811
-    fe = Frontend.start(tmp_path_factory.mktemp("frontend"), llmserve_stack.address)
-    try:
-        fe.wait_healthy()
-        yield fe
-    finally:
-        fe.stop()
-        assert "Traceback" not in fe.log(), fe.log()
-
-
-@pytest.fixture(scope="module")
-def oai(frontend):
-    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def grpc_client(llmserve_stack):  # noqa: F811
     with LLMClient(llmserve_stack.address, timeout=30) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def model(oai) -> str:
-    return oai.models.list().data[0].id
 
 
 def _prompt_ids(grpc_client, prompt: str) -> list[int]:

@@ -9,7 +9,6 @@ import time
 import openai
 import pytest
 
-from tests.support.frontend import Frontend
 from tests.support.stack import llmserve_stack  # noqa: F401 - the fixture
 
 PROMPT = "The quick brown fox"
@@ -24,27 +23,6 @@ CLOSING = [
     "response.content_part.done",
     "response.output_item.done",
 ]
-
-
-@pytest.fixture(scope="module")
-def frontend(llmserve_stack, tmp_path_factory):  # noqa: F811
-    fe = Frontend.start(tmp_path_factory.mktemp("frontend"), llmserve_stack.address)
-    try:
-        fe.wait_healthy()
-        yield fe
-    finally:
-        fe.stop()
-        assert "Traceback" not in fe.log(), fe.log()
-
-
-@pytest.fixture(scope="module")
-def oai(frontend):
-    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(oai) -> str:
-    return oai.models.list().data[0].id
 
 
 def _chat(oai, model, messages, max_tokens):
