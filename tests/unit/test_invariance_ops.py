@@ -88,7 +88,6 @@ def test_row_kernels_alone_equal_batched(threads):
     x, d = torch.randn(300, 1000), torch.randn(300, 1000)
     w = torch.randn(1000)
     total, normed = cpu_ops.add_rms_norm(x, d, w, 1e-6)
-    act = cpu_ops.silu_mul(torch.randn(300, 2 * 700))
     logits = torch.randn(300, 4099) * 4
     ids, lse = cpu_ops.argmax_logsumexp(logits)
     gate_up = torch.randn(300, 1400)
