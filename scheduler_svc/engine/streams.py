@@ -414,12 +414,22 @@ class RequestHandle:
             await waiter
 
     def view(self) -> RequestView:
-        if all(log.finish_reason is not None for log in self.acked):
-            status = _STATUS_OF_REASON[self.acked[0].finish_reason]
+        reasons = [log.finish_reason for log in self.acked]
+        if all(r is not None for r in reasons):
+            status = _STATUS_OF_REASON[reasons[0]]
         elif self.finished_in_engine and self.states[0].finish_status is not None:
             # Final in the engine, its finish not yet acknowledged by Redis: already what it
-            # will be; the core has let go of it, so asking it would say "waiting".
+            # will be; the core has let go of it, so asking it would say "waiting". Its
+            # sequences' finish reasons come from the engine too, so a reader never sees a
+            # finished request whose sequences have none.
             status = self.states[0].finish_status
+            final = [st.finish_status for st in self.states]
+            reasons = [
+                r
+                if r is not None or i >= len(final) or final[i] is None
+                else final[i].finish_reason()
+                for i, r in enumerate(reasons)
+            ]
         elif self.executor is not None and (req := self.executor.sched.get_request(self.req_id)):
             status = req.status
         else:
@@ -429,10 +439,8 @@ class RequestHandle:
             status=status,
             prompt_token_ids=self.prompt_token_ids,
             sequences=[
-                SequenceView(
-                    log.tokens, "".join(log.chunks) + log.tail, log.finish_reason, log.stop_reason
-                )
-                for log in self.acked
+                SequenceView(log.tokens, "".join(log.chunks) + log.tail, reason, log.stop_reason)
+                for log, reason in zip(self.acked, reasons, strict=True)
             ],
             arrival_time=self.arrival_time,
             error=self.error,
