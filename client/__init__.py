@@ -5,6 +5,7 @@ the services.
 """
 
 from client.async_client import DEFAULT_ADDRESS, AsyncLLMClient, default_address
+from client.embeddings import EmbeddingOutput
 from client.errors import LLMServeError
 from client.offline import LLM
 from client.outputs import (
@@ -26,6 +27,7 @@ __all__ = [
     "AsyncLLMClient",
     "ChatPrompt",
     "CompletionOutput",
+    "EmbeddingOutput",
     "ExecutorInfo",
     "LLM",
     "LLMClient",
