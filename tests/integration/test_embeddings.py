@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -305,3 +306,25 @@ def test_client_errors_carry_the_status(grpc_client):
     with pytest.raises(LLMServeError) as info:
         grpc_client.embed([[1, 2]], dimensions=1000)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# ------------------------------------------------------------------------ durability (last: restarts)
+
+
+def test_a_call_during_a_scheduler_restart_is_retried_not_failed(stack, oai):
+    """Embeddings are not stored: the frontend retries UNAVAILABLE and the scheduler that
+    comes back recomputes the same vector, bit for bit."""
+    model = model_id(oai)
+    before = oai.embeddings.create(model=model, input=IDS[2], encoding_format="float")
+    stack.kill_scheduler()
+    got: list = []
+    thread = threading.Thread(
+        target=lambda: got.append(
+            oai.embeddings.create(model=model, input=IDS[2], encoding_format="float")
+        )
+    )
+    thread.start()
+    time.sleep(1.0)  # the call meets no scheduler for a while
+    stack.start_scheduler()
+    thread.join(90)
+    assert got and got[0].data[0].embedding == before.data[0].embedding
