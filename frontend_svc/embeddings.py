@@ -50,9 +50,11 @@ class EmbeddingRequest(BaseModel):
             return [x]
         if not x:
             raise bad_request("input must not be an empty list", "input")
-        if all(isinstance(t, int) for t in x):
-            return [list(x)]  # type: ignore[arg-type]
-        return list(x)  # type: ignore[arg-type]
+        inputs = [list(x)] if all(isinstance(t, int) for t in x) else list(x)
+        for ids in inputs:
+            if not isinstance(ids, str) and not all(0 <= t < 2**32 for t in ids):
+                raise bad_request("input: token ids must be in [0, 2^32)", "input")
+        return inputs  # type: ignore[return-value]
 
 
 def _encode(vec: list[float], encoding_format: str) -> list[float] | str:

@@ -41,9 +41,11 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["MAX_EMBED_INPUTS", "EmbedInput", "EmbedRequests", "EmbedResult"]
+__all__ = ["MAX_EMBED_INPUTS", "MAX_REPLY_BYTES", "EmbedInput", "EmbedRequests", "EmbedResult"]
 
 MAX_EMBED_INPUTS = 2048  # as OpenAI's limit on inputs per embeddings call
+# Vectors of one reply, in bytes: below the clients' 64 MiB message limit, with room to spare.
+MAX_REPLY_BYTES = 48 << 20
 WATCH_INTERVAL_S = 0.5
 DEFAULT_POOLING = PoolingType.LAST  # vLLM's default for decoder LLMs (with normalize)
 
@@ -138,6 +140,11 @@ class EmbedRequests:
         dims = inp.dimensions
         if dims is not None and not 1 <= dims <= hidden_size:
             raise ValidationError(f"dimensions must be in [1, {hidden_size}], got {dims}")
+        if len(inp.inputs) * (dims or hidden_size) * 4 > MAX_REPLY_BYTES:
+            raise ValidationError(
+                f"{len(inp.inputs)} vectors of {dims or hidden_size} floats exceed the "
+                f"{MAX_REPLY_BYTES >> 20} MiB a reply may hold; split the inputs over calls"
+            )
         pooling = DEFAULT_POOLING if inp.pooling is None else inp.pooling
         return PoolingParams(pooling, inp.normalize, dims or 0)
 

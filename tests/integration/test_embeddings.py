@@ -267,6 +267,7 @@ def test_vectors_do_not_depend_on_batching_or_chunking(stack, chunked, grpc_clie
         ({"input": [1, 2], "dimensions": 0}, "dimensions", "dimensions"),
         ({"input": [1, 2], "dimensions": 65}, "dimensions", "[1, 64]"),
         ({"input": [1, 10**9]}, "input", "vocabulary"),
+        ({"input": [[1, -2]]}, "input", "token ids"),
         ({"input": [1] * 5000}, "input", "maximum model length"),
         ({"input": [1, 2], "pooling": "cls"}, "pooling", "pooling"),
         ({"input": [1, 2], "encoding_format": "int8"}, "encoding_format", "encoding_format"),

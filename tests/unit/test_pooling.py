@@ -21,6 +21,7 @@ from executor_svc.pooling import (
     vector_from_bytes,
 )
 from executor_svc.sampler import SamplingParams as ExecutorParams
+from executor_svc.validation import InvalidStep, validate_step
 from protos import executor_pb2 as epb
 from protos import scheduler_pb2 as pb
 from scheduler_svc.core.pooling import PoolingParams, PoolingType, embed_request, swappable
@@ -123,8 +124,13 @@ def test_packed_float32_round_trip():
     assert np.array_equal(vector_from_bytes(msg.data), res.vector.numpy())
 
 
-def test_runner_pools_only_the_sequences_that_ask(tmp_path):
-    runner = ModelRunner(make_tiny_checkpoint(tmp_path, "llama"), block_size=8, num_device_blocks=8)
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory) -> ModelRunner:
+    model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("pool"), "llama")
+    return ModelRunner(model_dir, block_size=8, num_device_blocks=8)
+
+
+def test_runner_pools_only_the_sequences_that_ask(runner):
     pooled_params = ExecutorParams(
         prompt_only=True, pooling=PoolingState(MEAN, normalize=True, dimensions=0)
     )
@@ -148,6 +154,29 @@ def test_check_pooling_names_the_field():
     assert "p.type" in check_pooling(epb.PoolingParams(), HIDDEN, "p")
     too_wide = epb.PoolingParams(type=epb.POOLING_TYPE_MEAN, dimensions=HIDDEN + 1)
     assert check_pooling(too_wide, HIDDEN, "p") == "p.dimensions: 9 exceeds hidden_size 8"
+
+
+@pytest.mark.parametrize(
+    ("prompt_only", "pooling", "words"),
+    [
+        (False, epb.PoolingParams(type=epb.POOLING_TYPE_LAST), "only a prompt_only sequence"),
+        (True, epb.PoolingParams(type=epb.POOLING_TYPE_MEAN, dimensions=10**6), "exceeds hidden"),
+        (True, epb.PoolingParams(type=9), "pooling.type"),
+    ],
+)
+def test_the_executor_refuses_a_bad_pooling_step(runner, prompt_only, pooling, words):
+    params = epb.SamplingParams(prompt_only=prompt_only, pooling=pooling)
+    seq = epb.NewSequence(
+        seq_id="s",
+        token_ids=[5, 6, 7],
+        num_prompt_tokens=3,
+        sampling_params=params,
+        block_table=[0],
+        num_scheduled_tokens=3,
+    )
+    request = epb.ExecuteModelRequest(step_id=1, new_sequences=[seq])
+    with pytest.raises(InvalidStep, match=words):
+        validate_step(request, {}, runner, max_logprobs=20)
 
 
 # ------------------------------------------------------------------------ scheduler side
