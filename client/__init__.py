@@ -4,8 +4,10 @@ The client talks to the scheduler's public API (`protos/scheduler.proto`) only; 
 the services.
 """
 
-from client.async_client import DEFAULT_ADDRESS, AsyncLLMClient, default_address
+from client.async_client import AsyncLLMClient
 from client.embeddings import EmbeddingOutput
+from client.envs import DEFAULT_ADDRESS
+from client.envs import address as default_address
 from client.errors import LLMServeError
 from client.offline import LLM
 from client.outputs import (

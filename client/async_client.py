@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client import envs
 from client.embeddings import EmbeddingOutput, build_embed_request, embeddings_from_proto
 from client.errors import LLMServeError
 from client.outputs import RequestOutput, RequestState, ServerInfo, StreamDelta
@@ -29,7 +30,6 @@ from client.prompts import (
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 SERVICE_NAME = "llmserve.v1.Scheduler"
 
 # GetRequest of a long finished request can exceed gRPC's 4 MiB default.
@@ -77,11 +77,6 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-def default_address() -> str:
-    """$LLMSERVE_ADDRESS, else the port `make run` starts the scheduler on."""
-    return os.environ.get("LLMSERVE_ADDRESS") or DEFAULT_ADDRESS
-
-
 class _WithKey:
     def __init__(self, key: str) -> None:
         self._entry = ("authorization", f"Bearer {key}")
@@ -126,10 +121,10 @@ class AsyncLLMClient:
     ):
         """`api_key` defaults to $LLMSERVE_API_KEY; sent as `authorization: Bearer <key>`.
         `tls_ca` (default $LLMSERVE_TLS_CA): connect over TLS, trusting this CA file (PEM)."""
-        tls_ca = tls_ca if tls_ca is not None else os.environ.get("LLMSERVE_TLS_CA") or None
+        tls_ca = tls_ca if tls_ca is not None else envs.tls_ca()
         self._tls_ca = Path(tls_ca).read_bytes() if tls_ca else None
-        self.address = address or default_address()
-        self.api_key = api_key if api_key is not None else os.environ.get("LLMSERVE_API_KEY")
+        self.address = address or envs.address()
+        self.api_key = api_key if api_key is not None else envs.api_key()
         self.timeout = timeout
         self.stream_timeout = stream_timeout
         self._channel_options = [*_CHANNEL_OPTIONS, *channel_options]

@@ -8,8 +8,8 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from client.async_client import default_address
 from client.bench.cli import add_bench_parser, run_bench
+from client.envs import address as default_address
 from client.errors import run_guarded
 from client.health import add_health_parser
 from client.outputs import RequestOutput, StreamDelta

@@ -14,6 +14,8 @@ from starlette.requests import Request
 from client.errors import LLMServeError
 from frontend_svc.api import router
 from frontend_svc.auth import api_key_asgi
+from frontend_svc.chat_api import router as chat_router
+from frontend_svc.completions_api import router as completions_router
 from frontend_svc.embeddings import router as embeddings_router
 from frontend_svc.errors import APIError
 from frontend_svc.metrics import HTTPMetrics
@@ -72,8 +74,8 @@ def create_app(
 
     app = FastAPI(title="llmserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.api_keys = keys
-    app.include_router(router)
-    app.include_router(responses_router)
+    for r in (completions_router, chat_router, responses_router, router):
+        app.include_router(r)
     app.include_router(embeddings_router)  # /v1/embeddings (frontend_svc/embeddings.py)
     # Starlette runs the middleware added last first: metrics see the 401s too.
     app.add_middleware(_ASGIMiddleware, wrap=api_key_asgi(keys))

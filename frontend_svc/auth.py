@@ -8,11 +8,11 @@ scheduler with its own key (`$LLMSERVE_API_KEY`, else the file's first key).
 from __future__ import annotations
 
 import hmac
-import os
 from pathlib import Path
 
 from starlette.requests import Request
 
+from client import envs
 from frontend_svc.errors import APIError
 
 __all__ = ["api_key_asgi", "caller_key", "load_api_keys"]
@@ -23,7 +23,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 def load_api_keys(key_file: Path | None = None) -> list[str]:
     """The keys, $LLMSERVE_API_KEY first, then the file's in order."""
     keys = []
-    if value := os.environ.get("LLMSERVE_API_KEY", "").strip():
+    if value := envs.api_key():
         keys.append(value)
     if key_file is not None:
         for line in key_file.read_text().splitlines():

@@ -11,7 +11,7 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from client.async_client import default_address
+from client.envs import address as default_address
 from frontend_svc.app import create_app
 from frontend_svc.auth import load_api_keys
 

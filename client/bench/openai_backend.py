@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from client import envs
 from client.bench.dispatch import send_on_schedule
 from client.bench.metrics import RequestRecord
 from client.bench.workloads import BenchRequest
@@ -39,7 +40,7 @@ class OpenAIBackend:
             self.base_url += "/v1"
         self.model_dir = model_dir
         # $LLMSERVE_API_KEY (this project's) or $OPENAI_API_KEY; servers without keys ignore it.
-        api_key = api_key or os.environ.get("LLMSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        api_key = api_key or envs.api_key() or os.environ.get("OPENAI_API_KEY")
         self.api_key = api_key or "EMPTY"
         self._openai = openai
         sync = openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0)
