@@ -117,13 +117,13 @@ class EmbedRequests:
         """A step's vectors: each input is finished in its core (its blocks freed, the executor
         told to drop it) and its call gets the vector."""
         for out in pooled:
-            req_id = out.seq_id.rpartition("/")[0]
-            p = self._pending.get(req_id)
-            if p is None or p.ex is not ex:
-                continue  # its call went away (aborted) or it was moved: not ours to finish
+            # Finished in the core even when no call waits any more (it was cancelled and its
+            # abort is still queued): a pooled sequence's prompt is complete, nothing is left
+            # to run. False: it ended meanwhile (moved, aborted); the call's watch sees to it.
             if not ex.sched.finish_sequence(out.seq_id, RequestStatus.FINISHED_LENGTH):
-                continue  # ended meanwhile (moved, aborted); the watch sees to it
-            if not p.future.done():
+                continue
+            p = self._pending.get(out.seq_id.rpartition("/")[0])
+            if p is not None and p.ex is ex and not p.future.done():
                 p.future.set_result(np.frombuffer(out.data, dtype="<f4").copy())
 
     # ---------------------------------------------------------------- internals

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from client import LLMClient, LLMServeError, SamplingParams
+from client import LLM, LLMClient, LLMServeError, SamplingParams
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.local.redis_server import RedisServer
@@ -199,6 +199,15 @@ def test_models_list_the_tasks(oai, grpc_client):
     assert set(entry.model_extra["supported_tasks"]) == {"generate", "embed"}
     info = grpc_client.server_info()
     assert "embed" in info.tasks and info.hidden_size == 64
+
+
+def test_offline_llm_embed_as_vllm(stack, grpc_client):
+    with LLM(address=stack.address) as llm:
+        outs = llm.embed(["Hello there", [5, 6, 7]], pooling="mean", dimensions=32)
+    ref = grpc_client.embed(["Hello there", [5, 6, 7]], pooling="mean", dimensions=32)
+    assert [len(o.outputs.embedding) for o in outs] == [32, 32]
+    assert [o.outputs.embedding for o in outs] == [r.embedding for r in ref]
+    assert outs[1].num_prompt_tokens == 3
 
 
 # ------------------------------------------------------------------------ invariance
