@@ -264,6 +264,26 @@ def test_vectors_do_not_depend_on_batching_or_chunking(stack, chunked, grpc_clie
     assert _embed(grpc_client, [IDS[0]], pooling)[0].tobytes() == batched[0].tobytes()
 
 
+def test_a_call_that_gives_up_leaves_nothing_behind(chunked):
+    """A deadline passes mid-prefill (64 x 500 tokens at 16 a step: 2000 steps, seconds of
+    work): its inputs are aborted at once, their blocks freed, and the next call is served."""
+    inputs = [[(11 * j + k) % 200 + 3 for j in range(500)] for k in range(64)]
+    with LLMClient(chunked.address, timeout=0.3) as c:
+        with pytest.raises(LLMServeError) as info:
+            c.embed(inputs, pooling="mean")
+        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    with LLMClient(chunked.address, timeout=60) as c:
+        deadline = time.monotonic() + 2.0  # far less than computing the rest would take
+        while time.monotonic() < deadline:
+            info = c.server_info()
+            if info.num_running == info.num_waiting == 0:
+                break
+            time.sleep(0.1)
+        assert info.num_running == info.num_waiting == 0
+        assert info.executors[0].num_free_blocks == info.executors[0].num_device_blocks
+        assert len(c.embed([[1, 2, 3]])[0].embedding) == 64
+
+
 # ------------------------------------------------------------------------ bad input
 
 
