@@ -6,6 +6,7 @@ is batched with and to chunked prefill; bad input as 400 / INVALID_ARGUMENT."""
 from __future__ import annotations
 
 import base64
+import signal
 import threading
 import time
 
@@ -339,6 +340,24 @@ def test_client_errors_carry_the_status(grpc_client):
 
 
 # ------------------------------------------------------------------------ durability (last: restarts)
+
+
+def test_an_executor_killed_mid_call_is_recomputed_to_the_same_vectors(chunked):
+    """kill -9 of the executor while a call's inputs are mid-prefill: once it is back they are
+    recomputed from scratch (MEAN's kept rows died with it) and the call gets the same vectors."""
+    inputs = [[(13 * j + k) % 200 + 3 for j in range(300)] for k in range(24)]
+    with LLMClient(chunked.address, timeout=120) as c:
+        want = c.embed(inputs, pooling="mean")
+        got: list = []
+        call = threading.Thread(target=lambda: got.append(c.embed(inputs, pooling="mean")))
+        call.start()
+        time.sleep(0.3)
+        assert call.is_alive()  # 450 steps of 16 tokens: still computing
+        chunked.executor_proc.send_signal(signal.SIGKILL)
+        chunked.executor_proc.wait()
+        chunked.start_executor()
+        call.join(120)
+    assert got and [o.embedding for o in got[0]] == [o.embedding for o in want]
 
 
 def test_a_call_during_a_scheduler_restart_is_retried_not_failed(stack, oai):
