@@ -70,8 +70,10 @@ class EmbedResult:
 
 @dataclass(slots=True, eq=False)
 class _Pending:
+    """One input of a call: its request in a core (replaced when it is queued again)."""
+
     req: Request
-    ex: ExecutorHandle
+    ex: ExecutorHandle | None = None  # where it is queued (None until then)
     future: asyncio.Future[np.ndarray] = field(default_factory=asyncio.Future)
 
 
@@ -104,7 +106,8 @@ class EmbedRequests:
                 req = embed_request(
                     f"{base}-{i}", prompt, pooling, priority=inp.priority, arrival_time=now
                 )
-                pending.append(self._enqueue(req))
+                pending.append(_Pending(req))
+                self._place(pending[-1])
             vectors = await self._wait(pending)
         finally:
             self._forget(pending)
@@ -171,15 +174,15 @@ class EmbedRequests:
             )
         return ids
 
-    def _enqueue(self, req: Request) -> _Pending:
+    def _place(self, p: _Pending) -> None:
+        """Queue `p.req` on the executor the router picks."""
         engine = self._engine
-        ex = engine.router.choose(engine.executors, req)
-        ex.sched.add_request(req)
-        if req.is_finished:  # the core refused it at once (e.g. it can never fit the cache)
-            raise ValidationError(req.error or "the input cannot be scheduled")
-        p = self._pending[req.req_id] = _Pending(req, ex)
+        p.ex = ex = engine.router.choose(engine.executors, p.req)
+        ex.sched.add_request(p.req)
+        if p.req.is_finished:  # the core refused it at once (e.g. it can never fit the cache)
+            raise ValidationError(p.req.error or "the input cannot be scheduled")
+        self._pending[p.req.req_id] = p
         ex.wake.set()
-        return p
 
     async def _wait(self, pending: list[_Pending]) -> list[np.ndarray]:
         engine = self._engine
@@ -191,7 +194,9 @@ class EmbedRequests:
             if engine.stopping or engine.lost_leadership is not None:
                 raise Unavailable("scheduler is shutting down; retry the call")
             for p in pending:
-                if not p.future.done() and p.ex.sched.get_request(p.req.req_id) is not p.req:
+                if p.ex is None or p.future.done():
+                    continue
+                if p.ex.sched.get_request(p.req.req_id) is not p.req:
                     self._left_core(p)
 
     def _left_core(self, p: _Pending) -> None:
@@ -201,20 +206,16 @@ class EmbedRequests:
         if req.status == RequestStatus.FINISHED_ERROR:
             p.future.set_exception(ValidationError(req.error or "the input cannot be scheduled"))
             return
-        self._pending.pop(req.req_id, None)
         pooling = req.sampling_params.pooling  # type: ignore[attr-defined]
-        again = embed_request(
+        p.req = embed_request(
             req.req_id,
             req.prompt_token_ids,
             pooling,
             priority=req.priority,
             arrival_time=req.arrival_time,
         )
-        fresh = self._enqueue(again)
-        fresh.future = p.future  # the call waits on the same future
-        p.req, p.ex = fresh.req, fresh.ex
-        self._pending[req.req_id] = p
-        log.info("embed.requeued", req_id=req.req_id, executor=p.ex.address)
+        self._place(p)
+        log.info("embed.requeued", req_id=req.req_id, executor=p.ex.address if p.ex else "")
 
     def _forget(self, pending: list[_Pending]) -> None:
         """Drop the call's inputs; those still in a core (the call failed or was cancelled)
@@ -236,6 +237,8 @@ _background: set[asyncio.Task] = set()
 
 async def _abort(pending: list[_Pending]) -> None:
     for p in pending:
+        if p.ex is None:
+            continue
         with contextlib.suppress(Exception):  # best effort: the executor may be gone
             async with p.ex.exclusive():  # never in the middle of its step
                 p.ex.sched.abort_request(p.req.req_id)
