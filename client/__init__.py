@@ -5,6 +5,7 @@ the services.
 """
 
 from client.async_client import AsyncLLMClient
+from client.embeddings import EmbeddingOutput
 from client.envs import DEFAULT_ADDRESS
 from client.envs import address as default_address
 from client.errors import LLMServeError
@@ -28,6 +29,7 @@ __all__ = [
     "AsyncLLMClient",
     "ChatPrompt",
     "CompletionOutput",
+    "EmbeddingOutput",
     "ExecutorInfo",
     "LLM",
     "LLMClient",

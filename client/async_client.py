@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import envs
+from client.embeddings import EmbeddingOutput, build_embed_request, embeddings_from_proto
 from client.errors import LLMServeError
 from client.outputs import RequestOutput, RequestState, ServerInfo, StreamDelta
 from client.params import SamplingParams
@@ -207,6 +208,21 @@ class AsyncLLMClient:
         )
         resp = await self._unary("Detokenize", req)
         return resp.text, list(resp.token_texts)
+
+    async def embed(
+        self,
+        inputs: Any,
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        priority: int = 0,
+    ) -> list[EmbeddingOutput]:
+        """Embeddings of a text, a token-id list, or a list of either (client/embeddings.py)."""
+        req = build_embed_request(
+            inputs, pooling=pooling, normalize=normalize, dimensions=dimensions, priority=priority
+        )
+        return embeddings_from_proto(await self._unary("Embed", req))
 
     async def wait_ready(self, timeout: float = 30.0, *, poll_interval: float = 0.2) -> None:
         """Block until the scheduler's health service says SERVING (it does once an executor is

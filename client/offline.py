@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from client.embeddings import EmbeddingOutput
 from client.outputs import RequestOutput
 from client.params import SamplingParams
 from client.prompts import ChatPrompt
@@ -152,6 +153,11 @@ class LLM:
             for conv in conversations
         ]
         return self._client.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: Any, **kwargs: Any) -> list[EmbeddingOutput]:
+        """One EmbeddingOutput per prompt (`.outputs.embedding` as in vLLM); keyword arguments
+        as LLMClient.embed (pooling "last" or "mean", normalize, dimensions)."""
+        return self._client.embed(prompts, **kwargs)
 
     # ---- lifetime ----------------------------------------------------------------------------
 

@@ -264,6 +264,8 @@ class ServerInfo:
     kv_cache_usage: float
     executors: list[ExecutorInfo]
     routing: str = ""
+    tasks: list[str] = field(default_factory=list)  # "generate", "embed"
+    hidden_size: int = 0  # an embedding's length without `dimensions`
 
     @classmethod
     def from_proto(cls, msg: pb.GetServerInfoResponse) -> ServerInfo:
@@ -295,6 +297,8 @@ class ServerInfo:
                 for e in msg.executors
             ],
             routing=msg.routing,
+            tasks=list(msg.tasks),
+            hidden_size=msg.hidden_size,
         )
 
     def to_dict(self) -> dict[str, Any]:

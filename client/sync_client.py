@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 from client.async_client import AsyncLLMClient
+from client.embeddings import EmbeddingOutput
 from client.outputs import RequestOutput, RequestState, ServerInfo, StreamDelta
 from client.params import SamplingParams
 
@@ -96,6 +97,10 @@ class LLMClient:
                 priority=priority,
             )
         )
+
+    def embed(self, inputs: Any, **kwargs: Any) -> list[EmbeddingOutput]:
+        """As AsyncLLMClient.embed (pooling, normalize, dimensions, priority)."""
+        return self._run(self._async.embed(inputs, **kwargs))
 
     def _iterate(self, agen: AsyncIterator[StreamDelta]) -> Iterator[StreamDelta]:
         try:

@@ -29,6 +29,7 @@ from executor_svc.kv_cache import (
     max_useful_blocks,
 )
 from executor_svc.loader import ModelInfo, load_model, resolve_device
+from executor_svc.pooling import PooledResult, pool_step
 
 if TYPE_CHECKING:
     from executor_svc.parallel.group import TPGroup
@@ -156,9 +157,11 @@ class ModelRunner:
         blocks_to_swap_in: list[tuple[int, int]],
         blocks_to_copy: list[tuple[int, int]],
         prompt_logprobs: list[PromptLogprobResult] | None = None,
+        pooled: list[PooledResult] | None = None,
     ) -> list[SampleResult]:
         """One step. Sequences whose sampling params ask for prompt logprobs get them appended
-        to `prompt_logprobs` (when given) for the prompt tokens this step's positions predict."""
+        to `prompt_logprobs` (when given) for the prompt tokens this step's positions predict;
+        embedding sequences whose prompt completes get their vector appended to `pooled`."""
         # Swap-out first: blocks it frees may be the very destinations of this step's swap-in or
         # copies. Copies last: a copy source may be a block just swapped in.
         phases = self.phase_seconds
@@ -185,6 +188,8 @@ class ModelRunner:
             s.sampling_params.num_prompt_logprobs is not None for s in seqs
         ):
             prompt_logprobs.extend(self._prompt_logprobs(seqs, hidden))
+        if pooled is not None and any(s.sampling_params.pooling is not None for s in seqs):
+            pooled.extend(pool_step(seqs, hidden))  # embeddings (executor_svc/pooling.py)
         sample_idx, logits = self._sample_logits(batch, hidden)
         t2 = time.perf_counter()
         phases["forward"] += t2 - t1

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.attention import cpu_ops
+from executor_svc.pooling import PoolingState
 
 if TYPE_CHECKING:
     from protos import executor_pb2
@@ -69,6 +70,8 @@ class SamplingParams:  # mirrors executor.proto SamplingParams
     num_prompt_logprobs: int | None = None
     # Never sampled: the sequence's request only scores its prompt (read by the model runner).
     prompt_only: bool = False
+    # An embedding request's pooling (and its kept rows); None otherwise (executor_svc/pooling.py).
+    pooling: PoolingState | None = None
 
     @classmethod
     def from_proto(
@@ -98,6 +101,7 @@ class SamplingParams:  # mirrors executor.proto SamplingParams
                 int(pb.num_prompt_logprobs) if pb.HasField("num_prompt_logprobs") else None
             ),
             prompt_only=bool(pb.prompt_only),
+            pooling=PoolingState.from_proto(pb.pooling) if pb.HasField("pooling") else None,
         )
 
 

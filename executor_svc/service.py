@@ -23,6 +23,7 @@ import structlog
 
 from executor_svc.loader import tokenizer_class_name
 from executor_svc.model_runner import ModelRunner, PromptLogprobResult, ScheduledSequence
+from executor_svc.pooling import PooledResult, pooled_to_proto
 from executor_svc.seq_state import SeqState
 from executor_svc.validation import InvalidStep, StepPlan, validate_step
 from protos import executor_pb2 as pb
@@ -209,6 +210,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             max_logprobs=self.max_logprobs,
             tensor_parallel_size=getattr(info, "tensor_parallel_size", 1),
             draining=self.draining,
+            hidden_size=getattr(info, "hidden_size", 0),
         )
 
     @_rpc
@@ -312,8 +314,11 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             copy = [(m.src, m.dst) for m in request.blocks_to_copy]
             try:
                 prompt_lps: list[PromptLogprobResult] = []
+                pooled: list[PooledResult] = []  # embeddings (executor_svc/pooling.py)
                 if scheduled or swap_out or swap_in or copy:
-                    results = runner.execute(scheduled, swap_out, swap_in, copy, prompt_lps)
+                    results = runner.execute(
+                        scheduled, swap_out, swap_in, copy, prompt_lps, pooled=pooled
+                    )
                 else:
                     results = []
                 by_id = {r.seq_id: r for r in results}
@@ -383,6 +388,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 for r in prompt_lps
             ],
             draining=self.draining,
+            pooled=pooled_to_proto(pooled),
         )
 
     def _check_epoch(self, epoch: int) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from executor_svc.model_runner import ModelRunner
+from executor_svc.pooling import check_pooling
 from executor_svc.sampler import SamplingParams
 from executor_svc.seq_state import BlockTable, SeqState
 from protos import executor_pb2 as pb
@@ -84,7 +85,7 @@ def validate_step(
             )
         params = _check_params(
             f"{field}.sampling_params", n.sampling_params, max_logprobs, vocab_size,
-            info.eos_token_ids,
+            info.eos_token_ids, info.hidden_size,
         )  # fmt: skip
         _check_blocks(f"{field}.block_table", n.block_table, num_device)
         if len(set(n.block_table)) != len(n.block_table):
@@ -324,6 +325,7 @@ def _check_params(
     max_logprobs: int,
     vocab_size: int,
     eos_token_ids: Sequence[int],
+    hidden_size: int = 0,
 ) -> SamplingParams:
     for name in (
         "temperature",
@@ -360,5 +362,11 @@ def _check_params(
         _check_tokens(f"{field}.logit_bias", list(p.logit_bias), vocab_size)
         if not all(math.isfinite(b) for b in p.logit_bias.values()):
             raise InvalidStep(f"{field}.logit_bias: values must be finite numbers")
+    if p.HasField("pooling"):  # an embedding request (executor_svc/pooling.py)
+        why = check_pooling(p.pooling, hidden_size, f"{field}.pooling")
+        if why is None and not p.prompt_only:
+            why = f"{field}.pooling: only a prompt_only sequence can be pooled"
+        if why is not None:
+            raise InvalidStep(why)
     # The executor's own EOS ids join the mask here, once per sequence, not per step.
     return SamplingParams.from_proto(p, eos_token_ids)

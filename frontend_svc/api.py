@@ -38,6 +38,8 @@ async def models(request: Request):
                 "owned_by": "llmserve",
                 "root": name,
                 "max_model_len": await state.max_model_len(),
+                # What the model serves: "generate" and "embed" (/v1/embeddings).
+                "supported_tasks": (await state.info()).tasks or ["generate"],
             }
         ],
     }

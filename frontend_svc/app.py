@@ -16,6 +16,7 @@ from frontend_svc.api import router
 from frontend_svc.auth import api_key_asgi
 from frontend_svc.chat_api import router as chat_router
 from frontend_svc.completions_api import router as completions_router
+from frontend_svc.embeddings import router as embeddings_router
 from frontend_svc.errors import APIError
 from frontend_svc.metrics import HTTPMetrics
 from frontend_svc.responses_api import router as responses_router
@@ -75,6 +76,7 @@ def create_app(
     app.state.api_keys = keys
     for r in (completions_router, chat_router, responses_router, router):
         app.include_router(r)
+    app.include_router(embeddings_router)  # /v1/embeddings (frontend_svc/embeddings.py)
     # Starlette runs the middleware added last first: metrics see the 401s too.
     app.add_middleware(_ASGIMiddleware, wrap=api_key_asgi(keys))
     app.add_middleware(_ASGIMiddleware, wrap=metrics.asgi)

@@ -69,6 +69,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_scheduler__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=protos_dot_scheduler__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/llmserve.v1.Scheduler/Embed',
+                request_serializer=protos_dot_scheduler__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -130,6 +135,17 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings of a batch of inputs: each input's final-norm hidden states pooled into one
+        vector (as vLLM's pooling runner for decoder checkpoints). Each input runs as a prompt-only
+        request that keeps no KV cache after it. Unary and idempotent: nothing is stored in Redis,
+        so a call that fails UNAVAILABLE (e.g. a scheduler restart) is simply made again, and
+        gives the same vectors bit for bit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +183,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=protos_dot_scheduler__pb2.DetokenizeRequest.FromString,
                     response_serializer=protos_dot_scheduler__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_scheduler__pb2.EmbedRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +379,33 @@ class Scheduler:
             '/llmserve.v1.Scheduler/Detokenize',
             protos_dot_scheduler__pb2.DetokenizeRequest.SerializeToString,
             protos_dot_scheduler__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Scheduler/Embed',
+            protos_dot_scheduler__pb2.EmbedRequest.SerializeToString,
+            protos_dot_scheduler__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,7 +10,7 @@ import structlog
 
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.api import convert
+from scheduler_svc.api import convert, embed
 from scheduler_svc.api.auth import bearer_token, key_name
 from scheduler_svc.api.rpc_guard import Malformed, RateLimitedLog, reject_malformed
 from scheduler_svc.core.errors import EngineError, NotFound, QueueFull, Unavailable, ValidationError
@@ -171,7 +171,20 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if isinstance(request, Malformed):
             await reject_malformed(request, context)
         try:
-            return convert.server_info_to_proto(self.engine.server_info())
+            info = convert.server_info_to_proto(self.engine.server_info())
+            return embed.add_embed_info(info, self.engine)  # tasks, hidden_size (api/embed.py)
         except (EngineError, ValueError) as e:
             await _abort_with(context, e)
             return pb.GetServerInfoResponse()
+
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        """Each input as a prompt-only pooled request (engine/embeds.py); nothing is stored."""
+        if isinstance(request, Malformed):
+            await reject_malformed(request, context)
+        try:
+            inp = embed.embed_input_from_proto(request, self._owner(context))
+            result = await self.engine.embeds.embed(inp)
+        except (EngineError, ValueError) as e:
+            await _abort_with(context, e)
+            return pb.EmbedResponse()
+        return embed.embed_result_to_proto(result)

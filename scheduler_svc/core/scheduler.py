@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from scheduler_svc.core.ahead import plan_ahead
 from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.pooling import swappable
 from scheduler_svc.core.request import Request, RequestStatus, Sequence
 from scheduler_svc.core.scheduler_output import CachedSeqData, NewSeqData, SchedulerOutput
 from scheduler_svc.core.scheduler_state import SchedulerState
@@ -459,7 +460,8 @@ class Scheduler(SchedulerState):
             if seq.sent:
                 out.finished_seq_ids.append(seq.seq_id)
                 seq.sent = False
-        if self.config.preemption_mode == "swap" and bm.can_swap_out(live):
+        # (swappable: a mean-pooling embedding request is always recomputed; core/pooling.py)
+        if self.config.preemption_mode == "swap" and bm.can_swap_out(live) and swappable(req):
             out.blocks_to_swap_out.extend(bm.swap_out(live))
             self._set_status(req, live, RequestStatus.SWAPPED)
             self._swapped.push(req)

@@ -27,6 +27,7 @@ from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine import aborts, faults, recovery, requests
 from scheduler_svc.engine.config import AbortOutcome, EngineConfig, GenerateInput, ServerInfo
+from scheduler_svc.engine.embeds import EmbedRequests
 from scheduler_svc.engine.executors import ExecutorHandle, ExecutorPool
 from scheduler_svc.engine.health import HealthMonitor
 from scheduler_svc.engine.key_usage import KeyUsage
@@ -76,6 +77,7 @@ class Engine:
         self.metrics = EngineMetrics(self)
         self.router = Router(config.routing, config.routing_prefill_weight)
         self.usage = KeyUsage(config.max_requests_per_key, config.max_queued_tokens_per_key)
+        self.embeds = EmbedRequests(self)  # Embed calls in flight (engine/embeds.py)
         self.persister.on_write = self.metrics.redis_write.observe
 
     # ---------------------------------------------------------------- lifecycle
@@ -356,6 +358,8 @@ class Engine:
         record: EngineStep,
     ) -> None:
         done = process_step_outputs(ex.sched, self.requests, out, resp, record)
+        if resp.pooled:  # embedding inputs whose prompt completed (engine/embeds.py)
+            self.embeds.on_pooled(ex, list(resp.pooled))
         now = time.time()
         for s in out.new_seqs:  # sent in full: first scheduled, or again after a preemption
             handle = self.requests.get(s.seq_id.rpartition("/")[0])

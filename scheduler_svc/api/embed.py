@@ -1,0 +1,63 @@
+"""Edge conversion of the Embed RPC (protobuf <-> engine/embeds.py), and what GetServerInfo
+says about embeddings."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from protos import scheduler_pb2 as pb
+from scheduler_svc.core.errors import ValidationError
+from scheduler_svc.core.pooling import PoolingType
+from scheduler_svc.engine.embeds import EmbedInput, EmbedResult
+
+if TYPE_CHECKING:
+    from scheduler_svc.engine import Engine
+
+__all__ = ["TASKS", "add_embed_info", "embed_input_from_proto", "embed_result_to_proto"]
+
+# Every model llmserve loads is a decoder LLM: it generates, and its last hidden states pool
+# into embeddings (as vLLM's pooling runner for decoder checkpoints).
+TASKS = ("generate", "embed")
+
+_POOLING = {
+    pb.POOLING_TYPE_UNSPECIFIED: None,
+    pb.POOLING_TYPE_LAST: PoolingType.LAST,
+    pb.POOLING_TYPE_MEAN: PoolingType.MEAN,
+}
+
+
+def embed_input_from_proto(request: pb.EmbedRequest, owner: str) -> EmbedInput:
+    if request.pooling not in _POOLING:
+        raise ValidationError(
+            f"pooling must be POOLING_TYPE_LAST or POOLING_TYPE_MEAN, got {request.pooling}"
+        )
+    inputs: list[str | list[int]] = []
+    for i, x in enumerate(request.inputs):
+        kind = x.WhichOneof("input")
+        if kind is None:
+            raise ValidationError(f"inputs[{i}] has neither text nor token_ids")
+        inputs.append(x.text if kind == "text" else list(x.token_ids.ids))
+    return EmbedInput(
+        inputs=inputs,
+        pooling=_POOLING[request.pooling],
+        normalize=request.normalize if request.HasField("normalize") else True,
+        dimensions=request.dimensions if request.HasField("dimensions") else None,
+        priority=request.priority,
+        owner=owner,
+    )
+
+
+def embed_result_to_proto(result: EmbedResult) -> pb.EmbedResponse:
+    return pb.EmbedResponse(
+        embeddings=[
+            pb.Embedding(values=v.tolist(), num_prompt_tokens=n)
+            for v, n in zip(result.vectors, result.num_prompt_tokens, strict=True)
+        ],
+        num_prompt_tokens=sum(result.num_prompt_tokens),
+    )
+
+
+def add_embed_info(msg: pb.GetServerInfoResponse, engine: Engine) -> pb.GetServerInfoResponse:
+    msg.tasks.extend(TASKS)
+    msg.hidden_size = engine.executors[0].describe.hidden_size
+    return msg
