@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
-from executor_svc.loader import tokenizer_class_name
-from executor_svc.model_runner import ModelRunner, PromptLogprobResult, ScheduledSequence
-from executor_svc.seq_state import SeqState
-from executor_svc.validation import InvalidStep, StepPlan, validate_step
+from executor_svc.api.seq_state import SeqState
+from executor_svc.api.validation import InvalidStep, StepPlan, validate_step
+from executor_svc.runner.loader import tokenizer_class_name
+from executor_svc.runner.model_runner import ModelRunner, PromptLogprobResult, ScheduledSequence
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 

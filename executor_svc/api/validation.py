@@ -12,9 +12,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from executor_svc.model_runner import ModelRunner
-from executor_svc.sampler import SamplingParams
-from executor_svc.seq_state import BlockTable, SeqState
+from executor_svc.api.seq_state import BlockTable, SeqState
+from executor_svc.runner.model_runner import ModelRunner
+from executor_svc.runner.sampler import SamplingParams
 from protos import executor_pb2 as pb
 
 __all__ = ["InvalidStep", "StepPlan", "validate_step"]

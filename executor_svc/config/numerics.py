@@ -15,7 +15,7 @@ on the development machine (docs/benchmarks.md, issue 24): the step-invariant GE
 
 from __future__ import annotations
 
-import os
+from executor_svc.config import envs
 
 _enabled: bool | None = None
 
@@ -24,12 +24,7 @@ def deterministic() -> bool:
     """True unless turned off by ``set_deterministic(False)`` or ``LLMSERVE_DETERMINISTIC=0``."""
     global _enabled
     if _enabled is None:
-        _enabled = os.environ.get("LLMSERVE_DETERMINISTIC", "1").strip().lower() not in (
-            "0",
-            "false",
-            "no",
-            "off",
-        )
+        _enabled = envs.deterministic()
     return _enabled
 
 

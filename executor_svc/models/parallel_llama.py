@@ -15,12 +15,12 @@ import torch
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
 from executor_svc.models.llama import KVCaches, LlamaConfig, LlamaForCausalLM, matmul_io
-from executor_svc.parallel.group import TPGroup, shard_heads, tp_shape_error
-from executor_svc.parallel.layers import (
+from executor_svc.models.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     vocab_loader,
 )
+from executor_svc.parallel.group import TPGroup, shard_heads, tp_shape_error
 
 
 class ParallelLlamaForCausalLM(LlamaForCausalLM):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from executor_svc.attention import cpu_ops
+from executor_svc.kernels import sampling
 
 if TYPE_CHECKING:
     from protos import executor_pb2
@@ -460,7 +460,7 @@ class Sampler:
 
         sampled = [i for i, p in enumerate(params) if p.temperature >= _SAMPLING_EPS]
         # fp32 CPU logits: argmax and logsumexp of the raw rows in one compiled pass (else None).
-        fused = cpu_ops.argmax_logsumexp(raw)
+        fused = sampling.argmax_logsumexp(raw)
         if not sampled and fused is not None and proc is raw:
             token_ids = fused[0]  # all greedy, nothing applied: the raw rows' argmax
         elif not sampled:
