@@ -65,7 +65,7 @@ class ExecutorServer:
         self.tls = tls
         self.tensor_parallel_size = tensor_parallel_size
         self.log_level = log_level
-        self.tp_workers: Any = None  # parallel.launcher.TPWorkers once started
+        self.tp_workers: Any = None  # runner.tp_launcher.TPWorkers once started
         self.model = model
         self.host = host
         self.requested_port = port

@@ -1,4 +1,4 @@
-"""A tensor-parallel worker: ranks 1..N-1 of an executor, started by rank 0 (launcher.py).
+"""A tensor-parallel worker: ranks 1..N-1 of an executor, started by rank 0 (``tp_launcher``).
 
 ``python -m executor_svc.runner.tp_worker --rank R ...``: joins the group, loads its shard of
 the model, builds its KV cache (the block count agreed with the other ranks), then runs every
