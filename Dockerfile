@@ -10,13 +10,13 @@
 # and make sure that base provides Python >= 3.11 as `python`/`pip` (Ubuntu's needs a venv).
 ARG BASE_IMAGE=python:3.11-slim
 
-# The CPU paged-attention kernel, compiled ahead of time for x86-64-v3 (AVX2 + FMA) in a stage
+# The CPU kernel library (paged attention, GEMM, sampling, elementwise), compiled ahead of time for x86-64-v3 (AVX2 + FMA) in a stage
 # of its own, so the image carries the library and not the compiler. The flags are
-# executor_svc/attention/cpu_ops.py's FLAGS plus PORTABLE_MARCH (a test keeps them equal).
+# executor_svc/kernels/library.py's FLAGS plus PORTABLE_MARCH (a test keeps them equal).
 FROM ${BASE_IMAGE} AS kernel
 RUN apt-get update -q && apt-get install -y -q --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
-COPY executor_svc/attention/csrc/ /src/
+COPY executor_svc/kernels/csrc/ /src/
 # (Not on other architectures: an empty file then, which the executor never loads there.)
 RUN mkdir -p /out && (g++ -O3 -ffast-math -fno-associative-math -fopenmp -shared -fPIC -std=c++17 -march=x86-64-v3 \
     /src/*.cpp -o /out/paged_attention-x86-64-v3.so \
@@ -36,7 +36,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin llmserve
 
-# The prebuilt attention kernel and the OpenMP runtime it links (on a CPU without AVX2/FMA the
+# The prebuilt kernel library and the OpenMP runtime it links (on a CPU without AVX2/FMA the
 # executor uses the torch attention ops instead).
 RUN apt-get update -q && apt-get install -y -q --no-install-recommends libgomp1 \
     && apt-get clean && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
@@ -66,8 +66,8 @@ RUN pip install --no-deps . && rm -rf build *.egg-info
 USER llmserve
 # Bake the demo checkpoint into the image (a few seconds) so `--model demo` starts at once and
 # every scaled executor replica serves identical weights.
-RUN python -c "from executor_svc.demo_model import ensure_demo_model; print(ensure_demo_model())"
-RUN python -c "from executor_svc.attention import cpu_ops; print('cpu kernel:', cpu_ops.available())"
+RUN python -c "from executor_svc.tools.demo_model import ensure_demo_model; print(ensure_demo_model())"
+RUN python -c "from executor_svc.kernels import library; print('cpu kernel:', library.available())"
 
 # gRPC: scheduler 50051, executor 50061; HTTP: frontend 8000, metrics 9400 (scheduler) 9401 (executor).
 EXPOSE 50051 50061 8000 9400 9401

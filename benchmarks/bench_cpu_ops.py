@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu_attention import KVH, D, H, batch  # noqa: E402
 
 from executor_svc.attention import cpu_ops  # noqa: E402
+from executor_svc.kernels import elementwise, sampling  # noqa: E402
 
 
 def timed(fn: Callable[[], object], iters: int) -> float:
@@ -56,16 +57,16 @@ def main() -> None:
         row(f"causal prompt {n} ({H} heads)", timed(lambda a=args: cpu_ops.paged_attention(*a), 5),
             timed(sdpa, 5))  # fmt: skip
     logits = torch.randn(64, 49152)
-    row("argmax + logsumexp 64 x 49152", timed(lambda: cpu_ops.argmax_logsumexp(logits), 50),
+    row("argmax + logsumexp 64 x 49152", timed(lambda: sampling.argmax_logsumexp(logits), 50),
         timed(lambda: (logits.argmax(-1), torch.logsumexp(logits, -1)), 50))  # fmt: skip
     w = torch.randn(576)
     for rows in (1, 64, 2048):
         gate_up = torch.randn(rows, 2 * 1536)
-        row(f"silu * mul {rows} x 1536", timed(lambda g=gate_up: cpu_ops.silu_mul(g), 200),
+        row(f"silu * mul {rows} x 1536", timed(lambda g=gate_up: elementwise.silu_mul(g), 200),
             timed(lambda g=gate_up: F.silu(g[:, :1536]) * g[:, 1536:], 200))  # fmt: skip
         x, delta = torch.randn(rows, 576), torch.randn(rows, 576)
         row(f"add + rms_norm {rows} x 576",
-            timed(lambda x=x, d=delta: cpu_ops.add_rms_norm(x, d, w, 1e-5), 200),
+            timed(lambda x=x, d=delta: elementwise.add_rms_norm(x, d, w, 1e-5), 200),
             timed(lambda x=x, d=delta: F.rms_norm(x + d, (576,), w, 1e-5), 200))  # fmt: skip
 
 

@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from executor_svc.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
-from executor_svc.sampler import SamplingParams  # noqa: E402
+from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
+from executor_svc.runner.sampler import SamplingParams  # noqa: E402
 from tests.support.model_factory import load_hf_model, make_tiny_checkpoint  # noqa: E402
 
 SMOLLM_135M = {

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from executor_svc import cpu_gemm  # noqa: E402
+from executor_svc.kernels import gemm as cpu_gemm  # noqa: E402
 
 # (name, in, out) of SmolLM2-135M's matmuls: hidden 576, intermediate 1536, 9 + 2 x 3 heads of 64.
 SHAPES = (

@@ -28,8 +28,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import profile_step  # noqa: E402
 from bench_vs_hf import build_model  # noqa: E402
 
-from executor_svc import cpu_gemm, numerics  # noqa: E402
-from executor_svc.model_runner import ModelRunner  # noqa: E402
+from executor_svc.config import numerics  # noqa: E402
+from executor_svc.kernels import gemm as cpu_gemm  # noqa: E402
+from executor_svc.runner.model_runner import ModelRunner  # noqa: E402
 
 
 def make_runner(model_dir: Path, deterministic: bool, blocks: int) -> ModelRunner:

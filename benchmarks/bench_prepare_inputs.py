@@ -24,10 +24,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from executor_svc.demo_model import ensure_demo_model  # noqa: E402
-from executor_svc.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
-from executor_svc.sampler import SamplingParams  # noqa: E402
-from executor_svc.seq_state import BlockTable  # noqa: E402
+from executor_svc.api.seq_state import BlockTable  # noqa: E402
+from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
+from executor_svc.runner.sampler import SamplingParams  # noqa: E402
+from executor_svc.tools.demo_model import ensure_demo_model  # noqa: E402
 
 BLOCK_SIZE = 16
 

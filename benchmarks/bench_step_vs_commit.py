@@ -30,7 +30,7 @@ def worker(
 ) -> None:
     sys.path.insert(0, tree)
     # executor_svc first: the benchmark helpers below put this tree's root on sys.path too.
-    from executor_svc.model_runner import ModelRunner, ScheduledSequence
+    from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence
 
     sys.path.insert(1, str(ROOT / "benchmarks"))
     import profile_step

@@ -36,9 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_decode import BLOCK_SIZE, CONTEXT, SMOLLM_135M  # noqa: E402
-from executor_svc.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
-from executor_svc.parallel.launcher import TPWorkers  # noqa: E402
-from executor_svc.sampler import SamplingParams  # noqa: E402
+from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
+from executor_svc.runner.sampler import SamplingParams  # noqa: E402
+from executor_svc.runner.tp_launcher import TPWorkers  # noqa: E402
 from tests.support.model_factory import make_tiny_checkpoint  # noqa: E402
 
 SHAPE = {**SMOLLM_135M, "num_attention_heads": 12, "num_key_value_heads": 4}

@@ -50,7 +50,7 @@ def gemm_rate(cfg: dict, m: int, kind: str = "packed", repeats: int = 5) -> floa
     ``mm`` = ``torch.mm`` (MKL), ``packed`` = oneDNN on prepacked weights (the fastest here)."""
     import torch
 
-    from executor_svc.cpu_gemm import OneDnnWeight
+    from executor_svc.kernels.gemm import OneDnnWeight
 
     torch.set_num_threads(1)
     shapes = [*gemm_shapes(cfg), (cfg["hidden_size"], cfg["vocab_size"])]

@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from executor_svc.attention import AttentionBackend  # noqa: E402
-from executor_svc.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
 from executor_svc.models import llama  # noqa: E402
-from executor_svc.sampler import SamplingParams  # noqa: E402
+from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
+from executor_svc.runner.sampler import SamplingParams  # noqa: E402
 
 FAMILIES = ("prepare", "gemm", "attention", "kv_write", "norm", "rope", "logits", "sampler")
 TIMES: dict[str, float] = defaultdict(float)

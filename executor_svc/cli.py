@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import socket
 import sys
@@ -12,8 +11,9 @@ from pathlib import Path
 
 import structlog
 
-from executor_svc import numerics
-from executor_svc.server import ExecutorServer
+from executor_svc.api.server import ExecutorServer
+from executor_svc.config import envs, numerics
+from executor_svc.config.logs import configure_logging
 
 log = structlog.get_logger(__name__)
 
@@ -136,24 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def configure_logging(level: str) -> None:
-    """structlog key/value lines on stderr, filtered at `level`."""
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            structlog.processors.KeyValueRenderer(
-                key_order=["timestamp", "level", "event"], drop_missing=True
-            ),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
-    )
-
-
 def _write_port_file(path: Path, port: int) -> None:
     # Write then rename, so a reader polling for the file never sees it empty.
     tmp = path.with_name(path.name + ".tmp")
@@ -199,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.deterministic is not None:
         numerics.set_deterministic(args.deterministic)
         # Tensor-parallel workers are processes of their own: they read the environment.
-        os.environ["LLMSERVE_DETERMINISTIC"] = "1" if args.deterministic else "0"
+        envs.export_deterministic(args.deterministic)
     threads = args.cpu_threads or (len(cores) if cores else None)
     if threads:
         import torch
@@ -223,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     server.install_signal_handlers(args.grace, args.drain_timeout)
     if args.metrics_port is not None:
-        from executor_svc.metrics import ExecutorMetrics, serve_metrics
+        from executor_svc.api.metrics import ExecutorMetrics, serve_metrics
 
         metrics = ExecutorMetrics(server.servicer)
         server.servicer.on_step = metrics.observe_step
@@ -245,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     log_numerics()
     registration = None
     if args.redis_url:
-        from executor_svc.registry import ExecutorRegistration
+        from executor_svc.api.registry import ExecutorRegistration
 
         address = args.advertise_address or advertised_address(args.host, port)
         registration = ExecutorRegistration(args.redis_url, server.servicer.instance_id, address)
@@ -263,11 +245,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def log_numerics() -> None:
     """Say at start-up whether outputs are step-invariant here, and why not when they are not."""
-    from executor_svc.attention import cpu_ops
+    from executor_svc.kernels import library
 
     if not numerics.deterministic():
         log.info("executor.numerics", deterministic=False, note="--no-deterministic")
-    elif not cpu_ops.available():
+    elif not library.available():
         log.warning(
             "executor.numerics",
             deterministic=True,
@@ -283,10 +265,10 @@ def _tensor_parallel_error(args: argparse.Namespace) -> str | None:
     before the port opens; a model that cannot be read is reported by the load as before)."""
     if args.tensor_parallel_size == 1:
         return None
-    from executor_svc.parallel.launcher import tensor_parallel_error
+    from executor_svc.runner.tp_launcher import tensor_parallel_error
 
     if str(args.model) == "demo":
-        from executor_svc.demo_model import COMMON_CONFIG, SIZES
+        from executor_svc.tools.demo_model import COMMON_CONFIG, SIZES
 
         config = {**COMMON_CONFIG, **SIZES["demo"]}
     else:

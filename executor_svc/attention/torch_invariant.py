@@ -1,5 +1,5 @@
 """Step-invariant paged attention in plain torch: the torch backend when numerics are
-deterministic (the default; see ``executor_svc.numerics``).
+deterministic (the default; see ``executor_svc.config.numerics``).
 
 The SDPA path of ``torch_ops`` pads each sequence to its batch's longest and lets the fused
 kernel pick its blocking by shape, so a row's bits can follow its co-runners. Here every query

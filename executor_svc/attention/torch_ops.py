@@ -5,7 +5,7 @@ per layer; ``slot = block_id * block_size + offset``. A batch is flattened: sequ
 query rows ``query_start_loc[i] : query_start_loc[i + 1]`` and those rows are the *last* ``q_len``
 positions of its ``seq_lens[i]`` tokens, whose K/V are already in the cache.
 
-With step-invariant numerics on (``executor_svc.numerics``, the default) ``paged_attention``
+With step-invariant numerics on (``executor_svc.config.numerics``, the default) ``paged_attention``
 and ``attend`` go to ``torch_invariant``: every row computed the same way whatever its
 co-runners. Off, ``paged_attention`` is vectorised: decode rows (one query token) of all sequences are handled by
 one gather + one ``scaled_dot_product_attention``, and the remaining (prefill / chunked-prefill) sequences by one
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from executor_svc import numerics
 from executor_svc.attention import torch_invariant
+from executor_svc.config import numerics
 
 if TYPE_CHECKING:
-    from executor_svc.attention import AttentionMetadata
+    from executor_svc.attention.metadata import AttentionMetadata
 
 
 def write_kv(

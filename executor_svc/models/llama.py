@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor_svc import cpu_gemm
-from executor_svc.attention import AttentionBackend, AttentionMetadata, cpu_ops
+from executor_svc.attention import AttentionBackend, AttentionMetadata
+from executor_svc.kernels import elementwise, gemm
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
 
@@ -119,10 +119,10 @@ def matmul_io(x: torch.Tensor, w_io: torch.Tensor, bias: torch.Tensor | None = N
     it takes the plain matmul; so do CPU fp16/bf16, which oneDNN supports only on CPUs with the
     matching instructions.
 
-    With step-invariant numerics (the default) fp32 CPU goes to ``cpu_gemm.matmul`` instead:
+    With step-invariant numerics (the default) fp32 CPU goes to ``gemm.matmul`` instead:
     MKL and oneDNN give a row other bits depending on how many rows come with it.
     """
-    y = cpu_gemm.matmul(x, w_io, bias)  # None: not fp32 CPU, or numerics not step-invariant
+    y = gemm.matmul(x, w_io, bias)  # None: not fp32 CPU, or numerics not step-invariant
     if y is not None:
         return y
     use_onednn = x.shape[0] > 1 or torch.get_num_threads() > 1
@@ -148,7 +148,7 @@ class Linear(nn.Module):
             offset += size
         self.weight = _set_loader(nn.Parameter(torch.empty(in_features, offset)), self._load)
         self.bias = _set_loader(nn.Parameter(torch.empty(offset)), self._load) if bias else None
-        self.packed: cpu_gemm.PackedWeight | None = None  # set by prepack(); weight is emptied
+        self.packed: gemm.PackedWeight | None = None  # set by prepack(); weight is emptied
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
         start, size = self.shard_offsets[shard_id]
@@ -158,10 +158,10 @@ class Linear(nn.Module):
             param.data.narrow(0, start, size).copy_(loaded)
 
     def prepack(self) -> bool:
-        """Replace the plain weight by its packed form for CPU fp32 (``cpu_gemm.pack``), keeping
+        """Replace the plain weight by its packed form for CPU fp32 (``gemm.pack``), keeping
         one copy in memory; False where packing does not apply."""
         if self.packed is None:
-            self.packed = cpu_gemm.pack(self.weight.data)
+            self.packed = gemm.pack(self.weight.data)
             if self.packed is None:
                 return False
             self.weight.data = self.weight.data.new_empty(0)
@@ -181,7 +181,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            fused = cpu_ops.add_rms_norm(x, None, self.weight, self.eps)  # fp32 CPU rows
+            fused = elementwise.add_rms_norm(x, None, self.weight, self.eps)  # fp32 CPU rows
             if fused is not None:
                 return fused[1]
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
@@ -192,7 +192,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(x + delta, norm(x + delta)): one compiled pass for fp32 CPU rows."""
-        fused = cpu_ops.add_rms_norm(x, delta, self.weight, self.eps)
+        fused = elementwise.add_rms_norm(x, delta, self.weight, self.eps)
         if fused is not None:
             return fused
         x = x + delta
@@ -316,7 +316,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        act = cpu_ops.silu_mul(gate_up)  # fp32 CPU: one pass; None for anything else
+        act = elementwise.silu_mul(gate_up)  # fp32 CPU: one pass; None for anything else
         if act is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = F.silu(gate) * up
@@ -365,7 +365,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.packed_lm_head: cpu_gemm.PackedWeight | None = None  # set by prepack_weights()
+        self.packed_lm_head: gemm.PackedWeight | None = None  # set by prepack_weights()
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
@@ -393,12 +393,12 @@ class LlamaForCausalLM(nn.Module):
         return matmul_io(hidden, self.lm_head)
 
     def prepack_weights(self) -> int:
-        """Pack every ``Linear`` and the lm_head for CPU fp32 (``cpu_gemm`` module doc) in place;
+        """Pack every ``Linear`` and the lm_head for CPU fp32 (``kernels.gemm`` module doc) in place;
         returns how many were packed. A tied lm_head gets its own packed copy: the embedding
         lookup still reads the plain matrix."""
         count = sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
         if self.packed_lm_head is None:
-            self.packed_lm_head = cpu_gemm.pack(self.lm_head.data)
+            self.packed_lm_head = gemm.pack(self.lm_head.data)
             if self.packed_lm_head is not None:
                 count += 1
                 if self.lm_head is not self.embed_tokens:

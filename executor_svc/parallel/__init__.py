@@ -1,3 +1,4 @@
-"""Tensor parallelism inside one executor: the group and head split (``group``), sharded
-layers and model (``layers``, ``model``), the step as rank 0 broadcasts it (``step``), the
-worker ranks (``worker``) and rank 0's launcher and watchdog (``launcher``)."""
+"""Tensor parallelism's collectives: the group of one executor's ranks, the split of a model's
+heads over it (``group``). The sharded layers that use it live with the models
+(``models/parallel_layers.py``, ``models/parallel_llama.py``); the step broadcast, the worker
+ranks and rank 0's launcher with the runner (``runner/tp_*.py``)."""

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 # Workers wait for the next step inside a broadcast for as long as the executor is idle, so
 # the group's timeout must outlast any idle period; a dead peer is noticed by the watchdogs
-# (launcher.py, worker.py), not by this timeout.
+# (runner/tp_launcher.py, runner/tp_worker.py), not by this timeout.
 GROUP_TIMEOUT = datetime.timedelta(days=365)
 
 

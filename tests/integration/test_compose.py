@@ -215,11 +215,11 @@ def test_dockerfile_shape() -> None:
     for name in copied - {"README.md"}:
         assert (ROOT / name).exists(), name
     # The kernel stage compiles with exactly the flags the executor itself would use.
-    from executor_svc.attention import cpu_ops
+    from executor_svc.kernels import library
 
     text = (ROOT / "Dockerfile").read_text()
     compile_line = text[text.index("g++ -O3") : text.index("/src/*.cpp -o")]
-    assert compile_line.replace("\\", " ").split()[1:] == [*cpu_ops.FLAGS, cpu_ops.PORTABLE_MARCH]
+    assert compile_line.replace("\\", " ").split()[1:] == [*library.FLAGS, library.PORTABLE_MARCH]
     assert "ENV LLMSERVE_KERNEL_LIB=" in text
     # The image installs the runtime dependencies only: no CUDA-only triton (a CUDA torch
     # brings its own) and nothing only tests or `make run` use.

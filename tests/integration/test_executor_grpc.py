@@ -257,7 +257,7 @@ def test_health_and_reflection(served: Served) -> None:
 
 
 def test_health_not_serving_before_load(tmp_path: Path) -> None:
-    from executor_svc.server import ExecutorServer
+    from executor_svc.api.server import ExecutorServer
 
     srv = ExecutorServer(tmp_path / "nothing-loaded-yet", "127.0.0.1", 0)
     port = srv.start()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import redis
 
-from executor_svc.registry import EXECUTORS_KEY, ExecutorRegistration, executor_key
+from executor_svc.api.registry import EXECUTORS_KEY, ExecutorRegistration, executor_key
 from scheduler_svc.state import store
 
 CONTRACT = Path(__file__).resolve().parents[2] / "protos" / "executor_registry.md"

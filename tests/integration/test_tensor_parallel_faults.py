@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from executor_svc.parallel.launcher import EXIT_RANK_DIED
+from executor_svc.runner.tp_launcher import EXIT_RANK_DIED
 from protos import executor_pb2 as pb
 from protos import scheduler_pb2 as spb
 from scheduler_svc.local.redis_server import RedisServer
@@ -42,7 +42,7 @@ def worker_pids(pid: int) -> list[int]:
     return [
         c.pid
         for c in psutil.Process(pid).children()
-        if "executor_svc.parallel.worker" in c.cmdline()
+        if "executor_svc.runner.tp_worker" in c.cmdline()
     ]
 
 

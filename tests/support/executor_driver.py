@@ -272,7 +272,7 @@ class ExecutorDriver:
 @contextlib.contextmanager
 def running_executor(model: str | Path, **runner_kwargs: Any) -> Iterator[tuple[Any, int]]:
     """An in-process executor on 127.0.0.1 with an OS-chosen port: yields (ExecutorServer, port)."""
-    from executor_svc.server import ExecutorServer
+    from executor_svc.api.server import ExecutorServer
 
     srv = ExecutorServer(model, "127.0.0.1", 0, **runner_kwargs)
     port = srv.start()

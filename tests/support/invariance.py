@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor_svc.model_runner import ModelRunner, ScheduledSequence
-from executor_svc.sampler import Sampler, SamplingParams
+from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence
+from executor_svc.runner.sampler import Sampler, SamplingParams
 
 Key = tuple[str, int]  # (seq_id, position)
 

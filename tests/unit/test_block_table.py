@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from executor_svc.seq_state import BlockTable
+from executor_svc.api.seq_state import BlockTable
 
 
 def test_block_table_acts_like_a_list_of_ids():

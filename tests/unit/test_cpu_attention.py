@@ -15,6 +15,7 @@ import torch
 
 from executor_svc.attention import AttentionMetadata, cpu_ops, get_attention_backend
 from executor_svc.attention.torch_ops import paged_attention_naive
+from executor_svc.kernels import library
 from tests.unit.test_torch_attention import dense_reference, make_batch
 
 needs_kernel = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
@@ -211,12 +212,12 @@ def test_a_prebuilt_library_serves_without_a_compiler(tmp_path):
     import shutil
 
     cxx = shutil.which("g++")
-    features = set(cpu_ops._cpu_features().split())
-    if cxx is None or not set(cpu_ops.PORTABLE_FEATURES) <= features:
+    features = set(library._cpu_features().split())
+    if cxx is None or not set(library.PORTABLE_FEATURES) <= features:
         pytest.skip("needs g++ to build the library and an x86-64-v3 CPU to run it")
     lib = tmp_path / "paged_attention-x86-64-v3.so"
     build = subprocess.run(
-        [cxx, *cpu_ops.FLAGS, cpu_ops.PORTABLE_MARCH, *map(str, cpu_ops.SOURCES), "-o", str(lib)],
+        [cxx, *library.FLAGS, library.PORTABLE_MARCH, *map(str, library.SOURCES), "-o", str(lib)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert build.returncode == 0, build.stderr

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor_svc.attention import cpu_ops
+from executor_svc.kernels import elementwise, library
 
-needs_kernel = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
+needs_kernel = pytest.mark.skipif(not library.available(), reason="no C++ compiler here")
 
 
 @needs_kernel
@@ -19,16 +19,16 @@ def test_silu_mul_matches_torch(rows, inter):
     wide = torch.randn(rows, 2 * inter + 3, generator=g) * 6  # large |gate| too: both tails
     gate_up = wide[:, : 2 * inter]  # row stride wider than the row
     gate_up[0, 0], gate_up[0, 1] = -200.0, 200.0  # saturated silu: 0 and the input
-    out = cpu_ops.silu_mul(gate_up)
+    out = elementwise.silu_mul(gate_up)
     ref = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     assert out is not None and out.shape == (rows, inter)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_silu_mul_declines_what_it_does_not_take():
-    assert cpu_ops.silu_mul(torch.randn(2, 8, dtype=torch.float64)) is None
-    assert cpu_ops.silu_mul(torch.randn(2, 7)) is None  # odd width: no [gate | up] halves
-    assert cpu_ops.silu_mul(torch.randn(4, 2, 8)) is None
+    assert elementwise.silu_mul(torch.randn(2, 8, dtype=torch.float64)) is None
+    assert elementwise.silu_mul(torch.randn(2, 7)) is None  # odd width: no [gate | up] halves
+    assert elementwise.silu_mul(torch.randn(4, 2, 8)) is None
 
 
 @needs_kernel
@@ -38,12 +38,12 @@ def test_add_rms_norm_matches_torch(rows, dim):
     x = torch.randn(rows, dim + 5, generator=g)[:, :dim]  # strided rows
     delta = torch.randn(rows, dim, generator=g)
     w = torch.randn(dim, generator=g)
-    total, normed = cpu_ops.add_rms_norm(x, delta, w, 1e-5)
+    total, normed = elementwise.add_rms_norm(x, delta, w, 1e-5)
     torch.testing.assert_close(total, x + delta, atol=0, rtol=0)
     ref = F.rms_norm(x + delta, (dim,), w, 1e-5)
     torch.testing.assert_close(normed, ref, atol=1e-5, rtol=1e-5)
-    same, normed = cpu_ops.add_rms_norm(x, None, w, 1e-5)  # no residual: the norm alone
+    same, normed = elementwise.add_rms_norm(x, None, w, 1e-5)  # no residual: the norm alone
     assert same is x
     torch.testing.assert_close(normed, F.rms_norm(x, (dim,), w, 1e-5), atol=1e-5, rtol=1e-5)
-    assert cpu_ops.add_rms_norm(x.double(), None, w.double(), 1e-5) is None
-    assert cpu_ops.add_rms_norm(x, delta[:, :-1], w, 1e-5) is None  # shapes differ
+    assert elementwise.add_rms_norm(x.double(), None, w.double(), 1e-5) is None
+    assert elementwise.add_rms_norm(x, delta[:, :-1], w, 1e-5) is None  # shapes differ

@@ -1,4 +1,4 @@
-"""The step-invariant CPU GEMM (csrc/gemm.cpp via executor_svc/cpu_gemm.py): a row's output is
+"""The step-invariant CPU GEMM (csrc/gemm.cpp via executor_svc/kernels/gemm.py): a row's output is
 bitwise the same computed alone or among any number of other rows, on any thread count; it is
 accurate against an fp64 reference; and the model uses it for every fp32 CPU matmul."""
 
@@ -10,7 +10,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from executor_svc import cpu_gemm, numerics
+from executor_svc.config import numerics
+from executor_svc.kernels import gemm as cpu_gemm
 from executor_svc.models.llama import Linear
 from tests.support.model_factory import make_tiny_checkpoint
 from tests.unit.test_model_equivalence import assert_logits_match_hf, make_prompts

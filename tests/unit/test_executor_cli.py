@@ -34,7 +34,7 @@ def test_unusable_core_lists_are_refused_before_anything_starts(value, needle, c
     ("env", "expected"), [(None, True), ("1", True), ("0", False), ("off", False)]
 )
 def test_step_invariant_numerics_default_on_and_env_turns_them_off(env, expected, monkeypatch):
-    from executor_svc import numerics
+    from executor_svc.config import numerics
 
     monkeypatch.setattr(numerics, "_enabled", None)  # read the environment again
     if env is None:

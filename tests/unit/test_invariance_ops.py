@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from executor_svc.attention import cpu_ops
-from executor_svc.sampler import Sampler, SamplingParams
+from executor_svc.kernels import elementwise, sampling
+from executor_svc.runner.sampler import Sampler, SamplingParams
 
 needs_kernel = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler for the kernels")
 
@@ -87,16 +88,16 @@ def test_row_kernels_alone_equal_batched(threads):
     torch.manual_seed(threads)
     x, d = torch.randn(300, 1000), torch.randn(300, 1000)
     w = torch.randn(1000)
-    total, normed = cpu_ops.add_rms_norm(x, d, w, 1e-6)
+    total, normed = elementwise.add_rms_norm(x, d, w, 1e-6)
     logits = torch.randn(300, 4099) * 4
-    ids, lse = cpu_ops.argmax_logsumexp(logits)
+    ids, lse = sampling.argmax_logsumexp(logits)
     gate_up = torch.randn(300, 1400)
-    act = cpu_ops.silu_mul(gate_up)
+    act = elementwise.silu_mul(gate_up)
     for r in (0, 1, 17, 299):
-        t1, n1 = cpu_ops.add_rms_norm(x[r : r + 1], d[r : r + 1], w, 1e-6)
+        t1, n1 = elementwise.add_rms_norm(x[r : r + 1], d[r : r + 1], w, 1e-6)
         assert torch.equal(t1[0], total[r]) and torch.equal(n1[0], normed[r])
-        assert torch.equal(cpu_ops.silu_mul(gate_up[r : r + 1])[0], act[r])
-        i1, l1 = cpu_ops.argmax_logsumexp(logits[r : r + 1])
+        assert torch.equal(elementwise.silu_mul(gate_up[r : r + 1])[0], act[r])
+        i1, l1 = sampling.argmax_logsumexp(logits[r : r + 1])
         assert i1[0] == ids[r] and torch.equal(l1[0], lse[r])
 
 

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from executor_svc.model_runner import ModelRunner, ScheduledSequence
+from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence
 from tests.support.model_factory import load_hf_model, make_tiny_checkpoint
 
 BLOCK_SIZE = 8
@@ -239,7 +239,7 @@ def test_greedy_decode_matches_hf_generate(tmp_path, arch):
 
 
 def test_execute_with_sampler_matches_greedy_argmax(tmp_path):
-    sampler = pytest.importorskip("executor_svc.sampler")
+    sampler = pytest.importorskip("executor_svc.runner.sampler")
     model_dir = make_tiny_checkpoint(tmp_path / "llama", "llama", seed=5)
     prompts = make_prompts([6, 13, 2], seed=6)
     runners = [ModelRunner(model_dir, block_size=BLOCK_SIZE, num_device_blocks=16) for _ in "ab"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.model_runner import ModelRunner, ScheduledSequence
-from executor_svc.sampler import SamplingParams as ExecutorParams
+from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence
+from executor_svc.runner.sampler import SamplingParams as ExecutorParams
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from executor_svc.attention import cpu_ops
-from executor_svc.sampler import (
+from executor_svc.kernels import library, sampling
+from executor_svc.runner.sampler import (
     Sampler,
     SamplingParams,
     allowed_mask,
@@ -451,7 +451,7 @@ def test_logit_bias_in_sampled_rows_bans_tokens():
     assert drawn == {6, 7}
 
 
-@pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
+@pytest.mark.skipif(not library.available(), reason="no C++ compiler here")
 def test_compiled_argmax_and_logsumexp_match_torch():
     """The CPU library's one-pass reductions, which the greedy path and every logprob use:
     ties go to the first index as with torch.argmax, odd widths and strided rows work, and the
@@ -462,14 +462,14 @@ def test_compiled_argmax_and_logsumexp_match_torch():
     x[2, -1] = 60.0  # the maximum in the scalar tail
     x[3] = 1.0  # all equal
     x[4, 5] = x[4, 21] = 70.0  # a tie within the first 16-wide step's lanes
-    ids, lse = cpu_ops.argmax_logsumexp(x)
+    ids, lse = sampling.argmax_logsumexp(x)
     assert ids.tolist() == x.argmax(-1).tolist()
     torch.testing.assert_close(lse, torch.logsumexp(x, -1), atol=1e-5, rtol=1e-6)
     out = sample(x, [P()] * 9, outputs=[[]] * 9)
     assert out.token_ids.tolist() == x.argmax(-1).tolist()
     ref = x.gather(-1, x.argmax(-1, keepdim=True)).squeeze(-1) - torch.logsumexp(x, -1)
     torch.testing.assert_close(out.logprobs, ref, atol=1e-5, rtol=1e-6)
-    assert cpu_ops.argmax_logsumexp(x.double()) is None  # left to torch
+    assert sampling.argmax_logsumexp(x.double()) is None  # left to torch
 
 
 @pytest.mark.gpu

@@ -31,11 +31,11 @@ import zlib
 import pytest
 import torch
 
-from executor_svc import numerics
 from executor_svc.attention import cpu_ops
-from executor_svc.model_runner import ModelRunner
+from executor_svc.config import numerics
 from executor_svc.models import llama
-from executor_svc.sampler import SamplingParams
+from executor_svc.runner.model_runner import ModelRunner
+from executor_svc.runner.sampler import SamplingParams
 from tests.support.invariance import (
     Seq,
     mismatches,

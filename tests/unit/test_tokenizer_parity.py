@@ -37,9 +37,9 @@ from transformers import (
     Qwen2Tokenizer,
 )
 
-from executor_svc.demo_model import ensure_demo_model
-from executor_svc.loader import tokenizer_class_name
-from executor_svc.service import TOKENIZER_FILE_NAMES
+from executor_svc.api.service import TOKENIZER_FILE_NAMES
+from executor_svc.runner.loader import tokenizer_class_name
+from executor_svc.tools.demo_model import ensure_demo_model
 from scheduler_svc.output.tokenizer import (
     encode_chat,
     encode_prompt,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from executor_svc.parallel.group import HeadShard, shard_heads, tp_shape_error
-from executor_svc.parallel.launcher import tensor_parallel_error
+from executor_svc.runner.tp_launcher import tensor_parallel_error
 
 
 def shards(num_heads: int, num_kv_heads: int, world_size: int) -> list[HeadShard]:

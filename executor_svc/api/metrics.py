@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from executor_svc.service import ExecutorServicer
+    from executor_svc.api.service import ExecutorServicer
 
 __all__ = ["ExecutorMetrics", "serve_metrics"]
 

@@ -1,7 +1,7 @@
 // Step-invariant fp32 GEMM: y[M, N] = x[M, K] @ w[K, N] (+ bias[N]) where every output element
 // is computed in one fixed order, whatever M, the other rows, the tile a row lands in, or the
-// thread count. Part of the CPU kernel library (executor_svc/attention/cpu_ops.py builds
-// csrc/*.cpp into one); called from executor_svc/cpu_gemm.py.
+// thread count. Part of the CPU kernel library (executor_svc/kernels/library.py builds
+// csrc/*.cpp into one); called from executor_svc/kernels/gemm.py.
 //
 // The order, by construction: y[m, n] = bias[n] + acc with acc = 0, then acc = fma(x[m, k],
 // w[k, n], acc) for k = 0, 1, ..., K - 1, one register accumulator per element, no K split, no

@@ -21,11 +21,11 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
-from executor_svc.loader import tokenizer_class_name
-from executor_svc.model_runner import ModelRunner, PromptLogprobResult, ScheduledSequence
-from executor_svc.pooling import PooledResult, pooled_to_proto
-from executor_svc.seq_state import SeqState
-from executor_svc.validation import InvalidStep, StepPlan, validate_step
+from executor_svc.api.seq_state import SeqState
+from executor_svc.api.step import StepOutput, StepWork, build_reply, record_samples, run_step
+from executor_svc.api.validation import InvalidStep, StepPlan, validate_step
+from executor_svc.runner.loader import tokenizer_class_name
+from executor_svc.runner.model_runner import ModelRunner
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 
@@ -284,112 +284,49 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             if not self._last_step[1]:
                 raise _OutOfOrder(f"step {step_id}, which this step follows, failed")
 
-    def _execute(self, request: pb.ExecuteModelRequest) -> Any:
+    def _execute(self, request: pb.ExecuteModelRequest) -> pb.ExecuteModelResponse:
+        """One step as a transaction: validate the whole request, apply its diffs, run it, and
+        record what it sampled; a forward that fails is rolled back (module doc)."""
         runner = self.runner
-        if request.instance_id and request.instance_id != self.instance_id:
-            raise _WrongInstance(
-                f"step planned for executor instance {request.instance_id}, this is "
-                f"{self.instance_id} (restarted: its KV cache is gone); Describe and Reset first"
-            )
+        self._check_instance(request.instance_id)
         self.last_step_time = time.monotonic()
         with self._lock:
             self._check_epoch(request.leader_epoch)
             t0 = time.perf_counter()
             plan = validate_step(request, self._seqs, runner, self.max_logprobs)
             undo = self._apply(request, plan)
-            scheduled = [
-                ScheduledSequence(
-                    seq_id=s.seq_id,
-                    token_ids=s.token_ids,
-                    num_prompt_tokens=s.num_prompt_tokens,
-                    block_table=s.block_table,
-                    num_computed_tokens=s.num_computed_tokens,
-                    num_scheduled_tokens=n,
-                    sampling_params=s.sampling_params,
-                )
-                for s, n in plan.scheduled
-            ]
-            swap_out = [(m.src, m.dst) for m in request.blocks_to_swap_out]
-            swap_in = [(m.src, m.dst) for m in request.blocks_to_swap_in]
-            copy = [(m.src, m.dst) for m in request.blocks_to_copy]
-            try:
-                prompt_lps: list[PromptLogprobResult] = []
-                pooled: list[PooledResult] = []  # embeddings (executor_svc/pooling.py)
-                if scheduled or swap_out or swap_in or copy:
-                    results = runner.execute(
-                        scheduled, swap_out, swap_in, copy, prompt_lps, pooled=pooled
-                    )
-                else:
-                    results = []
-                by_id = {r.seq_id: r for r in results}
-                if len(by_id) != len(results) or not by_id.keys() <= plan.states.keys():
-                    raise RuntimeError("model runner returned results for unexpected sequences")
-                if any(s.seq_id not in by_id for s in plan.lane):
-                    raise RuntimeError("model runner sampled nothing for a decode lane sequence")
-            except Exception:
-                self._rollback(undo)
-                log.exception("step.failed", step_id=request.step_id, num_seqs=len(scheduled))
-                raise _StepFailed() from None
-            sampled = []
-            num_regular = len(plan.scheduled) - len(plan.lane)
-            for s, n in plan.scheduled[:num_regular]:
-                s.num_computed_tokens += n
-                r = by_id.get(s.seq_id)
-                if r is None:
-                    continue
-                s.token_ids.append(r.token_id)
-                sampled.append(
-                    pb.SampledToken(
-                        seq_id=r.seq_id,
-                        token_id=r.token_id,
-                        logprob=r.logprob,
-                        top_logprobs=[
-                            pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in r.top_logprobs
-                        ],
-                    )
-                )
-            lane_tokens: list[int] = []
-            lane_logprobs: list[float] = []
-            for s in plan.lane:
-                r = by_id[s.seq_id]  # a lane entry always computes its last token: it samples
-                s.num_computed_tokens += 1
-                s.token_ids.append(r.token_id)
-                lane_tokens.append(r.token_id)
-                lane_logprobs.append(r.logprob)
+            work = StepWork.of(request, plan)
+            out = self._run_or_roll_back(runner, work, plan, undo, request.step_id)
+            samples = record_samples(plan, out.by_id)
             elapsed = time.perf_counter() - t0
         if self.on_step is not None:
             self.on_step(elapsed)
         log.debug(
             "step.done",
             step_id=request.step_id,
-            num_seqs=len(scheduled),
+            num_seqs=len(work.seqs),
             num_tokens=sum(n for _, n in plan.scheduled),
-            num_sampled=len(sampled) + len(lane_tokens),
+            num_sampled=samples.num_sampled,
             ms=round(elapsed * 1e3, 3),
         )
-        return pb.ExecuteModelResponse(
-            step_id=request.step_id,
-            sampled=sampled,
-            execute_time_us=int(elapsed * 1e6),
-            decode_token_ids=lane_tokens,
-            decode_logprobs=lane_logprobs,
-            prompt_logprobs=[
-                pb.PromptLogprobs(
-                    seq_id=r.seq_id,
-                    first_position=r.first_position,
-                    entries=[
-                        pb.PromptTokenLogprob(
-                            logprob=lp,
-                            top_logprobs=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in top],
-                        )
-                        for lp, top in zip(r.logprobs, r.top, strict=True)
-                    ],
-                )
-                for r in prompt_lps
-            ],
-            draining=self.draining,
-            pooled=pooled_to_proto(pooled),
-        )
+        return build_reply(request.step_id, samples, out, elapsed, self.draining)
+
+    def _run_or_roll_back(
+        self, runner: ModelRunner, work: StepWork, plan: StepPlan, undo: _Undo, step_id: int
+    ) -> StepOutput:
+        try:
+            return run_step(runner, work, plan)
+        except Exception:
+            self._rollback(undo)
+            log.exception("step.failed", step_id=step_id, num_seqs=len(work.seqs))
+            raise _StepFailed() from None
+
+    def _check_instance(self, instance_id: str) -> None:
+        if instance_id and instance_id != self.instance_id:
+            raise _WrongInstance(
+                f"step planned for executor instance {instance_id}, this is "
+                f"{self.instance_id} (restarted: its KV cache is gone); Describe and Reset first"
+            )
 
     def _check_epoch(self, epoch: int) -> None:
         if epoch < self.leader_epoch:

@@ -10,12 +10,12 @@ order fixed per row and per position instead. See docs/internals.md, "Step-invar
 Off (``--no-deterministic`` / ``LLMSERVE_DETERMINISTIC=0``) the CPU matmuls go to oneDNN, which
 picks kernels by shape, so a near-tie can fall the other way after a recovery. It is not faster
 on the development machine (docs/benchmarks.md, issue 24): the step-invariant GEMM
-(``cpu_gemm``) matches it from 16 to 512 rows and streams one row's weights ~1.6x faster.
+(``kernels/gemm.py``) matches it from 16 to 512 rows and streams one row's weights ~1.6x faster.
 """
 
 from __future__ import annotations
 
-import os
+from executor_svc.config import envs
 
 _enabled: bool | None = None
 
@@ -24,12 +24,7 @@ def deterministic() -> bool:
     """True unless turned off by ``set_deterministic(False)`` or ``LLMSERVE_DETERMINISTIC=0``."""
     global _enabled
     if _enabled is None:
-        _enabled = os.environ.get("LLMSERVE_DETERMINISTIC", "1").strip().lower() not in (
-            "0",
-            "false",
-            "no",
-            "off",
-        )
+        _enabled = envs.deterministic()
     return _enabled
 
 

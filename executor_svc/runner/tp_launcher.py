@@ -1,7 +1,7 @@
 """Rank 0's side of tensor parallelism: start the worker ranks, watch them, stop them.
 
 The gRPC server process is rank 0. ``TPWorkers.start`` opens a TCPStore on loopback (OS-chosen
-port), starts ranks 1..N-1 as ``python -m executor_svc.parallel.worker`` and joins the group
+port), starts ranks 1..N-1 as ``python -m executor_svc.runner.tp_worker`` and joins the group
 with them. One watchdog thread per worker waits on its process: a worker that exits while the
 executor is not stopping takes the executor down (log line ``tp.rank_died`` naming the rank,
 exit code ``EXIT_RANK_DIED``), since its shard of every layer is gone; the scheduler then moves
@@ -22,8 +22,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from executor_svc.loader import resolve_device
 from executor_svc.parallel.group import TPGroup, close_group, init_group, tp_shape_error
+from executor_svc.runner.loader import resolve_device
 
 log = structlog.get_logger(__name__)
 
@@ -95,7 +95,7 @@ class TPWorkers:
         kwargs = json.dumps(self.runner_kwargs)
         for rank in range(1, self.world_size):
             cmd = [
-                sys.executable, "-m", "executor_svc.parallel.worker",
+                sys.executable, "-m", "executor_svc.runner.tp_worker",
                 "--rank", str(rank), "--world-size", str(self.world_size),
                 "--store-port", str(self._store.port), "--parent-pid", str(os.getpid()),
                 "--model-dir", self.model_dir, "--runner-kwargs", kwargs,
@@ -135,7 +135,7 @@ class TPWorkers:
         locked = step_lock.acquire(timeout=timeout) if step_lock is not None else True
         try:
             if locked and self.tp is not None:
-                from executor_svc.parallel.step import send_shutdown
+                from executor_svc.runner.tp_step import send_shutdown
 
                 send_shutdown(self.tp)
         except Exception as e:  # a worker already gone: the others are reaped below

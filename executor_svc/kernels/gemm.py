@@ -22,35 +22,28 @@ torch paths. ``LLMSERVE_PREPACK=0`` turns packing off.
 
 from __future__ import annotations
 
-import ctypes
-import os
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 import torch
 
-from executor_svc import numerics
-from executor_svc.attention import cpu_ops
+from executor_svc.config import envs, numerics
+from executor_svc.kernels import library
 
 log = structlog.get_logger(__name__)
-_lib: ctypes.CDLL | None = None
+_lib: Any = None  # the library, once it is known to have the GEMM
 _tried = False
 
 
-def _load() -> ctypes.CDLL | None:
-    """The kernel library with the GEMM's signatures set, or None (no compiler, turned off)."""
+def _load() -> Any:
+    """The kernel library when it has the GEMM, or None (no compiler, turned off, or a library
+    built ahead of time from sources without it)."""
     global _lib, _tried
     if not _tried:
         _tried = True
-        lib = cpu_ops.load()
+        lib = library.load()
         if lib is not None and hasattr(lib, "llmserve_gemm_f32"):
-            p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            # x, M, K, ldx, w, N, ldw, bias, y, ldy, num_threads
-            lib.llmserve_gemm_f32.argtypes = [p, i64, i64, i64, p, i64, i64, p, p, i64, i32]
-            lib.llmserve_gemm_f32.restype = ctypes.c_int
-            lib.llmserve_gemm_nr.argtypes = []
-            lib.llmserve_gemm_nr.restype = ctypes.c_int
             _lib = lib
         elif numerics.deterministic():
             # fp32 CPU matmuls then take oneDNN / MKL, whose bits depend on the batch's rows.
@@ -82,7 +75,7 @@ def _run(x: torch.Tensor, w: torch.Tensor, n: int, ldw: int, bias: torch.Tensor 
         x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    rc = _lib.llmserve_gemm_f32(  # type: ignore[union-attr]
+    rc = _lib.llmserve_gemm_f32(
         x.data_ptr(), m, k, max(x.stride(0), k), w.data_ptr(), n, ldw,
         None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads(),
     )  # fmt: skip
@@ -143,7 +136,7 @@ class OneDnnWeight:
 def pack(w_io: torch.Tensor) -> PackedWeight | None:
     """The packed form of an ``[in, out]`` fp32 CPU matrix for this process's numerics mode
     (module doc); None where packing does not apply (then the caller keeps the plain matrix)."""
-    if os.environ.get("LLMSERVE_PREPACK", "1") == "0" or not _is_cpu_f32(w_io) or w_io.dim() != 2:
+    if not envs.prepack() or not _is_cpu_f32(w_io) or w_io.dim() != 2:
         return None
     if numerics.deterministic():
         return PanelWeight.pack(w_io) if available() else None

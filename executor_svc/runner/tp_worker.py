@@ -1,6 +1,6 @@
-"""A tensor-parallel worker: ranks 1..N-1 of an executor, started by rank 0 (launcher.py).
+"""A tensor-parallel worker: ranks 1..N-1 of an executor, started by rank 0 (``tp_launcher``).
 
-``python -m executor_svc.parallel.worker --rank R ...``: joins the group, loads its shard of
+``python -m executor_svc.runner.tp_worker --rank R ...``: joins the group, loads its shard of
 the model, builds its KV cache (the block count agreed with the other ranks), then runs every
 step rank 0 broadcasts until told to stop. It serves nothing itself and keeps no per-sequence
 state. It dies with its parent: PR_SET_PDEATHSIG on Linux, and a thread that polls the parent
@@ -56,7 +56,7 @@ def run_steps(runner: Any, tp: Any) -> int:
     Mirrors ``ModelRunner.execute`` on rank 0 collective for collective: cache operations, the
     forward, the LM-head passes for prompt logprobs, then the one for the sampling rows.
     """
-    from executor_svc.parallel.step import recv_step
+    from executor_svc.runner.tp_step import recv_step
 
     kv, model = runner.kv_cache, runner.model
     num_steps = 0
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(args.parent_pid)
     # Ctrl-C reaches the whole process group; rank 0 decides how the executor stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from executor_svc.cli import configure_logging
+    from executor_svc.config.logs import configure_logging
 
     configure_logging(args.log_level)
     structlog.contextvars.bind_contextvars(tp_rank=args.rank)
@@ -102,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from executor_svc.model_runner import ModelRunner
     from executor_svc.parallel.group import close_group, init_group
-    from executor_svc.parallel.launcher import worker_device
+    from executor_svc.runner.model_runner import ModelRunner
+    from executor_svc.runner.tp_launcher import worker_device
 
     kwargs = json.loads(args.runner_kwargs)
     device = worker_device(kwargs.get("device", "auto"), args.rank)

@@ -1,7 +1,7 @@
 // Paged attention for the CPU: one call per layer for the whole flattened batch (decodes and
 // prefill chunks alike), reading K/V in place through the block table. fp32 only.
 //
-// Built by executor_svc/attention/cpu_ops.py with the system C++ compiler into a plain shared
+// Built by executor_svc/kernels/library.py with the system C++ compiler into a plain shared
 // library (no torch headers: it compiles in about a second) and called through ctypes.
 //
 // Layout (docs/internals.md): cache [num_blocks, block_size, num_kv_heads, head_dim]; sequence i

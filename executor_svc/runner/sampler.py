@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from executor_svc.attention import cpu_ops
-from executor_svc.pooling import PoolingState
+from executor_svc.kernels import sampling
+from executor_svc.runner.pooling import PoolingState
 
 if TYPE_CHECKING:
     from protos import executor_pb2
@@ -70,7 +70,7 @@ class SamplingParams:  # mirrors executor.proto SamplingParams
     num_prompt_logprobs: int | None = None
     # Never sampled: the sequence's request only scores its prompt (read by the model runner).
     prompt_only: bool = False
-    # An embedding request's pooling (and its kept rows); None otherwise (executor_svc/pooling.py).
+    # An embedding request's pooling (and its kept rows); None otherwise (executor_svc/runner/pooling.py).
     pooling: PoolingState | None = None
 
     @classmethod
@@ -464,7 +464,7 @@ class Sampler:
 
         sampled = [i for i, p in enumerate(params) if p.temperature >= _SAMPLING_EPS]
         # fp32 CPU logits: argmax and logsumexp of the raw rows in one compiled pass (else None).
-        fused = cpu_ops.argmax_logsumexp(raw)
+        fused = sampling.argmax_logsumexp(raw)
         if not sampled and fused is not None and proc is raw:
             token_ids = fused[0]  # all greedy, nothing applied: the raw rows' argmax
         elif not sampled:

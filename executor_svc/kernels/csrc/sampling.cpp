@@ -1,7 +1,7 @@
 // The sampler's per-row reductions over the vocabulary, for fp32 logits on the CPU: the argmax
 // (first index of the largest value, as torch.argmax) and the log-sum-exp, in two vector passes
 // over each row instead of torch's three (argmax, then max and exp-sum in logsumexp).
-// Part of the CPU kernel library (executor_svc/attention/cpu_ops.py builds csrc/*.cpp into one).
+// Part of the CPU kernel library (executor_svc/kernels/library.py builds csrc/*.cpp into one).
 
 #include <cmath>
 #include <cstdint>

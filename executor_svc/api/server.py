@@ -19,7 +19,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from executor_svc.service import ExecutorServicer
+from executor_svc.api.service import ExecutorServicer
 from protos import executor_pb2, executor_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -33,7 +33,7 @@ def resolve_model(model: str | Path) -> tuple[Path, str]:
     """The checkpoint directory and the name Describe reports for it."""
     if str(model) == DEMO_MODEL:
         # Built once into $LLMSERVE_CACHE (or ~/.cache/llmserve) and reused afterwards.
-        from executor_svc.demo_model import ensure_demo_model
+        from executor_svc.tools.demo_model import ensure_demo_model
 
         return ensure_demo_model(), DEMO_MODEL
     path = Path(model).expanduser()
@@ -65,7 +65,7 @@ class ExecutorServer:
         self.tls = tls
         self.tensor_parallel_size = tensor_parallel_size
         self.log_level = log_level
-        self.tp_workers: Any = None  # parallel.launcher.TPWorkers once started
+        self.tp_workers: Any = None  # runner.tp_launcher.TPWorkers once started
         self.model = model
         self.host = host
         self.requested_port = port
@@ -118,12 +118,12 @@ class ExecutorServer:
 
     def load(self) -> None:
         """Build the model runner (weights + KV cache), then report SERVING."""
-        from executor_svc.model_runner import ModelRunner
+        from executor_svc.runner.model_runner import ModelRunner
 
         model_dir, model_name = resolve_model(self.model)
         kwargs, tp = self.runner_kwargs, None
         if self.tensor_parallel_size > 1:
-            from executor_svc.parallel.launcher import TPWorkers, tensor_parallel_error
+            from executor_svc.runner.tp_launcher import TPWorkers, tensor_parallel_error
 
             config = json.loads((model_dir / "config.json").read_text())
             error = tensor_parallel_error(

@@ -1,7 +1,7 @@
 """The Llama-family decoder split over a tensor-parallel group.
 
 Each rank builds ``LlamaForCausalLM`` at its local size (its heads, its share of the MLP width
-and of the vocabulary), then swaps in the sharded projections of ``layers.py``; rotary, norms and
+and of the vocabulary), then swaps in the sharded projections of ``parallel_layers.py``; rotary, norms and
 the attention backend are unchanged, and run on the rank's own heads. Per layer the forward
 communicates twice (after o_proj and after down_proj), plus once for the embedding and once to
 gather the logits of the sampling rows onto rank 0.
@@ -15,12 +15,12 @@ import torch
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
 from executor_svc.models.llama import KVCaches, LlamaConfig, LlamaForCausalLM, matmul_io
-from executor_svc.parallel.group import TPGroup, shard_heads, tp_shape_error
-from executor_svc.parallel.layers import (
+from executor_svc.models.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     vocab_loader,
 )
+from executor_svc.parallel.group import TPGroup, shard_heads, tp_shape_error
 
 
 class ParallelLlamaForCausalLM(LlamaForCausalLM):

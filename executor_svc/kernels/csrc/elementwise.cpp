@@ -1,7 +1,7 @@
 // Elementwise work of the model's forward for fp32 on the CPU, one pass each where torch takes
 // two or three: the MLP's silu(gate) * up, and RMSNorm with the residual add before it. Part of
 // the CPU kernel library
-// (executor_svc/attention/cpu_ops.py builds csrc/*.cpp into one).
+// (executor_svc/kernels/library.py builds csrc/*.cpp into one).
 
 #include <cmath>
 #include <cstdint>

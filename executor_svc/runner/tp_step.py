@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.attention import AttentionMetadata
-from executor_svc.batch import BatchInputs
 from executor_svc.parallel.group import TPGroup
+from executor_svc.runner.batch import BatchInputs
 
 OP_SHUTDOWN = 0
 OP_STEP = 1

@@ -12,10 +12,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from executor_svc.model_runner import ModelRunner
-from executor_svc.pooling import check_pooling
-from executor_svc.sampler import SamplingParams
-from executor_svc.seq_state import BlockTable, SeqState
+from executor_svc.api.seq_state import BlockTable, SeqState
+from executor_svc.runner.model_runner import ModelRunner
+from executor_svc.runner.pooling import check_pooling
+from executor_svc.runner.sampler import SamplingParams
 from protos import executor_pb2 as pb
 
 __all__ = ["InvalidStep", "StepPlan", "validate_step"]
@@ -36,6 +36,36 @@ class StepPlan:
     lane: list[SeqState] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    """What every sequence of a step is checked against: the model's and the cache's sizes."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_device: int  # device blocks
+    num_cpu: int  # CPU swap blocks
+    max_blocks: int  # blocks one sequence may hold: enough for max_model_len
+    max_logprobs: int
+    eos_token_ids: Sequence[int]
+    hidden_size: int  # what pooling's `dimensions` may not exceed
+
+    @classmethod
+    def of(cls, runner: ModelRunner, max_logprobs: int) -> _Limits:
+        info = runner.info
+        return cls(
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            block_size=runner.block_size,
+            num_device=runner.num_device_blocks,
+            num_cpu=runner.num_cpu_blocks,
+            max_blocks=-(-info.max_model_len // runner.block_size),
+            max_logprobs=max_logprobs,
+            eos_token_ids=info.eos_token_ids,
+            hidden_size=getattr(info, "hidden_size", 0),
+        )
+
+
 def validate_step(
     request: pb.ExecuteModelRequest,
     seqs: dict[str, SeqState],
@@ -43,119 +73,144 @@ def validate_step(
     max_logprobs: int,
 ) -> StepPlan:
     """Check the whole request against the current state without changing anything."""
-    info = runner.info
-    vocab_size = info.vocab_size
-    max_model_len = info.max_model_len
-    block_size = runner.block_size
-    num_device = runner.num_device_blocks
-    num_cpu = runner.num_cpu_blocks
-    max_blocks = -(-max_model_len // block_size)
+    limits = _Limits.of(runner, max_logprobs)
+    finished = _check_finished(request.finished_seq_ids, seqs)
+    _check_mappings(request, limits.num_device, limits.num_cpu)
+    in_step: set[str] = set()  # seq_ids met so far in this step
+    new_states: list[SeqState] = []
+    scheduled: list[tuple[SeqState, int]] = []
+    for i, n in enumerate(request.new_sequences):
+        state = _new_state(f"new_sequences[{i}]", n, seqs, finished, in_step, limits)
+        new_states.append(state)
+        scheduled.append((state, n.num_scheduled_tokens))
+    for i, c in enumerate(request.cached_sequences):
+        state = _cached_state(f"cached_sequences[{i}]", c, seqs, finished, in_step, limits)
+        scheduled.append((state, c.num_scheduled_tokens))
+    lane = _validate_decode_lane(request, seqs, in_step, finished, limits.block_size)
+    scheduled.extend((s, 1) for s in lane)
+    states = {s.seq_id: s for s, _ in scheduled}
+    return StepPlan(new_states=new_states, scheduled=scheduled, states=states, lane=lane)
 
+
+def _check_finished(finished_seq_ids: Sequence[str], seqs: dict[str, SeqState]) -> set[str]:
     finished: set[str] = set()
-    for i, seq_id in enumerate(request.finished_seq_ids):
+    for i, seq_id in enumerate(finished_seq_ids):
         field = f"finished_seq_ids[{i}]"
         if seq_id in finished:
             raise InvalidStep(f"{field}: duplicate seq_id {seq_id!r}")
         if seq_id not in seqs:
             raise InvalidStep(f"{field}: unknown seq_id {seq_id!r}")
         finished.add(seq_id)
+    return finished
 
-    _check_mappings(request, num_device, num_cpu)
 
-    in_step: set[str] = set()
-    new_states: list[SeqState] = []
-    scheduled: list[tuple[SeqState, int]] = []
-    for i, n in enumerate(request.new_sequences):
-        field = f"new_sequences[{i}]"
-        if not n.seq_id:
-            raise InvalidStep(f"{field}.seq_id: must not be empty")
-        if n.seq_id in in_step:
-            raise InvalidStep(f"{field}.seq_id: {n.seq_id!r} appears twice in this step")
-        if n.seq_id in seqs and n.seq_id not in finished:
-            raise InvalidStep(f"{field}.seq_id: {n.seq_id!r} is already live")
-        in_step.add(n.seq_id)
-        token_ids = list(n.token_ids)
-        if not token_ids:
-            raise InvalidStep(f"{field}.token_ids: must not be empty")
-        _check_len(f"{field}.token_ids", len(token_ids), max_model_len)
-        _check_tokens(f"{field}.token_ids", token_ids, vocab_size)
-        if not 1 <= n.num_prompt_tokens <= len(token_ids):
-            raise InvalidStep(
-                f"{field}.num_prompt_tokens: {n.num_prompt_tokens} not in [1, {len(token_ids)}]"
-            )
-        params = _check_params(
-            f"{field}.sampling_params", n.sampling_params, max_logprobs, vocab_size,
-            info.eos_token_ids, info.hidden_size,
-        )  # fmt: skip
-        _check_blocks(f"{field}.block_table", n.block_table, num_device)
-        if len(set(n.block_table)) != len(n.block_table):
-            raise InvalidStep(f"{field}.block_table: a block id appears twice")
-        if len(n.block_table) > max_blocks:
-            raise InvalidStep(
-                f"{field}.block_table: {len(n.block_table)} blocks exceed the {max_blocks} "
-                f"needed for max_model_len {max_model_len}"
-            )
-        _check_schedule(
-            field, n.num_computed_tokens, n.num_scheduled_tokens, len(token_ids),
-            len(n.block_table), block_size,
-        )  # fmt: skip
-        state = SeqState(
-            seq_id=n.seq_id,
-            token_ids=token_ids,
-            num_prompt_tokens=n.num_prompt_tokens,
-            sampling_params=params,
-            block_table=BlockTable(n.block_table),
-            num_computed_tokens=n.num_computed_tokens,
+def _new_state(
+    field: str,
+    n: pb.NewSequence,
+    seqs: dict[str, SeqState],
+    finished: set[str],
+    in_step: set[str],
+    limits: _Limits,
+) -> SeqState:
+    """The state a new sequence would start with, once every field of it is checked."""
+    if not n.seq_id:
+        raise InvalidStep(f"{field}.seq_id: must not be empty")
+    if n.seq_id in in_step:
+        raise InvalidStep(f"{field}.seq_id: {n.seq_id!r} appears twice in this step")
+    if n.seq_id in seqs and n.seq_id not in finished:
+        raise InvalidStep(f"{field}.seq_id: {n.seq_id!r} is already live")
+    in_step.add(n.seq_id)
+    token_ids = list(n.token_ids)
+    if not token_ids:
+        raise InvalidStep(f"{field}.token_ids: must not be empty")
+    _check_len(f"{field}.token_ids", len(token_ids), limits.max_model_len)
+    _check_tokens(f"{field}.token_ids", token_ids, limits.vocab_size)
+    if not 1 <= n.num_prompt_tokens <= len(token_ids):
+        raise InvalidStep(
+            f"{field}.num_prompt_tokens: {n.num_prompt_tokens} not in [1, {len(token_ids)}]"
         )
-        new_states.append(state)
-        scheduled.append((state, n.num_scheduled_tokens))
+    params = _check_params(
+        f"{field}.sampling_params", n.sampling_params, limits.max_logprobs, limits.vocab_size,
+        limits.eos_token_ids, limits.hidden_size,
+    )  # fmt: skip
+    _check_new_block_table(f"{field}.block_table", n.block_table, limits)
+    _check_schedule(
+        field, n.num_computed_tokens, n.num_scheduled_tokens, len(token_ids),
+        len(n.block_table), limits.block_size,
+    )  # fmt: skip
+    return SeqState(
+        seq_id=n.seq_id,
+        token_ids=token_ids,
+        num_prompt_tokens=n.num_prompt_tokens,
+        sampling_params=params,
+        block_table=BlockTable(n.block_table),
+        num_computed_tokens=n.num_computed_tokens,
+    )
 
-    for i, c in enumerate(request.cached_sequences):
-        field = f"cached_sequences[{i}]"
-        if c.seq_id in in_step:
-            raise InvalidStep(f"{field}.seq_id: {c.seq_id!r} appears twice in this step")
-        in_step.add(c.seq_id)
-        s = seqs.get(c.seq_id)
-        if s is None:
-            raise InvalidStep(f"{field}.seq_id: unknown seq_id {c.seq_id!r}")
-        if c.seq_id in finished:
-            raise InvalidStep(f"{field}.seq_id: {c.seq_id!r} is also in finished_seq_ids")
-        if c.num_computed_tokens != s.num_computed_tokens:
-            raise InvalidStep(
-                f"{field}.num_computed_tokens: {c.num_computed_tokens} does not match the "
-                f"executor's {s.num_computed_tokens}"
-            )
-        seen_idx: set[int] = set()
-        for j, r in enumerate(c.replaced_blocks):
-            rf = f"{field}.replaced_blocks[{j}]"
-            if r.logical_index >= len(s.block_table):
-                raise InvalidStep(
-                    f"{rf}.logical_index: {r.logical_index} out of range [0, {len(s.block_table)})"
-                )
-            if r.logical_index in seen_idx:
-                raise InvalidStep(f"{rf}.logical_index: {r.logical_index} replaced twice")
-            seen_idx.add(r.logical_index)
-            _check_block(f"{rf}.block_id", r.block_id, num_device)
-        _check_blocks(f"{field}.new_block_ids", c.new_block_ids, num_device)
-        num_blocks = len(s.block_table) + len(c.new_block_ids)
-        if num_blocks > max_blocks:
-            raise InvalidStep(
-                f"{field}.new_block_ids: block table of {num_blocks} blocks exceeds the "
-                f"{max_blocks} needed for max_model_len {max_model_len}"
-            )
-        num_tokens = len(s.token_ids) + len(c.new_token_ids)
-        _check_len(f"{field}.new_token_ids", num_tokens, max_model_len)
-        _check_tokens(f"{field}.new_token_ids", c.new_token_ids, vocab_size)
-        _check_schedule(
-            field, s.num_computed_tokens, c.num_scheduled_tokens, num_tokens, num_blocks,
-            block_size,
-        )  # fmt: skip
-        scheduled.append((s, c.num_scheduled_tokens))
 
-    lane = _validate_decode_lane(request, seqs, in_step, finished, block_size)
-    scheduled.extend((s, 1) for s in lane)
-    states = {s.seq_id: s for s, _ in scheduled}
-    return StepPlan(new_states=new_states, scheduled=scheduled, states=states, lane=lane)
+def _check_new_block_table(field: str, block_table: Sequence[int], limits: _Limits) -> None:
+    _check_blocks(field, block_table, limits.num_device)
+    if len(set(block_table)) != len(block_table):
+        raise InvalidStep(f"{field}: a block id appears twice")
+    if len(block_table) > limits.max_blocks:
+        raise InvalidStep(
+            f"{field}: {len(block_table)} blocks exceed the {limits.max_blocks} "
+            f"needed for max_model_len {limits.max_model_len}"
+        )
+
+
+def _cached_state(
+    field: str,
+    c: pb.CachedSequence,
+    seqs: dict[str, SeqState],
+    finished: set[str],
+    in_step: set[str],
+    limits: _Limits,
+) -> SeqState:
+    """The live state a cached sequence's diff applies to, once the diff is checked."""
+    if c.seq_id in in_step:
+        raise InvalidStep(f"{field}.seq_id: {c.seq_id!r} appears twice in this step")
+    in_step.add(c.seq_id)
+    s = seqs.get(c.seq_id)
+    if s is None:
+        raise InvalidStep(f"{field}.seq_id: unknown seq_id {c.seq_id!r}")
+    if c.seq_id in finished:
+        raise InvalidStep(f"{field}.seq_id: {c.seq_id!r} is also in finished_seq_ids")
+    if c.num_computed_tokens != s.num_computed_tokens:
+        raise InvalidStep(
+            f"{field}.num_computed_tokens: {c.num_computed_tokens} does not match the "
+            f"executor's {s.num_computed_tokens}"
+        )
+    _check_replaced(field, c, len(s.block_table), limits.num_device)
+    _check_blocks(f"{field}.new_block_ids", c.new_block_ids, limits.num_device)
+    num_blocks = len(s.block_table) + len(c.new_block_ids)
+    if num_blocks > limits.max_blocks:
+        raise InvalidStep(
+            f"{field}.new_block_ids: block table of {num_blocks} blocks exceeds the "
+            f"{limits.max_blocks} needed for max_model_len {limits.max_model_len}"
+        )
+    num_tokens = len(s.token_ids) + len(c.new_token_ids)
+    _check_len(f"{field}.new_token_ids", num_tokens, limits.max_model_len)
+    _check_tokens(f"{field}.new_token_ids", c.new_token_ids, limits.vocab_size)
+    _check_schedule(
+        field, s.num_computed_tokens, c.num_scheduled_tokens, num_tokens, num_blocks,
+        limits.block_size,
+    )  # fmt: skip
+    return s
+
+
+def _check_replaced(field: str, c: pb.CachedSequence, num_blocks: int, num_device: int) -> None:
+    seen_idx: set[int] = set()
+    for j, r in enumerate(c.replaced_blocks):
+        rf = f"{field}.replaced_blocks[{j}]"
+        if r.logical_index >= num_blocks:
+            raise InvalidStep(
+                f"{rf}.logical_index: {r.logical_index} out of range [0, {num_blocks})"
+            )
+        if r.logical_index in seen_idx:
+            raise InvalidStep(f"{rf}.logical_index: {r.logical_index} replaced twice")
+        seen_idx.add(r.logical_index)
+        _check_block(f"{rf}.block_id", r.block_id, num_device)
 
 
 def _validate_decode_lane(
@@ -362,7 +417,7 @@ def _check_params(
         _check_tokens(f"{field}.logit_bias", list(p.logit_bias), vocab_size)
         if not all(math.isfinite(b) for b in p.logit_bias.values()):
             raise InvalidStep(f"{field}.logit_bias: values must be finite numbers")
-    if p.HasField("pooling"):  # an embedding request (executor_svc/pooling.py)
+    if p.HasField("pooling"):  # an embedding request (executor_svc/runner/pooling.py)
         why = check_pooling(p.pooling, hidden_size, f"{field}.pooling")
         if why is None and not p.prompt_only:
             why = f"{field}.pooling: only a prompt_only sequence can be pooled"

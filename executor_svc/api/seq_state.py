@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from executor_svc.sampler import SamplingParams
+from executor_svc.runner.sampler import SamplingParams
 
 __all__ = ["BlockTable", "SeqState"]
 

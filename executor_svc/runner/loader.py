@@ -190,7 +190,7 @@ def load_model(
             if tp is None:
                 model = model_cls(cfg, backend, max_positions=max_len)
             else:
-                from executor_svc.parallel.model import ParallelLlamaForCausalLM
+                from executor_svc.models.parallel_llama import ParallelLlamaForCausalLM
 
                 model = ParallelLlamaForCausalLM(cfg, backend, max_len, tp)
     finally:

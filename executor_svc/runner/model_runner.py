@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from executor_svc.attention import AttentionMetadata, get_attention_backend
-from executor_svc.batch import BatchInputs
-from executor_svc.kv_cache import (
+from executor_svc.runner.batch import BatchInputs
+from executor_svc.runner.kv_cache import (
     GIB,
     PROFILE_NUM_TOKENS,
     KVCache,
@@ -28,12 +28,12 @@ from executor_svc.kv_cache import (
     cuda_num_blocks,
     max_useful_blocks,
 )
-from executor_svc.loader import ModelInfo, load_model, resolve_device
-from executor_svc.pooling import PooledResult, pool_step
+from executor_svc.runner.loader import ModelInfo, load_model, resolve_device
+from executor_svc.runner.pooling import PooledResult, pool_step
 
 if TYPE_CHECKING:
     from executor_svc.parallel.group import TPGroup
-    from executor_svc.sampler import Sampler, SamplingParams
+    from executor_svc.runner.sampler import Sampler, SamplingParams
 
 MAX_PROFILE_SAMPLE_ROWS = 256  # logits rows in the CUDA profiling run (a large decode batch)
 # Prompt-logprob rows go through the LM head this many at a time: [rows, vocab] fp32 logits of
@@ -142,7 +142,7 @@ class ModelRunner:
         # Rank 0 of a tensor-parallel group sends every step to the other ranks first.
         self._send_step = None
         if tp is not None and tp.is_first and tp.world_size > 1:
-            from executor_svc.parallel.step import send_step
+            from executor_svc.runner.tp_step import send_step
 
             self._send_step = functools.partial(send_step, tp)
             self.phase_seconds["broadcast"] = 0.0
@@ -189,7 +189,7 @@ class ModelRunner:
         ):
             prompt_logprobs.extend(self._prompt_logprobs(seqs, hidden))
         if pooled is not None and any(s.sampling_params.pooling is not None for s in seqs):
-            pooled.extend(pool_step(seqs, hidden))  # embeddings (executor_svc/pooling.py)
+            pooled.extend(pool_step(seqs, hidden))  # embeddings (executor_svc/runner/pooling.py)
         sample_idx, logits = self._sample_logits(batch, hidden)
         t2 = time.perf_counter()
         phases["forward"] += t2 - t1
@@ -209,7 +209,7 @@ class ModelRunner:
     ) -> BatchInputs | None:
         """Rank 0: flatten the batch (what can reject the step happens before anything is sent)
         and send the step to the other ranks; returns the batch on this rank's device."""
-        from executor_svc.parallel.step import StepMessage
+        from executor_svc.runner.tp_step import StepMessage
 
         t0 = time.perf_counter()
         host = self.prepare_inputs(seqs, torch.device("cpu")) if seqs else None
@@ -366,7 +366,7 @@ class ModelRunner:
     def _sample(self, seqs: list[ScheduledSequence], logits: torch.Tensor) -> list[SampleResult]:
         if self._sampler is None:
             # Imported here: the sampler module is optional for forward-only use and tests.
-            from executor_svc.sampler import Sampler
+            from executor_svc.runner.sampler import Sampler
 
             self._sampler = Sampler()
         prompts: list = []

@@ -1,0 +1,165 @@
+"""One ExecuteModel step between the wire and the model runner, in the order the servicer runs
+it once the step is validated and its diffs applied (``service.ExecutorServicer._execute``):
+
+1. ``StepWork.of``: what the runner is asked to do (sequences, swap and copy lists);
+2. ``run_step``: the runner's forward and sampling, its results checked against the plan;
+3. ``record_samples``: sampled tokens appended to the live sequence states;
+4. ``build_reply``: the ``ExecuteModelResponse``.
+
+Nothing here takes the lock, rolls back or logs: the servicer owns the state and the
+transaction; these functions get exactly what they use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from executor_svc.api.validation import StepPlan
+from executor_svc.runner.model_runner import (
+    ModelRunner,
+    PromptLogprobResult,
+    SampleResult,
+    ScheduledSequence,
+)
+from executor_svc.runner.pooling import PooledResult, pooled_to_proto
+from protos import executor_pb2 as pb
+
+BlockPairs = list[tuple[int, int]]
+
+
+@dataclass(slots=True)
+class StepWork:
+    """What the model runner runs for one step."""
+
+    seqs: list[ScheduledSequence]
+    swap_out: BlockPairs
+    swap_in: BlockPairs
+    copy: BlockPairs
+
+    @classmethod
+    def of(cls, request: pb.ExecuteModelRequest, plan: StepPlan) -> StepWork:
+        seqs = [
+            ScheduledSequence(
+                seq_id=s.seq_id,
+                token_ids=s.token_ids,
+                num_prompt_tokens=s.num_prompt_tokens,
+                block_table=s.block_table,
+                num_computed_tokens=s.num_computed_tokens,
+                num_scheduled_tokens=n,
+                sampling_params=s.sampling_params,
+            )
+            for s, n in plan.scheduled
+        ]
+        return cls(
+            seqs,
+            [(m.src, m.dst) for m in request.blocks_to_swap_out],
+            [(m.src, m.dst) for m in request.blocks_to_swap_in],
+            [(m.src, m.dst) for m in request.blocks_to_copy],
+        )
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.seqs or self.swap_out or self.swap_in or self.copy)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What the runner produced: one result per sampling sequence, by seq_id, and the prompt
+    logprobs asked for."""
+
+    by_id: dict[str, SampleResult]
+    prompt_logprobs: list[PromptLogprobResult] = field(default_factory=list)
+    pooled: list[PooledResult] = field(default_factory=list)  # embeddings (runner/pooling.py)
+
+
+def run_step(runner: ModelRunner, work: StepWork, plan: StepPlan) -> StepOutput:
+    """The forward and sampling of one step; raises when the runner's results do not match the
+    plan (the caller rolls the step back)."""
+    out = StepOutput({})
+    results: list[SampleResult] = []
+    if not work.is_empty:
+        results = runner.execute(
+            work.seqs,
+            work.swap_out,
+            work.swap_in,
+            work.copy,
+            out.prompt_logprobs,
+            pooled=out.pooled,
+        )
+    out.by_id = {r.seq_id: r for r in results}
+    if len(out.by_id) != len(results) or not out.by_id.keys() <= plan.states.keys():
+        raise RuntimeError("model runner returned results for unexpected sequences")
+    if any(s.seq_id not in out.by_id for s in plan.lane):
+        raise RuntimeError("model runner sampled nothing for a decode lane sequence")
+    return out
+
+
+@dataclass(slots=True)
+class Samples:
+    """The step's sampled tokens as the reply carries them."""
+
+    sampled: list[pb.SampledToken]  # regular sequences that sampled
+    lane_tokens: list[int]  # the decode lane, in request order
+    lane_logprobs: list[float]
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.sampled) + len(self.lane_tokens)
+
+
+def record_samples(plan: StepPlan, by_id: dict[str, SampleResult]) -> Samples:
+    """Advance every scheduled sequence by what it computed and append what it sampled."""
+    sampled = []
+    num_regular = len(plan.scheduled) - len(plan.lane)
+    for s, n in plan.scheduled[:num_regular]:
+        s.num_computed_tokens += n
+        r = by_id.get(s.seq_id)
+        if r is None:
+            continue
+        s.token_ids.append(r.token_id)
+        sampled.append(
+            pb.SampledToken(
+                seq_id=r.seq_id,
+                token_id=r.token_id,
+                logprob=r.logprob,
+                top_logprobs=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in r.top_logprobs],
+            )
+        )
+    lane_tokens: list[int] = []
+    lane_logprobs: list[float] = []
+    for s in plan.lane:
+        r = by_id[s.seq_id]  # a lane entry always computes its last token: it samples
+        s.num_computed_tokens += 1
+        s.token_ids.append(r.token_id)
+        lane_tokens.append(r.token_id)
+        lane_logprobs.append(r.logprob)
+    return Samples(sampled, lane_tokens, lane_logprobs)
+
+
+def build_reply(
+    step_id: int, samples: Samples, out: StepOutput, elapsed_s: float, draining: bool
+) -> pb.ExecuteModelResponse:
+    return pb.ExecuteModelResponse(
+        step_id=step_id,
+        sampled=samples.sampled,
+        execute_time_us=int(elapsed_s * 1e6),
+        decode_token_ids=samples.lane_tokens,
+        decode_logprobs=samples.lane_logprobs,
+        prompt_logprobs=[_prompt_logprobs_pb(r) for r in out.prompt_logprobs],
+        draining=draining,
+        pooled=pooled_to_proto(out.pooled),
+    )
+
+
+def _prompt_logprobs_pb(r: PromptLogprobResult) -> pb.PromptLogprobs:
+    return pb.PromptLogprobs(
+        seq_id=r.seq_id,
+        first_position=r.first_position,
+        entries=[
+            pb.PromptTokenLogprob(
+                logprob=lp,
+                top_logprobs=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in top],
+            )
+            for lp, top in zip(r.logprobs, r.top, strict=True)
+        ],
+    )

@@ -1,0 +1,2 @@
+"""Process-wide settings, the lowest floor: every environment variable (``envs``), the numerics
+mode (``numerics``) and the log format (``logs``). Imports nothing of the executor."""

@@ -1,0 +1,69 @@
+"""Every environment variable the executor reads, in one place.
+
+Each is read when asked, not at import: the CLI sets ``LLMSERVE_DETERMINISTIC`` for the
+tensor-parallel workers it starts, and tests set variables after import. Flags, command-line
+options and these variables do not overlap: the CLI's ``--[no-]deterministic`` wins over the
+variable (``config.numerics``).
+
+| variable | default | read by |
+| --- | --- | --- |
+| ``LLMSERVE_DETERMINISTIC`` | on | ``config.numerics``: step-invariant numerics (``0``/``false``/``no``/``off`` turn them off) |
+| ``LLMSERVE_CPU_KERNEL`` | on | ``kernels.library``: ``0`` never loads the compiled CPU kernels |
+| ``LLMSERVE_KERNEL_DIR`` | ``$XDG_CACHE_HOME/llmserve/kernels`` or ``~/.cache/llmserve/kernels`` | ``kernels.library``: the build cache |
+| ``LLMSERVE_KERNEL_LIB`` | unset | ``kernels.library``: a library built ahead of time, used when there is no compiler |
+| ``CXX`` | ``g++``, else ``c++`` on PATH | ``kernels.library``: the compiler |
+| ``LLMSERVE_PREPACK`` | on | ``kernels.gemm``: ``0`` keeps plain weight matrices |
+| ``LLMSERVE_CACHE`` | ``~/.cache/llmserve`` | ``tools.demo_model``: where the demo checkpoint is built |
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_FALSE = ("0", "false", "no", "off")
+
+
+def deterministic() -> bool:
+    """``LLMSERVE_DETERMINISTIC``: step-invariant numerics unless 0/false/no/off."""
+    return os.environ.get("LLMSERVE_DETERMINISTIC", "1").strip().lower() not in _FALSE
+
+
+def export_deterministic(enabled: bool) -> None:
+    """Set ``LLMSERVE_DETERMINISTIC`` for the processes this one starts (tensor-parallel
+    workers read the mode from their environment)."""
+    os.environ["LLMSERVE_DETERMINISTIC"] = "1" if enabled else "0"
+
+
+def cpu_kernel_enabled() -> bool:
+    """``LLMSERVE_CPU_KERNEL``: ``0`` turns the compiled CPU kernels off."""
+    return os.environ.get("LLMSERVE_CPU_KERNEL", "1") != "0"
+
+
+def kernel_dir() -> Path:
+    """``LLMSERVE_KERNEL_DIR``: where built kernel libraries are cached."""
+    env = os.environ.get("LLMSERVE_KERNEL_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "llmserve" / "kernels"
+
+
+def kernel_lib() -> str | None:
+    """``LLMSERVE_KERNEL_LIB``: a kernel library built ahead of time (None when unset)."""
+    return os.environ.get("LLMSERVE_KERNEL_LIB") or None
+
+
+def cxx() -> str | None:
+    """``CXX``: the C++ compiler to build the kernels with (None: look for g++, c++)."""
+    return os.environ.get("CXX") or None
+
+
+def prepack() -> bool:
+    """``LLMSERVE_PREPACK``: ``0`` keeps weights as plain matrices (no packed layout)."""
+    return os.environ.get("LLMSERVE_PREPACK", "1") != "0"
+
+
+def cache_dir() -> Path:
+    """``LLMSERVE_CACHE``: the root of llmserve's own cache (the demo checkpoint)."""
+    return Path(os.environ.get("LLMSERVE_CACHE") or Path.home() / ".cache/llmserve")
