@@ -12,10 +12,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from executor_svc.api.seq_state import BlockTable, SeqState
 from executor_svc.runner.model_runner import ModelRunner
 from executor_svc.runner.pooling import check_pooling
 from executor_svc.runner.sampler import SamplingParams
+from executor_svc.runner.token_mask import decode_mask
 from protos import executor_pb2 as pb
 
 __all__ = ["InvalidStep", "StepPlan", "validate_step"]
@@ -34,6 +37,8 @@ class StepPlan:
     states: dict[str, SeqState]
     # The decode lane's sequences, in request order (also the tail of `scheduled`).
     lane: list[SeqState] = field(default_factory=list)
+    # Structured output: seq_id -> this step's allowed tokens as packed words (TokenMask).
+    token_masks: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +94,25 @@ def validate_step(
     lane = _validate_decode_lane(request, seqs, in_step, finished, limits.block_size)
     scheduled.extend((s, 1) for s in lane)
     states = {s.seq_id: s for s, _ in scheduled}
-    return StepPlan(new_states=new_states, scheduled=scheduled, states=states, lane=lane)
+    masks = _check_token_masks(request.token_masks, states, limits.vocab_size)
+    return StepPlan(new_states, scheduled, states, lane, masks)
+
+
+def _check_token_masks(
+    token_masks: Sequence[pb.TokenMask], states: dict[str, SeqState], vocab_size: int
+) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for i, m in enumerate(token_masks):
+        field = f"token_masks[{i}]"
+        if m.seq_id not in states:
+            raise InvalidStep(f"{field}.seq_id: {m.seq_id!r} is not run this step")
+        if m.seq_id in out:
+            raise InvalidStep(f"{field}.seq_id: {m.seq_id!r} has two masks")
+        try:
+            out[m.seq_id] = decode_mask(m.bitmask, m.compressed, vocab_size)
+        except ValueError as e:
+            raise InvalidStep(f"{field}.bitmask: {e}") from None
+    return out
 
 
 def _check_finished(finished_seq_ids: Sequence[str], seqs: dict[str, SeqState]) -> set[str]:

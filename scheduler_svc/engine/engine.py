@@ -36,6 +36,7 @@ from scheduler_svc.engine.routing import Router
 from scheduler_svc.engine.step_message import execute_request
 from scheduler_svc.engine.step_results import process_step_outputs
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
+from scheduler_svc.grammar.structured import StructuredOutputs
 from scheduler_svc.output.detokenizer import token_byte_table
 from scheduler_svc.output.tokenizer import load_tokenizer
 from scheduler_svc.state.leader import LeaderLease
@@ -78,6 +79,7 @@ class Engine:
         self.router = Router(config.routing, config.routing_prefill_weight)
         self.usage = KeyUsage(config.max_requests_per_key, config.max_queued_tokens_per_key)
         self.embeds = EmbedRequests(self)  # Embed calls in flight (engine/embeds.py)
+        self.structured = StructuredOutputs(self.requests)  # grammar masks (scheduler_svc/grammar)
         self.persister.on_write = self.metrics.redis_write.observe
 
     # ---------------------------------------------------------------- lifecycle
@@ -158,6 +160,7 @@ class Engine:
         first = self.executors[0].describe
         self.eos_token_ids = list(first.eos_token_ids)
         self.vocab_size = first.vocab_size
+        self.structured.start(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.block_size = first.block_size
         self.max_model_len = min(
             first.max_model_len, self.config.max_model_len or first.max_model_len
@@ -330,6 +333,7 @@ class Engine:
         """Send the step `out` to `ex` (after step `after_step_id` when planned ahead)."""
         ex.step_id += 1
         msg = execute_request(out, ex.step_id)
+        self.structured.add_masks(msg, out)
         msg.instance_id = ex.describe.instance_id
         msg.leader_epoch = self.pool.epoch
         msg.after_step_id = after_step_id
@@ -405,6 +409,7 @@ class Engine:
     def finish_request(self, handle: RequestHandle, record: EngineStep) -> None:
         handle.finished_in_engine = True
         self.usage.finished(handle)
+        self.structured.forget(handle.req_id)
         self.metrics.on_finish(handle, time.time())
         record.finishes.append(handle.finish_record())
         # Forget it only once Redis has it: until then it must stay resumable from memory.

@@ -61,6 +61,7 @@ async def submit(engine: Engine, inp: GenerateInput) -> tuple[RequestHandle, boo
         return existing, False  # same id again: attach, never a second generation
     prompt = await _prompt_token_ids(engine, inp)
     inp.params.validate(max_logprobs=engine.config.max_logprobs, vocab_size=engine.vocab_size)
+    await engine.structured.validate(inp.params)
     if sum(ex.sched.num_waiting for ex in engine.executors) >= engine.config.max_waiting:
         raise QueueFull(f"waiting queue is full ({engine.config.max_waiting} requests)")
     if inp.owner:
