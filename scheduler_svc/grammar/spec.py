@@ -22,6 +22,9 @@ MAX_SPEC_BYTES = 64 * 1024  # schema / regex / grammar text, or all choices toge
 MAX_CHOICES = 1024
 
 _FIELD = "params.structured_output"
+# Compact JSON (", " and ": " separators, no free whitespace): a model cannot pad the output
+# with whitespace forever. A schema's own "x-guidance" options still override this.
+_JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def check_spec(spec: dict[str, Any]) -> None:
@@ -65,9 +68,11 @@ def grammar_text(spec: dict[str, Any]) -> str:
     try:
         if kind == "json_schema":
             json.loads(value)  # the library's message for bad JSON is less direct
-            return llguidance.LLMatcher.grammar_from_json_schema(value)
+            return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=_JSON_OPTIONS)
         if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                '{"type": "object"}', defaults=_JSON_OPTIONS
+            )
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(value)
         if kind == "choice":

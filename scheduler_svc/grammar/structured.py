@@ -49,9 +49,12 @@ class StructuredOutputs:
 
     def forget(self, req_id: str) -> None:
         handle = self._requests.get(req_id)
-        if self.matchers is not None and handle is not None:
-            if handle.params.structured_output is not None:
-                self.matchers.forget(req_id, handle.n)
+        if (
+            self.matchers is not None
+            and handle is not None
+            and handle.params.structured_output is not None
+        ):
+            self.matchers.forget(req_id, handle.n)
 
     def _spec_of(self, req_id: str) -> dict[str, Any] | None:
         handle = self._requests.get(req_id)
