@@ -184,18 +184,18 @@ class ExecuteModelRequest(_message.Message):
     instance_id: str
     leader_epoch: int
     after_step_id: int
-    token_masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_sequences: _Optional[_Iterable[_Union[CachedSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[str]] = ..., decode_num_computed_tokens: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., after_step_id: _Optional[int] = ..., token_masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ...) -> None: ...
+    token_masks: TokenMasks
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_sequences: _Optional[_Iterable[_Union[CachedSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[str]] = ..., decode_num_computed_tokens: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., after_step_id: _Optional[int] = ..., token_masks: _Optional[_Union[TokenMasks, _Mapping]] = ...) -> None: ...
 
-class TokenMask(_message.Message):
-    __slots__ = ("seq_id", "bitmask", "compressed")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    BITMASK_FIELD_NUMBER: _ClassVar[int]
-    COMPRESSED_FIELD_NUMBER: _ClassVar[int]
-    seq_id: str
-    bitmask: bytes
-    compressed: bool
-    def __init__(self, seq_id: _Optional[str] = ..., bitmask: _Optional[bytes] = ..., compressed: _Optional[bool] = ...) -> None: ...
+class TokenMasks(_message.Message):
+    __slots__ = ("seq_positions", "row_index", "rows")
+    SEQ_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    ROW_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    seq_positions: _containers.RepeatedScalarFieldContainer[int]
+    row_index: _containers.RepeatedScalarFieldContainer[int]
+    rows: bytes
+    def __init__(self, seq_positions: _Optional[_Iterable[int]] = ..., row_index: _Optional[_Iterable[int]] = ..., rows: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -18,7 +18,7 @@ from executor_svc.api.seq_state import BlockTable, SeqState
 from executor_svc.runner.model_runner import ModelRunner
 from executor_svc.runner.pooling import check_pooling
 from executor_svc.runner.sampler import SamplingParams
-from executor_svc.runner.token_mask import decode_mask
+from executor_svc.runner.token_mask import decode_masks
 from protos import executor_pb2 as pb
 
 __all__ = ["InvalidStep", "StepPlan", "validate_step"]
@@ -94,25 +94,27 @@ def validate_step(
     lane = _validate_decode_lane(request, seqs, in_step, finished, limits.block_size)
     scheduled.extend((s, 1) for s in lane)
     states = {s.seq_id: s for s, _ in scheduled}
-    masks = _check_token_masks(request.token_masks, states, limits.vocab_size)
+    masks = _check_token_masks(request.token_masks, scheduled, limits.vocab_size)
     return StepPlan(new_states, scheduled, states, lane, masks)
 
 
 def _check_token_masks(
-    token_masks: Sequence[pb.TokenMask], states: dict[str, SeqState], vocab_size: int
+    masks: pb.TokenMasks, scheduled: list[tuple[SeqState, int]], vocab_size: int
 ) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for i, m in enumerate(token_masks):
-        field = f"token_masks[{i}]"
-        if m.seq_id not in states:
-            raise InvalidStep(f"{field}.seq_id: {m.seq_id!r} is not run this step")
-        if m.seq_id in out:
-            raise InvalidStep(f"{field}.seq_id: {m.seq_id!r} has two masks")
-        try:
-            out[m.seq_id] = decode_mask(m.bitmask, m.compressed, vocab_size)
-        except ValueError as e:
-            raise InvalidStep(f"{field}.bitmask: {e}") from None
-    return out
+    seq_ids: list[str] = []
+    for i, pos in enumerate(masks.seq_positions):
+        if pos >= len(scheduled):
+            raise InvalidStep(
+                f"token_masks.seq_positions[{i}]: {pos} is past the {len(scheduled)} sequences "
+                "of this step"
+            )
+        seq_ids.append(scheduled[pos][0].seq_id)
+    if len(set(seq_ids)) != len(seq_ids):
+        raise InvalidStep("token_masks.seq_positions: a sequence appears twice")
+    try:
+        return decode_masks(seq_ids, masks.row_index, masks.rows, vocab_size)
+    except ValueError as e:
+        raise InvalidStep(f"token_masks: {e}") from None
 
 
 def _check_finished(finished_seq_ids: Sequence[str], seqs: dict[str, SeqState]) -> set[str]:

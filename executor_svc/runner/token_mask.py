@@ -1,10 +1,11 @@
 """Allowed-token masks of constrained sequences (structured output), applied to the logits.
 
-The scheduler owns the grammar and sends, for each constrained sequence that samples, a packed
-bitmask (executor.proto TokenMask: ceil(vocab / 32) little-endian uint32 words, token t allowed
-iff bit t % 32 of word t // 32 is set, optionally zlib-compressed). The runner sets every
-forbidden logit to -inf before the sampler sees the row, so greedy, seeded sampling, penalties
-and the reported logprobs (as in vLLM) all work on the masked distribution.
+The scheduler owns the grammar and sends, for the constrained sequences that sample, packed
+bitmask rows (executor.proto TokenMasks: ceil(vocab / 32) little-endian uint32 words per row,
+token t allowed iff bit t % 32 of word t // 32 is set; distinct rows once, as one zlib stream).
+The runner sets every forbidden logit to -inf before the sampler sees the row, so greedy,
+seeded sampling, penalties and the reported logprobs (as in vLLM) all work on the masked
+distribution.
 """
 
 from __future__ import annotations
@@ -15,24 +16,32 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["apply_token_masks", "decode_mask", "unpack_rows"]
+__all__ = ["apply_token_masks", "decode_masks", "unpack_rows"]
 
 
-def decode_mask(payload: bytes, compressed: bool, vocab_size: int) -> np.ndarray:
-    """One row as uint32 words; ValueError when it is malformed or allows nothing."""
+def decode_masks(
+    seq_ids: Sequence[str], row_index: Sequence[int], rows: bytes, vocab_size: int
+) -> dict[str, np.ndarray]:
+    """seq_id -> its row of uint32 words; ValueError naming what is malformed."""
+    if len(row_index) != len(seq_ids):
+        raise ValueError(f"row_index has {len(row_index)} entries for {len(seq_ids)} sequences")
+    if not seq_ids:
+        return {}
     try:
-        raw = zlib.decompress(payload) if compressed else payload
+        raw = zlib.decompress(rows)
     except zlib.error as e:
-        raise ValueError(f"bitmask is not valid zlib data: {e}") from None
-    num_words = (vocab_size + 31) // 32
-    if len(raw) != 4 * num_words:
+        raise ValueError(f"rows are not valid zlib data: {e}") from None
+    width = 4 * ((vocab_size + 31) // 32)
+    if not raw or len(raw) % width:
         raise ValueError(
-            f"bitmask has {len(raw)} bytes, expected {4 * num_words} (vocab_size {vocab_size})"
+            f"rows hold {len(raw)} bytes, not whole {width}-byte rows (vocab_size {vocab_size})"
         )
-    words = np.frombuffer(raw, dtype="<u4")
-    if not unpack_rows([words], vocab_size).any():
-        raise ValueError("bitmask allows no token")
-    return words
+    table = np.frombuffer(raw, dtype="<u4").reshape(-1, width // 4)
+    if bad := [i for i in row_index if i >= len(table)]:
+        raise ValueError(f"row_index {bad[0]} is past the {len(table)} rows sent")
+    if not unpack_rows(list(table), vocab_size).any(axis=1).all():
+        raise ValueError("a row allows no token")
+    return {s: table[i] for s, i in zip(seq_ids, row_index, strict=True)}
 
 
 def unpack_rows(rows: Sequence[np.ndarray], vocab_size: int) -> np.ndarray:

@@ -25,16 +25,23 @@ import structlog
 
 from scheduler_svc.core.request import Sequence
 from scheduler_svc.core.scheduler_output import SchedulerOutput
-from scheduler_svc.grammar.bitmask import encode_row, pack_ids
+from scheduler_svc.grammar.bitmask import encode_rows, pack_ids
 from scheduler_svc.grammar.compiler import GrammarCompiler
 
-__all__ = ["SeqMatchers", "TokenMaskRow"]
+__all__ = ["SeqMatchers", "StepMasks"]
 
 log = structlog.get_logger(__name__)
 
 MASK_THREADS = 2  # llguidance computes a step's masks in parallel, without the GIL
 
-TokenMaskRow = tuple[str, bytes, bool]  # (seq_id, payload, compressed): executor.proto TokenMask
+
+@dataclass(slots=True)
+class StepMasks:
+    """executor.proto TokenMasks as plain data."""
+
+    seq_ids: list[str]
+    row_index: list[int]  # seq_ids[i]'s row in `rows`
+    rows: bytes  # the distinct rows, one zlib stream
 
 
 @dataclass(slots=True, eq=False)
@@ -78,7 +85,7 @@ class SeqMatchers:
 
     def step_masks(
         self, out: SchedulerOutput, spec_of: Callable[[str], dict[str, Any] | None]
-    ) -> list[TokenMaskRow]:
+    ) -> StepMasks | None:
         """Masks of the step's constrained sequences that sample; `spec_of(req_id)` is the
         request's structured_output (None: unconstrained)."""
         todo: list[tuple[str, llguidance.LLMatcher]] = []
@@ -89,7 +96,7 @@ class SeqMatchers:
             if spec is not None:
                 todo.append((seq.seq_id, self.matcher_for(seq, spec)))
         if not todo:
-            return []
+            return None
         vocab = self.compiler.vocab_size
         shape = llnp.get_bitmask_shape(len(todo), vocab)
         if self._rows.shape[0] < shape[0] or self._rows.shape[1] != shape[1]:
@@ -98,18 +105,15 @@ class SeqMatchers:
         llnp.fill_next_token_bitmask_par(
             self._executor, [(m, i) for i, (_, m) in enumerate(todo)], rows
         )
-        masks = []
-        for i, (seq_id, matcher) in enumerate(todo):
-            row = rows[i]
-            if matcher.is_error() or not row.any():
+        for i, (_, matcher) in enumerate(todo):
+            if matcher.is_error() or not rows[i].any():
                 # A token the mask forbade was sampled (it cannot happen while the executor
                 # honours masks): end the sequence rather than sample from nothing.
-                row = pack_ids(self.compiler.eos_token_ids or [0], vocab).view(np.int32)
-            payload, compressed = encode_row(row.view(np.uint32))
-            masks.append((seq_id, payload, compressed))
-            self.num_mask_bytes += len(payload)
-        self.num_masks += len(masks)
-        return masks
+                rows[i] = pack_ids(self.compiler.eos_token_ids or [0], vocab).view(np.int32)
+        index, payload = encode_rows(rows.view(np.uint32))
+        self.num_masks += len(todo)
+        self.num_mask_bytes += len(payload)
+        return StepMasks([seq_id for seq_id, _ in todo], index, payload)
 
     def forget(self, req_id: str, n: int) -> None:
         """Drop the matchers of a finished request's sequences."""

@@ -43,9 +43,18 @@ class StructuredOutputs:
         """Masks for the step's constrained sequences that sample (none for most steps)."""
         if self.matchers is None:
             return
-        add = msg.token_masks.add
-        for seq_id, payload, compressed in self.matchers.step_masks(out, self._spec_of):
-            add(seq_id=seq_id, bitmask=payload, compressed=compressed)
+        masks = self.matchers.step_masks(out, self._spec_of)
+        if masks is not None:
+            # Positions in the step: new sequences, then cached ones, then the decode lane.
+            order = [s.seq_id for s in out.new_seqs]
+            order += [c.seq_id for c in out.cached_seqs]
+            position = {seq_id: i for i, seq_id in enumerate(order)}
+            base = len(order)
+            position.update((seq_id, base + i) for i, seq_id in enumerate(out.decode_seq_ids))
+            tm = msg.token_masks
+            tm.seq_positions.extend([position[seq_id] for seq_id in masks.seq_ids])
+            tm.row_index.extend(masks.row_index)
+            tm.rows = masks.rows
 
     def forget(self, req_id: str) -> None:
         handle = self._requests.get(req_id)

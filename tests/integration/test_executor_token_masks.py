@@ -18,11 +18,24 @@ VOCAB = 512
 PROMPT = [5, 17, 42, 99, 7]
 
 
-def row(allowed: list[int], compressed: bool = True) -> tuple[bytes, bool]:
+def row(allowed: list[int]) -> bytes:
     bits = np.zeros(VOCAB, dtype=np.uint8)
     bits[allowed] = 1
-    raw = np.packbits(bits, bitorder="little").tobytes()  # == little-endian uint32 words
-    return (zlib.compress(raw), True) if compressed else (raw, False)
+    return np.packbits(bits, bitorder="little").tobytes()  # == little-endian uint32 words
+
+
+def set_masks(req: pb.ExecuteModelRequest, masks: dict[str, list[int]]) -> None:
+    """One row per sequence, sent as TokenMasks (distinct rows, one zlib stream)."""
+    order = [n.seq_id for n in req.new_sequences] + [c.seq_id for c in req.cached_sequences]
+    order += list(req.decode_seq_ids)
+    rows: list[bytes] = []
+    for seq_id, allowed in masks.items():
+        r = row(allowed)
+        if r not in rows:
+            rows.append(r)
+        req.token_masks.seq_positions.append(order.index(seq_id))
+        req.token_masks.row_index.append(rows.index(r))
+    req.token_masks.rows = zlib.compress(b"".join(rows))
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +52,13 @@ def driver(port):
         yield ExecutorDriver(stub)
 
 
-def first_token(driver: ExecutorDriver, params: pb.SamplingParams, allowed=None, **kw):
+def first_token(driver: ExecutorDriver, params: pb.SamplingParams, allowed=None):
     """Prefill PROMPT and sample one token, with `allowed` as its mask (None: no mask)."""
     seq_id = f"s{driver.step_id}"
     driver.add(seq_id, PROMPT, params)
     req, num_scheduled = driver.build_request()
     if allowed is not None:
-        payload, compressed = row(allowed, **kw)
-        req.token_masks.add(seq_id=seq_id, bitmask=payload, compressed=compressed)
+        set_masks(req, {seq_id: allowed})
     resp = driver.stub.ExecuteModel(req)
     driver.commit(resp, num_scheduled)
     driver.finish(seq_id)
@@ -54,13 +66,12 @@ def first_token(driver: ExecutorDriver, params: pb.SamplingParams, allowed=None,
     return s
 
 
-@pytest.mark.parametrize("compressed", [True, False])
-def test_greedy_takes_the_best_allowed_token_and_logprobs_renormalise(driver, compressed):
+def test_greedy_takes_the_best_allowed_token_and_logprobs_renormalise(driver):
     free = first_token(driver, pb.SamplingParams(num_logprobs=5))
     top = [t.token_id for t in free.top_logprobs]
     raw = {t.token_id: t.logprob for t in free.top_logprobs}
     allowed = [top[1], top[3]]  # the best token is forbidden
-    got = first_token(driver, pb.SamplingParams(num_logprobs=5), allowed, compressed=compressed)
+    got = first_token(driver, pb.SamplingParams(num_logprobs=5), allowed)
     assert got.token_id == top[1]
     norm = math.log(math.exp(raw[top[1]]) + math.exp(raw[top[3]]))
     assert got.logprob == pytest.approx(raw[top[1]] - norm, abs=1e-4)
@@ -84,21 +95,51 @@ def test_seeded_sampling_stays_inside_the_mask(driver):
     )
 
 
+def test_one_row_serves_several_sequences(driver):
+    free = first_token(driver, pb.SamplingParams(num_logprobs=5))
+    allowed = [t.token_id for t in free.top_logprobs[2:4]]
+    for seq_id in ("p", "q"):
+        driver.add(seq_id, PROMPT, pb.SamplingParams())
+    driver.add("free", PROMPT, pb.SamplingParams())
+    req, num_scheduled = driver.build_request()
+    set_masks(req, {"p": allowed, "q": allowed})
+    assert len(zlib.decompress(req.token_masks.rows)) == VOCAB // 8  # one row
+    resp = driver.stub.ExecuteModel(req)
+    driver.commit(resp, num_scheduled)
+    by_id = {s.seq_id: s.token_id for s in resp.sampled}
+    assert by_id["p"] == by_id["q"] == allowed[0]
+    assert by_id["free"] == free.token_id  # an unconstrained batch mate is untouched
+
+
+def _mask_fields(**fields):
+    def mutate(tm: pb.TokenMasks) -> None:
+        for k, v in fields.items():
+            if isinstance(v, list):
+                del getattr(tm, k)[:]
+                getattr(tm, k).extend(v)
+            else:
+                setattr(tm, k, v)
+
+    return mutate
+
+
 @pytest.mark.parametrize(
     ("mutate", "needle"),
     [
-        (lambda m: setattr(m, "seq_id", "nobody"), "not run this step"),
-        (lambda m: setattr(m, "bitmask", zlib.compress(b"\x00" * (VOCAB // 8))), "no token"),
-        (lambda m: setattr(m, "bitmask", zlib.compress(b"\xff" * 8)), "expected 64"),
-        (lambda m: setattr(m, "bitmask", b"junk"), "zlib"),
+        (_mask_fields(seq_positions=[1]), "past the 1 sequences"),
+        (_mask_fields(seq_positions=[0, 0], row_index=[0, 0]), "appears twice"),
+        (_mask_fields(rows=zlib.compress(bytes(VOCAB // 8))), "no token"),
+        (_mask_fields(rows=zlib.compress(b"\xff" * 8)), "64-byte rows"),
+        (_mask_fields(rows=b"junk"), "zlib"),
+        (_mask_fields(row_index=[3]), "past"),
+        (_mask_fields(row_index=[]), "entries"),
     ],
 )
 def test_bad_mask_is_invalid_argument(driver, mutate, needle):
     driver.add("bad", PROMPT, pb.SamplingParams())
     req, _ = driver.build_request()
-    payload, compressed = row([1, 2])
-    mask = req.token_masks.add(seq_id="bad", bitmask=payload, compressed=compressed)
-    mutate(mask)
+    set_masks(req, {"bad": [1, 2]})
+    mutate(req.token_masks)
     with pytest.raises(grpc.RpcError) as e:
         driver.stub.ExecuteModel(req)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details()

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from executor_svc.runner.token_mask import decode_mask, unpack_rows
+from executor_svc.runner.token_mask import decode_masks, unpack_rows
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.sampling_params import SamplingParams, ValidationError
 from scheduler_svc.core.scheduler_output import SchedulerOutput
-from scheduler_svc.grammar.bitmask import allowed_ids, decode_row, encode_row, pack_ids
+from scheduler_svc.grammar.bitmask import allowed_ids, decode_rows, encode_rows, pack_ids
 from scheduler_svc.grammar.compiler import GrammarCompiler
 from scheduler_svc.grammar.matchers import SeqMatchers
 
@@ -38,15 +39,21 @@ def compiler(tmp_path_factory) -> GrammarCompiler:
     return GrammarCompiler(tok, VOCAB, [tok.eos_token_id], cache_size=4)
 
 
-@pytest.mark.parametrize("ids", [[0], [31, 32, 33], [511], list(range(0, 512, 7)), [5, 500]])
-def test_rows_round_trip(ids: list[int]) -> None:
-    words = pack_ids(ids, VOCAB)
-    assert words.shape == (VOCAB // 32,) and allowed_ids(words, VOCAB) == ids
-    for payload, compressed in (encode_row(words), (words.tobytes(), False)):
-        assert allowed_ids(decode_row(payload, compressed, VOCAB), VOCAB) == ids
-        # The executor's reading of the same bytes allows exactly these tokens.
-        allowed = unpack_rows([decode_mask(payload, compressed, VOCAB)], VOCAB)[0]
-        assert np.flatnonzero(allowed).tolist() == ids
+ROWS = [[0], [31, 32, 33], [511], list(range(0, 512, 7)), [5, 500], [31, 32, 33]]
+
+
+def test_rows_round_trip_and_repeat_rows_are_sent_once() -> None:
+    rows = np.stack([pack_ids(ids, VOCAB) for ids in ROWS])
+    assert rows.shape == (len(ROWS), VOCAB // 32)
+    index, payload = encode_rows(rows)
+    assert index == [0, 1, 2, 3, 4, 1]
+    distinct = decode_rows(payload, VOCAB)
+    assert [allowed_ids(distinct[i], VOCAB) for i in index] == ROWS
+    # The executor's reading of the same bytes allows exactly these tokens.
+    seq_ids = [f"s{i}" for i in range(len(ROWS))]
+    by_seq = decode_masks(seq_ids, index, payload, VOCAB)
+    allowed = unpack_rows([by_seq[s] for s in seq_ids], VOCAB)
+    assert [np.flatnonzero(a).tolist() for a in allowed] == ROWS
 
 
 def test_bit_layout_is_little_endian_words() -> None:
@@ -54,11 +61,16 @@ def test_bit_layout_is_little_endian_words() -> None:
     assert words.tolist() == [1, 2]  # token 33 is bit 1 of word 1
 
 
-def test_wrong_sized_or_empty_row_is_refused() -> None:
-    with pytest.raises(ValueError, match="bytes"):
-        decode_row(b"\xff" * 8, False, VOCAB)
+def test_malformed_rows_are_refused() -> None:
+    _, payload = encode_rows(np.stack([pack_ids([1], VOCAB)]))
+    with pytest.raises(ValueError, match="whole"):
+        decode_rows(zlib.compress(b"\xff" * 8), VOCAB)
     with pytest.raises(ValueError, match="no token"):
-        decode_mask(bytes(VOCAB // 8), False, VOCAB)
+        decode_masks(["a"], [0], zlib.compress(bytes(VOCAB // 8)), VOCAB)
+    with pytest.raises(ValueError, match="past"):
+        decode_masks(["a"], [1], payload, VOCAB)
+    with pytest.raises(ValueError, match="zlib"):
+        decode_masks(["a"], [0], b"junk", VOCAB)
 
 
 def test_cache_is_bounded_and_keyed_by_spec(compiler: GrammarCompiler) -> None:
@@ -103,9 +115,10 @@ def _walk(compiler: GrammarCompiler, spec: dict, rng: random.Random) -> tuple[li
     seq = req.seqs[0]
     masks = []
     for _ in range(200):
-        (row,) = matchers.step_masks(_step(seq), lambda _id: spec)
-        masks.append(row)
-        ids = allowed_ids(decode_row(row[1], row[2], VOCAB), VOCAB)
+        step = matchers.step_masks(_step(seq), lambda _id: spec)
+        row = decode_rows(step.rows, VOCAB)[step.row_index[0]]
+        masks.append(row.tolist())
+        ids = allowed_ids(row, VOCAB)
         token = rng.choice(ids)
         seq.token_ids.append(token)
         if token in compiler.eos_token_ids:
@@ -130,8 +143,8 @@ def test_replayed_matcher_gives_the_same_masks(compiler: GrammarCompiler, spec) 
             "r", [1, 2, 3], SamplingParams(structured_output=spec), output_token_ids=[tokens[:k]]
         )
         fresh = SeqMatchers(compiler)
-        (row,) = fresh.step_masks(_step(req.seqs[0]), lambda _id: spec)
-        assert row == masks[k], k
+        step = fresh.step_masks(_step(req.seqs[0]), lambda _id: spec)
+        assert decode_rows(step.rows, VOCAB)[0].tolist() == masks[k], k
 
 
 def test_only_sampling_constrained_sequences_get_masks(compiler: GrammarCompiler) -> None:
@@ -141,6 +154,6 @@ def test_only_sampling_constrained_sequences_get_masks(compiler: GrammarCompiler
     out = SchedulerOutput(0)
     out.scheduled += [(a, 2), (b, 4)]  # a: a prefill chunk that samples nothing
     specs = {"a": {"regex": "b+"}, "b": None}
-    assert matchers.step_masks(out, specs.get) == []
+    assert matchers.step_masks(out, specs.get) is None
     out.scheduled = [(a, 4), (b, 4)]
-    assert [m[0] for m in matchers.step_masks(out, specs.get)] == ["a/0"]
+    assert matchers.step_masks(out, specs.get).seq_ids == ["a/0"]
