@@ -105,7 +105,10 @@ class SamplingParams:
             raise ValidationError(
                 f"params.prompt_logprobs must be in [0, {max_logprobs}], got {self.prompt_logprobs}"
             )
-        if self.structured_output is not None and (self.ignore_eos or self.min_tokens):
+        so = self.structured_output
+        if so is not None and (not isinstance(so, dict) or len(so) != 1):
+            raise ValidationError("params.structured_output must set exactly one kind")
+        if so is not None and (self.ignore_eos or self.min_tokens):
             # The grammar ends a sequence through EOS, which both of these would suppress.
             raise ValidationError(
                 "params.structured_output cannot be combined with ignore_eos or min_tokens"
