@@ -14,13 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.smollm2 import smollm2_dir, smollm2_stack  # noqa: F401 - the fixtures
-
 PROMPT_TOKENS, OUTPUT_TOKENS = 32, 8
 
 
 @pytest.fixture(scope="module")
-def llmserve_stack(smollm2_stack):  # noqa: F811 - the frontend fixture's stack: SmolLM2
+def llmserve_stack(smollm2_stack):  # the frontend fixture's stack: SmolLM2 (conftest)
     return smollm2_stack
 
 
@@ -43,7 +41,7 @@ def _guidellm(bin_dir: Path, *args: str) -> subprocess.CompletedProcess:
 def test_guidellm_run_completes_every_request(
     frontend,
     model,
-    smollm2_dir,  # noqa: F811
+    smollm2_dir,
     tmp_path,
     profile,
     request_format,

@@ -20,15 +20,13 @@ import pytest
 import torch
 from lm_eval.tasks import TaskManager
 
-from tests.support.smollm2 import smollm2_dir, smollm2_stack  # noqa: F401 - the fixtures
-
 DATA = Path(__file__).resolve().parents[1] / "data" / "lm_eval"
 COMPLETION_TASKS = ["llmserve_mc", "llmserve_gen"]
 CHAT_TASKS = ["llmserve_chat"]
 
 
 @pytest.fixture(scope="module")
-def llmserve_stack(smollm2_stack):  # noqa: F811 - the frontend fixture's stack: SmolLM2
+def llmserve_stack(smollm2_stack):  # the frontend fixture's stack: SmolLM2 (conftest)
     return smollm2_stack
 
 
@@ -63,19 +61,19 @@ def _evaluate(model: str, model_args: dict[str, Any], tasks: list[str], **kwargs
 
 
 @pytest.fixture(scope="module")
-def hf_results(smollm2_dir) -> dict:  # noqa: F811
+def hf_results(smollm2_dir) -> dict:
     args = {"pretrained": str(smollm2_dir), "dtype": "float32", "device": "cpu"}
     return _evaluate("hf", args, COMPLETION_TASKS, batch_size=1)
 
 
 @pytest.fixture(scope="module")
-def hf_chat_results(smollm2_dir) -> dict:  # noqa: F811
+def hf_chat_results(smollm2_dir) -> dict:
     args = {"pretrained": str(smollm2_dir), "dtype": "float32", "device": "cpu"}
     return _evaluate("hf", args, CHAT_TASKS, batch_size=1, apply_chat_template=True)
 
 
 @pytest.fixture(scope="module")
-def served_results(frontend, model, smollm2_dir) -> dict:  # noqa: F811
+def served_results(frontend, model, smollm2_dir) -> dict:
     args = {
         "base_url": f"{frontend.base_url}/v1/completions",
         "model": model,

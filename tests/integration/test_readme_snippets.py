@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.smollm2 import smollm2_dir, smollm2_stack  # noqa: F401 - the fixtures
-
 ROOT = Path(__file__).resolve().parents[2]
 README_URL = "http://127.0.0.1:8000"
 README_MODEL_DIR = "/models/SmolLM2-135M-Instruct"
@@ -31,7 +29,7 @@ def readme_snippets() -> dict[str, tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def llmserve_stack(smollm2_stack):  # noqa: F811 - the frontend fixture's stack: SmolLM2
+def llmserve_stack(smollm2_stack):  # the frontend fixture's stack: SmolLM2 (conftest)
     return smollm2_stack
 
 
@@ -58,7 +56,7 @@ def _run(name: str, base_url: str, model_dir: Path) -> str:
     return done.stdout
 
 
-def test_openai_snippet(frontend, smollm2_dir):  # noqa: F811
+def test_openai_snippet(frontend, smollm2_dir):
     out = _run("openai", frontend.base_url, smollm2_dir)
     chat, *_, response = out.strip().splitlines()
     assert chat == "The capital of France is Paris."
@@ -66,12 +64,12 @@ def test_openai_snippet(frontend, smollm2_dir):  # noqa: F811
     assert out.count("Paris") == 3  # and the completion's continuation
 
 
-def test_langchain_snippet(frontend, smollm2_dir):  # noqa: F811
+def test_langchain_snippet(frontend, smollm2_dir):
     out = _run("langchain", frontend.base_url, smollm2_dir)
     assert out.strip() == "The capital of France is Paris."
 
 
-def test_lm_eval_snippet(frontend, smollm2_dir):  # noqa: F811
+def test_lm_eval_snippet(frontend, smollm2_dir):
     out = _run("lm-eval", frontend.base_url, smollm2_dir)
     # lm-eval's results tables: one row per task and metric.
     for task, metric in [
@@ -82,7 +80,7 @@ def test_lm_eval_snippet(frontend, smollm2_dir):  # noqa: F811
         assert re.search(rf"\|{task}\s*\|.*\|{metric}\s*\|", out), out
 
 
-def test_guidellm_snippet(frontend, smollm2_dir):  # noqa: F811
+def test_guidellm_snippet(frontend, smollm2_dir):
     out = _run("guidellm", frontend.base_url, smollm2_dir)
     assert "Benchmarking complete" in out
     # The summary row: 8 requests completed, none incomplete or errored.
