@@ -4,6 +4,7 @@ substituted. A README edit that breaks a snippet, or drops one, fails here."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -37,7 +38,11 @@ def test_the_section_has_every_client():
     assert list(readme_snippets()) == ["openai", "langchain", "lm-eval", "guidellm"]
 
 
-def _run(name: str, base_url: str, model_dir: Path) -> str:
+def _run(name: str, base_url: str, model_dir: Path, workdir: Path) -> str:
+    """Run snippet `name` in `workdir` (where it may leave files: guidellm writes its reports to
+    the working directory), with the repository's tests/ reachable from there as from the
+    repository's root."""
+    (workdir / "tests").symlink_to(ROOT / "tests")
     lang, code = readme_snippets()[name]
     assert README_URL in code, f"snippet {name} does not talk to {README_URL}"
     code = code.replace(README_URL, base_url).replace(README_MODEL_DIR, str(model_dir))
@@ -50,27 +55,27 @@ def _run(name: str, base_url: str, model_dir: Path) -> str:
         else ["bash", "-euo", "pipefail", "-c", code]
     )
     done = subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+        cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 
 
-def test_openai_snippet(frontend, smollm2_dir):
-    out = _run("openai", frontend.base_url, smollm2_dir)
+def test_openai_snippet(frontend, smollm2_dir, tmp_path):
+    out = _run("openai", frontend.base_url, smollm2_dir, tmp_path)
     chat, *_, response = out.strip().splitlines()
     assert chat == "The capital of France is Paris."
     assert response == "The capital of France is Paris."
     assert out.count("Paris") == 3  # and the completion's continuation
 
 
-def test_langchain_snippet(frontend, smollm2_dir):
-    out = _run("langchain", frontend.base_url, smollm2_dir)
+def test_langchain_snippet(frontend, smollm2_dir, tmp_path):
+    out = _run("langchain", frontend.base_url, smollm2_dir, tmp_path)
     assert out.strip() == "The capital of France is Paris."
 
 
-def test_lm_eval_snippet(frontend, smollm2_dir):
-    out = _run("lm-eval", frontend.base_url, smollm2_dir)
+def test_lm_eval_snippet(frontend, smollm2_dir, tmp_path):
+    out = _run("lm-eval", frontend.base_url, smollm2_dir, tmp_path)
     # lm-eval's results tables: one row per task and metric.
     for task, metric in [
         ("llmserve_mc", "acc"),
@@ -80,10 +85,14 @@ def test_lm_eval_snippet(frontend, smollm2_dir):
         assert re.search(rf"\|{task}\s*\|.*\|{metric}\s*\|", out), out
 
 
-def test_guidellm_snippet(frontend, smollm2_dir):
-    out = _run("guidellm", frontend.base_url, smollm2_dir)
+def test_guidellm_snippet(frontend, smollm2_dir, tmp_path):
+    out = _run("guidellm", frontend.base_url, smollm2_dir, tmp_path)
     assert "Benchmarking complete" in out
     # The summary row: 8 requests completed, none incomplete or errored.
     row = next(line for line in out.splitlines() if line.startswith("| concurrent"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[6:9] == ["8", "0", "0"], row
+    # Its report, written to the working directory by default, says the same.
+    (bench,) = json.loads((tmp_path / "benchmarks.json").read_text())["benchmarks"]
+    assert bench["scheduler_state"]["successful_requests"] == 8
+    assert bench["scheduler_state"]["errored_requests"] == 0
