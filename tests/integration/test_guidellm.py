@@ -22,11 +22,18 @@ def llmserve_stack(smollm2_stack):  # the frontend fixture's stack: SmolLM2 (con
     return smollm2_stack
 
 
-def _guidellm(bin_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    exe = bin_dir / "guidellm"
+def _guidellm(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """The `guidellm` next to this interpreter, run in `cwd` (it may write files there)."""
+    exe = Path(sys.executable).parent / "guidellm"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     return subprocess.run(
-        [str(exe), *args], env=env, capture_output=True, text=True, timeout=300, check=False
+        [str(exe), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
 
 
@@ -49,7 +56,7 @@ def test_guidellm_run_completes_every_request(
 ):
     report = tmp_path / "benchmarks.json"
     done = _guidellm(
-        Path(sys.executable).parent,
+        tmp_path,
         "run",
         "--backend",
         f"kind=openai_http,target={frontend.base_url},model={model},"
