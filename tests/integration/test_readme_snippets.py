@@ -35,7 +35,13 @@ def llmserve_stack(smollm2_stack):  # the frontend fixture's stack: SmolLM2 (con
 
 
 def test_the_section_has_every_client():
-    assert list(readme_snippets()) == ["openai", "langchain", "lm-eval", "guidellm"]
+    assert list(readme_snippets()) == [
+        "openai",
+        "openai-embeddings",
+        "langchain",
+        "lm-eval",
+        "guidellm",
+    ]
 
 
 def _run(name: str, base_url: str, model_dir: Path, workdir: Path) -> str:
@@ -67,6 +73,12 @@ def test_openai_snippet(frontend, smollm2_dir, tmp_path):
     assert chat == "The capital of France is Paris."
     assert response == "The capital of France is Paris."
     assert out.count("Paris") == 3  # and the completion's continuation
+
+
+def test_openai_embeddings_snippet(frontend, smollm2_dir, tmp_path):
+    out = _run("openai-embeddings", frontend.base_url, smollm2_dir, tmp_path)
+    hidden = json.loads((smollm2_dir / "config.json").read_text())["hidden_size"]
+    assert out.split() == ["2", str(hidden)]
 
 
 def test_langchain_snippet(frontend, smollm2_dir, tmp_path):
