@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 
 from protos import executor_pb2 as pb
-from tests.support.executor_driver import ExecutorDriver, executor_channel, running_executor
+from tests.support.executor_driver import (
+    ExecutorDriver,
+    executor_channel,
+    executor_subprocess,
+    running_executor,
+)
 from tests.support.model_factory import make_tiny_checkpoint
 
 VOCAB = 512
@@ -38,11 +43,25 @@ def set_masks(req: pb.ExecuteModelRequest, masks: dict[str, list[int]]) -> None:
     req.token_masks.rows = zlib.compress(b"".join(rows))
 
 
-@pytest.fixture(scope="module")
-def port(tmp_path_factory):
-    model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
-    with running_executor(model_dir, device="cpu", dtype="float32", block_size=4) as (_, p):
-        yield p
+TP2_ARGS = [
+    "--device", "cpu", "--dtype", "float32", "--block-size", "4", "--num-device-blocks", "192",
+    "--swap-space", "0.0005", "--attention-backend", "torch", "--tensor-parallel-size", "2",
+    "--cpu-threads", "1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["tp1", "tp2"])
+def port(request, tmp_path_factory):
+    """One executor, and one of two tensor-parallel ranks (rank 0 samples, so it alone reads
+    the masks; the other rank never needs them)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    model_dir = make_tiny_checkpoint(tmp / "model", "llama", num_key_value_heads=2)
+    if request.param == "tp1":
+        with running_executor(model_dir, device="cpu", dtype="float32", block_size=4) as (_, p):
+            yield p
+    else:
+        with executor_subprocess(model_dir, tmp, *TP2_ARGS) as (_, p):
+            yield p
 
 
 @pytest.fixture
