@@ -98,4 +98,5 @@ def _structural_tag(text: str) -> str:
         )
     if not tags:
         raise ValueError("structural_tag needs at least one entry in 'structures'")
-    return llguidance.StructTag.to_grammar(tags)
+    # Triggers are text: a "<...>" trigger is not assumed to be one special token.
+    return llguidance.StructTag.to_grammar(tags, assume_special=False)

@@ -157,3 +157,17 @@ def test_only_sampling_constrained_sequences_get_masks(compiler: GrammarCompiler
     assert matchers.step_masks(out, specs.get) is None
     out.scheduled = [(a, 4), (b, 4)]
     assert matchers.step_masks(out, specs.get).seq_ids == ["a/0"]
+
+
+def test_structural_tag_constrains_only_the_tagged_segment(compiler: GrammarCompiler) -> None:
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "end": "</f>"}],
+        "triggers": ["<f>"],
+    }  # fmt: skip
+    spec = {"structural_tag": json.dumps(tag)}
+    encode = compiler._hf.encode
+    ok = compiler.matcher(spec)
+    assert ok.consume_tokens(encode('free text <f>{"a":1}</f> more', add_special_tokens=False))
+    bad = compiler.matcher(spec)
+    assert not bad.consume_tokens(encode('free text <f>{"b":1}', add_special_tokens=False))
