@@ -12,9 +12,11 @@ import jsonschema
 import pytest
 
 from protos import scheduler_pb2 as pb
+from protos import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import Collected, collect, gen_request, run_in_threads, stub_for
-from tests.support.stack import make_stack
+from tests.support.stack import Stack, make_stack, tiny_model_dir
+from tests.support.standby import Scheduler, follow_channel
 
 ARRAY = {
     "type": "array",
@@ -138,4 +140,70 @@ def test_kill_9_scheduler_mid_generation_gives_identical_output(tmp_path, redis)
             assert got.tokens[0] == ref.tokens[0], f"request {i} differs from the undisturbed run"
             assert got.text[0] == ref.text[0]
     finally:
+        stack.stop()
+
+
+def test_standby_takeover_rebuilds_matchers_and_output_is_identical(tmp_path, redis):
+    """Leader killed (-9) mid-generation; the standby takes the lease, recovers the requests
+    from Redis, rebuilds each matcher by replaying the stored outputs, and finishes them."""
+    stack = Stack(
+        workdir=tmp_path,
+        model_dir=tiny_model_dir(tmp_path.parent / "models"),
+        redis=redis,
+        executor_args=["--num-device-blocks", "512", "--swap-space", "0.05"],
+    )
+    stack.start_executor()
+    leader = Scheduler(tmp_path / "a", stack.executor_address, redis.url)
+    standby = None
+    try:
+        leader.wait_serving(60)
+        standby = Scheduler(tmp_path / "b", stack.executor_address, redis.url)
+        with follow_channel(leader, standby) as ch:
+            stub = pb_grpc.SchedulerStub(ch)
+            reference = run_in_threads(
+                [lambda r=r: collect(stub.Generate(r, timeout=120)) for r in requests("sref")]
+            )
+        check_valid(reference)
+        run = requests("srun")
+        results = [Collected() for _ in run]
+
+        def client(i: int) -> None:
+            got, req = results[i], run[i]
+            deadline = time.monotonic() + 180
+            with follow_channel(leader, standby) as channel:
+                st = pb_grpc.SchedulerStub(channel)
+                while 0 not in got.finish and time.monotonic() < deadline:
+                    try:
+                        if not got.messages:
+                            stream = st.Generate(req, timeout=120, wait_for_ready=True)
+                        else:
+                            resume = pb.ResumeRequest(
+                                request_id=req.request_id, from_token_index=len(got.tokens[0])
+                            )
+                            stream = st.Resume(resume, timeout=120, wait_for_ready=True)
+                        for msg in stream:
+                            got.add(msg)
+                    except grpc.RpcError:
+                        time.sleep(0.05)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(run))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while min(len(r.tokens.get(0, [])) for r in results) < 2:
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.01)
+        leader.proc.kill()
+        mid = [len(r.tokens.get(0, [])) for r in results]
+        for t in threads:
+            t.join(timeout=200)
+        assert any(m < len(r.tokens[0]) for m, r in zip(mid, reference, strict=True)), mid
+        check_valid(results)
+        for i, (got, ref) in enumerate(zip(results, reference, strict=True)):
+            assert got.offsets_ok, f"request {i} saw a gap or a repeat"
+            assert got.tokens[0] == ref.tokens[0], f"request {i} differs from the undisturbed run"
+    finally:
+        for s in (leader, standby):
+            if s is not None:
+                s.stop()
         stack.stop()
