@@ -361,7 +361,9 @@ class Engine:
         resp: epb.ExecuteModelResponse,
         record: EngineStep,
     ) -> None:
-        done = process_step_outputs(ex.sched, self.requests, out, resp, record)
+        done = process_step_outputs(
+            ex.sched, self.requests, out, resp, record, self.structured.grammar_done
+        )
         if resp.pooled:  # embedding inputs whose prompt completed (engine/embeds.py)
             self.embeds.on_pooled(ex, list(resp.pooled))
         now = time.time()

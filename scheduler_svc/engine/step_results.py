@@ -8,8 +8,11 @@ sequence, so it is kept to plain loops over plain data.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from protos import executor_pb2 as epb
-from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.core.request import RequestStatus, Sequence
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.streams import EngineStep, RequestHandle
@@ -23,11 +26,14 @@ def process_step_outputs(
     out: SchedulerOutput,
     resp: epb.ExecuteModelResponse,
     record: EngineStep,
+    grammar_done: Callable[[Sequence, dict[str, Any]], bool] | None = None,
 ) -> list[RequestHandle]:
     """Apply one step's sampled tokens; returns the requests whose last sequence just ended.
 
     Sequences the stop checks end are finished in the scheduler core at once (their blocks are
     free for the next step). The caller records the returned requests' finish.
+    `grammar_done(seq, spec)`: a constrained sequence whose grammar is complete ends here with
+    reason stop, without a step to sample the EOS its mask would now force.
     """
     if resp.prompt_logprobs:
         # Before the tokens: the step that completes a prompt's logprobs also samples its first
@@ -61,6 +67,14 @@ def process_step_outputs(
                 by_id = {s.seq_id: s for s in sampled}
             s = by_id[seq.seq_id]
             status = handle.process_token(seq.index, s.token_id, s.logprob, s.top_logprobs, record)
+        if (
+            status is None
+            and grammar_done is not None
+            and (spec := handle.params.structured_output) is not None
+            and grammar_done(seq, spec)
+        ):
+            status = RequestStatus.FINISHED_STOPPED
+            handle.finish_seq(seq.index, status, None, record)
         if status is not None:
             state = handle.states[seq.index]
             sched.finish_sequence(seq.seq_id, status, state.stop_reason)

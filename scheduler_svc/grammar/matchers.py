@@ -7,9 +7,11 @@ replays nothing), preemption (the tokens are unchanged) and recovery after a sch
 fresh Sequence with its stored outputs replays them all), and never needs a hook where tokens
 are appended.
 
-The grammar being complete does not end the sequence here: the mask then allows only EOS, the
-executor samples it and the ordinary EOS check finishes the sequence with reason "stop". EOS is
-allowed only where the grammar accepts; max_tokens still cuts (the output may be incomplete).
+A sequence ends with reason "stop" as soon as its grammar is complete (`is_done`, checked by
+the engine after each token), without a step to sample the EOS that the mask would then force;
+should it get past that (a recovery between the two), the mask allows only EOS and the ordinary
+EOS check ends it. EOS is allowed only where the grammar accepts; max_tokens still cuts (the
+output may then be incomplete, as in vLLM).
 """
 
 from __future__ import annotations
@@ -82,6 +84,11 @@ class SeqMatchers:
                 )
             state.num_consumed = outputs
         return state.matcher
+
+    def is_done(self, seq: Sequence, spec: dict[str, Any]) -> bool:
+        """Whether the grammar is complete after the sequence's outputs (an errored matcher
+        counts as done: its mask would allow only EOS anyway)."""
+        return self.matcher_for(seq, spec).is_stopped()
 
     def step_masks(
         self, out: SchedulerOutput, spec_of: Callable[[str], dict[str, Any] | None]

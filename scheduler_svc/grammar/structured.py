@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from protos import executor_pb2 as epb
+from scheduler_svc.core.request import Sequence
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.grammar.compiler import GrammarCompiler
@@ -55,6 +56,10 @@ class StructuredOutputs:
             tm.seq_positions.extend([position[seq_id] for seq_id in masks.seq_ids])
             tm.row_index.extend(masks.row_index)
             tm.rows = masks.rows
+
+    def grammar_done(self, seq: Sequence, spec: dict[str, Any]) -> bool:
+        """The sequence's grammar is complete: nothing but EOS may follow."""
+        return self.matchers is not None and self.matchers.is_done(seq, spec)
 
     def forget(self, req_id: str) -> None:
         handle = self._requests.get(req_id)
