@@ -12,6 +12,7 @@ from pathlib import Path
 
 import structlog
 
+from scheduler_svc import envs
 from scheduler_svc.api.auth import load_api_keys
 from scheduler_svc.api.server import SchedulerServer
 from scheduler_svc.core.config import SchedulerConfig
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
     p.add_argument(
         "--redis-url",
-        default=os.environ.get("REDIS_URL"),
+        default=envs.redis_url(),
         help="Redis holding request state (default $REDIS_URL; without it a loopback Redis "
         "server is started with its data in --redis-dir)",
     )
