@@ -227,7 +227,7 @@ async def run(args: argparse.Namespace) -> None:
             log.info("metrics.listening", host=args.host, port=metrics_port)
         if args.port_file:
             args.port_file.write_text(str(port))
-        lost = asyncio.create_task(server.engine.leadership_lost_event.wait())
+        lost = asyncio.create_task(server.engine.lifecycle.leadership_lost.wait())
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if lost.done() and not stop.is_set():
