@@ -165,7 +165,7 @@ class RequestHandle:
     def from_stored(cls, rec: StoredRequest, params: SamplingParams) -> RequestHandle:
         return cls(rec.req_id, rec.prompt_token_ids, params, rec.priority, rec.arrival_time)
 
-    def init_outputs(self, tokenizer, eos_token_ids: list[int], max_model_len: int) -> None:
+    def init_outputs(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int) -> None:
         self.states = [
             SequenceOutputState(
                 tokenizer,
@@ -179,7 +179,7 @@ class RequestHandle:
 
     def replay_outputs(
         self,
-        tokenizer,
+        tokenizer: Any,
         eos_token_ids: list[int],
         max_model_len: int,
         rec: StoredRequest,
@@ -472,7 +472,12 @@ class RequestView:
 
     @classmethod
     def from_stored(
-        cls, rec: StoredRequest, params: SamplingParams, tokenizer, eos_ids, max_model_len
+        cls,
+        rec: StoredRequest,
+        params: SamplingParams,
+        tokenizer: Any,
+        eos_ids: list[int],
+        max_model_len: int,
     ) -> RequestView:
         handle = RequestHandle.from_stored(rec, params)
         handle.replay_outputs(tokenizer, eos_ids, max_model_len, rec)
