@@ -80,8 +80,8 @@ class Engine:
         aborts = Aborts(self.lifecycle, self.table, self.store, self.persister,
                         config.abort_ahead_ttl_s)  # fmt: skip
         self.client = RequestFront(  # what the API layer talks to (client.EngineClient)
-            config, self.lifecycle, self.table, self.pool, self.persister, self.recovery,
-            aborts, self.model,
+            config, self.lifecycle, self.table, self.pool, self.store, self.persister, aborts,
+            self.model,
         )  # fmt: skip
         self.persister.on_write = self.metrics.redis_write.observe
         self.persister.on_fenced = self.lifecycle.lose_leadership

@@ -29,13 +29,18 @@ from scheduler_svc.engine.config import (
 from scheduler_svc.engine.executors import ExecutorPool
 from scheduler_svc.engine.lifecycle import Lifecycle
 from scheduler_svc.engine.model import ModelInfo
-from scheduler_svc.engine.recovery import Recovery
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.server_info import server_info
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
 from scheduler_svc.output.tokenizer import encode_chat, encode_prompt
 from scheduler_svc.state.persister import Persister
-from scheduler_svc.state.store import Created, StoredRequest, StoreFenced, StoreUnavailable
+from scheduler_svc.state.store import (
+    Created,
+    RequestStore,
+    StoredRequest,
+    StoreFenced,
+    StoreUnavailable,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -49,8 +54,8 @@ class RequestFront:
         lifecycle: Lifecycle,
         table: RequestTable,
         pool: ExecutorPool,
+        store: RequestStore,
         persister: Persister,
-        recovery: Recovery,
         aborts: Aborts,
         model: ModelInfo,
     ) -> None:
@@ -58,9 +63,8 @@ class RequestFront:
         self.lifecycle = lifecycle
         self.table = table
         self.pool = pool
-        self.store = persister.store
+        self.store = store
         self.persister = persister
-        self.recovery = recovery
         self.aborts = aborts
         self.model = model
 
@@ -130,7 +134,7 @@ class RequestFront:
             priority=handle.priority,
             arrival_time=handle.arrival_time,
         )
-        self.recovery.enqueue(handle, req)
+        handle.executor = self.pool.place(req)
 
     async def abort(self, req_id: str, *, missing_ok: bool = False) -> AbortOutcome:
         """Returns once the outcome is final and in Redis (see engine/aborts.py)."""
