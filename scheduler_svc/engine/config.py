@@ -4,7 +4,7 @@ Generate call hands it, and what GetServerInfo reports."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler_svc.core.sampling_params import SamplingParams
 
@@ -151,3 +151,7 @@ class ServerInfo:
     num_preemptions: int
     prefix_cache_hit_rate: float
     routing: str = "kv"
+    # Every model llmserve loads is a decoder LLM: it generates, and its last hidden states pool
+    # into embeddings (as vLLM's pooling runner does for decoder checkpoints).
+    tasks: list[str] = field(default_factory=lambda: ["generate", "embed"])
+    hidden_size: int = 0  # the size of an embedding (engine/embeds.py)

@@ -122,7 +122,8 @@ class SeqMatchers:
         self.num_mask_bytes += len(payload)
         return StepMasks([seq_id for seq_id, _ in todo], index, payload)
 
-    def forget(self, req_id: str, n: int) -> None:
-        """Drop the matchers of a finished request's sequences."""
-        for i in range(n):
-            self._by_seq.pop(f"{req_id}/{i}", None)
+    def sweep(self, is_live: Callable[[str], bool]) -> None:
+        """Drop the matchers of sequences that finished, or whose request is gone."""
+        for seq_id, state in list(self._by_seq.items()):
+            if state.seq.is_finished or not is_live(state.seq.req_id):
+                del self._by_seq[seq_id]
