@@ -186,3 +186,14 @@ def test_ignore_eos_with_grammar_is_invalid_argument(client: LLMClient) -> None:
     with pytest.raises(LLMServeError) as e:
         client.generate("x", params, use_tqdm=False)
     assert e.value.code.name == "INVALID_ARGUMENT"
+
+
+def test_offline_llm_takes_a_constraint(llmserve_stack) -> None:  # noqa: F811
+    from client import LLM
+
+    with LLM(address=llmserve_stack.address) as llm:
+        params = SamplingParams(
+            temperature=0, max_tokens=20, structured_output=so.choice(["on", "off"])
+        )
+        (out,) = llm.generate("switch", params, use_tqdm=False)
+    assert out.outputs[0].text in ("on", "off") and out.outputs[0].finish_reason == "stop"
