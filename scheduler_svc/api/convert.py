@@ -81,6 +81,8 @@ def generate_input_from_proto(r: pb.GenerateRequest) -> GenerateInput:
         inp.text = r.text
     elif kind == "token_ids":
         inp.token_ids = list(r.token_ids.ids)
+    elif kind == "infill":
+        inp.infill = (r.infill.prefix, r.infill.suffix)
     else:
         for i, m in enumerate(r.chat.messages):
             if m.role not in CHAT_ROLES:

@@ -112,6 +112,7 @@ class GenerateInput:
     text: str | None = None
     token_ids: list[int] | None = None
     chat: list[dict[str, str]] | None = None
+    infill: tuple[str, str] | None = None  # (prefix, suffix): fill in the middle
     add_generation_prompt: bool = True
     priority: int = 0
     owner: str = ""  # the API key's name when keys are on: ids are scoped to it (scoped_id)

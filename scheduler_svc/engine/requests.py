@@ -34,7 +34,7 @@ from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.server_info import server_info
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
 from scheduler_svc.grammar.structured import StructuredOutputs
-from scheduler_svc.output.tokenizer import encode_chat, encode_prompt
+from scheduler_svc.output.tokenizer import encode_chat, encode_infill, encode_prompt
 from scheduler_svc.state.persister import Persister
 from scheduler_svc.state.store import (
     Created,
@@ -183,6 +183,11 @@ class RequestFront:
                 )
             except ValueError as e:
                 raise ValidationError(f"prompt.chat: {e}") from e
+        elif inp.infill is not None:
+            try:
+                prompt = encode_infill(self.model.tokenizer, *inp.infill)
+            except ValueError as e:
+                raise ValidationError(f"prompt.infill: {e}") from e
         else:
             prompt = encode_prompt(self.model.tokenizer, inp.text or "")
         return prompt
