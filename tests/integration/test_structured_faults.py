@@ -207,3 +207,49 @@ def test_standby_takeover_rebuilds_matchers_and_output_is_identical(tmp_path, re
             if s is not None:
                 s.stop()
         stack.stop()
+
+
+def test_chunked_prefill_and_prefix_hits_keep_constrained_outputs(tmp_path, redis):
+    """Prompts longer than the step's token budget are prefilled in chunks (only the last chunk
+    samples, so only it carries a mask), and a repeated prompt starts from cached blocks: the
+    outputs equal those of a stack that does neither."""
+    prompts = [[(11 * i + j) % 300 + 5 for j in range(40 + 7 * i)] for i in range(4)]
+
+    def reqs(prefix: str) -> list[pb.GenerateRequest]:
+        out = []
+        for i, p in enumerate(prompts * 2):  # the second round hits the prefix cache
+            r = gen_request(p, request_id=f"{prefix}-{i}", max_tokens=MAX_TOKENS,
+                            temperature=0.8 if i % 2 else 0.0, seed=i % 4)  # fmt: skip
+            r.params.structured_output.json_schema = json.dumps(ARRAY)
+            out.append(r)
+        return out
+
+    def run(stack, prefix: str) -> list[Collected]:  # ids of their own: one Redis for both
+        channel, stub = stub_for(stack.address)
+        got = [collect(stub.Generate(r, timeout=120)) for r in reqs(prefix)]
+        stack.hits = sum(
+            e.prefix_cache_hits for e in stub.GetServerInfo(pb.GetServerInfoRequest()).executors
+        )
+        channel.close()
+        check_valid(got)
+        return got
+
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "chunked").mkdir()
+    plain = make_stack(tmp_path / "plain", redis, scheduler_args=["--no-prefix-caching"])
+    try:
+        want = run(plain, "plain")
+    finally:
+        plain.stop()
+    chunked = make_stack(
+        tmp_path / "chunked",
+        redis,
+        scheduler_args=["--max-num-batched-tokens", "16", "--max-num-seqs", "8"],
+    )
+    try:
+        got = run(chunked, "chunked")
+    finally:
+        chunked.stop()
+    assert [r.tokens[0] for r in got] == [r.tokens[0] for r in want]
+    assert [r.tokens[0] for r in got[:4]] == [r.tokens[0] for r in got[4:]]  # same seeds
+    assert plain.hits == 0 and chunked.hits > 0
