@@ -58,7 +58,11 @@ def apply_token_masks(
     """Forbidden tokens of logits[rows[i]] become -inf, per masks[i]."""
     if not rows:
         return
-    vocab = logits.shape[1]
-    allowed = torch.from_numpy(unpack_rows(masks, vocab)).to(logits.device)  # [k, vocab]
-    idx = torch.tensor(rows, device=logits.device)
+    vocab, device = logits.shape[1], logits.device
+    # The packed words travel to the device (1 bit a token) and are unpacked there.
+    words = torch.from_numpy(np.stack(masks).view(np.int32)).to(device)  # [k, num_words]
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # [k, num_words, 32]; bit t % 32 of word t // 32
+    allowed = bits.reshape(len(rows), -1)[:, :vocab].bool()  # [k, vocab]
+    idx = torch.tensor(rows, device=device)
     logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))

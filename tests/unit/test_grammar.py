@@ -171,3 +171,22 @@ def test_structural_tag_constrains_only_the_tagged_segment(compiler: GrammarComp
     assert ok.consume_tokens(encode('free text <f>{"a":1}</f> more', add_special_tokens=False))
     bad = compiler.matcher(spec)
     assert not bad.consume_tokens(encode('free text <f>{"b":1}', add_special_tokens=False))
+
+
+@pytest.mark.parametrize("vocab", [509, 512, 4096])
+def test_executor_applies_rows_like_the_reference(vocab: int) -> None:
+    import torch
+
+    from executor_svc.runner.token_mask import apply_token_masks
+
+    rng = np.random.default_rng(vocab)
+    allowed = [sorted(rng.choice(vocab, size=k, replace=False).tolist()) for k in (1, 7, 300)]
+    logits = torch.randn(5, vocab)
+    want = logits.clone()
+    rows = [0, 2, 4]
+    apply_token_masks(logits, rows, [pack_ids(ids, vocab) for ids in allowed])
+    for r, ids in zip(rows, allowed, strict=True):
+        keep = torch.full((vocab,), float("-inf"))
+        keep[ids] = want[r, ids]
+        want[r] = keep
+    assert torch.equal(logits, want)  # rows 1 and 3 untouched, the others masked exactly
