@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerFast
 
 __all__ = [
@@ -116,12 +117,16 @@ def render_chat(
     conversation = [_template_message(m) for m in messages]
     if not conversation:
         raise ValueError("chat prompt must contain at least one message")
-    rendered = tokenizer.apply_chat_template(
-        conversation,
-        tools=tools or None,
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-    )
+    try:
+        rendered = tokenizer.apply_chat_template(
+            conversation,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+    except TemplateError as e:
+        # Templates raise on what they do not support (a role, tools): the client's to fix.
+        raise ValueError(f"the model's chat template refused the messages: {e}") from None
     assert isinstance(rendered, str)
     return rendered
 

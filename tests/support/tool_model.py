@@ -4,10 +4,11 @@ testing the frontend's tool-call path end to end with a real model behind it.
 Its tokenizer is byte-level with no merges, plus one added token per piece of each script
 below. The weights make the model a bigram machine: every layer adds nothing to the residual
 stream (zero output projections), so the logits at a position depend on its token alone, and
-`lm_head` maps each script piece to the next one (and the last to EOS) with a margin of ~40
-logits, so sampling at any temperature follows the script. After the generation prompt's last
-token ("\\n") every script's first piece ties; `logit_bias` (+10 on that piece) picks one, and
-without it `single_call` is a little ahead.
+`lm_head` maps each script piece to the next one (and the last to EOS) with a margin of 100
+logits, so sampling at temperature 1 follows the script. After the generation prompt's last
+token ("\\n") `single_call`'s first piece leads the other scripts' first pieces by 50 logits;
+`SCRIPT_BIAS` on one of those (`logit_bias`) puts it 30 ahead instead, and still 20 behind
+the script's next piece wherever else it appears.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ TOOL_CHAT_TEMPLATE = """\
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
 
 HIDDEN = 64
-_MARGIN = 5.0  # x sqrt(HIDDEN) = 40 logits between a script's next piece and anything else
+_MARGIN = 12.5  # x sqrt(HIDDEN) = 100 logits between a script's next piece and anything else
+SCRIPT_BIAS = 80.0
 
 
 def build_tokenizer() -> Tokenizer:
@@ -149,6 +151,6 @@ def _script_weights(weights: dict[str, torch.Tensor], tok: Tokenizer, eos: int) 
         embed[t] = basis[:, k] * HIDDEN**0.5
     unit = {t: basis[:, k] for k, t in enumerate(states)}
     for name, chain in zip(SCRIPTS, chains, strict=True):
-        head[chain[0]] += (1.0 if name == DEFAULT_SCRIPT else 0.9) * _MARGIN * unit[newline]
+        head[chain[0]] += (1.0 if name == DEFAULT_SCRIPT else 0.5) * _MARGIN * unit[newline]
         for a, b in zip(chain, chain[1:], strict=False):
             head[b] += _MARGIN * unit[a]
