@@ -14,6 +14,8 @@ except ImportError:  # pragma: no cover
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# lm-eval loads its tasks through `datasets`: the tests' tasks are local files, nothing is fetched.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402

@@ -9,6 +9,10 @@ import pytest
 
 from tests.support.frontend import Frontend
 
+# Registered here, once for the folder: imported into each module instead, a session fixture is
+# one per module (three SmolLM2 stacks alive to the end of the session).
+from tests.support.smollm2 import smollm2_dir, smollm2_stack  # noqa: F401 - the fixtures
+
 
 @pytest.fixture(scope="module")
 def frontend(llmserve_stack, tmp_path_factory):

@@ -10,6 +10,8 @@ import math
 import openai
 import pytest
 import torch
+from lm_eval.api.instance import Instance
+from lm_eval.models.openai_completions import LocalCompletionsAPI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import LLMClient, SamplingParams
@@ -186,13 +188,9 @@ def test_lm_eval_local_completions_scores_a_multiple_choice_doc(
     hf_model,
     llmserve_stack,  # noqa: F811
 ):
-    # lm-eval's own `local-completions` model (optional dependency: not in pyproject) asking
-    # the loglikelihood of each choice of a multiple-choice doc, as a task's requests do; the
-    # answers must be HF's, so the same choice wins.
-    pytest.importorskip("lm_eval")
-    from lm_eval.api.instance import Instance
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
-
+    # lm-eval's own `local-completions` model (a dev extra) asking the loglikelihood of each
+    # choice of a multiple-choice doc, as a task's requests do; the answers must be HF's, so the
+    # same choice wins. test_lm_eval.py runs whole tasks on a real model.
     lm = LocalCompletionsAPI(
         base_url=f"{frontend.base_url}/v1/completions",
         model=model,

