@@ -35,7 +35,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token; None = none
-    structured_output: StructuredOutput | None = None  # the grammar the output is held to
+    # Constrains the output (client/structured.py: json_schema, regex, choice, grammar, ...).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,12 +82,12 @@ class SamplingParams:
             if msg.DESCRIPTOR.fields_by_name[f.name].has_presence and not msg.HasField(f.name):
                 continue
             value = getattr(msg, f.name)
-            if f.name in ("stop", "stop_token_ids"):
+            if f.name == "structured_output":
+                value = StructuredOutput.from_proto(value)
+            elif f.name in ("stop", "stop_token_ids"):
                 value = list(value)
             elif f.name == "logit_bias":
                 value = dict(value)
-            elif f.name == "structured_output":
-                value = StructuredOutput.from_proto(value)
             kwargs[f.name] = value
         return cls(**kwargs)
 

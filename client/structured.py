@@ -1,48 +1,44 @@
-"""Structured outputs: the one grammar a request's output is held to (`SamplingParams.
-structured_output`), mirroring `llmserve.v1.StructuredOutput` and vLLM's
-`StructuredOutputsParams` (json, regex, choice, grammar, json_object, structural_tag).
-
-The server validates the constraint (a bad schema, regex or grammar is INVALID_ARGUMENT with the
-grammar library's message); this class only checks that exactly one kind is given.
-"""
+"""Structured-output constraints for `SamplingParams.structured_output` (llmserve.v1
+StructuredOutput): build one with the helpers, e.g. `json_schema({...})`, `regex("[0-9]+")`,
+`choice(["yes", "no"])`, `grammar('start: "a"+')`."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from protos import scheduler_pb2 as pb
 
+__all__ = [
+    "StructuredOutput",
+    "choice",
+    "grammar",
+    "json_object",
+    "json_schema",
+    "regex",
+    "structural_tag",
+]
 
-@dataclass(slots=True, frozen=True)
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True, slots=True)
 class StructuredOutput:
-    json_schema: str | dict[str, Any] | None = None  # a JSON Schema (text or object)
-    json_object: bool = False  # any JSON object
-    regex: str | None = None  # the whole output matches it
-    choice: tuple[str, ...] | list[str] | None = None  # exactly one of these strings
-    grammar: str | None = None  # Lark, or GBNF/EBNF as vLLM accepts it
-    structural_tag: str | dict[str, Any] | None = None  # vLLM's structural_tag, text or object
+    """One constraint: `kind` is one of KINDS, `value` its text (a list for choice, True for
+    json_object)."""
+
+    kind: str
+    value: Any
 
     def __post_init__(self) -> None:
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
-        if len(given) != 1:
-            raise ValueError(
-                f"a StructuredOutput takes exactly one kind, got {', '.join(given) or 'none'}"
-            )
-
-    @property
-    def kind(self) -> str:
-        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
 
     def to_proto(self) -> pb.StructuredOutput:
-        kind = self.kind
-        value = getattr(self, kind)
-        if kind == "choice":
-            return pb.StructuredOutput(choice=pb.ChoiceList(choices=list(value)))
-        if kind in ("json_schema", "structural_tag") and not isinstance(value, str):
-            value = json.dumps(value, ensure_ascii=False)
-        return pb.StructuredOutput(**{kind: value})
+        if self.kind == "choice":
+            return pb.StructuredOutput(choice=pb.ChoiceList(choices=list(self.value)))
+        return pb.StructuredOutput(**{self.kind: self.value})
 
     @classmethod
     def from_proto(cls, msg: pb.StructuredOutput) -> StructuredOutput | None:
@@ -50,5 +46,39 @@ class StructuredOutput:
         if kind is None:
             return None
         if kind == "choice":
-            return cls(choice=tuple(msg.choice.choices))
-        return cls(**{kind: getattr(msg, kind)})
+            return cls(kind, list(msg.choice.choices))
+        return cls(kind, getattr(msg, kind))
+
+
+def _text(value: str | dict[str, Any]) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def json_schema(schema: str | dict[str, Any]) -> StructuredOutput:
+    """Output is JSON valid under `schema` (a dict or its JSON text)."""
+    return StructuredOutput("json_schema", _text(schema))
+
+
+def json_object() -> StructuredOutput:
+    """Output is any JSON object."""
+    return StructuredOutput("json_object", True)
+
+
+def regex(pattern: str) -> StructuredOutput:
+    """The whole output matches `pattern`."""
+    return StructuredOutput("regex", pattern)
+
+
+def choice(choices: list[str]) -> StructuredOutput:
+    """Output is exactly one of `choices`."""
+    return StructuredOutput("choice", list(choices))
+
+
+def grammar(text: str) -> StructuredOutput:
+    """Output follows a context-free grammar (Lark syntax, or GBNF)."""
+    return StructuredOutput("grammar", text)
+
+
+def structural_tag(tag: str | dict[str, Any]) -> StructuredOutput:
+    """vLLM's structural tag ({"structures": [...], "triggers": [...]})."""
+    return StructuredOutput("structural_tag", _text(tag))

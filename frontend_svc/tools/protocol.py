@@ -107,7 +107,7 @@ def plan_tools(
     functions = [t.function for t in tools]
     if choice == "required":
         schema = call_list_schema(functions, parallel=parallel_tool_calls is not False)
-        constraint = StructuredOutput(json_schema=json.dumps(schema, ensure_ascii=False))
+        constraint = StructuredOutput("json_schema", json.dumps(schema, ensure_ascii=False))
         return ToolPlan("required", dumped, constraint, CallListParser())
     assert isinstance(choice, NamedToolChoice)
     name = choice.function.name
@@ -115,5 +115,5 @@ def plan_tools(
     if function is None:
         raise bad_request(f"Tool '{name}' has not been passed in `tools`.", "tool_choice")
     schema = parameters_schema(function)
-    constraint = StructuredOutput(json_schema=json.dumps(schema, ensure_ascii=False))
+    constraint = StructuredOutput("json_schema", json.dumps(schema, ensure_ascii=False))
     return ToolPlan("named", dumped, constraint, NamedCallParser(name))

@@ -90,11 +90,11 @@ def _from_response_format(rf: ResponseFormat | None) -> tuple[StructuredOutput, 
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
-        return StructuredOutput(json_object=True), "response_format"
+        return StructuredOutput("json_object", True), "response_format"
     if rf.type == "structural_tag":
         # vLLM hands the whole response_format object to the grammar engine.
         tag = rf.model_dump(exclude_none=True, exclude={"json_schema"})
-        return StructuredOutput(structural_tag=json.dumps(tag)), "response_format"
+        return StructuredOutput("structural_tag", json.dumps(tag)), "response_format"
     param = "response_format.json_schema"
     if rf.json_schema is None:
         raise bad_request("response_format of type json_schema needs a json_schema", param)
@@ -121,12 +121,12 @@ def _from_structured_outputs(
     if kind == "choice":
         return _choice(param, so.choice)
     if kind == "json_object":
-        return StructuredOutput(json_object=True), param
+        return StructuredOutput("json_object", True), param
     if kind == "structural_tag":
         tag = so.structural_tag
         text = tag if isinstance(tag, str) else json.dumps(tag)
         _parse_json(text, param)
-        return StructuredOutput(structural_tag=text), param
+        return StructuredOutput("structural_tag", text), param
     return _text(param, kind, getattr(so, kind))
 
 
@@ -146,7 +146,7 @@ def _json(param: str, schema: Any) -> tuple[StructuredOutput, str] | None:
         raise bad_request(
             f"{param} must be a JSON Schema (an object), got {type(schema).__name__}", param
         )
-    return StructuredOutput(json_schema=json.dumps(schema, ensure_ascii=False)), param
+    return StructuredOutput("json_schema", json.dumps(schema, ensure_ascii=False)), param
 
 
 def _text(param: str, kind: str, value: str | None) -> tuple[StructuredOutput, str] | None:
@@ -154,7 +154,7 @@ def _text(param: str, kind: str, value: str | None) -> tuple[StructuredOutput, s
         return None
     if not value:
         raise bad_request(f"{param} must not be empty", param)
-    return StructuredOutput(**{kind: value}), param
+    return StructuredOutput(kind, value), param
 
 
 def _choice(param: str, choices: list[str] | None) -> tuple[StructuredOutput, str] | None:
@@ -162,7 +162,7 @@ def _choice(param: str, choices: list[str] | None) -> tuple[StructuredOutput, st
         return None
     if not choices:
         raise bad_request(f"{param} must list at least one choice", param)
-    return StructuredOutput(choice=tuple(choices)), param
+    return StructuredOutput("choice", list(choices)), param
 
 
 def name_param(err: APIError, param: str | None) -> APIError:

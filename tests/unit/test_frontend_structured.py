@@ -49,34 +49,34 @@ def error_of(fn, **body) -> APIError:
     [
         ({}, None),
         ({"response_format": {"type": "text"}}, None),
-        ({"response_format": {"type": "json_object"}}, StructuredOutput(json_object=True)),
+        ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object", True)),
         (
             {"response_format": {"type": "json_schema",
                                  "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
-            StructuredOutput(json_schema=json.dumps(SCHEMA)),
+            StructuredOutput("json_schema", json.dumps(SCHEMA)),
         ),
         (
             {"response_format": {"type": "structural_tag", "structures": [], "triggers": ["<f"]}},
-            StructuredOutput(structural_tag=json.dumps(
+            StructuredOutput("structural_tag", json.dumps(
                 {"type": "structural_tag", "structures": [], "triggers": ["<f"]})),
         ),
-        ({"structured_outputs": {"json": SCHEMA}}, StructuredOutput(json_schema=json.dumps(SCHEMA))),
+        ({"structured_outputs": {"json": SCHEMA}}, StructuredOutput("json_schema", json.dumps(SCHEMA))),
         (
             {"structured_outputs": {"json": json.dumps(SCHEMA)}},
-            StructuredOutput(json_schema=json.dumps(SCHEMA)),
+            StructuredOutput("json_schema", json.dumps(SCHEMA)),
         ),
-        ({"structured_outputs": {"regex": "[a-z]+"}}, StructuredOutput(regex="[a-z]+")),
-        ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutput(choice=("a", "b"))),
-        ({"structured_outputs": {"grammar": "start: /x+/"}}, StructuredOutput(grammar="start: /x+/")),
-        ({"structured_outputs": {"json_object": True}}, StructuredOutput(json_object=True)),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, StructuredOutput("regex", "[a-z]+")),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutput("choice", ["a", "b"])),
+        ({"structured_outputs": {"grammar": "start: /x+/"}}, StructuredOutput("grammar", "start: /x+/")),
+        ({"structured_outputs": {"json_object": True}}, StructuredOutput("json_object", True)),
         (
             {"structured_outputs": {"structural_tag": {"structures": []}}},
-            StructuredOutput(structural_tag='{"structures": []}'),
+            StructuredOutput("structural_tag", '{"structures": []}'),
         ),
-        ({"guided_json": SCHEMA}, StructuredOutput(json_schema=json.dumps(SCHEMA))),
-        ({"guided_regex": "\\d+"}, StructuredOutput(regex="\\d+")),
-        ({"guided_choice": ["x", "y"]}, StructuredOutput(choice=("x", "y"))),
-        ({"guided_grammar": "root ::= 'a'"}, StructuredOutput(grammar="root ::= 'a'")),
+        ({"guided_json": SCHEMA}, StructuredOutput("json_schema", json.dumps(SCHEMA))),
+        ({"guided_regex": "\\d+"}, StructuredOutput("regex", "\\d+")),
+        ({"guided_choice": ["x", "y"]}, StructuredOutput("choice", ["x", "y"])),
+        ({"guided_grammar": "root ::= 'a'"}, StructuredOutput("grammar", "root ::= 'a'")),
     ],
 )  # fmt: skip
 def test_each_form_is_one_structured_output(fn, body, want):
@@ -149,7 +149,7 @@ def test_auto_without_a_parser_is_a_400_as_in_vllm():
 
 def test_required_is_a_list_of_calls_with_defs_hoisted():
     p, params = plan(tools=[WEATHER, TIME], tool_choice="required")
-    schema = json.loads(params.structured_output.json_schema)
+    schema = json.loads(params.structured_output.value)
     assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
     assert schema["$defs"] == {"City": {"enum": ["Paris", "Tokyo"]}}
     weather, time = schema["items"]["anyOf"]
@@ -159,7 +159,7 @@ def test_required_is_a_list_of_calls_with_defs_hoisted():
     assert time["properties"]["parameters"] == {"type": "object", "properties": {}}
     assert weather["required"] == ["name", "parameters"]
     _, one = plan(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
-    assert json.loads(one.structured_output.json_schema)["maxItems"] == 1
+    assert json.loads(one.structured_output.value)["maxItems"] == 1
 
 
 def test_conflicting_defs_are_a_400():
@@ -174,7 +174,7 @@ def test_a_named_function_is_held_to_its_parameters():
     p, params = plan(tools=[WEATHER, TIME], tool_choice=named)
     assert p.mode == "named"
     want = WEATHER["function"]["parameters"]
-    assert json.loads(params.structured_output.json_schema) == want
+    assert json.loads(params.structured_output.value) == want
     missing = {"type": "function", "function": {"name": "nope"}}
     assert "nope" in error_of(plan, tools=[WEATHER], tool_choice=missing).message
 
