@@ -84,14 +84,14 @@ def tool_config(args: argparse.Namespace) -> ToolConfig:
     return ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, tools: ToolConfig) -> None:
     app = create_app(
         args.scheduler or default_address(),
         served_model_name=args.served_model_name,
         resume_timeout_s=args.resume_timeout,
         api_keys=load_api_keys(args.api_key_file),
         scheduler_tls_ca=str(args.scheduler_tls_ca) if args.scheduler_tls_ca else None,
-        tool_config=tool_config(args),
+        tool_config=tools,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -129,5 +129,6 @@ def configure_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    asyncio.run(serve(args))
+    tools = tool_config(args)  # a bad flag stops the server before it listens
+    asyncio.run(serve(args, tools))
     return 0

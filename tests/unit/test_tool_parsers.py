@@ -174,3 +174,36 @@ def test_parsers_are_pluggable():
     assert calls(parser_class("test_upper")(), "hi") == ("HI", [])
     with pytest.raises(ValueError, match="unknown tool call parser"):
         parser_class("nope")
+
+
+def test_a_plugin_file_registers_a_parser(tmp_path):
+    from frontend_svc.tools.parsers import load_plugin
+
+    plugin = tmp_path / "my_parser.py"
+    plugin.write_text(
+        "from frontend_svc.tools.parsers import Scan, ToolParser, register_tool_parser\n\n"
+        "@register_tool_parser('test_plugin')\n"
+        "class Mine(ToolParser):\n"
+        "    def scan(self, text, final):\n"
+        "        return Scan(text[::-1])\n"
+    )
+    load_plugin(plugin)
+    assert calls(parser_class("test_plugin")(), "abc") == ("cba", [])
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
+        (["--tool-call-parser", "nope"], "unknown --tool-call-parser"),
+    ],
+)
+def test_the_frontend_checks_its_tool_flags(argv, error):
+    from frontend_svc.cli import build_parser, tool_config
+
+    with pytest.raises(SystemExit, match=error):
+        tool_config(build_parser().parse_args(argv))
+    config = tool_config(
+        build_parser().parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    )
+    assert config.enable_auto_tool_choice and config.tool_call_parser == "hermes"
