@@ -1,7 +1,7 @@
 """The scheduler's whole CPU cost of one decode step, measured on the engine's own code.
 
 For N running sequences (the demo model's tokenizer, random sampled tokens, so the text has
-multi-byte characters and spaces like real output), every timed step runs what Engine._step and
+multi-byte characters and spaces like real output), every timed step runs what StepLoop's step and
 the persister run, minus the network and the executor:
 
 * schedule: `Scheduler.schedule()`;
@@ -114,16 +114,16 @@ async def run(batch: int, steps: int, stop: list[str], streams: bool) -> dict[st
         t3 = clock()
         resp = epb.ExecuteModelResponse.FromString(payload)
         record = EngineStep()
-        for handle in process_step_outputs(sched, requests, out, resp, record):
+        process_step_outputs(sched, requests, out, resp, record)
+        for req in sched.take_finished_requests():  # as RequestTable.finish_ended_in_core
+            handle = requests[req.req_id]
             handle.finished_in_engine = True
             record.finishes.append(handle.finish_record())
-        rec = record.to_record()
         tp = clock()
-        _pack_appends(SHA, rec.appends)
+        _pack_appends(SHA, record.appends)
         tp = clock() - tp
         tq = clock()
-        if rec.on_ack is not None:
-            rec.on_ack()
+        record.acknowledged()
         t4 = clock()
         for _ in range(3):  # listeners wake, build their responses and wait again
             await asyncio.sleep(0)

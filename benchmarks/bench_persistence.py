@@ -130,11 +130,11 @@ def start_executor(model_dir: Path, workdir: Path, num_blocks: int, threads: int
 
 
 def instrument(engine: Engine) -> StepTrace:
-    """Time every ExecuteModel RPC and every _process_step of the engine (instance patches)."""
+    """Time every ExecuteModel RPC and every reply the step loop applies (instance patches)."""
     trace = StepTrace()
-    ex = engine.executors[0]
+    ex = engine.pool.executors[0]
     rpc = ex.stub.ExecuteModel
-    process = engine._process_step
+    process = engine.steps._apply
 
     def execute_model(msg: Any, timeout: float | None = None) -> Any:
         # Like the real stub, the call starts here (the engine kicks the persister only after
@@ -151,13 +151,13 @@ def instrument(engine: Engine) -> StepTrace:
 
         return reply()
 
-    def process_step(ex_: Any, out: Any, resp: Any) -> None:
+    def process_step(ex_: Any, out: Any, resp: Any, *args: Any) -> None:
         t0 = time.perf_counter()
-        process(ex_, out, resp)
+        process(ex_, out, resp, *args)
         trace.process_s.append(time.perf_counter() - t0)
 
     ex.stub.ExecuteModel = execute_model
-    engine._process_step = process_step
+    engine.steps._apply = process_step
     return trace
 
 
@@ -165,6 +165,7 @@ def use_store(engine: Engine, store: RequestStore) -> None:
     # The persister holds its own reference: swapping only engine.store would keep writing.
     engine.store = store
     engine.persister.store = store
+    engine.client.store = store
 
 
 async def run_trial(
@@ -179,7 +180,7 @@ async def run_trial(
     max_tokens: int,
 ) -> dict[str, float]:
     rng = random.Random(tag)
-    vocab = engine.vocab_size
+    vocab = engine.model.vocab_size
     inputs = [
         GenerateInput(
             req_id=f"{tag}-{i}",
@@ -188,7 +189,7 @@ async def run_trial(
         )
         for i in range(num_seqs)
     ]
-    ex = engine.executors[0]
+    ex = engine.pool.executors[0]
     stats0 = dataclasses.replace(engine.persister.stats)
     steps0 = ex.step_id
     trace.calls.clear()
@@ -200,7 +201,7 @@ async def run_trial(
     admitted: list[float] = []
 
     async def consume(inp: GenerateInput) -> int:
-        handle, _ = await engine.submit(inp)
+        handle, _ = await engine.client.submit(inp)
         admitted.append(time.perf_counter())
         n = 0
         async for event in handle.events(0):
@@ -214,7 +215,7 @@ async def run_trial(
     cpu["scheduler"] = self_cpu_s() - cpu0["scheduler"]
     assert counts == [max_tokens] * num_seqs, counts
     await engine.persister.wait_drained()
-    while engine.requests:  # finished requests leave once their finish record is acked
+    while len(engine.table):  # finished requests leave once their finish record is acked
         await asyncio.sleep(0.01)
     commands = {
         name.removeprefix("cmdstat_"): v["calls"]
@@ -275,7 +276,7 @@ async def bench(args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]
         )
         try:
             await engine.start()
-            while not engine.ready:
+            while not engine.lifecycle.serving:
                 await asyncio.sleep(0.05)
             trace = instrument(engine)
             pids = {"redis": server.proc.pid, "executor": executor.pid}

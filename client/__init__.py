@@ -21,13 +21,14 @@ from client.outputs import (
     StreamDelta,
 )
 from client.params import SamplingParams
-from client.prompts import ChatPrompt
+from client.prompts import ChatPrompt, InfillPrompt
 from client.sync_client import LLMClient
 
 __all__ = [
     "DEFAULT_ADDRESS",
     "AsyncLLMClient",
     "ChatPrompt",
+    "InfillPrompt",
     "CompletionOutput",
     "EmbeddingOutput",
     "ExecutorInfo",

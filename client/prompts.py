@@ -50,7 +50,16 @@ def _message_to_proto(m: Mapping[str, Any]) -> pb.ChatMessage:
     )
 
 
-PromptInput = str | list[int] | ChatPrompt
+@dataclass(slots=True)
+class InfillPrompt:
+    """Fill in the middle: the model generates what goes between `prefix` and `suffix` (needs a
+    model with FIM tokens)."""
+
+    prefix: str
+    suffix: str
+
+
+PromptInput = str | list[int] | ChatPrompt | InfillPrompt
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -71,7 +80,7 @@ def _is_chat(value: Any) -> bool:
 
 def to_prompt(value: Any) -> PromptInput:
     """One prompt in any accepted form -> its canonical form; TypeError for anything else."""
-    if isinstance(value, str | ChatPrompt):
+    if isinstance(value, str | ChatPrompt | InfillPrompt):
         return value
     if _is_token_ids(value):
         return [int(t) for t in value]
@@ -100,7 +109,7 @@ def normalize_prompts(prompts: Any) -> list[PromptInput]:
     A flat list of ints is one token-id prompt and a flat list of messages is one chat, so
     callers can pass a single prompt of either kind without wrapping it.
     """
-    if isinstance(prompts, str | ChatPrompt | Mapping) or _is_token_ids(prompts):
+    if isinstance(prompts, str | ChatPrompt | InfillPrompt | Mapping) or _is_token_ids(prompts):
         return [to_prompt(prompts)]
     if _is_chat(prompts):
         return [to_prompt(prompts)]
@@ -147,6 +156,8 @@ def build_request(
                 tools_json=json.dumps(prompt.tools, ensure_ascii=False) if prompt.tools else "",
             )
         )
+    elif isinstance(prompt, InfillPrompt):
+        req.infill.CopyFrom(pb.InfillPrompt(prefix=prompt.prefix, suffix=prompt.suffix))
     else:
         req.token_ids.CopyFrom(pb.TokenIds(ids=prompt))
     return req

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from client.params import SamplingParams
-from client.prompts import ChatPrompt
+from client.prompts import ChatPrompt, InfillPrompt
 from frontend_svc.errors import bad_request
 from frontend_svc.tools.protocol import Tool, ToolCall, ToolChoice, ToolConfig, ToolPlan, plan_tools
 from frontend_svc.tools.structured import StructuredFields
@@ -116,7 +116,16 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     best_of: int | None = None
 
-    def prompts(self) -> list[str | list[int]]:
+    def prompts(self) -> list[str | list[int] | InfillPrompt]:
+        """The prompts; with `suffix`, fill-in-the-middle prompts (text prompts only)."""
+        prompts = self._prompts()
+        if not self.suffix:
+            return prompts
+        if not all(isinstance(p, str) for p in prompts):
+            raise bad_request("suffix needs text prompts, not token ids", "suffix")
+        return [InfillPrompt(p, self.suffix) for p in prompts]  # type: ignore[arg-type]
+
+    def _prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):
             return [p]
@@ -127,8 +136,8 @@ class CompletionRequest(_Common):
         return list(p)  # type: ignore[arg-type]
 
     def to_params(self) -> SamplingParams:
-        if self.suffix:
-            raise bad_request("suffix is not supported", "suffix")
+        if self.suffix and self.echo:
+            raise bad_request("echo is not supported with suffix", "echo")
         if self.max_tokens is not None and self.max_tokens < 0:
             raise bad_request(f"max_tokens must be >= 0, got {self.max_tokens}", "max_tokens")
         if self.max_tokens == 0 and not self.echo:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import structlog
 
+from scheduler_svc import envs
 from scheduler_svc.api.auth import load_api_keys
 from scheduler_svc.api.server import SchedulerServer
 from scheduler_svc.core.config import SchedulerConfig
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-file", type=Path, help="write the bound port here once listening")
     p.add_argument(
         "--redis-url",
-        default=os.environ.get("REDIS_URL"),
+        default=envs.redis_url(),
         help="Redis holding request state (default $REDIS_URL; without it a loopback Redis "
         "server is started with its data in --redis-dir)",
     )
@@ -226,7 +227,7 @@ async def run(args: argparse.Namespace) -> None:
             log.info("metrics.listening", host=args.host, port=metrics_port)
         if args.port_file:
             args.port_file.write_text(str(port))
-        lost = asyncio.create_task(server.engine.leadership_lost_event.wait())
+        lost = asyncio.create_task(server.engine.lifecycle.leadership_lost.wait())
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if lost.done() and not stop.is_set():

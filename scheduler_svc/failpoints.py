@@ -11,7 +11,7 @@ engine survives faults and races no real input triggers reliably; with the varia
 
 from __future__ import annotations
 
-import os
+from scheduler_svc import envs
 
 __all__ = ["ARMED", "InjectedFault", "delay", "hit"]
 
@@ -33,7 +33,7 @@ def _parse(spec: str) -> tuple[dict[str, list[int]], dict[str, float]]:
     return points, delays
 
 
-_POINTS, _DELAYS = _parse(os.environ.get("LLMSERVE_FAILPOINTS", ""))
+_POINTS, _DELAYS = _parse(envs.failpoints())
 ARMED = bool(_POINTS or _DELAYS)
 
 

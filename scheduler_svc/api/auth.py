@@ -9,20 +9,21 @@ grpcurl must reach them without a secret.
 from __future__ import annotations
 
 import hmac
-import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from scheduler_svc import envs
+
 __all__ = ["ApiKeyInterceptor", "bearer_token", "key_name", "load_api_keys"]
 
 
-def load_api_keys(key_file: Path | None = None, env: str = "LLMSERVE_API_KEY") -> dict[str, str]:
-    """{key: name} from the environment variable and the key file (names default to key-N)."""
+def load_api_keys(key_file: Path | None = None) -> dict[str, str]:
+    """{key: name} from `LLMSERVE_API_KEY` and the key file (names default to key-N)."""
     keys: dict[str, str] = {}
-    if value := os.environ.get(env, "").strip():
+    if value := envs.api_key():
         keys[value] = "default"
     if key_file is not None:
         for n, line in enumerate(key_file.read_text().splitlines(), start=1):

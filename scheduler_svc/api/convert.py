@@ -71,6 +71,8 @@ def generate_input_from_proto(r: pb.GenerateRequest) -> GenerateInput:
         inp.text = r.text
     elif kind == "token_ids":
         inp.token_ids = list(r.token_ids.ids)
+    elif kind == "infill":
+        inp.infill = (r.infill.prefix, r.infill.suffix)
     else:
         inp.chat = chat_from_proto(r.chat)
         if r.chat.HasField("add_generation_prompt"):

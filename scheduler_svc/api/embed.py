@@ -1,23 +1,13 @@
-"""Edge conversion of the Embed RPC (protobuf <-> engine/embeds.py), and what GetServerInfo
-says about embeddings."""
+"""Edge conversion of the Embed RPC (protobuf <-> engine/embeds.py)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from protos import scheduler_pb2 as pb
 from scheduler_svc.core.errors import ValidationError
 from scheduler_svc.core.pooling import PoolingType
 from scheduler_svc.engine.embeds import EmbedInput, EmbedResult
 
-if TYPE_CHECKING:
-    from scheduler_svc.engine import Engine
-
-__all__ = ["TASKS", "add_embed_info", "embed_input_from_proto", "embed_result_to_proto"]
-
-# Every model llmserve loads is a decoder LLM: it generates, and its last hidden states pool
-# into embeddings (as vLLM's pooling runner for decoder checkpoints).
-TASKS = ("generate", "embed")
+__all__ = ["embed_input_from_proto", "embed_result_to_proto"]
 
 _POOLING = {
     pb.POOLING_TYPE_UNSPECIFIED: None,
@@ -55,9 +45,3 @@ def embed_result_to_proto(result: EmbedResult) -> pb.EmbedResponse:
         ],
         num_prompt_tokens=sum(result.num_prompt_tokens),
     )
-
-
-def add_embed_info(msg: pb.GetServerInfoResponse, engine: Engine) -> pb.GetServerInfoResponse:
-    msg.tasks.extend(TASKS)
-    msg.hidden_size = engine.executors[0].describe.hidden_size
-    return msg

@@ -64,7 +64,7 @@ class SchedulerServer:
             ],
         )
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(
-            SchedulerServicer(self.engine, self.api_keys), self._server
+            SchedulerServicer(self.engine.client, self.api_keys), self._server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         if self.reflection:

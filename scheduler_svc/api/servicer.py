@@ -1,9 +1,17 @@
-"""gRPC servicer of llmserve.v1.Scheduler: converts at the edge, the engine does the work."""
+"""gRPC servicer of llmserve.v1.Scheduler: converts at the edge, the engine does the work.
+
+It talks to the engine through `EngineClient` only. Every RPC goes through `_rpc`: a request
+whose bytes did not parse gets INVALID_ARGUMENT, and an engine error the status that says what
+the caller can do about it (`_STATUS`); the streams are opened through it the same way and then
+run without an extra layer per message.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -14,8 +22,9 @@ from scheduler_svc.api import convert, embed
 from scheduler_svc.api.auth import bearer_token, key_name
 from scheduler_svc.api.rpc_guard import Malformed, RateLimitedLog, reject_malformed
 from scheduler_svc.core.errors import EngineError, NotFound, QueueFull, Unavailable, ValidationError
-from scheduler_svc.engine import Engine
+from scheduler_svc.engine.client import EngineClient
 from scheduler_svc.engine.config import AbortOutcome, scoped_id
+from scheduler_svc.engine.streams import RequestHandle
 
 log = structlog.get_logger(__name__)
 
@@ -32,6 +41,9 @@ _background: set[asyncio.Task] = set()
 # A bug that every request of a flood hits must not fill the disk with tracebacks either.
 _internal_errors = RateLimitedLog(per_second=2.0)
 
+T = TypeVar("T")
+Method = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[T]]
+
 
 async def _abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     for cls, code in _STATUS.items():
@@ -41,8 +53,32 @@ async def _abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
 
+def _rpc(empty: Callable[[], T | None]) -> Callable[[Method[T]], Method[T | None]]:
+    """Malformed bytes and engine errors become statuses (context.abort raises); `empty` is
+    what a handler returns should the abort not raise."""
+
+    def wrap(method: Method[T]) -> Method[T | None]:
+        @functools.wraps(method)
+        async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T | None:
+            if isinstance(request, Malformed):
+                await reject_malformed(request, context)
+            try:
+                return await method(self, request, context)
+            except (EngineError, ValueError) as e:
+                await _abort_with(context, e)
+                return empty()
+
+        return handler
+
+    return wrap
+
+
+def _nothing() -> None:
+    return None
+
+
 class SchedulerServicer(pb_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine, api_keys: dict[str, str] | None = None) -> None:
+    def __init__(self, engine: EngineClient, api_keys: dict[str, str] | None = None) -> None:
         """`api_keys` ({key: name}): requests belong to the key that created them (the
         ApiKeyInterceptor has already refused calls without a valid key)."""
         self.engine = engine
@@ -67,30 +103,29 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        if isinstance(request, Malformed):
-            await reject_malformed(request, context)
-        try:
-            inp = convert.generate_input_from_proto(request)
-            inp.owner = self._owner(context)
-            handle, created = await self.engine.submit(inp)
-        except (EngineError, ValueError) as e:
-            await _abort_with(context, e)
+        opened = await self._submit(request, context)
+        if opened is None:
             return
+        handle, created = opened
         # Only the call that started the request may abort it by going away; a call that
         # attached to an existing id leaves it running.
         detached = request.detached or not created
         async for msg in self._stream(handle, 0, context, detached=detached):
             yield msg
 
+    @_rpc(_nothing)
+    async def _submit(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[RequestHandle, bool]:
+        inp = convert.generate_input_from_proto(request)
+        inp.owner = self._owner(context)
+        return await self.engine.submit(inp)
+
     async def Resume(
         self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        if isinstance(request, Malformed):
-            await reject_malformed(request, context)
-        try:
-            handle = await self.engine.attach(self._req_id(context, request.request_id))
-        except (EngineError, ValueError) as e:
-            await _abort_with(context, e)
+        handle = await self._attach(request, context)
+        if handle is None:
             return
         start: int | list[int] = request.from_token_index
         if request.from_token_indices:
@@ -105,7 +140,20 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         async for msg in self._stream(handle, start, context, detached=True):
             yield msg
 
-    async def _stream(self, handle, from_index: int | list[int], context, *, detached: bool):
+    @_rpc(_nothing)
+    async def _attach(
+        self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> RequestHandle:
+        return await self.engine.attach(self._req_id(context, request.request_id))
+
+    async def _stream(
+        self,
+        handle: RequestHandle,
+        from_index: int | list[int],
+        context: grpc.aio.ServicerContext,
+        *,
+        detached: bool,
+    ) -> AsyncIterator[pb.GenerateResponse]:
         finished_normally = False
         try:
             async for event in handle.events(from_index):
@@ -123,68 +171,47 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 _background.add(task)
                 task.add_done_callback(_background.discard)
 
-    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        if isinstance(request, Malformed):
-            await reject_malformed(request, context)
-        try:
-            outcome = await self.engine.abort(self._req_id(context, request.request_id))
-        except (EngineError, ValueError) as e:
-            await _abort_with(context, e)
-            return pb.AbortResponse()
+    @_rpc(pb.AbortResponse)
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        outcome = await self.engine.abort(self._req_id(context, request.request_id))
         return pb.AbortResponse(
             aborted=outcome is AbortOutcome.ABORTED, pending=outcome is AbortOutcome.PENDING
         )
 
-    async def GetRequest(self, request: pb.GetRequestRequest, context) -> pb.GetRequestResponse:
-        if isinstance(request, Malformed):
-            await reject_malformed(request, context)
-        try:
-            view = await self.engine.get_request(self._req_id(context, request.request_id))
-        except (EngineError, ValueError) as e:
-            await _abort_with(context, e)
-            return pb.GetRequestResponse()
+    @_rpc(pb.GetRequestResponse)
+    async def GetRequest(
+        self, request: pb.GetRequestRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetRequestResponse:
+        view = await self.engine.get_request(self._req_id(context, request.request_id))
         return convert.request_view_to_proto(view)
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        if isinstance(request, Malformed):
-            await reject_malformed(request, context)
-        try:
-            inp = convert.tokenize_input_from_proto(request)
-            ids = await self.engine.tokenize(inp)
-        except (EngineError, ValueError) as e:
-            await _abort_with(context, e)
-            return pb.TokenizeResponse()
+    @_rpc(pb.TokenizeResponse)
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        ids = await self.engine.tokenize(convert.tokenize_input_from_proto(request))
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.engine.max_model_len)
 
-    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
-        if isinstance(request, Malformed):
-            await reject_malformed(request, context)
+    @_rpc(pb.DetokenizeResponse)
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        try:
-            text, pieces = self.engine.detokenize(list(request.token_ids), skip)
-        except (EngineError, ValueError) as e:
-            await _abort_with(context, e)
-            return pb.DetokenizeResponse()
+        text, pieces = self.engine.detokenize(list(request.token_ids), skip)
         return pb.DetokenizeResponse(text=text, token_texts=pieces)
 
-    async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
-        if isinstance(request, Malformed):
-            await reject_malformed(request, context)
-        try:
-            info = convert.server_info_to_proto(self.engine.server_info())
-            return embed.add_embed_info(info, self.engine)  # tasks, hidden_size (api/embed.py)
-        except (EngineError, ValueError) as e:
-            await _abort_with(context, e)
-            return pb.GetServerInfoResponse()
+    @_rpc(pb.GetServerInfoResponse)
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetServerInfoResponse:
+        return convert.server_info_to_proto(self.engine.server_info())
 
-    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+    @_rpc(pb.EmbedResponse)
+    async def Embed(
+        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmbedResponse:
         """Each input as a prompt-only pooled request (engine/embeds.py); nothing is stored."""
-        if isinstance(request, Malformed):
-            await reject_malformed(request, context)
-        try:
-            inp = embed.embed_input_from_proto(request, self._owner(context))
-            result = await self.engine.embeds.embed(inp)
-        except (EngineError, ValueError) as e:
-            await _abort_with(context, e)
-            return pb.EmbedResponse()
-        return embed.embed_result_to_proto(result)
+        inp = embed.embed_input_from_proto(request, self._owner(context))
+        return embed.embed_result_to_proto(await self.engine.embed(inp))

@@ -48,6 +48,16 @@ _FINISH_REASONS = {
 }
 
 
+def seq_id_of(req_id: str, index: int) -> str:
+    """The id of sequence `index` of request `req_id` (what the executor knows it by)."""
+    return f"{req_id}/{index}"
+
+
+def req_id_of(seq_id: str) -> str:
+    """The request a sequence id belongs to (request ids may themselves contain "/")."""
+    return seq_id.rpartition("/")[0]
+
+
 def sequence_seed(request_seed: int | None, index: int) -> int | None:
     """Seed of sequence `index`: the request seed itself for index 0, a fixed mix otherwise.
 
@@ -66,7 +76,7 @@ def sequence_seed(request_seed: int | None, index: int) -> int | None:
 class Sequence:
     """One generated continuation of a request (n > 1 gives several)."""
 
-    seq_id: str  # f"{req_id}/{index}", unique among live sequences
+    seq_id: str  # seq_id_of(req_id, index), unique among live sequences
     req_id: str
     index: int
     token_ids: list[int]  # prompt followed by outputs; appended in place as tokens arrive
@@ -162,7 +172,7 @@ class Request:
 
     def _make_seq(self, index: int, outputs: list[int]) -> Sequence:
         return Sequence(
-            seq_id=f"{self.req_id}/{index}",
+            seq_id=seq_id_of(self.req_id, index),
             req_id=self.req_id,
             index=index,
             token_ids=[*self.prompt_token_ids, *outputs],

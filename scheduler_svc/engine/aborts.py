@@ -20,23 +20,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import structlog
 
 from scheduler_svc.core.errors import Unavailable
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.engine.config import AbortOutcome, public_id
-from scheduler_svc.engine.requests import check_ready
+from scheduler_svc.engine.lifecycle import Lifecycle
+from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.streams import EngineStep, RequestHandle
-from scheduler_svc.state.store import StoreFenced, StoreUnavailable
-
-if TYPE_CHECKING:
-    from scheduler_svc.engine.engine import Engine
+from scheduler_svc.state.persister import Persister
+from scheduler_svc.state.store import RequestStore, StoreFenced, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["ACK_TIMEOUT_S", "CreatingIds", "abort"]
+__all__ = ["ACK_TIMEOUT_S", "Aborts", "CreatingIds"]
 
 # How long an abort that has taken effect in memory waits for Redis to hold it before it
 # answers UNAVAILABLE instead (Redis down, or this scheduler deposed: the client retries, and
@@ -49,7 +47,7 @@ _MAX_LOOKS = 4
 
 class CreatingIds:
     """Ids whose Generate is claiming them in Redis right now (between its `store.create`
-    call and the handle's registration in `engine.requests`): an abort of such an id waits
+    call and the handle's registration in the request table): an abort of such an id waits
     for the claim to settle instead of racing it."""
 
     def __init__(self) -> None:
@@ -78,70 +76,89 @@ class CreatingIds:
         return True
 
 
-async def abort(engine: Engine, req_id: str, *, missing_ok: bool = False) -> AbortOutcome:
-    """Abort `req_id` (scoped to its owner's key: another key's request is never found).
+class Aborts:
+    def __init__(
+        self,
+        lifecycle: Lifecycle,
+        table: RequestTable,
+        store: RequestStore,
+        persister: Persister,
+        abort_ahead_ttl_s: float,
+    ) -> None:
+        self.lifecycle = lifecycle
+        self.table = table
+        self.store = store
+        self.persister = persister
+        self.abort_ahead_ttl_s = abort_ahead_ttl_s
+        self.creating = CreatingIds()  # held by submit while it claims an id in Redis
 
-    `missing_ok`: a stream of this scheduler that went away; it leaves no tombstone.
-    """
-    if not engine.ready and not engine.stopping:  # while stopping, the state is still whole
-        if missing_ok:  # a stream that went away during start-up: nothing of it runs yet
-            return AbortOutcome.NOT_ACTIVE
-        check_ready(engine)
-    for _ in range(_MAX_LOOKS):
-        handle = engine.requests.get(req_id)
-        if handle is not None:
-            aborted = await _end_held(engine, handle)
-            await _acknowledged(engine)
-            return AbortOutcome.ABORTED if aborted else AbortOutcome.NOT_ACTIVE
-        if missing_ok:
-            return AbortOutcome.NOT_ACTIVE
-        if await engine.creating.settled(req_id):
-            continue  # registered now (or its claim failed): look again
+    async def abort(self, req_id: str, *, missing_ok: bool = False) -> AbortOutcome:
+        """Abort `req_id` (scoped to its owner's key: another key's request is never found).
+
+        `missing_ok`: a stream of this scheduler that went away; it leaves no tombstone.
+        """
+        # While stopping the state is still whole: aborts go on.
+        if not (self.lifecycle.serving or self.lifecycle.stopping):
+            if missing_ok:  # a stream that went away during start-up: nothing of it runs yet
+                return AbortOutcome.NOT_ACTIVE
+            self.lifecycle.check()
+        for _ in range(_MAX_LOOKS):
+            handle = self.table.get(req_id)
+            if handle is not None:
+                aborted = await self._end_held(handle)
+                await self._acknowledged()
+                return AbortOutcome.ABORTED if aborted else AbortOutcome.NOT_ACTIVE
+            if missing_ok:
+                return AbortOutcome.NOT_ACTIVE
+            if await self.creating.settled(req_id):
+                continue  # registered now (or its claim failed): look again
+            status = await self._abort_ahead(req_id)
+            if status is None:
+                log.info("request.aborted_ahead", req_id=req_id)
+                return AbortOutcome.PENDING
+            if status == "finished":
+                return AbortOutcome.NOT_ACTIVE
+            # "active": a Generate's claim reached Redis between our look and our script.
+        raise Unavailable(
+            f"request {public_id(req_id)!r} is stored but not running on this scheduler; retry"
+        )
+
+    async def _abort_ahead(self, req_id: str) -> str | None:
+        """Leave a tombstone for an id held nowhere (see the module docstring)."""
         try:
-            status = await engine.store.abort_ahead(req_id, engine.config.abort_ahead_ttl_s)
+            return await self.store.abort_ahead(req_id, self.abort_ahead_ttl_s)
         except StoreFenced as e:
-            engine.leadership_lost(f"a write was refused: {e}")
+            self.lifecycle.lose_leadership(f"a write was refused: {e}")
             raise Unavailable("this scheduler is no longer the leader; retry") from e
         except StoreUnavailable as e:
             raise Unavailable("request store (Redis) is unavailable") from e
-        if status is None:
-            log.info("request.aborted_ahead", req_id=req_id)
-            return AbortOutcome.PENDING
-        if status == "finished":
-            return AbortOutcome.NOT_ACTIVE
-        # "active": a Generate's claim reached Redis between our look and our script.
-    raise Unavailable(
-        f"request {public_id(req_id)!r} is stored but not running on this scheduler; retry"
-    )
 
+    async def _end_held(self, handle: RequestHandle) -> bool:
+        """End a request held in memory, between two steps of its executor; False when it had
+        finished already."""
+        while True:
+            ex = handle.executor
+            async with ex.exclusive():  # never in the middle of this executor's step
+                if handle.finished_in_engine:
+                    return False
+                if handle.executor is not ex:
+                    continue  # moved (fail-over, draining) while we waited: abort it there
+                ex.sched.abort_request(handle.req_id)
+                record = EngineStep()
+                for index in range(handle.n):
+                    handle.finish_seq(index, RequestStatus.FINISHED_ABORTED, None, record)
+                self.table.finish(handle, record)
+                self.persister.submit(record)
+            ex.wake.set()
+            log.info("request.aborted", req_id=handle.req_id)
+            return True
 
-async def _end_held(engine: Engine, handle: RequestHandle) -> bool:
-    """End a request held in memory, between two steps of its executor; False when it had
-    finished already."""
-    while True:
-        ex = handle.executor
-        async with ex.exclusive():  # never in the middle of this executor's step
-            if handle.finished_in_engine:
-                return False
-            if handle.executor is not ex:
-                continue  # moved (fail-over, draining) while we waited: abort it where it is
-            ex.sched.abort_request(handle.req_id)
-            record = EngineStep()
-            for index in range(handle.n):
-                handle.finish_seq(index, RequestStatus.FINISHED_ABORTED, None, record)
-            engine.finish_request(handle, record)
-            engine.persister.submit(record.to_record())
-        ex.wake.set()
-        log.info("request.aborted", req_id=handle.req_id)
-        return True
-
-
-async def _acknowledged(engine: Engine) -> None:
-    """Wait until what the abort (or the step that finished the request first) wrote is in
-    Redis and published, so that no read after the answer sees the request still active."""
-    try:
-        await asyncio.wait_for(engine.persister.acknowledged(), ACK_TIMEOUT_S)
-    except TimeoutError as e:
-        raise Unavailable(
-            "the abort is applied but the request store (Redis) has not acknowledged it; retry"
-        ) from e
+    async def _acknowledged(self) -> None:
+        """Wait until what the abort (or the step that finished the request first) wrote is in
+        Redis and published, so that no read after the answer sees the request still active."""
+        try:
+            await asyncio.wait_for(self.persister.acknowledged(), ACK_TIMEOUT_S)
+        except TimeoutError as e:
+            raise Unavailable(
+                "the abort is applied but the request store (Redis) has not acknowledged it; retry"
+            ) from e

@@ -4,7 +4,7 @@ Generate call hands it, and what GetServerInfo reports."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler_svc.core.sampling_params import SamplingParams
 
@@ -112,6 +112,7 @@ class GenerateInput:
     text: str | None = None
     token_ids: list[int] | None = None
     chat: list[dict[str, str]] | None = None
+    infill: tuple[str, str] | None = None  # (prefix, suffix): fill in the middle
     add_generation_prompt: bool = True
     priority: int = 0
     owner: str = ""  # the API key's name when keys are on: ids are scoped to it (scoped_id)
@@ -151,3 +152,7 @@ class ServerInfo:
     num_preemptions: int
     prefix_cache_hit_rate: float
     routing: str = "kv"
+    # Every model llmserve loads is a decoder LLM: it generates, and its last hidden states pool
+    # into embeddings (as vLLM's pooling runner does for decoder checkpoints).
+    tasks: list[str] = field(default_factory=lambda: ["generate", "embed"])
+    hidden_size: int = 0  # the size of an embedding (engine/embeds.py)

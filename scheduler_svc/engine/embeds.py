@@ -8,7 +8,7 @@ of every vector (kilobytes each) for a result that is cheaper to recompute than 
 there is no stream to resume.
 
 The inputs' requests live only in their executor's scheduling core and in ``EmbedRequests``,
-never in ``engine.requests`` (whose entries are Redis-backed streams). The engine hands this
+never in the request table (whose entries are Redis-backed streams). The step loop hands this
 object each step's pooled vectors (``on_pooled``); everything else that can happen to a request
 in a core (fail-over or draining moves it, a rebuilt core forgets it, the core ends it as never
 fitting) is noticed by the waiting call itself, which checks its requests every
@@ -21,8 +21,8 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
@@ -30,14 +30,14 @@ import structlog
 from protos import executor_pb2 as epb
 from scheduler_svc.core.errors import QueueFull, Unavailable, ValidationError
 from scheduler_svc.core.pooling import PoolingParams, PoolingType, embed_request
-from scheduler_svc.core.request import Request, RequestStatus
-from scheduler_svc.engine.config import scoped_id
-from scheduler_svc.engine.requests import check_available
+from scheduler_svc.core.request import Request, RequestStatus, req_id_of
+from scheduler_svc.engine.config import EngineConfig, scoped_id
+from scheduler_svc.engine.executor_handle import ExecutorHandle
+from scheduler_svc.engine.executors import ExecutorPool
+from scheduler_svc.engine.key_usage import KeyUsage
+from scheduler_svc.engine.lifecycle import Lifecycle
+from scheduler_svc.engine.model import ModelInfo
 from scheduler_svc.output.tokenizer import encode_prompt
-
-if TYPE_CHECKING:
-    from scheduler_svc.engine.engine import Engine
-    from scheduler_svc.engine.executors import ExecutorHandle
 
 log = structlog.get_logger(__name__)
 
@@ -80,8 +80,21 @@ class _Pending:
 class EmbedRequests:
     """The embedding inputs in flight, by request id."""
 
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+    def __init__(
+        self,
+        config: EngineConfig,
+        lifecycle: Lifecycle,
+        pool: ExecutorPool,
+        model: ModelInfo,
+        usage: KeyUsage,
+        check_available: Callable[[], None],
+    ) -> None:
+        self.max_waiting = config.max_waiting
+        self.lifecycle = lifecycle
+        self.pool = pool
+        self.model = model
+        self.usage = usage
+        self.check_available = check_available  # raises Unavailable (requests.RequestFront)
         self._pending: dict[str, _Pending] = {}
 
     def __len__(self) -> int:
@@ -89,15 +102,14 @@ class EmbedRequests:
 
     async def embed(self, inp: EmbedInput) -> EmbedResult:
         """Every input's vector; raises ValidationError, QueueFull or Unavailable."""
-        engine = self._engine
-        check_available(engine)
+        self.check_available()
         pooling = self._pooling(inp)
         prompts = [self._tokens(i, x) for i, x in enumerate(inp.inputs)]
-        num_waiting = sum(ex.sched.num_waiting for ex in engine.executors)
-        if num_waiting + len(prompts) > engine.config.max_waiting:
-            raise QueueFull(f"waiting queue is full ({engine.config.max_waiting} requests)")
+        num_waiting = sum(ex.sched.num_waiting for ex in self.pool.executors)
+        if num_waiting + len(prompts) > self.max_waiting:
+            raise QueueFull(f"waiting queue is full ({self.max_waiting} requests)")
         if inp.owner:
-            engine.usage.check(inp.owner, sum(len(p) for p in prompts))
+            self.usage.check(inp.owner, sum(len(p) for p in prompts))
         base = scoped_id(inp.owner, f"embed-{uuid.uuid4().hex}")
         now = time.time()
         pending = []
@@ -114,7 +126,7 @@ class EmbedRequests:
         log.info("embed.done", num_inputs=len(prompts), num_tokens=sum(map(len, prompts)))
         return EmbedResult(vectors, [len(p) for p in prompts])
 
-    # ---------------------------------------------------------------- the engine's hook
+    # ---------------------------------------------------------------- the step loop's hook
 
     def on_pooled(self, ex: ExecutorHandle, pooled: list[epb.PooledOutput]) -> None:
         """A step's vectors: each input is finished in its core (its blocks freed, the executor
@@ -125,21 +137,20 @@ class EmbedRequests:
             # to run. False: it ended meanwhile (moved, aborted); the call's watch sees to it.
             if not ex.sched.finish_sequence(out.seq_id, RequestStatus.FINISHED_LENGTH):
                 continue
-            p = self._pending.get(out.seq_id.rpartition("/")[0])
+            p = self._pending.get(req_id_of(out.seq_id))
             if p is not None and p.ex is ex and not p.future.done():
                 p.future.set_result(np.frombuffer(out.data, dtype="<f4").copy())
 
     # ---------------------------------------------------------------- internals
 
     def _pooling(self, inp: EmbedInput) -> PoolingParams:
-        engine = self._engine
         if not inp.inputs:
             raise ValidationError("inputs must not be empty")
         if len(inp.inputs) > MAX_EMBED_INPUTS:
             raise ValidationError(
                 f"inputs has {len(inp.inputs)} entries; at most {MAX_EMBED_INPUTS} per call"
             )
-        hidden_size = engine.executors[0].describe.hidden_size
+        hidden_size = self.pool.executors[0].describe.hidden_size
         dims = inp.dimensions
         if dims is not None and not 1 <= dims <= hidden_size:
             raise ValidationError(f"dimensions must be in [1, {hidden_size}], got {dims}")
@@ -152,46 +163,42 @@ class EmbedRequests:
         return PoolingParams(pooling, inp.normalize, dims or 0)
 
     def _tokens(self, i: int, x: str | list[int]) -> list[int]:
-        engine = self._engine
+        model = self.model
         if isinstance(x, str):
-            ids = encode_prompt(engine.tokenizer, x) if x else []
+            ids = encode_prompt(model.tokenizer, x) if x else []
         else:
             ids = list(x)
-            bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
+            bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
             if bad is not None:
                 raise ValidationError(
                     f"inputs[{i}] contains token id {bad}, outside the vocabulary "
-                    f"[0, {engine.vocab_size})"
+                    f"[0, {model.vocab_size})"
                 )
         if not ids:
             raise ValidationError(f"inputs[{i}] is empty")
         # The scheduling core keeps one slot past the prompt (as for a generation's first token).
-        limit = engine.max_model_len - 1
+        limit = model.max_model_len - 1
         if len(ids) > limit:
             raise ValidationError(
                 f"inputs[{i}] is {len(ids)} tokens; at most {limit} fit the maximum model "
-                f"length {engine.max_model_len}"
+                f"length {model.max_model_len}"
             )
         return ids
 
     def _place(self, p: _Pending) -> None:
         """Queue `p.req` on the executor the router picks."""
-        engine = self._engine
-        p.ex = ex = engine.router.choose(engine.executors, p.req)
-        ex.sched.add_request(p.req)
+        p.ex = self.pool.place(p.req)
         if p.req.is_finished:  # the core refused it at once (e.g. it can never fit the cache)
             raise ValidationError(p.req.error or "the input cannot be scheduled")
         self._pending[p.req.req_id] = p
-        ex.wake.set()
 
     async def _wait(self, pending: list[_Pending]) -> list[np.ndarray]:
-        engine = self._engine
         while True:
             waiting = [p.future for p in pending if not p.future.done()]
             if not waiting:
                 return [p.future.result() for p in pending]
             await asyncio.wait(waiting, timeout=WATCH_INTERVAL_S)
-            if engine.stopping or engine.lost_leadership is not None:
+            if self.lifecycle.why_not_serving() is not None:
                 raise Unavailable("scheduler is shutting down; retry the call")
             for p in pending:
                 if p.ex is None or p.future.done():

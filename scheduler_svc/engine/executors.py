@@ -9,11 +9,9 @@ own scheduler core, sized from what it reports in Describe.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -21,7 +19,10 @@ import structlog
 
 from protos import executor_pb2 as epb
 from protos import executor_pb2_grpc as epb_grpc
+from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.engine.executor_handle import ExecutorHandle, ExecutorState, Sent
+from scheduler_svc.engine.routing import Router
 from scheduler_svc.state.store import RequestStore, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -29,54 +30,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["ExecutorHandle", "ExecutorPool", "expand_addresses"]
-
-
-@dataclass(slots=True)
-class ExecutorHandle:
-    address: str
-    channel: grpc.aio.Channel
-    stub: epb_grpc.ExecutorStub
-    describe: epb.DescribeResponse
-    sched: Scheduler
-    healthy: bool = True
-    step_id: int = 0
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    consecutive_failures: int = 0
-    unhealthy_since: float = 0.0  # time.monotonic() of the failure that made it unhealthy
-    # Its loop is parked with nothing to schedule (the health monitor probes only these).
-    idle: bool = False
-    # Steps that raised inside the scheduler since the last one that completed.
-    num_crashed_steps: int = 0
-    # For metrics: steps sent, seconds the executor was busy with them, wall time the last
-    # one ended (time.time(), and time.perf_counter() for the busy time).
-    num_steps: int = 0
-    num_steps_ahead: int = 0  # of those, planned while the one before was running
-    step_seconds: float = 0.0
-    last_step_time: float = 0.0
-    last_step_done: float = 0.0
-    # Tasks waiting in exclusive(): the engine loop plans no step ahead while there are any.
-    num_lock_waiters: int = 0
-    # Left the registry for good (scaled down) and dropped by the pool: its loop ends.
-    retired: bool = False
-    # Shutting down gracefully: finishes what it runs, gets no new requests.
-    draining: bool = False
-
-    @contextlib.asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
-        """Hold `lock` from outside the engine loop (an abort, a recovery): between two steps,
-        never in the middle of one. The loop plans no step ahead while someone waits here, so
-        a run of decode steps planned ahead ends at the next step."""
-        self.num_lock_waiters += 1
-        try:
-            await self.lock.acquire()
-        finally:
-            self.num_lock_waiters -= 1
-        try:
-            yield
-        finally:
-            self.lock.release()
+__all__ = ["ExecutorHandle", "ExecutorPool", "ExecutorState", "Sent", "expand_addresses"]
 
 
 def expand_addresses(addresses: list[str]) -> list[str]:
@@ -103,6 +57,9 @@ class ExecutorPool:
         self.config = config
         self.store = store
         self.executors: list[ExecutorHandle] = []
+        self.router = Router(config.routing, config.routing_prefill_weight)
+        # Called after an executor went down, came back or was retired (health listens).
+        self.on_change: Callable[[], None] = lambda: None
         # Instance ids alive in the registry at the last look (discovery only).
         self.registered: set[str] = set()
         # This scheduler's leader epoch (0: no leader election), sent with every Reset and
@@ -122,21 +79,7 @@ class ExecutorPool:
         None when it cannot be reached)."""
         delay = 0.1
         while True:
-            options = [
-                ("grpc.max_send_message_length", 256 * 1024 * 1024),
-                ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-            ]
-            if self.config.executor_tls is None:
-                channel = grpc.aio.insecure_channel(address, options=options)
-            else:
-                ca, cert, key = self.config.executor_tls
-                credentials = grpc.ssl_channel_credentials(
-                    root_certificates=ca, private_key=key, certificate_chain=cert
-                )
-                if self.config.executor_tls_server_name:
-                    name = self.config.executor_tls_server_name
-                    options.append(("grpc.ssl_target_name_override", name))
-                channel = grpc.aio.secure_channel(address, credentials, options=options)
+            channel = self._channel(address)
             stub = epb_grpc.ExecutorStub(channel)
             try:
                 describe = await _handshake(stub, self.epoch)
@@ -155,14 +98,26 @@ class ExecutorPool:
                 instance_id=describe.instance_id,
                 blocks=describe.num_device_blocks,
             )
+            state = ExecutorState.DRAINING if describe.draining else ExecutorState.UP
             return ExecutorHandle(
-                address,
-                channel,
-                stub,
-                describe,
-                self.new_scheduler(describe),
-                draining=describe.draining,
+                address, channel, stub, describe, self.new_scheduler(describe), state
             )
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        options = [
+            ("grpc.max_send_message_length", 256 * 1024 * 1024),
+            ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+        ]
+        if self.config.executor_tls is None:
+            return grpc.aio.insecure_channel(address, options=options)
+        ca, cert, key = self.config.executor_tls
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=key, certificate_chain=cert
+        )
+        if self.config.executor_tls_server_name:
+            name = self.config.executor_tls_server_name
+            options.append(("grpc.ssl_target_name_override", name))
+        return grpc.aio.secure_channel(address, credentials, options=options)
 
     async def reconnect(self, ex: ExecutorHandle) -> bool | None:
         """One attempt (after a back-off) to bring an unhealthy executor back: None while it
@@ -176,7 +131,7 @@ class ExecutorPool:
         if describe.instance_id != ex.describe.instance_id:
             log.warning("executor.restarted", address=ex.address, instance_id=describe.instance_id)
         old, ex.describe = ex.describe, describe
-        ex.draining = describe.draining
+        ex.set_draining(describe.draining)
         return _capacity(describe) != _capacity(old)
 
     async def probe(self, ex: ExecutorHandle, timeout_s: float) -> str | None:
@@ -187,22 +142,47 @@ class ExecutorPool:
             return f"health probe: {e.code().name}"
         if describe.instance_id != ex.describe.instance_id:
             return "restarted"
-        ex.draining = describe.draining
+        ex.set_draining(describe.draining)
         return None
+
+    async def lose(self, ex: ExecutorHandle, reason: str) -> None:
+        """`ex` stopped answering or restarted while idle (a probe found it): mark it failed
+        between two of its steps; its loop reconnects it and its requests are recomputed."""
+        async with ex.exclusive():
+            if not ex.healthy:
+                return
+            log.warning("executor.lost", address=ex.address, reason=reason)
+            self.mark_failed(ex)
 
     def mark_failed(self, ex: ExecutorHandle) -> None:
         """`ex` failed a step or a probe: unhealthy until reconnected, and everything it held
         (or our view of it) is untrusted, so its requests will be recomputed."""
-        if ex.healthy:
-            ex.unhealthy_since = time.monotonic()
-        ex.healthy = False
+        ex.went_down()
         ex.sched.reset_executor()
         ex.wake.set()
+        self.on_change()
+
+    def mark_up(self, ex: ExecutorHandle) -> None:
+        """`ex` answers again and its core fits it: it takes steps (and requests) again."""
+        ex.came_back()
+        self.on_change()
+        ex.wake.set()
+
+    def place(self, req: Request) -> ExecutorHandle:
+        """Queue `req` on the executor the router picks; returns that executor."""
+        ex = self.router.choose(self.executors, req)
+        ex.sched.add_request(req)
+        ex.wake.set()
+        return ex
+
+    def wake_all(self) -> None:
+        for ex in self.executors:
+            ex.wake.set()
 
     def failover_due(self, ex: ExecutorHandle) -> bool:
         """Unreachable for `executor_failover_s` (at once after it said it was draining: it is
         not coming back) while another executor is live."""
-        waited = time.monotonic() - ex.unhealthy_since
+        waited = time.monotonic() - ex.down_since
         if not ex.draining and waited < self.config.executor_failover_s:
             return False
         return any(e.healthy for e in self.executors if e is not ex)
@@ -301,10 +281,13 @@ class ExecutorPool:
             if len(self.executors) <= 1:
                 break
             self.executors.remove(ex)
-            ex.retired = True
+            ex.state = ExecutorState.RETIRED
             ex.wake.set()
+            self.router.forget(ex)
             retired.append(ex)
             log.info("executor.retired", address=ex.address, instance_id=ex.describe.instance_id)
+        if retired:
+            self.on_change()
         return retired
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import structlog
 
-if TYPE_CHECKING:
-    from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.executor_handle import ExecutorHandle
+from scheduler_svc.engine.executors import ExecutorPool
+from scheduler_svc.engine.lifecycle import Lifecycle
+from scheduler_svc.state.persister import Persister
+from scheduler_svc.state.store import RequestStore
 
 log = structlog.get_logger(__name__)
 
@@ -26,14 +28,19 @@ __all__ = ["HealthMonitor"]
 class HealthMonitor:
     def __init__(
         self,
-        engine: Engine,
-        on_change: Callable[[bool], None],
+        lifecycle: Lifecycle,
+        pool: ExecutorPool,
+        store: RequestStore,
+        persister: Persister,
         *,
         interval_s: float = 0.5,
         probe_timeout_s: float = 2.0,
     ) -> None:
-        self.engine = engine
-        self.on_change = on_change
+        self.lifecycle = lifecycle
+        self.pool = pool
+        self.store = store
+        self.persister = persister
+        self.on_change: Callable[[bool], None] = lambda serving: None
         self.interval_s = interval_s
         self.probe_timeout_s = probe_timeout_s
         self.serving = False
@@ -48,13 +55,13 @@ class HealthMonitor:
 
     async def check(self) -> None:
         """Probe Redis and the idle executors once, then publish the verdict."""
-        self.redis_error = await self.engine.store.probe_write()
-        if self.engine.ready:
-            await asyncio.gather(*(self._probe(ex) for ex in list(self.engine.executors)))
+        self.redis_error = await self.store.probe_write()
+        if self.lifecycle.serving:
+            await asyncio.gather(*(self._probe(ex) for ex in list(self.pool.executors)))
         self.update()
 
     def update(self) -> None:
-        """Publish the verdict from what is known now (cheap; the engine calls it on changes)."""
+        """Publish the verdict from what is known now (cheap; called on every change)."""
         reason = self._why_not_serving()
         serving = reason is None
         changed = serving != self.serving or self._published is None
@@ -69,26 +76,19 @@ class HealthMonitor:
             self.on_change(serving)
 
     def _why_not_serving(self) -> str | None:
-        engine = self.engine
-        if engine.standby:
-            return "standby: another scheduler holds the leader lease"
-        if engine.lost_leadership is not None:
-            return f"no longer the leader: {engine.lost_leadership}"
-        if engine.stopping:
-            return "shutting down"
-        if not engine.ready:
-            return "starting: connecting executors and recovering requests"
+        if (reason := self.lifecycle.why_not_serving()) is not None:
+            return reason
         if self.redis_error is not None:
             return f"Redis refuses writes: {self.redis_error}"
-        if not engine.persister.healthy:
+        if not self.persister.healthy:
             return "Redis refuses writes"
-        if not any(ex.healthy for ex in engine.executors):
+        if not any(ex.healthy for ex in self.pool.executors):
             return "no executor is reachable"
         return None
 
-    async def _probe(self, ex) -> None:
+    async def _probe(self, ex: ExecutorHandle) -> None:
         if not ex.healthy or not ex.idle:
             return  # a busy executor's steps tell; an unhealthy one is being reconnected
-        reason = await self.engine.pool.probe(ex, self.probe_timeout_s)
+        reason = await self.pool.probe(ex, self.probe_timeout_s)
         if reason is not None and ex.healthy:
-            await self.engine.executor_lost(ex, reason)
+            await self.pool.lose(ex, reason)

@@ -29,8 +29,9 @@ from prometheus_client.core import (
 )
 
 if TYPE_CHECKING:
-    from scheduler_svc.engine.engine import Engine
+    from scheduler_svc.engine.executors import ExecutorPool
     from scheduler_svc.engine.streams import RequestHandle
+    from scheduler_svc.state.persister import Persister
 
 __all__ = ["BulkHistogram", "EngineMetrics", "serve_metrics"]
 
@@ -72,10 +73,13 @@ class BulkHistogram:
 
 class EngineMetrics:
     """The engine's counters and histograms, and a collector that exports them with the live
-    gauges. The engine calls the on_* hooks; `registry` is what /metrics serves."""
+    gauges (read from the executor pool and the persister at scrape time). The engine calls the
+    on_* hooks; `registry` is what /metrics serves."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, pool: ExecutorPool, persister: Persister, preemption_mode: str) -> None:
+        self.pool = pool
+        self.persister = persister
+        self.preemption_mode = preemption_mode
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.success: dict[str, int] = {}
@@ -122,66 +126,45 @@ class EngineMetrics:
     # ------------------------------------------------------------ collector (scrape side)
 
     def collect(self) -> Iterator[Metric]:
-        engine = self.engine
-        executors = list(engine.executors)
+        executors = list(self.pool.executors)
         model = executors[0].describe.model_name if executors else ""
-        base = {"model_name": model}
-        lv = [model]
+        yield from self._core_gauges(model, [ex.sched for ex in executors])
+        yield from self._request_families(model)
+        yield from self._executor_families(model, executors)
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            fam = GaugeMetricFamily(name, doc, labels=["model_name"])
-            fam.add_metric(lv, value)
-            return fam
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            fam = CounterMetricFamily(name, doc, labels=["model_name"])
-            fam.add_metric(lv, value)
-            return fam
-
-        cores = [ex.sched for ex in executors]
-        yield gauge(
-            "llmserve:num_requests_running",
-            "Requests in model execution batches.",
-            sum(c.num_running for c in cores),
-        )
-        yield gauge(
-            "llmserve:num_requests_waiting",
-            "Requests waiting to be scheduled.",
-            sum(c.num_waiting for c in cores),
-        )
-        yield gauge(
-            "llmserve:num_requests_swapped",
-            "Requests whose KV cache is swapped out to CPU memory.",
-            sum(c.num_swapped for c in cores),
-        )
+    def _core_gauges(self, model: str, cores: list) -> Iterator[Metric]:
+        """What the scheduler cores hold now, and their own counters."""
+        yield _gauge(model, "llmserve:num_requests_running", "Requests in model execution "
+                     "batches.", sum(c.num_running for c in cores))  # fmt: skip
+        yield _gauge(model, "llmserve:num_requests_waiting", "Requests waiting to be scheduled.",
+                     sum(c.num_waiting for c in cores))  # fmt: skip
+        yield _gauge(model, "llmserve:num_requests_swapped", "Requests whose KV cache is swapped "
+                     "out to CPU memory.", sum(c.num_swapped for c in cores))  # fmt: skip
         total = sum(c.num_device_blocks for c in cores)
         free = sum(c.num_free_blocks for c in cores)
-        yield gauge(
-            "llmserve:kv_cache_usage_perc",
-            "KV cache usage; 1 means 100 percent.",
-            1.0 - free / total if total else 0.0,
-        )
+        yield _gauge(model, "llmserve:kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.",
+                     1.0 - free / total if total else 0.0)  # fmt: skip
         stats = [c.get_stats() for c in cores]
-        yield counter(
-            "llmserve:prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            sum(s.prefix_cache_queries for s in stats),
-        )
-        yield counter(
-            "llmserve:prefix_cache_hits",
-            "Prompt tokens found in the prefix cache.",
-            sum(s.prefix_cache_hits for s in stats),
-        )
+        yield _counter(model, "llmserve:prefix_cache_queries", "Prompt tokens looked up in the "
+                       "prefix cache.", sum(s.prefix_cache_queries for s in stats))  # fmt: skip
+        yield _counter(model, "llmserve:prefix_cache_hits", "Prompt tokens found in the prefix "
+                       "cache.", sum(s.prefix_cache_hits for s in stats))  # fmt: skip
         preemptions = CounterMetricFamily(
             "llmserve:num_preemptions",
             "Preemptions of running requests.",
             labels=["model_name", "mode"],
         )
-        preemptions.add_metric([model, engine.config.preemption_mode],
+        preemptions.add_metric([model, self.preemption_mode],
                                sum(s.num_preemptions for s in stats))  # fmt: skip
         yield preemptions
-        yield counter("llmserve:prompt_tokens", "Prefill tokens of requests.", self.prompt_tokens)
-        yield counter("llmserve:generation_tokens", "Generated tokens.", self.generation_tokens)
+
+    def _request_families(self, model: str) -> Iterator[Metric]:
+        """The engine's own counters and histograms."""
+        base = {"model_name": model}
+        yield _counter(model, "llmserve:prompt_tokens", "Prefill tokens of requests.",
+                       self.prompt_tokens)  # fmt: skip
+        yield _counter(model, "llmserve:generation_tokens", "Generated tokens.",
+                       self.generation_tokens)  # fmt: skip
         success = CounterMetricFamily(
             "llmserve:request_success",
             "Finished requests, by finish reason.",
@@ -190,82 +173,63 @@ class EngineMetrics:
         for reason, count in sorted(self.success.items()):
             success.add_metric([model, reason], count)
         yield success
-        yield self.ttft.family("llmserve:time_to_first_token_seconds", "Time to first token.", base)
-        yield self.itl.family(
-            "llmserve:inter_token_latency_seconds", "Time between consecutive tokens.", base
-        )
-        yield self.e2e.family(
-            "llmserve:e2e_request_latency_seconds", "Arrival to finish of requests.", base
-        )
-        yield self.queue.family(
-            "llmserve:request_queue_time_seconds", "Time requests spent waiting.", base
-        )
-        yield self.request_prompt.family(
-            "llmserve:request_prompt_tokens", "Prompt tokens per finished request.", base
-        )
-        yield self.request_generation.family(
-            "llmserve:request_generation_tokens", "Generated tokens per finished request.", base
-        )
-        yield self.iteration_tokens.family(
-            "llmserve:iteration_tokens_total", "Tokens computed per engine step.", base
-        )
+        for hist, name, doc in (
+            (self.ttft, "time_to_first_token_seconds", "Time to first token."),
+            (self.itl, "inter_token_latency_seconds", "Time between consecutive tokens."),
+            (self.e2e, "e2e_request_latency_seconds", "Arrival to finish of requests."),
+            (self.queue, "request_queue_time_seconds", "Time requests spent waiting."),
+            (self.request_prompt, "request_prompt_tokens", "Prompt tokens per finished request."),
+            (self.request_generation, "request_generation_tokens",
+             "Generated tokens per finished request."),
+            (self.iteration_tokens, "iteration_tokens_total", "Tokens computed per engine step."),
+        ):  # fmt: skip
+            yield hist.family(f"llmserve:{name}", doc, base)
         # Ours beyond vLLM's set.
-        yield counter(
-            "llmserve:requests_recovered",
-            "Requests resumed from Redis after a scheduler restart.",
-            self.recovered,
-        )
-        yield counter(
-            "llmserve:executor_failovers",
-            "Times an executor's requests moved to another executor.",
-            self.failovers,
-        )
+        yield _counter(model, "llmserve:requests_recovered", "Requests resumed from Redis after "
+                       "a scheduler restart.", self.recovered)  # fmt: skip
+        yield _counter(model, "llmserve:executor_failovers", "Times an executor's requests moved "
+                       "to another executor.", self.failovers)  # fmt: skip
         yield self.redis_write.family(
             "llmserve:redis_write_seconds", "Duration of the persister's Redis writes.", base
         )
-        yield gauge(
-            "llmserve:redis_backlog_steps",
-            "Engine steps waiting to be written to Redis.",
-            engine.persister.backlog,
-        )
-        steps = CounterMetricFamily(
-            "llmserve:executor_steps",
-            "Engine steps sent to each executor.",
-            labels=["model_name", "executor"],
-        )
-        busy = CounterMetricFamily(
-            "llmserve:executor_step_seconds",
-            "Seconds each executor spent on steps (its busy fraction is the rate of this).",
-            labels=["model_name", "executor"],
-        )
-        ahead = CounterMetricFamily(
-            "llmserve:executor_steps_planned_ahead",
-            "Of those, steps planned and sent while the step before was still running (async "
-            "scheduling).",
-            labels=["model_name", "executor"],
-        )
-        queries = CounterMetricFamily(
-            "llmserve:executor_prefix_cache_queries",
-            "Prompt tokens looked up in each executor's prefix cache (routing shows in these).",
-            labels=["model_name", "executor"],
-        )
-        hits = CounterMetricFamily(
-            "llmserve:executor_prefix_cache_hits",
-            "Of those, tokens found in the executor's prefix cache.",
-            labels=["model_name", "executor"],
-        )
-        for ex in executors:
-            steps.add_metric([model, ex.address], ex.num_steps)
-            busy.add_metric([model, ex.address], ex.step_seconds)
-            ahead.add_metric([model, ex.address], ex.num_steps_ahead)
-            bm = ex.sched.block_manager
-            queries.add_metric([model, ex.address], bm.prefix_cache_queries)
-            hits.add_metric([model, ex.address], bm.prefix_cache_hits)
-        yield steps
-        yield busy
-        yield ahead
-        yield queries
-        yield hits
+        yield _gauge(model, "llmserve:redis_backlog_steps", "Engine steps waiting to be written "
+                     "to Redis.", self.persister.backlog)  # fmt: skip
+
+    def _executor_families(self, model: str, executors: list) -> Iterator[Metric]:
+        """Per executor: steps, busy time, steps planned ahead, prefix cache."""
+        families = [
+            (CounterMetricFamily(name, doc, labels=["model_name", "executor"]), value)
+            for name, doc, value in (
+                ("llmserve:executor_steps", "Engine steps sent to each executor.",
+                 lambda ex: ex.num_steps),
+                ("llmserve:executor_step_seconds", "Seconds each executor spent on steps (its "
+                 "busy fraction is the rate of this).", lambda ex: ex.step_seconds),
+                ("llmserve:executor_steps_planned_ahead", "Of those, steps planned and sent "
+                 "while the step before was still running (async scheduling).",
+                 lambda ex: ex.num_steps_ahead),
+                ("llmserve:executor_prefix_cache_queries", "Prompt tokens looked up in each "
+                 "executor's prefix cache (routing shows in these).",
+                 lambda ex: ex.sched.block_manager.prefix_cache_queries),
+                ("llmserve:executor_prefix_cache_hits", "Of those, tokens found in the "
+                 "executor's prefix cache.", lambda ex: ex.sched.block_manager.prefix_cache_hits),
+            )
+        ]  # fmt: skip
+        for family, value in families:
+            for ex in executors:
+                family.add_metric([model, ex.address], value(ex))
+            yield family
+
+
+def _gauge(model: str, name: str, doc: str, value: float) -> GaugeMetricFamily:
+    fam = GaugeMetricFamily(name, doc, labels=["model_name"])
+    fam.add_metric([model], value)
+    return fam
+
+
+def _counter(model: str, name: str, doc: str, value: float) -> CounterMetricFamily:
+    fam = CounterMetricFamily(name, doc, labels=["model_name"])
+    fam.add_metric([model], value)
+    return fam
 
 
 class _QuietHandler(WSGIRequestHandler):

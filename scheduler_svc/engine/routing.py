@@ -24,7 +24,7 @@ from scheduler_svc.core.block_pool import hash_block_tokens
 from scheduler_svc.core.request import Request
 
 if TYPE_CHECKING:
-    from scheduler_svc.engine.executors import ExecutorHandle
+    from scheduler_svc.engine.executor_handle import ExecutorHandle
 
 __all__ = ["ROUTING_POLICIES", "Router", "cached_prefix_blocks"]
 

@@ -62,8 +62,20 @@ def execute_request(out: SchedulerOutput, step_id: int) -> epb.ExecuteModelReque
                 num_scheduled_tokens=s.num_scheduled_tokens,
             )
         )
-    # add(...) builds each entry in place; constructing a message and appending it copies it.
-    # Unset fields are left out of the call: an empty list argument costs a conversion.
+    _add_cached(msg, out)
+    for src, dst in out.blocks_to_swap_out:
+        msg.blocks_to_swap_out.add(src=src, dst=dst)
+    for src, dst in out.blocks_to_swap_in:
+        msg.blocks_to_swap_in.add(src=src, dst=dst)
+    for src, dst in out.blocks_to_copy:
+        msg.blocks_to_copy.add(src=src, dst=dst)
+    return msg
+
+
+def _add_cached(msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:
+    """Running sequences as differences. add(...) builds each entry in place (constructing a
+    message and appending it copies it); unset fields are left out of the call (an empty list
+    argument costs a conversion)."""
     add_cached = msg.cached_sequences.add
     for c in out.cached_seqs:
         if c.new_block_ids or c.replaced_blocks:
@@ -81,10 +93,3 @@ def execute_request(out: SchedulerOutput, step_id: int) -> epb.ExecuteModelReque
                 num_scheduled_tokens=c.num_scheduled_tokens,
                 num_computed_tokens=c.num_computed_tokens,
             )
-    for src, dst in out.blocks_to_swap_out:
-        msg.blocks_to_swap_out.add(src=src, dst=dst)
-    for src, dst in out.blocks_to_swap_in:
-        msg.blocks_to_swap_in.add(src=src, dst=dst)
-    for src, dst in out.blocks_to_copy:
-        msg.blocks_to_copy.add(src=src, dst=dst)
-    return msg

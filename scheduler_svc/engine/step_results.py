@@ -1,15 +1,19 @@
 """What the engine does with one ExecuteModel reply, as a function the benchmarks call too.
 
 Per sequence that got a token: the scheduler core appends it (update_from_output), the request's
-output state applies the stop checks and detokenizes it, and the step's records collect the
-Redis append and the acknowledged-stream delta. This runs once per step for every running
-sequence, so it is kept to plain loops over plain data.
+output state applies the stop checks and detokenizes it, and the step's record collects the
+Redis append and the acknowledged-stream delta. Sequences the stop checks end are finished in
+the scheduler core at once (their blocks are free for the next step); the core reports the
+requests that ended with them once per step (`take_finished_requests`). This runs once per step
+for every running sequence, so it is kept to plain loops over plain data.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from protos import executor_pb2 as epb
-from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.core.request import RequestStatus, req_id_of
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.streams import EngineStep, RequestHandle
@@ -19,33 +23,24 @@ __all__ = ["process_step_outputs"]
 
 def process_step_outputs(
     sched: Scheduler,
-    requests: dict[str, RequestHandle],
+    requests: Mapping[str, RequestHandle],
     out: SchedulerOutput,
     resp: epb.ExecuteModelResponse,
     record: EngineStep,
-) -> list[RequestHandle]:
-    """Apply one step's sampled tokens; returns the requests whose last sequence just ended.
-
-    Sequences the stop checks end are finished in the scheduler core at once (their blocks are
-    free for the next step). The caller records the returned requests' finish.
-    """
+) -> None:
+    """Apply one step's sampled tokens and prompt logprobs to the core and the requests."""
     if resp.prompt_logprobs:
         # Before the tokens: the step that completes a prompt's logprobs also samples its first
         # token, and both must reach Redis in the same write.
-        for msg in resp.prompt_logprobs:
-            handle = requests.get(msg.seq_id.rpartition("/")[0])
-            if handle is not None and not handle.finished_in_engine:
-                handle.add_prompt_logprobs(msg, record)
+        _add_prompt_logprobs(requests, resp, record)
     sampled = resp.sampled
     # The decode lane's tokens come back as one packed list in the lane's order.
     tokens = dict(zip(out.decode_seq_ids, resp.decode_token_ids, strict=True))
     if sampled:
         tokens.update({s.seq_id: s.token_id for s in sampled})
     by_id = None  # the full SampledToken, only needed for logprobs
-    seqs = sched.update_from_output(out, tokens)
     get = requests.get
-    done: list[RequestHandle] = []
-    for seq in seqs:
+    for seq in sched.update_from_output(out, tokens):
         handle = get(seq.req_id)
         if handle is None or handle.finished_in_engine:
             continue
@@ -57,13 +52,17 @@ def process_step_outputs(
         elif handle.params.logprobs is None:
             status = handle.process_token(seq.index, tokens[seq.seq_id], 0.0, (), record)
         else:
-            if by_id is None:
-                by_id = {s.seq_id: s for s in sampled}
+            by_id = by_id or {s.seq_id: s for s in sampled}
             s = by_id[seq.seq_id]
             status = handle.process_token(seq.index, s.token_id, s.logprob, s.top_logprobs, record)
         if status is not None:
-            state = handle.states[seq.index]
-            sched.finish_sequence(seq.seq_id, status, state.stop_reason)
-            if handle.all_finished:
-                done.append(handle)
-    return done
+            sched.finish_sequence(seq.seq_id, status, handle.states[seq.index].stop_reason)
+
+
+def _add_prompt_logprobs(
+    requests: Mapping[str, RequestHandle], resp: epb.ExecuteModelResponse, record: EngineStep
+) -> None:
+    for msg in resp.prompt_logprobs:
+        handle = requests.get(req_id_of(msg.seq_id))
+        if handle is not None and not handle.finished_in_engine:
+            handle.add_prompt_logprobs(msg, record)

@@ -81,21 +81,21 @@ AckedDelta = tuple[
 
 
 @dataclass(slots=True)
-class EngineStep:
-    """What one engine step (or an abort) produced: Redis writes, then publication."""
+class EngineStep(StepRecord):
+    """What one engine step (or an abort) produced: the persister's record itself (Redis
+    writes), plus what is published to clients once Redis has acknowledged it."""
 
-    appends: list[TokenAppend] = field(default_factory=list)
-    finishes: list[FinishRecord] = field(default_factory=list)
     deltas: list[AckedDelta] = field(default_factory=list)
     after: list[Any] = field(default_factory=list)  # callables run once acknowledged
-    prompt_logprobs: list[tuple[str, list[Any]]] = field(default_factory=list)
     first_tokens: list[tuple[RequestHandle, int]] = field(default_factory=list)  # for metrics
 
-    def to_record(self) -> StepRecord:
-        has_work = self.deltas or self.after
-        return StepRecord(
-            self.appends, self.finishes, self.publish if has_work else None, self.prompt_logprobs
-        )
+    def is_empty(self) -> bool:
+        # Prompt logprobs always come with an `after` (their acknowledged copy).
+        return not (self.appends or self.finishes or self.deltas or self.after)
+
+    def acknowledged(self) -> None:
+        if self.deltas or self.after:
+            self.publish()
 
     def publish(self) -> None:
         for handle, index, tokens, text, lps, finish_reason, stop_reason, error in self.deltas:
@@ -165,7 +165,7 @@ class RequestHandle:
     def from_stored(cls, rec: StoredRequest, params: SamplingParams) -> RequestHandle:
         return cls(rec.req_id, rec.prompt_token_ids, params, rec.priority, rec.arrival_time)
 
-    def init_outputs(self, tokenizer, eos_token_ids: list[int], max_model_len: int) -> None:
+    def init_outputs(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int) -> None:
         self.states = [
             SequenceOutputState(
                 tokenizer,
@@ -179,7 +179,7 @@ class RequestHandle:
 
     def replay_outputs(
         self,
-        tokenizer,
+        tokenizer: Any,
         eos_token_ids: list[int],
         max_model_len: int,
         rec: StoredRequest,
@@ -190,34 +190,37 @@ class RequestHandle:
         if rec.prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs = self.acked_prompt_logprobs = rec.prompt_logprobs
             self._prompt_logprobs_missing = 0
-        want_lp = self.params.logprobs is not None
         for i, tokens in enumerate(rec.outputs):
-            state, log = self.states[i], self.acked[i]
-            stored_lp = rec.logprobs[i] if i < len(rec.logprobs) else []
-            for pos, tok in enumerate(tokens):
-                if state.finished:
-                    break
-                if want_lp:
-                    e = stored_lp[pos] if pos < len(stored_lp) else {"logprob": 0.0, "top": []}
-                    top = [(t[0], t[1]) for t in e.get("top", [])]
-                    delta = state.append([tok], [e["logprob"]], [top])
-                else:
-                    delta = state.append([tok])
-                log.tokens.append(tok)
-                log.chunks.append(delta.text)
-                if want_lp:
-                    log.logprobs.append(_lp_entry(delta, 0))
-                if delta.finished:
-                    log.finish_reason = delta.finish_status.finish_reason()
-                    log.stop_reason = delta.stop_reason
-            stored_reason = rec.finish_reasons[i] if i < len(rec.finish_reasons) else None
-            if stored_reason is not None and not state.finished:
-                stop = rec.stop_reasons[i] if i < len(rec.stop_reasons) else None
-                reason = FinishReason(stored_reason)
-                delta = state.finish(_STATUS_OF_REASON[reason], stop)
-                log.tail += delta.text
-                log.finish_reason, log.stop_reason = reason, delta.stop_reason
+            self._replay_seq(i, tokens, rec)
         self.finished_in_engine = rec.finished
+
+    def _replay_seq(self, i: int, tokens: list[int], rec: StoredRequest) -> None:
+        state, log = self.states[i], self.acked[i]
+        want_lp = self.params.logprobs is not None
+        stored_lp = rec.logprobs[i] if i < len(rec.logprobs) else []
+        for pos, tok in enumerate(tokens):
+            if state.finished:
+                break
+            if want_lp:
+                e = stored_lp[pos] if pos < len(stored_lp) else {"logprob": 0.0, "top": []}
+                top = [(t[0], t[1]) for t in e.get("top", [])]
+                delta = state.append([tok], [e["logprob"]], [top])
+            else:
+                delta = state.append([tok])
+            log.tokens.append(tok)
+            log.chunks.append(delta.text)
+            if want_lp:
+                log.logprobs.append(_lp_entry(delta, 0))
+            if delta.finished:
+                log.finish_reason = delta.finish_status.finish_reason()
+                log.stop_reason = delta.stop_reason
+        stored_reason = rec.finish_reasons[i] if i < len(rec.finish_reasons) else None
+        if stored_reason is not None and not state.finished:
+            stop = rec.stop_reasons[i] if i < len(rec.stop_reasons) else None
+            reason = FinishReason(stored_reason)
+            delta = state.finish(_STATUS_OF_REASON[reason], stop)
+            log.tail += delta.text
+            log.finish_reason, log.stop_reason = reason, delta.stop_reason
 
     # ------------------------------------------------------------ engine side
 
@@ -274,18 +277,8 @@ class RequestHandle:
             TokenAppend(self.req_id, index, offset, tokens, lps, self._key_bulks[index])
         )
         status = state.finish_status
-        step.deltas.append(
-            (
-                self,
-                index,
-                tokens,
-                text,
-                lps,
-                None if status is None else status.finish_reason(),
-                state.stop_reason,
-                "",
-            )
-        )
+        reason = None if status is None else status.finish_reason()
+        step.deltas.append((self, index, tokens, text, lps, reason, state.stop_reason, ""))
         return status
 
     def finish_seq(
@@ -362,7 +355,6 @@ class RequestHandle:
         cursors = [from_index] * n if isinstance(from_index, int) else list(from_index)
         done = [False] * n
         remaining = n
-        loop = asyncio.get_running_loop()
         while True:
             yielded = False
             for i in range(n):
@@ -381,37 +373,44 @@ class RequestHandle:
                 if finished:
                     done[i] = True
                     remaining -= 1
-                chunks = log.chunks
-                text = chunks[c] if end - c == 1 else "".join(chunks[c:end])
-                if finished and log.tail:
-                    text += log.tail
                 yielded = True
-                yield EngineEvent(
-                    i,
-                    c,
-                    log.tokens[c:end],
-                    text,
-                    log.logprobs[c:end] if want_lp else None,
-                    log.finish_reason,
-                    log.stop_reason,
-                    self.error if finished else "",
-                    self.acked_prompt_logprobs if c == 0 else None,
-                )
+                yield self._event(i, c, end, finished, want_lp)
             if not remaining:
                 return
             if self._closed is not None:
                 raise Unavailable(self._closed)
-            if yielded:
-                # A yield suspends this generator while the caller writes to the network, and
-                # a step that publishes meanwhile finds no waiter here to wake: look again
-                # before parking, or its tokens (and the finish) wait for a step that never
-                # comes.
-                continue
-            # The pass above found nothing and did not suspend, so nothing was published
-            # since it looked: waiting for the next notify() cannot miss anything.
-            waiter = loop.create_future()
-            self._waiters.append(waiter)
-            await waiter
+            if not yielded:
+                await self._park()
+            # Else look again before parking: a yield suspends this generator while the caller
+            # writes to the network, and a step that publishes meanwhile finds no waiter here
+            # to wake; parking now would leave its tokens (and the finish) for a step that
+            # never comes.
+
+    async def _park(self) -> None:
+        """Wait for the next notify(). Only after a pass that found nothing and did not
+        suspend: nothing was published since it looked, so the wait cannot miss anything."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        await waiter
+
+    def _event(self, i: int, c: int, end: int, finished: bool, want_lp: bool) -> EngineEvent:
+        """Sequence `i`'s acknowledged tokens [c, end), with its finish when `finished`."""
+        log = self.acked[i]
+        chunks = log.chunks
+        text = chunks[c] if end - c == 1 else "".join(chunks[c:end])
+        if finished and log.tail:
+            text += log.tail
+        return EngineEvent(
+            i,
+            c,
+            log.tokens[c:end],
+            text,
+            log.logprobs[c:end] if want_lp else None,
+            log.finish_reason,
+            log.stop_reason,
+            self.error if finished else "",
+            self.acked_prompt_logprobs if c == 0 else None,
+        )
 
     def view(self) -> RequestView:
         reasons = [log.finish_reason for log in self.acked]
@@ -473,7 +472,12 @@ class RequestView:
 
     @classmethod
     def from_stored(
-        cls, rec: StoredRequest, params: SamplingParams, tokenizer, eos_ids, max_model_len
+        cls,
+        rec: StoredRequest,
+        params: SamplingParams,
+        tokenizer: Any,
+        eos_ids: list[int],
+        max_model_len: int,
     ) -> RequestView:
         handle = RequestHandle.from_stored(rec, params)
         handle.replay_outputs(tokenizer, eos_ids, max_model_len, rec)

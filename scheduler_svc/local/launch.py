@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 import structlog
 
 from scheduler_svc import cli as scheduler_cli
+from scheduler_svc import envs
 from scheduler_svc.logging import configure_logging
 
 log = structlog.get_logger(__name__)
@@ -42,7 +42,7 @@ def start_executor(model: str, host: str, port: int, extra: list[str]) -> subpro
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="llmserve-launch", description=__doc__)
-    p.add_argument("--model", default=os.environ.get("LLMSERVE_MODEL", "demo"))
+    p.add_argument("--model", default=envs.local_model())
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--executor-port", type=int, default=50061)
     p.add_argument("--scheduler-port", type=int, default=50051)

@@ -30,6 +30,8 @@ __all__ = [
     "ChatMessage",
     "Conversation",
     "encode_chat",
+    "encode_infill",
+    "fim_token_ids",
     "encode_prompt",
     "eos_token_ids",
     "load_tokenizer",
@@ -97,6 +99,44 @@ def tokenizer_class(class_name: str) -> type[PreTrainedTokenizerFast]:
 def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
     """Token ids of a plain-text prompt, with the tokenizer's own special tokens (e.g. BOS)."""
     return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+# Fill-in-the-middle token names, as code models' tokenizers spell them (prefix, suffix, middle):
+# StarCoder and SmolLM; Qwen2.5-Coder.
+FIM_TOKENS = (
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+)
+
+
+def fim_token_ids(tokenizer: PreTrainedTokenizerFast) -> tuple[int, int, int] | None:
+    """The tokenizer's (prefix, suffix, middle) FIM token ids, or None if it has none."""
+    vocab = tokenizer.get_vocab()
+    for names in FIM_TOKENS:
+        if all(n in vocab for n in names):
+            pre, suf, mid = (vocab[n] for n in names)
+            return pre, suf, mid
+    return None
+
+
+def encode_infill(tokenizer: PreTrainedTokenizerFast, prefix: str, suffix: str) -> list[int]:
+    """Token ids of a fill-in-the-middle prompt in prefix-suffix-middle order: the tokenizer's
+    own leading special tokens (e.g. BOS), `<fim_prefix>`, the prefix, `<fim_suffix>`, the
+    suffix, `<fim_middle>`; the model generates the middle. The texts are tokenized apart, so
+    FIM token names inside them stay text. ValueError if the model has no FIM tokens."""
+    fim = fim_token_ids(tokenizer)
+    if fim is None:
+        raise ValueError(
+            "this model's tokenizer has no fill-in-the-middle tokens "
+            "(<fim_prefix>/<fim_suffix>/<fim_middle>); suffix is not supported"
+        )
+    pre, suf, mid = fim
+    head = list(tokenizer.encode("", add_special_tokens=True))  # e.g. [BOS]; [] for most BPEs
+
+    def text(t: str) -> list[int]:
+        return list(tokenizer.encode(t, add_special_tokens=False, split_special_tokens=True))
+
+    return [*head, pre, *text(prefix), suf, *text(suffix), mid]
 
 
 def render_chat(

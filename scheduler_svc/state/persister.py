@@ -32,11 +32,23 @@ log = structlog.get_logger(__name__)
 
 @dataclass(slots=True)
 class StepRecord:
+    """What one step writes; the engine's own record (engine/streams.EngineStep) extends it
+    with what it publishes to clients once Redis has it."""
+
     appends: list[TokenAppend] = field(default_factory=list)
     finishes: list[FinishRecord] = field(default_factory=list)
-    on_ack: Callable[[], None] | None = None  # publishes the step's deltas to clients
+    on_ack: Callable[[], None] | None = None  # run once acknowledged
     # (request id, JSON entries) of requests whose prompt logprobs completed this step.
     prompt_logprobs: list[tuple[str, list[Any]]] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        """Nothing to write and nothing to run once written: not worth queueing."""
+        return not self.appends and not self.finishes and self.on_ack is None
+
+    def acknowledged(self) -> None:
+        """Redis holds this record and every one queued before it."""
+        if self.on_ack is not None:
+            self.on_ack()
 
 
 @dataclass(slots=True)
@@ -87,7 +99,7 @@ class Persister:
         ExecuteModel is on its way: building and sending the Redis command then overlaps the
         executor's forward pass instead of delaying the next step.
         """
-        if not rec.appends and not rec.finishes and rec.on_ack is None:
+        if rec.is_empty():
             return
         self._queue.append(rec)
         self._drained.clear()
@@ -182,12 +194,9 @@ class Persister:
             self.stats.write_time_s += elapsed
             if self.on_write is not None:
                 self.on_write(elapsed)
-            acks = [self._queue.popleft().on_ack for _ in batch]
-            for on_ack in acks:
-                if on_ack is None:
-                    continue
+            for rec in [self._queue.popleft() for _ in batch]:
                 try:
-                    on_ack()
+                    rec.acknowledged()
                 except Exception:  # one bad publication must not stop the writer
                     log.exception("persister.publish_failed")
 

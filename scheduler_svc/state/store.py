@@ -185,18 +185,27 @@ def _logprobs_key(req_id: str, index: int) -> str:
     return f"llmserve:logprobs:{req_id}:{index}"
 
 
+MAX_CONNECTIONS = 256  # per scheduler process; Redis's own default limit is 10 000 clients
+
+
 class RequestStore:
     """Async Redis-backed store of requests; raises StoreUnavailable when Redis is down."""
 
     def __init__(self, url: str, *, finished_ttl_s: float = 3600.0, timeout_s: float = 2.0):
         self.url = url
         self.finished_ttl_s = finished_ttl_s
-        self._redis = aioredis.Redis.from_url(
+        # A bounded pool that makes a call wait for a free connection (up to timeout_s) rather
+        # than fail: redis-py's default pool refuses call 101 at once ("Too many connections"),
+        # which a burst of concurrent aborts or creates reaches on a slow machine.
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry_on_timeout=False,
         )
+        self._redis = aioredis.Redis.from_pool(pool)  # closing it closes the pool
         self._append = self._redis.register_script(APPEND_LUA)
         self._create = self._redis.register_script(CREATE_LUA)
         self._batch = self._redis.register_script(BATCH_LUA)

@@ -11,7 +11,7 @@ import pytest
 from protos import executor_pb2 as epb
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.sampling_params import SamplingParams
-from scheduler_svc.engine.executors import ExecutorHandle
+from scheduler_svc.engine.executors import ExecutorHandle, ExecutorState
 from scheduler_svc.engine.routing import Router, cached_prefix_blocks
 from tests.unit.test_scheduler import make_scheduler, step
 
@@ -116,11 +116,11 @@ def test_unhealthy_and_draining_executors_get_nothing_while_another_can() -> Non
     a, b = executor("a"), executor("b")
     warm(a, PREFIX_A, "wa")
     router = Router("kv")
-    a.draining = True
+    a.state = ExecutorState.DRAINING
     assert router.choose([a, b], request("r1", PREFIX_A, own=1)) is b
-    a.draining, a.healthy = False, False
+    a.state = ExecutorState.DOWN
     assert router.choose([a, b], request("r2", PREFIX_A, own=2)) is b
-    b.healthy = False  # nobody healthy: somewhere to queue it all the same
+    b.state = ExecutorState.DOWN  # nobody healthy: somewhere to queue it all the same
     assert router.choose([a, b], request("r3", PREFIX_A, own=3)) in (a, b)
 
 

@@ -1,0 +1,47 @@
+"""What the API layer may ask of the engine: the whole of it, as one narrow interface.
+
+The gRPC servicer (scheduler_svc/api) talks to this and to nothing else of the engine; the
+engine's request front (`requests.RequestFront`) is what implements it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from scheduler_svc.engine.config import AbortOutcome, GenerateInput, ServerInfo
+from scheduler_svc.engine.embeds import EmbedInput, EmbedResult
+from scheduler_svc.engine.streams import RequestHandle, RequestView
+
+__all__ = ["EngineClient"]
+
+
+class EngineClient(Protocol):
+    @property
+    def max_model_len(self) -> int: ...
+
+    async def submit(self, inp: GenerateInput) -> tuple[RequestHandle, bool]:
+        """The request's stream state, and whether this call created it (False: attached to
+        an existing request with the same id; never a second generation)."""
+        ...
+
+    async def attach(self, req_id: str) -> RequestHandle:
+        """A running or stored request's stream state (Resume)."""
+        ...
+
+    async def abort(self, req_id: str, *, missing_ok: bool = False) -> AbortOutcome:
+        """Returns once the outcome is final and in Redis (engine/aborts.py)."""
+        ...
+
+    async def get_request(self, req_id: str) -> RequestView: ...
+
+    def server_info(self) -> ServerInfo: ...
+
+    async def tokenize(self, inp: GenerateInput) -> list[int]: ...
+
+    def detokenize(
+        self, token_ids: list[int], skip_special_tokens: bool
+    ) -> tuple[str, list[str]]: ...
+
+    async def embed(self, inp: EmbedInput) -> EmbedResult:
+        """Every input's vector; raises ValidationError, QueueFull or Unavailable."""
+        ...

@@ -1,0 +1,32 @@
+"""Every environment variable the scheduler reads, in one place.
+
+Each is read when asked for (not at import), so a test that sets one before starting a process
+or calling a function sees it. Command-line flags win over these where both exist: the CLI uses
+them only as defaults.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["api_key", "failpoints", "local_model", "redis_url"]
+
+
+def api_key() -> str:
+    """`LLMSERVE_API_KEY`: one API key of the public API ("" = none; a key file may add more)."""
+    return os.environ.get("LLMSERVE_API_KEY", "").strip()
+
+
+def failpoints() -> str:
+    """`LLMSERVE_FAILPOINTS`: the failpoints a test arms (scheduler_svc/failpoints.py)."""
+    return os.environ.get("LLMSERVE_FAILPOINTS", "")
+
+
+def local_model() -> str:
+    """`LLMSERVE_MODEL`: the model `make run` serves (a checkpoint directory, or "demo")."""
+    return os.environ.get("LLMSERVE_MODEL", "demo")
+
+
+def redis_url() -> str | None:
+    """`REDIS_URL`: the Redis holding request state (None: start a loopback one)."""
+    return os.environ.get("REDIS_URL")
