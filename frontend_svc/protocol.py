@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from client.params import SamplingParams
 from client.prompts import ChatPrompt, InfillPrompt
 from frontend_svc.errors import bad_request
-from frontend_svc.tools.protocol import Tool, ToolCall, ToolChoice, ToolConfig, ToolPlan, plan_tools
+from frontend_svc.tools.models import Tool, ToolCall, ToolChoice
+from frontend_svc.tools.protocol import ToolConfig, ToolPlan, plan_tools
 from frontend_svc.tools.structured import StructuredFields
 
 

@@ -11,56 +11,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict
+from typing import Any
 
 from client.structured import StructuredOutput
 from frontend_svc.errors import bad_request
+from frontend_svc.tools.models import NamedToolChoice, Tool, ToolChoice
 from frontend_svc.tools.parsers import ToolParser, parser_class
 from frontend_svc.tools.parsers.forced import CallListParser, NamedCallParser
 from frontend_svc.tools.schema import call_list_schema, parameters_schema
-
-
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class FunctionName(BaseModel):
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    type: Literal["function"] = "function"
-    function: FunctionName
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
-
-
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str
-    arguments: str = ""
-
-
-class ToolCall(BaseModel):
-    """A call in an assistant message the client sends back."""
-
-    model_config = ConfigDict(extra="ignore")
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
 
 
 @dataclass(slots=True)

@@ -10,12 +10,10 @@ where their `#/$defs/...` references point once the parameters sit inside `items
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from frontend_svc.errors import bad_request
-
-if TYPE_CHECKING:
-    from frontend_svc.tools.protocol import FunctionDefinition
+from frontend_svc.tools.models import FunctionDefinition
 
 # What a function without `parameters` takes: no arguments.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
