@@ -108,3 +108,23 @@ def test_parse_with_a_pydantic_model(oai, model, enforced):
     message = got.choices[0].message
     assert isinstance(message.parsed, Answer)
     assert Answer.model_validate_json(message.content) == message.parsed
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"structured_outputs": {"grammar": "start: ((("}}, "structured_outputs.grammar"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_json": {"type": "no-such-type"}}, "guided_json"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_constraints_the_scheduler_rejects_name_the_field(
+    oai, model, enforced, extra, param, stream
+):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(
+            model=model, prompt="x", max_tokens=4, extra_body=extra, stream=stream
+        )
+    assert e.value.body["param"] == param
+    assert "structured_output" in e.value.body["message"]
