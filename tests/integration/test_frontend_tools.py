@@ -327,3 +327,13 @@ def test_parse_with_a_strict_tool(oai, model, enforced):
     )  # fmt: skip
     call = got.choices[0].message.tool_calls[0]
     assert isinstance(call.function.parsed_arguments, Weather)
+
+
+def test_a_tool_schema_the_grammar_engine_rejects_names_tool_choice(oai, model, enforced):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(
+            model=model, messages=ASK, tools=[bad], max_tokens=8,
+            tool_choice={"type": "function", "function": {"name": "f"}},
+        )  # fmt: skip
+    assert e.value.body["param"] == "tool_choice"
