@@ -44,7 +44,11 @@ class ChatAnswer:
         self.body, self.state, self.run, self.n, self.model = body, state, run, n, model
         self.plan = plan
         # Streamed choices' tool-call readers (tool modes with a parser only).
-        self.readers = {j: ToolCallStream(plan.parser) for j in range(n)} if plan.parser else {}
+        self.readers = (
+            {j: ToolCallStream(plan.parser, plan.max_calls) for j in range(n)}
+            if plan.parser
+            else {}
+        )
         self.rid, self.created = f"chatcmpl-{request_id}", int(time.time())
         self.greeted: set[int] = set()  # streamed choices whose role chunk went out
         self.texts = {j: "" for j in range(n)}
@@ -155,7 +159,7 @@ class ChatAnswer:
         for j in range(self.n):
             message: dict[str, Any] = {"role": "assistant", "content": self.texts[j]}
             if self.plan.parser is not None:
-                found = extract(self.plan.parser, self.texts[j])
+                found = extract(self.plan.parser, self.texts[j], self.plan.max_calls)
                 message["content"] = found.content
                 if found.tool_calls:
                     message["tool_calls"] = found.tool_calls

@@ -30,6 +30,9 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None = None  # handed to the chat template
     constraint: StructuredOutput | None = None
     parser: ToolParser | None = None
+    # parallel_tool_calls: false under "auto": calls past the first are not reported (under
+    # "required" the schema allows one).
+    max_calls: int | None = None
 
 
 @dataclass(slots=True)
@@ -61,7 +64,9 @@ def plan_tools(
                 "to be set",
                 "tool_choice",
             )
-        return ToolPlan("auto", dumped, parser=parser_class(config.tool_call_parser)())
+        parser = parser_class(config.tool_call_parser)()
+        max_calls = 1 if parallel_tool_calls is False else None
+        return ToolPlan("auto", dumped, parser=parser, max_calls=max_calls)
     functions = [t.function for t in tools]
     if choice == "required":
         schema = call_list_schema(functions, parallel=parallel_tool_calls is not False)

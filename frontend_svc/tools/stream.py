@@ -28,9 +28,9 @@ class Extracted:
     tool_calls: list[dict[str, Any]]  # OpenAI tool-call objects
 
 
-def extract(parser: ToolParser, text: str) -> Extracted:
+def extract(parser: ToolParser, text: str, max_calls: int | None = None) -> Extracted:
     scan = parser.scan(text, final=True)
-    calls = [_call(c, call_id()) for c in scan.calls if c.name is not None]
+    calls = [_call(c, call_id()) for c in scan.calls[:max_calls] if c.name is not None]
     return Extracted(scan.content or None, calls)
 
 
@@ -42,8 +42,9 @@ class ToolCallStream:
     """One streamed choice: `feed` each text delta, `finish` at the end; each returns the
     content to send and the tool-call deltas (OpenAI's `delta.tool_calls` entries)."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser, max_calls: int | None = None) -> None:
         self.parser = parser
+        self.max_calls = max_calls
         self.text = ""
         self.sent_content = ""
         self.sent_args: list[str] = []  # per call whose name went out
@@ -71,7 +72,7 @@ class ToolCallStream:
             content = scan.content[len(self.sent_content) :]
             self.sent_content = scan.content
         out: list[dict[str, Any]] = []
-        for k, call in enumerate(scan.calls):
+        for k, call in enumerate(scan.calls[: self.max_calls]):
             if call.name is None:
                 break  # later calls wait for this one's name: indexes go out in order
             if k == len(self.sent_args):

@@ -337,3 +337,21 @@ def test_a_tool_schema_the_grammar_engine_rejects_names_tool_choice(oai, model, 
             tool_choice={"type": "function", "function": {"name": "f"}},
         )  # fmt: skip
     assert e.value.body["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_without_parallel_calls_reports_the_first(oai, model, vocab, stream):
+    kwargs = dict(
+        model=model, messages=ASK, tools=TOOLS, max_tokens=32, parallel_tool_calls=False,
+        logit_bias=script(vocab, "text_then_two_calls"),
+    )  # fmt: skip
+    if not stream:
+        message = oai.chat.completions.create(**kwargs).choices[0].message
+        assert calls_of(message) == [("get_weather", {"city": "Tokyo"})]
+        return
+    indexes = {
+        tc.index
+        for chunk in oai.chat.completions.create(**kwargs, stream=True)
+        for tc in chunk.choices[0].delta.tool_calls or []
+    }
+    assert indexes == {0}
