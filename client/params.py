@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from client.structured import StructuredOutput
 from protos import scheduler_pb2 as pb
 
 
@@ -34,6 +35,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token; None = none
+    # Constrains the output (client/structured.py: json_schema, regex, choice, grammar, ...).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +70,8 @@ class SamplingParams:
             msg.logprobs = self.logprobs
         if self.prompt_logprobs is not None:
             msg.prompt_logprobs = self.prompt_logprobs
+        if self.structured_output is not None:
+            msg.structured_output.CopyFrom(self.structured_output.to_proto())
         return msg
 
     @classmethod
@@ -77,7 +82,9 @@ class SamplingParams:
             if msg.DESCRIPTOR.fields_by_name[f.name].has_presence and not msg.HasField(f.name):
                 continue
             value = getattr(msg, f.name)
-            if f.name in ("stop", "stop_token_ids"):
+            if f.name == "structured_output":
+                value = StructuredOutput.from_proto(value)
+            elif f.name in ("stop", "stop_token_ids"):
                 value = list(value)
             elif f.name == "logit_bias":
                 value = dict(value)
