@@ -30,9 +30,15 @@ def worker(
 ) -> None:
     sys.path.insert(0, tree)
     # executor_svc first: the benchmark helpers below put this tree's root on sys.path too.
-    from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence
+    # By that tree's layout (an ImportError cannot tell: the editable install's finder would
+    # find a missing subpackage in this checkout instead).
+    if (Path(tree) / "executor_svc" / "runner").is_dir():
+        from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence
+    else:  # a tree from before executor_svc was laid out by role (issue 25)
+        from executor_svc.model_runner import ModelRunner, ScheduledSequence  # type: ignore
 
-    sys.path.insert(1, str(ROOT / "benchmarks"))
+    # That tree's own helpers (they import executor_svc by that tree's module paths).
+    sys.path.insert(1, str(Path(tree) / "benchmarks"))
     import profile_step
     import torch
     from bench_vs_hf import build_model

@@ -139,17 +139,18 @@ class LLM:
 
     def chat(
         self,
-        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several (a list of lists); the model's chat
-        template renders each."""
+        template renders each, handed `tools` (OpenAI tool objects) as vLLM's LLM.chat does."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
-            ChatPrompt([dict(m) for m in conv], add_generation_prompt)  # type: ignore[arg-type]
+            ChatPrompt([dict(m) for m in conv], add_generation_prompt, tools)  # type: ignore[arg-type]
             for conv in conversations
         ]
         return self._client.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -1,12 +1,15 @@
 """Prompt forms the client accepts, and building `GenerateRequest` messages from them.
 
 A single prompt is one of: a string; a list of token ids; a list of chat messages
-(`{"role": ..., "content": ...}`); or a dict `{"prompt": str}`, `{"prompt_token_ids": [...]}`,
-`{"messages": [...], "add_generation_prompt": bool}`. A batch is a list of single prompts.
+(`{"role": ..., "content": ...}`, in OpenAI's shape: an assistant message may carry
+`tool_calls`, a "tool" message `tool_call_id` and `name`); or a dict `{"prompt": str}`,
+`{"prompt_token_ids": [...]}`, `{"messages": [...], "add_generation_prompt": bool, "tools":
+[...]}`. A batch is a list of single prompts.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +20,34 @@ from protos import scheduler_pb2 as pb
 
 @dataclass(slots=True)
 class ChatPrompt:
-    messages: list[dict[str, str]]
+    """Chat messages rendered by the model's chat template. `tools` (OpenAI tool objects,
+    `{"type": "function", "function": {"name", "description", "parameters"}}`) are handed to
+    the template as `tools`."""
+
+    messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+
+
+# Message keys besides role and content that travel to the chat template.
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+
+
+def _message(m: Mapping[str, Any]) -> dict[str, Any]:
+    out = {"role": m["role"], "content": m.get("content") or ""}
+    out.update({k: m[k] for k in _TOOL_KEYS if m.get(k)})
+    return out
+
+
+def _message_to_proto(m: Mapping[str, Any]) -> pb.ChatMessage:
+    calls = m.get("tool_calls")
+    return pb.ChatMessage(
+        role=m["role"],
+        content=m.get("content") or "",
+        tool_calls_json=json.dumps(list(calls), ensure_ascii=False) if calls else "",
+        tool_call_id=m.get("tool_call_id") or "",
+        name=m.get("name") or "",
+    )
 
 
 @dataclass(slots=True)
@@ -56,7 +85,7 @@ def to_prompt(value: Any) -> PromptInput:
     if _is_token_ids(value):
         return [int(t) for t in value]
     if _is_chat(value):
-        return ChatPrompt([{"role": m["role"], "content": m.get("content", "")} for m in value])
+        return ChatPrompt([_message(m) for m in value])
     if isinstance(value, Mapping):
         if "prompt_token_ids" in value:
             return [int(t) for t in value["prompt_token_ids"]]
@@ -64,6 +93,7 @@ def to_prompt(value: Any) -> PromptInput:
             chat = to_prompt(list(value["messages"]))
             assert isinstance(chat, ChatPrompt)
             chat.add_generation_prompt = bool(value.get("add_generation_prompt", True))
+            chat.tools = list(value["tools"]) if value.get("tools") else None
             return chat
         if "prompt" in value:
             return str(value["prompt"])
@@ -121,10 +151,9 @@ def build_request(
     elif isinstance(prompt, ChatPrompt):
         req.chat.CopyFrom(
             pb.ChatPrompt(
-                messages=[
-                    pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt.messages
-                ],
+                messages=[_message_to_proto(m) for m in prompt.messages],
                 add_generation_prompt=prompt.add_generation_prompt,
+                tools_json=json.dumps(prompt.tools, ensure_ascii=False) if prompt.tools else "",
             )
         )
     elif isinstance(prompt, InfillPrompt):

@@ -54,9 +54,9 @@ async def tokenize(body: TokenizeRequest, request: Request):
     if body.prompt is not None:
         prompt: Any = body.prompt
     else:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         prompt = ChatPrompt(
-            [{"role": m.role, "content": m.text()} for m in body.messages or []],
-            body.add_generation_prompt,
+            [m.to_dict() for m in body.messages or []], body.add_generation_prompt, tools or None
         )
     try:
         ids, max_len = await state.client.tokenize(prompt)

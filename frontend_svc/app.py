@@ -22,6 +22,7 @@ from frontend_svc.metrics import HTTPMetrics
 from frontend_svc.responses_api import router as responses_router
 from frontend_svc.serving import ClientGone
 from frontend_svc.state import FrontendState
+from frontend_svc.tools.protocol import ToolConfig
 
 log = structlog.get_logger(__name__)
 
@@ -53,9 +54,10 @@ def create_app(
     resume_timeout_s: float = 60.0,
     api_keys: list[str] | None = None,
     scheduler_tls_ca: str | None = None,
+    tool_config: ToolConfig | None = None,
 ) -> FastAPI:
     """`api_keys`: when given, API calls need one of them; the first is used for the
-    scheduler (unless $LLMSERVE_API_KEY names one)."""
+    scheduler (unless $LLMSERVE_API_KEY names one). `tool_config`: tool_choice "auto"."""
     metrics = HTTPMetrics()
     keys = list(api_keys or [])
 
@@ -68,6 +70,7 @@ def create_app(
             resume_timeout_s=resume_timeout_s,
             api_key=keys[0] if keys else None,
             scheduler_tls_ca=scheduler_tls_ca,
+            tool_config=tool_config,
         )
         yield
         await app.state.frontend.close()

@@ -1,6 +1,7 @@
 """`POST /v1/chat/completions`: one call's answer as an object that owns its choices (texts,
 logprobs, finishes), fed the run's deltas and shaped as stream chunks or one body. The chat
-template is applied by the scheduler."""
+template is applied by the scheduler. With tools, each choice's text is read as content and
+tool calls by the call's parser (tools/stream.py): whole at the end, or delta by delta."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from starlette.requests import Request
 
 from client.errors import LLMServeError
 from client.outputs import StreamDelta
-from client.prompts import ChatPrompt
 from frontend_svc.auth import caller_key
 from frontend_svc.errors import APIError
 from frontend_svc.protocol import ChatCompletionRequest
@@ -21,6 +21,9 @@ from frontend_svc.responses import chat_logprobs, prompt_logprobs, usage
 from frontend_svc.serving import Run, collect, request_id_from, sse, start, stream_response
 from frontend_svc.serving import token_texts as _token_texts
 from frontend_svc.state import FrontendState
+from frontend_svc.tools.protocol import ToolPlan
+from frontend_svc.tools.stream import ToolCallStream, extract
+from frontend_svc.tools.structured import name_param
 
 router = APIRouter()
 
@@ -36,8 +39,16 @@ class ChatAnswer:
         n: int,
         model: str,
         request_id: str,
+        plan: ToolPlan,
     ) -> None:
         self.body, self.state, self.run, self.n, self.model = body, state, run, n, model
+        self.plan = plan
+        # Streamed choices' tool-call readers (tool modes with a parser only).
+        self.readers = (
+            {j: ToolCallStream(plan.parser, plan.max_calls) for j in range(n)}
+            if plan.parser
+            else {}
+        )
         self.rid, self.created = f"chatcmpl-{request_id}", int(time.time())
         self.greeted: set[int] = set()  # streamed choices whose role chunk went out
         self.texts = {j: "" for j in range(n)}
@@ -49,12 +60,23 @@ class ChatAnswer:
     async def begin(cls, body: ChatCompletionRequest, request: Request) -> ChatAnswer:
         state: FrontendState = request.app.state.frontend
         await state.check_model(body.model)
-        params = body.to_params(await state.max_model_len())
-        chat = body.chat()
-        prompt = ChatPrompt(chat["messages"], chat["add_generation_prompt"])
+        plan = body.plan(state.tool_config)
+        params = body.to_params(await state.max_model_len(), plan)
         base = request_id_from(request)
-        run = state.start_run(base, [prompt], params, body.priority, caller_key(request))
-        return cls(body, state, run, params.n, await state.model_name(), base)
+        run = state.start_run(base, [body.chat(plan)], params, body.priority, caller_key(request))
+        return cls(body, state, run, params.n, await state.model_name(), base, plan)
+
+    def error(self, e: LLMServeError | APIError) -> APIError:
+        err = e if isinstance(e, APIError) else APIError.from_llmserve(e)
+        param = "tool_choice" if self.plan.constraint else self.body.structured_output()[1]
+        return name_param(err, param)
+
+    def _finish_reason(self, reason: str | None, num_calls: int) -> str | None:
+        # As OpenAI: a call the model chose to make ends the turn as "tool_calls"; one forced
+        # by a named tool_choice ends as "stop".
+        if num_calls and reason == "stop" and self.plan.mode in ("auto", "required"):
+            return "tool_calls"
+        return reason
 
     async def _logprobs(self, d: StreamDelta) -> list | None:
         if not self.body.logprobs or not d.token_ids:
@@ -91,13 +113,34 @@ class ChatAnswer:
             self.greeted.add(d.index)
             out.append(self._choice_chunk(d, {"role": "assistant", "content": ""}))
         lp = await self._logprobs(d)
-        if d.text or lp:
-            content = {"content": lp} if lp is not None else None
-            out.append(self._choice_chunk(d, {"content": d.text}, content))
+        content = {"content": lp} if lp is not None else None
+        reader = self.readers.get(d.index)
+        if reader is None:
+            if d.text or lp:
+                out.append(self._choice_chunk(d, {"content": d.text}, content))
+            num_calls = 0
+        else:
+            out.extend(self._tool_chunks(d, reader, content))
+            num_calls = reader.num_calls
         if d.finished:
-            end = {"finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+            reason = self._finish_reason(d.finish_reason, num_calls)
+            end = {"finish_reason": reason, "stop_reason": d.stop_reason}
             out.append(self._choice_chunk(d, {}, **end))
         return out
+
+    def _tool_chunks(self, d: StreamDelta, reader: ToolCallStream, logprobs: Any) -> list[str]:
+        """A delta's text as content and tool-call chunks; its logprobs ride on the first."""
+        text, calls = reader.feed(d.text)
+        if d.finished:
+            more_text, more_calls = reader.finish()
+            text, calls = text + more_text, calls + more_calls
+        deltas = ([{"content": text}] if text else []) + [{"tool_calls": [c]} for c in calls]
+        if not deltas and logprobs is not None:
+            deltas = [{}]
+        return [
+            self._choice_chunk(d, delta, logprobs if k == 0 else None)
+            for k, delta in enumerate(deltas)
+        ]
 
     async def add(self, i: int, d: StreamDelta) -> None:
         """Fold one delta into the whole answer (non-streaming)."""
@@ -112,16 +155,26 @@ class ChatAnswer:
 
     def whole(self) -> dict:
         """The non-streaming body, once every delta is in."""
-        choices = [
-            {
-                "index": j,
-                "message": {"role": "assistant", "content": self.texts[j]},
-                "logprobs": {"content": self.lps[j]} if self.body.logprobs else None,
-                "finish_reason": self.finish.get(j, (None, None))[0],
-                "stop_reason": self.finish.get(j, (None, None))[1],
-            }
-            for j in range(self.n)
-        ]
+        choices = []
+        for j in range(self.n):
+            message: dict[str, Any] = {"role": "assistant", "content": self.texts[j]}
+            if self.plan.parser is not None:
+                found = extract(self.plan.parser, self.texts[j], self.plan.max_calls)
+                message["content"] = found.content
+                if found.tool_calls:
+                    message["tool_calls"] = found.tool_calls
+            reason, stop_reason = self.finish.get(j, (None, None))
+            choices.append(
+                {
+                    "index": j,
+                    "message": message,
+                    "logprobs": {"content": self.lps[j]} if self.body.logprobs else None,
+                    "finish_reason": self._finish_reason(
+                        reason, len(message.get("tool_calls", []))
+                    ),
+                    "stop_reason": stop_reason,
+                }
+            )
         return {
             "id": self.rid,
             "object": "chat.completion",
@@ -138,10 +191,13 @@ class ChatAnswer:
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     answer = await ChatAnswer.begin(body, request)
     if body.stream:
-        first, rest = await start(answer.run, request)
+        try:
+            first, rest = await start(answer.run, request)
+        except APIError as e:
+            raise answer.error(e) from None
         return stream_response(answer.run, first, rest, answer.events)
     try:
         await collect(answer.run, request, answer.add)
     except LLMServeError as e:
-        raise APIError.from_llmserve(e) from None
+        raise answer.error(e) from None
     return JSONResponse(answer.whole())

@@ -14,6 +14,8 @@ import uvicorn
 from client.envs import address as default_address
 from frontend_svc.app import create_app
 from frontend_svc.auth import load_api_keys
+from frontend_svc.tools.parsers import load_plugin, parser_names
+from frontend_svc.tools.protocol import ToolConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,16 +50,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="API keys, one per line (optionally followed by a name); with it or "
         "$LLMSERVE_API_KEY, API calls need 'Authorization: Bearer <key>'",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default with tools): the model decides, and its calls are '
+        "read from its text by --tool-call-parser (as vLLM)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        help="how the model writes tool calls: hermes (Hermes, Qwen2.5, Qwen3), llama3_json, "
+        "or one a --tool-parser-plugin registers",
+    )
+    p.add_argument(
+        "--tool-parser-plugin",
+        type=Path,
+        help="a Python file that registers tool call parsers "
+        "(@frontend_svc.tools.parsers.register_tool_parser)",
+    )
     return p
 
 
-async def serve(args: argparse.Namespace) -> None:
+def tool_config(args: argparse.Namespace) -> ToolConfig:
+    """The tool flags checked as vLLM checks them, before the server starts."""
+    if args.tool_parser_plugin is not None:
+        load_plugin(args.tool_parser_plugin)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.tool_call_parser and args.tool_call_parser not in parser_names():
+        raise SystemExit(
+            f"unknown --tool-call-parser {args.tool_call_parser!r}; "
+            f"expected one of {', '.join(parser_names())}"
+        )
+    return ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser)
+
+
+async def serve(args: argparse.Namespace, tools: ToolConfig) -> None:
     app = create_app(
         args.scheduler or default_address(),
         served_model_name=args.served_model_name,
         resume_timeout_s=args.resume_timeout,
         api_keys=load_api_keys(args.api_key_file),
         scheduler_tls_ca=str(args.scheduler_tls_ca) if args.scheduler_tls_ca else None,
+        tool_config=tools,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -95,5 +129,6 @@ def configure_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    asyncio.run(serve(args))
+    tools = tool_config(args)  # a bad flag stops the server before it listens
+    asyncio.run(serve(args, tools))
     return 0

@@ -32,6 +32,7 @@ from frontend_svc.responses import (
 from frontend_svc.serving import Run, collect, request_id_from, sse, start, stream_response
 from frontend_svc.serving import token_texts as _token_texts
 from frontend_svc.state import FrontendState
+from frontend_svc.tools.structured import name_param
 
 router = APIRouter()
 
@@ -163,8 +164,9 @@ class CompletionAnswer:
         if d.finished:
             self.finish[c] = (d.finish_reason, d.stop_reason)
 
-    def error(self, e: LLMServeError) -> APIError:
-        err = APIError.from_llmserve(e)
+    def error(self, e: LLMServeError | APIError) -> APIError:
+        err = e if isinstance(e, APIError) else APIError.from_llmserve(e)
+        err = name_param(err, self.body.structured_output()[1])
         if self.body.best_of is not None and err.message.startswith("params.n "):
             # The scheduler sees best_of as n: name the field the client sent.
             err.message, err.param = "best_of" + err.message[len("params.n") :], "best_of"
@@ -196,7 +198,10 @@ class CompletionAnswer:
 async def completions(body: CompletionRequest, request: Request):
     answer = await CompletionAnswer.begin(body, request)
     if body.stream:
-        first, rest = await start(answer.run, request)
+        try:
+            first, rest = await start(answer.run, request)
+        except APIError as e:
+            raise answer.error(e) from None
         return stream_response(answer.run, first, rest, answer.events)
     try:
         await collect(answer.run, request, answer.add)

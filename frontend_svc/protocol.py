@@ -3,8 +3,9 @@ translation into the scheduler's sampling parameters.
 
 Fields follow the OpenAI API reference; vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
-include_stop_str_in_output, priority) are accepted in the body as vLLM accepts them.
-Unknown fields are ignored, as vLLM does.
+include_stop_str_in_output, priority) are accepted in the body as vLLM accepts them, and so
+are the structured-output fields (tools/structured.py). Unknown fields are ignored, as vLLM
+does. Tools and tool_choice: tools/protocol.py.
 """
 
 from __future__ import annotations
@@ -14,15 +15,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from client.params import SamplingParams
-from client.prompts import InfillPrompt
+from client.prompts import ChatPrompt, InfillPrompt
 from frontend_svc.errors import bad_request
+from frontend_svc.tools.models import Tool, ToolCall, ToolChoice
+from frontend_svc.tools.protocol import ToolConfig, ToolPlan, plan_tools
+from frontend_svc.tools.structured import StructuredFields
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(StructuredFields):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -78,6 +82,7 @@ class _Common(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self._logit_bias(),
             prompt_logprobs=self.prompt_logprobs,
+            structured_output=self.structured_output()[0],
         )
         if params.seed is not None and params.seed < 0:
             raise bad_request("seed must be >= 0", "seed")
@@ -177,6 +182,18 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -193,8 +210,20 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated spelling of tools: not honoured, so a 400.
+    functions: Any = None
+    function_call: Any = None
 
-    def to_params(self, max_model_len: int) -> SamplingParams:
+    def plan(self, config: ToolConfig) -> ToolPlan:
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise bad_request(f"{name} is not supported; use tools and tool_choice", name)
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, config)
+
+    def to_params(self, max_model_len: int, plan: ToolPlan | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         max_tokens = self.max_completion_tokens or self.max_tokens
@@ -202,13 +231,25 @@ class ChatCompletionRequest(_Common):
         params = self.sampling_params(max_tokens or max_model_len, None)
         if self.logprobs:
             params.logprobs = self.top_logprobs or 0
+        if plan is not None and plan.constraint is not None:
+            if params.structured_output is not None:
+                raise bad_request(
+                    f"tool_choice {plan.mode!r} constrains the output itself; it cannot be "
+                    f"combined with {self.structured_output()[1]}",
+                    "tool_choice",
+                )
+            params.structured_output = plan.constraint
+        keep = plan.parser.skip_special_tokens if plan is not None and plan.parser else None
+        if keep is not None:
+            params.skip_special_tokens = keep
         return params
 
-    def chat(self) -> dict[str, Any]:
-        return {
-            "messages": [{"role": m.role, "content": m.text()} for m in self.messages],
-            "add_generation_prompt": self.add_generation_prompt,
-        }
+    def chat(self, plan: ToolPlan | None = None) -> ChatPrompt:
+        return ChatPrompt(
+            [m.to_dict() for m in self.messages],
+            self.add_generation_prompt,
+            tools=plan.tools if plan is not None else None,
+        )
 
 
 class TokenizeRequest(BaseModel):
@@ -217,6 +258,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None  # handed to the chat template, as vLLM's /tokenize
 
 
 class DetokenizeRequest(BaseModel):

@@ -14,6 +14,7 @@ from client.prompts import PromptInput
 from frontend_svc.errors import APIError
 from frontend_svc.generation import retrying
 from frontend_svc.serving import Run
+from frontend_svc.tools.protocol import ToolConfig
 
 # A scheduler that restarts should be reached again quickly, not after gRPC's default back-off
 # (which grows to two minutes).
@@ -33,8 +34,10 @@ class FrontendState:
         resume_timeout_s: float = 60.0,
         api_key: str | None = None,
         scheduler_tls_ca: str | None = None,
+        tool_config: ToolConfig | None = None,
     ) -> None:
         self.scheduler_address = scheduler_address
+        self.tool_config = tool_config or ToolConfig()
         self.served_model_name = served_model_name
         self.resume_timeout_s = resume_timeout_s
         self.client = AsyncLLMClient(

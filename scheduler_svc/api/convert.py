@@ -6,12 +6,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import TYPE_CHECKING, Any
 
 from protos import scheduler_pb2 as pb
 from scheduler_svc.core.request import FinishReason, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams, ValidationError
 from scheduler_svc.engine.config import GenerateInput, ServerInfo, public_id
+from scheduler_svc.output.tokenizer import Conversation
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.streams import EngineEvent, RequestHandle, RequestView
@@ -84,16 +86,44 @@ def generate_input_from_proto(r: pb.GenerateRequest) -> GenerateInput:
     elif kind == "infill":
         inp.infill = (r.infill.prefix, r.infill.suffix)
     else:
-        for i, m in enumerate(r.chat.messages):
-            if m.role not in CHAT_ROLES:
-                raise ValidationError(
-                    f"prompt.chat.messages[{i}].role must be one of "
-                    f"{', '.join(sorted(CHAT_ROLES))}, got {m.role[:32]!r}"
-                )
-        inp.chat = [{"role": m.role, "content": m.content} for m in r.chat.messages]
+        inp.chat = chat_from_proto(r.chat)
         if r.chat.HasField("add_generation_prompt"):
             inp.add_generation_prompt = r.chat.add_generation_prompt
     return inp
+
+
+def chat_from_proto(chat: pb.ChatPrompt) -> Conversation:
+    """A chat prompt as the chat template is handed it: messages as dicts (with their tool
+    calls, tool call id and name where set) and the tools."""
+    messages = []
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise ValidationError(
+                f"prompt.chat.messages[{i}].role must be one of "
+                f"{', '.join(sorted(CHAT_ROLES))}, got {m.role[:32]!r}"
+            )
+        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls_json:
+            calls = _json_list(m.tool_calls_json, f"prompt.chat.messages[{i}].tool_calls_json")
+            msg["tool_calls"] = calls
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name:
+            msg["name"] = m.name
+        messages.append(msg)
+    tools = _json_list(chat.tools_json, "prompt.chat.tools_json") if chat.tools_json else None
+    return Conversation(messages, tools=tools)
+
+
+def _json_list(text: str, field: str) -> list[dict[str, Any]]:
+    """A JSON list of objects (tools, tool calls), or INVALID_ARGUMENT naming `field`."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValidationError(f"{field} is not valid JSON: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(x, dict) for x in value):
+        raise ValidationError(f"{field} must be a JSON list of objects")
+    return value
 
 
 def tokenize_input_from_proto(r: pb.TokenizeRequest) -> GenerateInput:

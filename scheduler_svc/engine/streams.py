@@ -347,70 +347,44 @@ class RequestHandle:
 
     async def events(self, from_index: int | list[int]) -> AsyncIterator[EngineEvent]:
         """Acknowledged output from token `from_index` on, one event per sequence and wake-up
-        (a listener that falls behind gets several tokens in one event), until every sequence
-        has finished. Runs once per listener per step, so it is kept lean."""
-        n = self.n
-        acked = self.acked
-        want_lp = self.params.logprobs is not None
+        (a listener that falls behind gets several tokens in one event) until all finished.
+        Runs per listener per step: one function, no calls per event (measured: see git log)."""
+        n, acked, want_lp = self.n, self.acked, self.params.logprobs is not None
         cursors = [from_index] * n if isinstance(from_index, int) else list(from_index)
-        done = [False] * n
-        remaining = n
+        done, remaining, loop = [False] * n, n, asyncio.get_running_loop()
         while True:
             yielded = False
             for i in range(n):
                 if done[i]:
                     continue
-                log = acked[i]
-                c = cursors[i]
-                # Snapshot before yielding: more tokens may be published while suspended, and
-                # they belong to the next event, not to a cursor jump past them.
-                end = len(log.tokens)
-                finished = log.finish_reason is not None
+                log, c = acked[i], cursors[i]
+                # Snapshot before yielding: tokens published while suspended belong to the
+                # next event, not to a cursor jump past them.
+                end, finished = len(log.tokens), log.finish_reason is not None
                 if c >= end and not finished:
                     continue
                 if end > c:
                     cursors[i] = end
                 if finished:
-                    done[i] = True
-                    remaining -= 1
+                    done[i], remaining = True, remaining - 1
+                text = log.chunks[c] if end - c == 1 else "".join(log.chunks[c:end])
+                if finished and log.tail:
+                    text += log.tail
                 yielded = True
-                yield self._event(i, c, end, finished, want_lp)
+                yield EngineEvent(i, c, log.tokens[c:end], text,
+                                  log.logprobs[c:end] if want_lp else None, log.finish_reason,
+                                  log.stop_reason, self.error if finished else "",
+                                  self.acked_prompt_logprobs if c == 0 else None)  # fmt: skip
             if not remaining:
                 return
             if self._closed is not None:
                 raise Unavailable(self._closed)
+            # After a yield look again before parking (a step may have published while the
+            # caller wrote): only a pass that found nothing cannot miss a notify().
             if not yielded:
-                await self._park()
-            # Else look again before parking: a yield suspends this generator while the caller
-            # writes to the network, and a step that publishes meanwhile finds no waiter here
-            # to wake; parking now would leave its tokens (and the finish) for a step that
-            # never comes.
-
-    async def _park(self) -> None:
-        """Wait for the next notify(). Only after a pass that found nothing and did not
-        suspend: nothing was published since it looked, so the wait cannot miss anything."""
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        await waiter
-
-    def _event(self, i: int, c: int, end: int, finished: bool, want_lp: bool) -> EngineEvent:
-        """Sequence `i`'s acknowledged tokens [c, end), with its finish when `finished`."""
-        log = self.acked[i]
-        chunks = log.chunks
-        text = chunks[c] if end - c == 1 else "".join(chunks[c:end])
-        if finished and log.tail:
-            text += log.tail
-        return EngineEvent(
-            i,
-            c,
-            log.tokens[c:end],
-            text,
-            log.logprobs[c:end] if want_lp else None,
-            log.finish_reason,
-            log.stop_reason,
-            self.error if finished else "",
-            self.acked_prompt_logprobs if c == 0 else None,
-        )
+                waiter = loop.create_future()
+                self._waiters.append(waiter)
+                await waiter
 
     def view(self) -> RequestView:
         reasons = [log.finish_reason for log in self.acked]

@@ -17,14 +17,18 @@ no torch, and is built here from the files alone.
 from __future__ import annotations
 
 import importlib
+import json
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerFast
 
 __all__ = [
     "ChatMessage",
+    "Conversation",
     "encode_chat",
     "encode_infill",
     "fim_token_ids",
@@ -36,8 +40,23 @@ __all__ = [
     "tokenizer_class",
 ]
 
-# A chat turn as the template sees it: {"role": ..., "content": ...}.
-ChatMessage = Mapping[str, str]
+# A chat turn as the template sees it: {"role": ..., "content": ...}, and where the turn has
+# them "tool_calls" (OpenAI tool-call objects), "tool_call_id" and "name".
+ChatMessage = Mapping[str, Any]
+
+
+class Conversation(list):
+    """Chat messages and the tools the template is handed (`tools=`, OpenAI tool objects).
+
+    A list, so that everything that carries a conversation from the API to `encode_chat`
+    (`GenerateInput.chat`) carries its tools along without knowing about them.
+    """
+
+    def __init__(
+        self, messages: Iterable[ChatMessage] = (), tools: list[dict[str, Any]] | None = None
+    ) -> None:
+        super().__init__(messages)
+        self.tools = tools
 
 
 def load_tokenizer(files: Mapping[str, bytes], class_name: str = "") -> PreTrainedTokenizerFast:
@@ -125,20 +144,59 @@ def render_chat(
     messages: Iterable[ChatMessage],
     *,
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """Render chat messages to prompt text with the tokenizer's chat template."""
+    """Render chat messages to prompt text with the tokenizer's chat template; `tools` (or, if
+    None, those of a `Conversation`) are handed to the template as `tools`."""
     if not tokenizer.chat_template:
         raise ValueError(
             "this model's tokenizer has no chat template; send the prompt as text or token ids"
         )
-    conversation = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if tools is None:
+        tools = getattr(messages, "tools", None)
+    conversation = [_template_message(m) for m in messages]
     if not conversation:
         raise ValueError("chat prompt must contain at least one message")
-    rendered = tokenizer.apply_chat_template(
-        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    try:
+        rendered = tokenizer.apply_chat_template(
+            conversation,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+    except TemplateError as e:
+        # Templates raise on what they do not support (a role, tools): the client's to fix.
+        raise ValueError(f"the model's chat template refused the messages: {e}") from None
     assert isinstance(rendered, str)
     return rendered
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates expect it: only the keys it has (templates test `message.
+    tool_calls is defined`), and tool-call arguments as objects, not OpenAI's JSON text
+    (transformers' convention: templates write them with `tojson`)."""
+    out: dict[str, Any] = {"role": m["role"], "content": m["content"]}
+    for key in ("tool_call_id", "name"):
+        if m.get(key):
+            out[key] = m[key]
+    if m.get("tool_calls"):
+        out["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
+    return out
+
+
+def _template_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    call = dict(call)
+    function = dict(call.get("function") or {})
+    args = function.get("arguments")
+    if isinstance(args, str):
+        try:
+            function["arguments"] = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ValueError(f"tool call arguments must be JSON text, got {args[:64]!r}") from None
+    elif args is None:
+        function["arguments"] = {}
+    call["function"] = function
+    return call
 
 
 def encode_chat(

@@ -1,0 +1,82 @@
+"""Tools in a chat request (OpenAI's shape) and what `tool_choice` makes of them: a `ToolPlan`
+saying how the output is constrained (a `StructuredOutput` for `required` and a named
+function) and read back (a parser for `auto`, the forced shapes otherwise).
+
+As vLLM: with tools and no `tool_choice`, the choice is `auto`; `auto` needs the frontend to
+have been started with `--enable-auto-tool-choice` and a `--tool-call-parser`; `none` keeps the
+tools in the prompt (the template may describe them) and reads no calls back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from client.structured import StructuredOutput
+from frontend_svc.errors import bad_request
+from frontend_svc.tools.models import NamedToolChoice, Tool, ToolChoice
+from frontend_svc.tools.parsers import ToolParser, parser_class
+from frontend_svc.tools.parsers.forced import CallListParser, NamedCallParser
+from frontend_svc.tools.schema import call_list_schema, parameters_schema
+
+
+@dataclass(slots=True)
+class ToolPlan:
+    """How one chat call treats tools: `mode` is the effective tool_choice ("none", "auto",
+    "required" or "named"); `constraint` what the output is held to; `parser` reads calls."""
+
+    mode: str
+    tools: list[dict[str, Any]] | None = None  # handed to the chat template
+    constraint: StructuredOutput | None = None
+    parser: ToolParser | None = None
+    # parallel_tool_calls: false under "auto": calls past the first are not reported (under
+    # "required" the schema allows one).
+    max_calls: int | None = None
+
+
+@dataclass(slots=True)
+class ToolConfig:
+    """The frontend's flags: `--enable-auto-tool-choice` and `--tool-call-parser`."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+
+def plan_tools(
+    tools: list[Tool] | None,
+    tool_choice: ToolChoice | None,
+    parallel_tool_calls: bool | None,
+    config: ToolConfig,
+) -> ToolPlan:
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        return ToolPlan("none")
+    dumped = [t.model_dump(exclude_none=True) for t in tools]
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "none":
+        return ToolPlan("none", dumped)
+    if choice == "auto":
+        if not (config.enable_auto_tool_choice and config.tool_call_parser):
+            raise bad_request(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set",
+                "tool_choice",
+            )
+        parser = parser_class(config.tool_call_parser)()
+        max_calls = 1 if parallel_tool_calls is False else None
+        return ToolPlan("auto", dumped, parser=parser, max_calls=max_calls)
+    functions = [t.function for t in tools]
+    if choice == "required":
+        schema = call_list_schema(functions, parallel=parallel_tool_calls is not False)
+        constraint = StructuredOutput("json_schema", json.dumps(schema, ensure_ascii=False))
+        return ToolPlan("required", dumped, constraint, CallListParser())
+    assert isinstance(choice, NamedToolChoice)
+    name = choice.function.name
+    function = next((f for f in functions if f.name == name), None)
+    if function is None:
+        raise bad_request(f"Tool '{name}' has not been passed in `tools`.", "tool_choice")
+    schema = parameters_schema(function)
+    constraint = StructuredOutput("json_schema", json.dumps(schema, ensure_ascii=False))
+    return ToolPlan("named", dumped, constraint, NamedCallParser(name))

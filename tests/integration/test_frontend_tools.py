@@ -1,0 +1,357 @@
+"""Tool calling through the official openai client, against a real stack whose model writes
+known texts (tests/support/tool_model.py: Hermes tool calls, text, or both; `logit_bias` picks
+the script) behind a frontend started with `--enable-auto-tool-choice --tool-call-parser
+hermes`.
+
+tool_choice "auto" and "none", tool messages and streaming need nothing but this branch.
+`required`, a named function and `beta.chat.completions.parse` are enforced by the scheduler's
+grammar engine: they skip (saying so) while the scheduler does not honour structured outputs,
+and must run once it does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer
+
+from scheduler_svc.local.redis_server import RedisServer
+from tests.support.frontend import Frontend
+from tests.support.stack import Stack
+from tests.support.tool_model import SCRIPT_BIAS, SCRIPTS, build_tool_model
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Tokyo"]},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["Asia/Tokyo", "UTC"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory):
+    return build_tool_model(tmp_path_factory.mktemp("tool-model"))
+
+
+@pytest.fixture(scope="module")
+def llmserve_stack(tmp_path_factory, tool_model_dir):
+    tmp = tmp_path_factory.mktemp("tool-stack")
+    redis = RedisServer(data_dir=tmp / "redis")
+    redis.start()
+    stack = Stack(
+        workdir=tmp,
+        model_dir=tool_model_dir,
+        redis=redis,
+        executor_args=["--num-device-blocks", "512", "--swap-space", "0.05"],
+    )
+    try:
+        stack.start_executor()
+        stack.start_scheduler()
+        yield stack
+    except BaseException:
+        print(stack.logs())
+        raise
+    finally:
+        stack.stop()
+        redis.close()
+
+
+@pytest.fixture(scope="module")
+def frontend(llmserve_stack, tmp_path_factory):
+    fe = Frontend.start(
+        tmp_path_factory.mktemp("frontend"),
+        llmserve_stack.address,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    )
+    try:
+        fe.wait_healthy()
+        yield fe
+    finally:
+        fe.stop()
+        assert "Traceback" not in fe.log(), fe.log()
+
+
+@pytest.fixture(scope="module")
+def vocab(tool_model_dir) -> Tokenizer:
+    return Tokenizer.from_file(str(tool_model_dir / "tokenizer.json"))
+
+
+def script(vocab: Tokenizer, name: str) -> dict[str, float]:
+    """The logit_bias that makes the model write SCRIPTS[name]."""
+    return {str(vocab.token_to_id(SCRIPTS[name][0])): SCRIPT_BIAS}
+
+
+def calls_of(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+def test_auto_reads_a_call_from_the_text(oai, model):
+    got = oai.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=32)
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert calls_of(choice.message) == [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+
+
+def test_auto_text_and_parallel_calls(oai, model, vocab):
+    got = oai.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, max_tokens=32,
+        logit_bias=script(vocab, "text_then_two_calls"),
+    )  # fmt: skip
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look that up."
+    assert calls_of(choice.message) == [
+        ("get_weather", {"city": "Tokyo"}),
+        ("get_time", {"zone": "Asia/Tokyo"}),
+    ]
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+
+
+def test_auto_without_a_call_is_plain_content(oai, model, vocab):
+    got = oai.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=32,
+        logit_bias=script(vocab, "plain_text"),
+    )
+    choice = got.choices[0]
+    assert choice.message.content == "The weather is nice today."
+    assert not choice.message.tool_calls and choice.finish_reason == "stop"
+
+
+def test_tool_choice_none_reads_no_calls(oai, model):
+    got = oai.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=32
+    )
+    assert got.choices[0].message.content == "".join(SCRIPTS["single_call"])
+    assert not got.choices[0].message.tool_calls and got.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_streamed_calls_equal_the_whole_answer(oai, model, vocab, name):
+    kwargs = dict(
+        model=model, messages=ASK, tools=TOOLS, max_tokens=32, logit_bias=script(vocab, name)
+    )
+    whole = oai.chat.completions.create(**kwargs).choices[0]
+    content, calls, fragments, finish = "", {}, {}, None
+    for chunk in oai.chat.completions.create(**kwargs, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            if tc.index not in calls:  # a call's first delta: id, type and name, no arguments
+                assert tc.id.startswith("call_") and tc.type == "function"
+                assert tc.function.name and tc.function.arguments == ""
+                calls[tc.index], fragments[tc.index] = tc.function.name, []
+            else:
+                assert tc.id is None and tc.function.name is None
+                fragments[tc.index].append(tc.function.arguments)
+        finish = chunk.choices[0].finish_reason or finish
+    assert (content or None) == whole.message.content
+    assert [(calls[i], json.loads("".join(fragments[i]))) for i in sorted(calls)] == calls_of(
+        whole.message
+    )
+    assert finish == whole.finish_reason
+    if name == "single_call":  # its arguments span three tokens (a delta may carry several)
+        assert len(fragments[0]) >= 2
+
+
+def test_tool_messages_render_through_the_models_template(oai, model, frontend, tool_model_dir):
+    first = oai.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=32)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [
+        *ASK,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    status, body = frontend.request(
+        "POST", "/tokenize", {"messages": messages, "tools": TOOLS, "add_generation_prompt": True}
+    )
+    assert status == 200, body
+    hf = AutoTokenizer.from_pretrained(tool_model_dir)
+    hf_messages = json.loads(json.dumps(messages))
+    hf_messages[1]["tool_calls"][0]["function"]["arguments"] = json.loads(call.function.arguments)
+    want = hf.apply_chat_template(hf_messages, tools=TOOLS, add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)  # fmt: skip
+    assert body["tokens"] == list(want)
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in hf.decode(want)
+    again = oai.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=32)
+    assert again.usage.prompt_tokens == len(want)
+    assert again.choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_needs_a_parser(llmserve_stack, tmp_path_factory):
+    fe = Frontend.start(tmp_path_factory.mktemp("plain-frontend"), llmserve_stack.address)
+    try:
+        fe.wait_healthy()
+        oai = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key="unused", max_retries=0)
+        model = oai.models.list().data[0].id
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=4)
+        assert e.value.body["param"] == "tool_choice"
+        assert "--enable-auto-tool-choice" in e.value.body["message"]
+        got = oai.chat.completions.create(
+            model=model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=32
+        )
+        assert got.choices[0].message.content == "".join(SCRIPTS["single_call"])
+    finally:
+        fe.stop()
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "tools.0.function"),
+    ],
+)  # fmt: skip
+def test_bad_tool_requests_are_400s(oai, model, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=ASK, max_tokens=4, **body)
+    assert e.value.body["param"] == param
+
+
+# ------------------------------------------------------------------ need grammar enforcement
+
+
+@pytest.fixture(scope="module")
+def enforced(oai, model, vocab) -> dict[str, float]:
+    """Skips unless the scheduler enforces structured outputs (grammar-core); else the
+    logit_bias every constrained test uses: no whitespace and no script pieces, so that a
+    model whose every other logit ties writes the shortest JSON its schema allows."""
+    got = oai.completions.create(
+        model=model, prompt="Yes or no?", max_tokens=4,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )  # fmt: skip
+    if got.choices[0].text not in ("yes", "no"):
+        pytest.skip("needs grammar-core: the scheduler does not enforce structured_output yet")
+    banned = [vocab.token_to_id(c) for c in "ĠĊĉč"]
+    banned += [vocab.token_to_id(p) for s in SCRIPTS.values() for p in s]
+    return {str(t): -100.0 for t in banned}
+
+
+def test_required_makes_a_call(oai, model, enforced):
+    got = oai.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=96, logit_bias=enforced, temperature=0,
+    )  # fmt: skip
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    ((name, args),) = calls_of(choice.message)
+    schema = {"get_weather": WEATHER, "get_time": TIME}[name]["function"]["parameters"]
+    assert set(args) == set(schema["required"])
+    for key, value in args.items():
+        assert value in schema["properties"][key]["enum"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_function_is_called(oai, model, enforced, stream):
+    kwargs = dict(
+        model=model, messages=ASK, tools=TOOLS, max_tokens=96, logit_bias=enforced,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, temperature=0,
+    )  # fmt: skip
+    if not stream:
+        choice = oai.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "stop"  # as OpenAI: a forced call ends as "stop"
+        assert calls_of(choice.message) == [("get_time", {"zone": "Asia/Tokyo"})] or calls_of(
+            choice.message
+        ) == [("get_time", {"zone": "UTC"})]
+        return
+    name, args = None, ""
+    for chunk in oai.chat.completions.create(**kwargs, stream=True):
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            assert tc.index == 0
+            name = name or tc.function.name
+            args += tc.function.arguments or ""
+    assert name == "get_time" and json.loads(args)["zone"] in ("Asia/Tokyo", "UTC")
+
+
+class Weather(BaseModel):
+    city: Literal["Paris", "Tokyo"]
+    sunny: bool
+
+
+def test_parse_with_a_pydantic_model(oai, model, enforced):
+    got = oai.chat.completions.parse(
+        model=model, messages=ASK, response_format=Weather, max_tokens=64,
+        logit_bias=enforced, temperature=0,
+    )  # fmt: skip
+    parsed = got.choices[0].message.parsed
+    assert isinstance(parsed, Weather)
+    assert Weather.model_validate_json(got.choices[0].message.content) == parsed
+
+
+def test_parse_with_a_strict_tool(oai, model, enforced):
+    tool = openai.pydantic_function_tool(Weather, name="report")
+    got = oai.chat.completions.parse(
+        model=model, messages=ASK, tools=[tool], max_tokens=64, logit_bias=enforced,
+        tool_choice={"type": "function", "function": {"name": "report"}}, temperature=0,
+    )  # fmt: skip
+    call = got.choices[0].message.tool_calls[0]
+    assert isinstance(call.function.parsed_arguments, Weather)
+
+
+def test_a_tool_schema_the_grammar_engine_rejects_names_tool_choice(oai, model, enforced):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(
+            model=model, messages=ASK, tools=[bad], max_tokens=8,
+            tool_choice={"type": "function", "function": {"name": "f"}},
+        )  # fmt: skip
+    assert e.value.body["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_without_parallel_calls_reports_the_first(oai, model, vocab, stream):
+    kwargs = dict(
+        model=model, messages=ASK, tools=TOOLS, max_tokens=32, parallel_tool_calls=False,
+        logit_bias=script(vocab, "text_then_two_calls"),
+    )  # fmt: skip
+    if not stream:
+        message = oai.chat.completions.create(**kwargs).choices[0].message
+        assert calls_of(message) == [("get_weather", {"city": "Tokyo"})]
+        return
+    indexes = {
+        tc.index
+        for chunk in oai.chat.completions.create(**kwargs, stream=True)
+        for tc in chunk.choices[0].delta.tool_calls or []
+    }
+    assert indexes == {0}
