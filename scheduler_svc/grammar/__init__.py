@@ -3,5 +3,7 @@ sequence and sends each step's allowed-token masks; the executor only applies th
 
 `spec` turns a request's `structured_output` into grammar text and checks its size, `compiler`
 compiles and caches grammars (llguidance), `bitmask` packs mask rows for the wire, `matchers`
-owns the matchers and builds a step's masks. Nothing here imports torch.
+owns the matchers and builds a step's masks, `structured` is the engine's one seam (validate,
+add a step's masks, grammar complete?). Nothing here imports torch. Path and design:
+docs/internals.md, "A constrained request's path".
 """
