@@ -158,7 +158,7 @@ class BlockMapping(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class ExecuteModelRequest(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "cached_sequences", "finished_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "decode_seq_ids", "decode_num_computed_tokens", "instance_id", "leader_epoch", "after_step_id")
+    __slots__ = ("step_id", "new_sequences", "cached_sequences", "finished_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "decode_seq_ids", "decode_num_computed_tokens", "instance_id", "leader_epoch", "after_step_id", "token_masks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     CACHED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class ExecuteModelRequest(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     AFTER_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     cached_sequences: _containers.RepeatedCompositeFieldContainer[CachedSequence]
@@ -183,7 +184,18 @@ class ExecuteModelRequest(_message.Message):
     instance_id: str
     leader_epoch: int
     after_step_id: int
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_sequences: _Optional[_Iterable[_Union[CachedSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[str]] = ..., decode_num_computed_tokens: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., after_step_id: _Optional[int] = ...) -> None: ...
+    token_masks: TokenMasks
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., cached_sequences: _Optional[_Iterable[_Union[CachedSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., decode_seq_ids: _Optional[_Iterable[str]] = ..., decode_num_computed_tokens: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., after_step_id: _Optional[int] = ..., token_masks: _Optional[_Union[TokenMasks, _Mapping]] = ...) -> None: ...
+
+class TokenMasks(_message.Message):
+    __slots__ = ("seq_positions", "row_index", "rows")
+    SEQ_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    ROW_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    seq_positions: _containers.RepeatedScalarFieldContainer[int]
+    row_index: _containers.RepeatedScalarFieldContainer[int]
+    rows: bytes
+    def __init__(self, seq_positions: _Optional[_Iterable[int]] = ..., row_index: _Optional[_Iterable[int]] = ..., rows: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -47,6 +47,7 @@ class StepWork:
                 num_computed_tokens=s.num_computed_tokens,
                 num_scheduled_tokens=n,
                 sampling_params=s.sampling_params,
+                token_mask=plan.token_masks.get(s.seq_id) if plan.token_masks else None,
             )
             for s, n in plan.scheduled
         ]

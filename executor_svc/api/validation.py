@@ -12,10 +12,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from executor_svc.api.seq_state import BlockTable, SeqState
 from executor_svc.runner.model_runner import ModelRunner
 from executor_svc.runner.pooling import check_pooling
 from executor_svc.runner.sampler import SamplingParams
+from executor_svc.runner.token_mask import decode_masks
 from protos import executor_pb2 as pb
 
 __all__ = ["InvalidStep", "StepPlan", "validate_step"]
@@ -34,6 +37,8 @@ class StepPlan:
     states: dict[str, SeqState]
     # The decode lane's sequences, in request order (also the tail of `scheduled`).
     lane: list[SeqState] = field(default_factory=list)
+    # Structured output: seq_id -> this step's allowed tokens as packed words (TokenMask).
+    token_masks: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +94,27 @@ def validate_step(
     lane = _validate_decode_lane(request, seqs, in_step, finished, limits.block_size)
     scheduled.extend((s, 1) for s in lane)
     states = {s.seq_id: s for s, _ in scheduled}
-    return StepPlan(new_states=new_states, scheduled=scheduled, states=states, lane=lane)
+    masks = _check_token_masks(request.token_masks, scheduled, limits.vocab_size)
+    return StepPlan(new_states, scheduled, states, lane, masks)
+
+
+def _check_token_masks(
+    masks: pb.TokenMasks, scheduled: list[tuple[SeqState, int]], vocab_size: int
+) -> dict[str, np.ndarray]:
+    seq_ids: list[str] = []
+    for i, pos in enumerate(masks.seq_positions):
+        if pos >= len(scheduled):
+            raise InvalidStep(
+                f"token_masks.seq_positions[{i}]: {pos} is past the {len(scheduled)} sequences "
+                "of this step"
+            )
+        seq_ids.append(scheduled[pos][0].seq_id)
+    if len(set(seq_ids)) != len(seq_ids):
+        raise InvalidStep("token_masks.seq_positions: a sequence appears twice")
+    try:
+        return decode_masks(seq_ids, masks.row_index, masks.rows, vocab_size)
+    except ValueError as e:
+        raise InvalidStep(f"token_masks: {e}") from None
 
 
 def _check_finished(finished_seq_ids: Sequence[str], seqs: dict[str, SeqState]) -> set[str]:

@@ -30,6 +30,7 @@ from executor_svc.runner.kv_cache import (
 )
 from executor_svc.runner.loader import ModelInfo, load_model, resolve_device
 from executor_svc.runner.pooling import PooledResult, pool_step
+from executor_svc.runner.token_mask import apply_token_masks
 
 if TYPE_CHECKING:
     from executor_svc.parallel.group import TPGroup
@@ -50,6 +51,9 @@ class ScheduledSequence:
     num_computed_tokens: int  # tokens already in the KV cache
     num_scheduled_tokens: int  # compute token_ids[num_computed : num_computed + num_scheduled]
     sampling_params: SamplingParams
+    # Structured output: this step's allowed tokens as packed uint32 words (runner/token_mask.py),
+    # None when unconstrained.
+    token_mask: np.ndarray | None = None
     # A token is sampled iff num_computed_tokens + num_scheduled_tokens == len(token_ids), and
     # never for a prompt-only sequence (sampling_params.prompt_only).
 
@@ -369,6 +373,9 @@ class ModelRunner:
             from executor_svc.runner.sampler import Sampler
 
             self._sampler = Sampler()
+        masked = [j for j, s in enumerate(seqs) if s.token_mask is not None]
+        if masked:  # before everything else: the sampler and logprobs see the masked rows
+            apply_token_masks(logits, masked, [seqs[j].token_mask for j in masked])
         prompts: list = []
         outputs: list = []
         for s in seqs:

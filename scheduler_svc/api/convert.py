@@ -58,7 +58,19 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         out.skip_special_tokens = p.skip_special_tokens
     out.logit_bias = dict(p.logit_bias)
     out.prompt_logprobs = p.prompt_logprobs if p.HasField("prompt_logprobs") else None
+    if p.HasField("structured_output"):
+        out.structured_output = structured_output_from_proto(p.structured_output)
     return out
+
+
+def structured_output_from_proto(so: pb.StructuredOutput) -> dict[str, object]:
+    """The oneof as a one-key dict (SamplingParams.structured_output)."""
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise ValidationError("params.structured_output must set one of its kinds")
+    if kind == "choice":
+        return {"choice": list(so.choice.choices)}
+    return {kind: getattr(so, kind)}
 
 
 def generate_input_from_proto(r: pb.GenerateRequest) -> GenerateInput:

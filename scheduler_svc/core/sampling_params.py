@@ -40,6 +40,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logit
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token; None = none
+    # One-key dict mirroring the public StructuredOutput oneof, e.g. {"regex": "[0-9]+"};
+    # compiled and enforced by scheduler_svc/grammar. None = unconstrained.
+    structured_output: dict[str, Any] | None = None
 
     def validate(self, *, max_logprobs: int, vocab_size: int | None = None) -> None:
         """Raise ValidationError naming the first field out of range."""
@@ -101,6 +104,14 @@ class SamplingParams:
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= max_logprobs:
             raise ValidationError(
                 f"params.prompt_logprobs must be in [0, {max_logprobs}], got {self.prompt_logprobs}"
+            )
+        so = self.structured_output
+        if so is not None and (not isinstance(so, dict) or len(so) != 1):
+            raise ValidationError("params.structured_output must set exactly one kind")
+        if so is not None and (self.ignore_eos or self.min_tokens):
+            # The grammar ends a sequence through EOS, which both of these would suppress.
+            raise ValidationError(
+                "params.structured_output cannot be combined with ignore_eos or min_tokens"
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise ValidationError(

@@ -39,6 +39,7 @@ from scheduler_svc.engine.recovery import Recovery
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.requests import RequestFront
 from scheduler_svc.engine.step_loop import StepLoop
+from scheduler_svc.grammar.structured import StructuredOutputs
 from scheduler_svc.state.leader import LeaderLease
 from scheduler_svc.state.persister import Persister
 from scheduler_svc.state.store import RequestStore
@@ -67,9 +68,9 @@ class Engine:
             self.table, self.pool, self.persister, self.store, self.model, self.metrics
         )
         faults = Faults(self.table, self.pool, self.persister, self.recovery, self.lifecycle)
-        self.steps = StepLoop(
-            config, self.lifecycle, self.pool, self.table, self.persister, faults, self.metrics
-        )
+        structured = StructuredOutputs(self.model, self.table.handles)  # grammars, token masks
+        self.steps = StepLoop(config, self.lifecycle, self.pool, self.table, self.persister,
+                              faults, self.metrics, structured)  # fmt: skip
         self.health = HealthMonitor(
             self.lifecycle,
             self.pool,
@@ -81,7 +82,7 @@ class Engine:
                         config.abort_ahead_ttl_s)  # fmt: skip
         self.client = RequestFront(  # what the API layer talks to (client.EngineClient)
             config, self.lifecycle, self.table, self.pool, self.store, self.persister, aborts,
-            self.model,
+            self.model, structured,
         )  # fmt: skip
         self.persister.on_write = self.metrics.redis_write.observe
         self.steps.on_pooled = self.client.embeds.on_pooled

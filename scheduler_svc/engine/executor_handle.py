@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import enum
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -103,11 +103,20 @@ class ExecutorHandle:
     def came_back(self) -> None:
         self.state = ExecutorState.DRAINING if self.draining else ExecutorState.UP
 
-    def send(self, out: SchedulerOutput, after_step_id: int, epoch: int, timeout_s: float) -> Sent:
+    def send(
+        self,
+        out: SchedulerOutput,
+        after_step_id: int,
+        epoch: int,
+        timeout_s: float,
+        add_masks: Callable[[epb.ExecuteModelRequest, SchedulerOutput], None] | None = None,
+    ) -> Sent:
         """Start the step `out` on the executor (right after step `after_step_id` when it was
-        planned ahead; 0: none)."""
+        planned ahead; 0: none). `add_masks` adds the constrained sequences' token masks."""
         self.step_id += 1
         msg = execute_request(out, self.step_id)
+        if add_masks is not None:
+            add_masks(msg, out)
         msg.instance_id = self.describe.instance_id
         msg.leader_epoch = epoch
         msg.after_step_id = after_step_id

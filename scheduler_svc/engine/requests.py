@@ -33,6 +33,7 @@ from scheduler_svc.engine.model import ModelInfo
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.server_info import server_info
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
+from scheduler_svc.grammar.structured import StructuredOutputs
 from scheduler_svc.output.tokenizer import encode_chat, encode_infill, encode_prompt
 from scheduler_svc.state.persister import Persister
 from scheduler_svc.state.store import (
@@ -59,6 +60,7 @@ class RequestFront:
         persister: Persister,
         aborts: Aborts,
         model: ModelInfo,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         self.config = config
         self.lifecycle = lifecycle
@@ -68,6 +70,7 @@ class RequestFront:
         self.persister = persister
         self.aborts = aborts
         self.model = model
+        self.structured = structured  # checks a constraint compiles (scheduler_svc/grammar)
         # Embed calls in flight (engine/embeds.py); the step loop hands it pooled vectors.
         self.embeds = EmbedRequests(
             config, lifecycle, pool, model, table.usage, self._check_available
@@ -87,6 +90,8 @@ class RequestFront:
             return existing, False  # same id again: attach, never a second generation
         prompt = self._prompt_token_ids(inp)
         inp.params.validate(max_logprobs=self.config.max_logprobs, vocab_size=self.model.vocab_size)
+        if self.structured is not None:
+            await self.structured.validate(inp.params)  # compiles the grammar (cached)
         if sum(ex.sched.num_waiting for ex in self.pool.executors) >= self.config.max_waiting:
             raise QueueFull(f"waiting queue is full ({self.config.max_waiting} requests)")
         if inp.owner:

@@ -26,6 +26,7 @@ from scheduler_svc.engine.metrics import EngineMetrics
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.step_results import process_step_outputs
 from scheduler_svc.engine.streams import EngineStep
+from scheduler_svc.grammar.structured import StructuredOutputs
 from scheduler_svc.state.persister import Persister
 
 __all__ = ["StepLoop"]
@@ -56,6 +57,7 @@ class StepLoop:
         persister: Persister,
         faults: Faults,
         metrics: EngineMetrics,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         self.step_timeout_s = config.step_timeout_s
         self.lifecycle = lifecycle
@@ -64,6 +66,9 @@ class StepLoop:
         self.persister = persister
         self.faults = faults
         self.metrics = metrics
+        # Structured outputs: each step's token masks, and ending a sequence whose grammar is
+        # complete (scheduler_svc/grammar).
+        self.structured = structured
         # A step's embedding vectors go here (engine/embeds.py: EmbedRequests.on_pooled).
         self.on_pooled: Callable[[ExecutorHandle, list[epb.PooledOutput]], None] = _no_pooling
         # Chosen once: True from a step means there was nothing to do.
@@ -161,7 +166,8 @@ class StepLoop:
         )
 
     def _send(self, ex: ExecutorHandle, out: SchedulerOutput, after_step_id: int) -> Sent:
-        return ex.send(out, after_step_id, self.pool.epoch, self.step_timeout_s)
+        masks = self.structured.add_masks if self.structured is not None else None
+        return ex.send(out, after_step_id, self.pool.epoch, self.step_timeout_s, masks)
 
     async def _complete_oldest(self, ex: ExecutorHandle, run: _Run) -> bool:
         """Wait for the oldest step in flight and apply its reply; False when the executor
@@ -198,7 +204,8 @@ class StepLoop:
         now: float,
         interval: float | None,
     ) -> None:
-        process_step_outputs(ex.sched, self.table.handles, out, resp, record)
+        done = self.structured.grammar_done if self.structured is not None else None
+        process_step_outputs(ex.sched, self.table.handles, out, resp, record, done)
         if resp.pooled:  # embedding inputs whose prompt completed (engine/embeds.py)
             self.on_pooled(ex, list(resp.pooled))
         self.table.started(out.new_seqs, now)

@@ -10,10 +10,11 @@ for every running sequence, so it is kept to plain loops over plain data.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from protos import executor_pb2 as epb
-from scheduler_svc.core.request import RequestStatus, req_id_of
+from scheduler_svc.core.request import RequestStatus, Sequence, req_id_of
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.streams import EngineStep, RequestHandle
@@ -27,6 +28,7 @@ def process_step_outputs(
     out: SchedulerOutput,
     resp: epb.ExecuteModelResponse,
     record: EngineStep,
+    grammar_done: Callable[[Sequence, dict[str, Any]], bool] | None = None,
 ) -> None:
     """Apply one step's sampled tokens and prompt logprobs to the core and the requests."""
     if resp.prompt_logprobs:
@@ -55,8 +57,26 @@ def process_step_outputs(
             by_id = by_id or {s.seq_id: s for s in sampled}
             s = by_id[seq.seq_id]
             status = handle.process_token(seq.index, s.token_id, s.logprob, s.top_logprobs, record)
+        if status is None and grammar_done is not None:
+            status = _grammar_complete(handle, seq, grammar_done, record)
         if status is not None:
             sched.finish_sequence(seq.seq_id, status, handle.states[seq.index].stop_reason)
+
+
+def _grammar_complete(
+    handle: RequestHandle,
+    seq: Sequence,
+    grammar_done: Callable[[Sequence, dict[str, Any]], bool],
+    record: EngineStep,
+) -> RequestStatus | None:
+    """A constrained sequence whose grammar is complete ends with reason stop at once, without
+    a step to sample the EOS its mask would now force (structured outputs, scheduler_svc/grammar).
+    """
+    spec = handle.params.structured_output
+    if spec is None or not grammar_done(seq, spec):
+        return None
+    handle.finish_seq(seq.index, RequestStatus.FINISHED_STOPPED, None, record)
+    return RequestStatus.FINISHED_STOPPED
 
 
 def _add_prompt_logprobs(

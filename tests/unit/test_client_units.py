@@ -289,3 +289,29 @@ def test_cli_parses_generate_and_bench() -> None:
     assert args.backend == ["llmserve", "hf"] and args.sweep == [1.0, 2.0, math.inf]
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "throughput", "--backend", "tgi"])
+
+
+def test_structured_output_round_trips_and_cli_builds_it(tmp_path) -> None:
+    from client import structured
+    from client.cli import _params
+
+    for so in (
+        structured.json_schema({"type": "object"}),
+        structured.json_object(),
+        structured.regex("[0-9]+"),
+        structured.choice(["a", "b"]),
+        structured.grammar('start: "x"'),
+    ):
+        msg = SamplingParams(structured_output=so).to_proto()
+        assert msg.structured_output.WhichOneof("kind") == so.kind
+        assert SamplingParams.from_proto(msg).structured_output == so
+    assert not SamplingParams().to_proto().HasField("structured_output")
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "integer"}')
+    args = build_parser().parse_args(["generate", "hi", "--json-schema", str(schema)])
+    assert _params(args).structured_output == structured.json_schema('{"type": "integer"}')
+    args = build_parser().parse_args(["generate", "hi", "--choice", "yes", "--choice", "no"])
+    assert _params(args).structured_output == structured.choice(["yes", "no"])
+    args = build_parser().parse_args(["generate", "hi", "--regex", "a", "--json-object"])
+    with pytest.raises(ValueError, match="at most one"):
+        _params(args)

@@ -102,6 +102,7 @@ def test_boundary_values_are_valid(fields: dict):
         ("logit_bias", dict.fromkeys(range(1025), 1.0)),
         ("prompt_logprobs", -1),
         ("prompt_logprobs", MAX_LOGPROBS + 1),
+        ("structured_output", {}),
     ],
 )
 def test_invalid_field_is_named(field: str, value):
@@ -114,7 +115,7 @@ def test_every_numeric_field_has_an_invalid_case():
     covered = {
         "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
         "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
-        "stop_token_ids", "logprobs", "logit_bias", "prompt_logprobs",
+        "stop_token_ids", "logprobs", "logit_bias", "prompt_logprobs", "structured_output",
     }  # fmt: skip
     flags = {"include_stop_str_in_output", "ignore_eos", "skip_special_tokens"}
     assert {f.name for f in dataclasses.fields(SamplingParams)} == covered | flags

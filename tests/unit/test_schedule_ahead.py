@@ -76,3 +76,14 @@ def test_a_stop_in_flight_drops_the_token_planned_ahead():
     assert nxt.finished_seq_ids == ["r0/0"] and nxt.is_empty is False
     sched.check_invariants()
     assert sched.num_free_blocks == sched.num_device_blocks
+
+
+def test_a_constrained_request_is_not_planned_ahead():
+    """Its next mask depends on the token the step in flight samples (structured outputs)."""
+    sched = make_scheduler(max_num_seqs=2)
+    a, b = make_requests(2, prompt_len=5, max_tokens=8)
+    b.sampling_params.structured_output = {"regex": "[0-9]+"}
+    add(sched, [a, b])
+    step(sched)
+    sched.schedule()
+    assert sched.schedule_ahead() is None
