@@ -1,9 +1,6 @@
 """Structured outputs through the official openai client on /v1/chat/completions and
 /v1/completions: every spelling reaches the scheduler as one constraint, and mistakes are
-400s in OpenAI's shape naming the field.
-
-The tests of enforced outputs need the scheduler's grammar engine (grammar-core): they skip,
-saying so, while the scheduler does not honour structured outputs, and must run once it does.
+400s in OpenAI's shape naming the field; enforced outputs hold to their constraint.
 """
 
 from __future__ import annotations
@@ -58,15 +55,15 @@ def test_bad_constraints_are_400s_naming_the_field(oai, model, route, extra, par
 
 @pytest.fixture(scope="module")
 def enforced(oai, model, llmserve_stack) -> dict[str, float]:  # noqa: F811
-    """Skips unless the scheduler enforces structured outputs; else a logit_bias that bans
+    """Checks that the scheduler enforces structured outputs; then a logit_bias that bans
     every token holding whitespace (a random model whose constrained choices tie would pad
     JSON with whitespace up to max_tokens)."""
     got = oai.completions.create(
         model=model, prompt="Yes or no?", max_tokens=4,
         extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
     )  # fmt: skip
-    if got.choices[0].text not in ("yes", "no"):
-        pytest.skip("needs grammar-core: the scheduler does not enforce structured_output yet")
+    # Enforcement is on main: an unconstrained answer here is a failure, never a skip.
+    assert got.choices[0].text in ("yes", "no"), got.choices[0].text
     vocab = Tokenizer.from_file(str(llmserve_stack.model_dir / "tokenizer.json"))
     spaced = [i for i in range(vocab.get_vocab_size()) if re.search(r"\s", vocab.decode([i]))]
     return {str(i): -100.0 for i in spaced}

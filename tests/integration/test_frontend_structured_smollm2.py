@@ -1,9 +1,6 @@
 """Structured outputs and forced tool calls on a real model (SmolLM2-135M-Instruct, the
 conftest's `smollm2_stack`) through the official openai client: what a Pydantic model or a
 named function asks for comes back parsed, with the values a trained model gives.
-
-Needs the scheduler's grammar engine (grammar-core): skips, saying so, while the scheduler
-does not honour structured outputs.
 """
 
 from __future__ import annotations
@@ -25,8 +22,8 @@ def enforced(oai, model) -> None:
         model=model, prompt="Is Paris in France?", max_tokens=4,
         extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
     )  # fmt: skip
-    if got.choices[0].text not in ("yes", "no"):
-        pytest.skip("needs grammar-core: the scheduler does not enforce structured_output yet")
+    # Enforcement is on main: an unconstrained answer here is a failure, never a skip.
+    assert got.choices[0].text in ("yes", "no"), got.choices[0].text
 
 
 class City(BaseModel):

@@ -254,15 +254,15 @@ def test_bad_tool_requests_are_400s(oai, model, body, param):
 
 @pytest.fixture(scope="module")
 def enforced(oai, model, vocab) -> dict[str, float]:
-    """Skips unless the scheduler enforces structured outputs (grammar-core); else the
+    """Checks that the scheduler enforces structured outputs; then the
     logit_bias every constrained test uses: no whitespace and no script pieces, so that a
     model whose every other logit ties writes the shortest JSON its schema allows."""
     got = oai.completions.create(
         model=model, prompt="Yes or no?", max_tokens=4,
         extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
     )  # fmt: skip
-    if got.choices[0].text not in ("yes", "no"):
-        pytest.skip("needs grammar-core: the scheduler does not enforce structured_output yet")
+    # Enforcement is on main: an unconstrained answer here is a failure, never a skip.
+    assert got.choices[0].text in ("yes", "no"), got.choices[0].text
     banned = [vocab.token_to_id(c) for c in "ĠĊĉč"]
     banned += [vocab.token_to_id(p) for s in SCRIPTS.values() for p in s]
     return {str(t): -100.0 for t in banned}
