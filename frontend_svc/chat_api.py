@@ -9,7 +9,6 @@ import time
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from client.errors import LLMServeError
@@ -18,7 +17,7 @@ from frontend_svc.auth import caller_key
 from frontend_svc.errors import APIError
 from frontend_svc.protocol import ChatCompletionRequest
 from frontend_svc.responses import chat_logprobs, prompt_logprobs, usage
-from frontend_svc.serving import Run, collect, request_id_from, sse, start, stream_response
+from frontend_svc.serving import Run, request_id_from, respond, sse
 from frontend_svc.serving import token_texts as _token_texts
 from frontend_svc.state import FrontendState
 from frontend_svc.tools.protocol import ToolPlan
@@ -189,15 +188,4 @@ class ChatAnswer:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    answer = await ChatAnswer.begin(body, request)
-    if body.stream:
-        try:
-            first, rest = await start(answer.run, request)
-        except APIError as e:
-            raise answer.error(e) from None
-        return stream_response(answer.run, first, rest, answer.events)
-    try:
-        await collect(answer.run, request, answer.add)
-    except LLMServeError as e:
-        raise answer.error(e) from None
-    return JSONResponse(answer.whole())
+    return await respond(await ChatAnswer.begin(body, request), body.stream, request)

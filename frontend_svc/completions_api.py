@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from client.errors import LLMServeError
@@ -29,7 +28,7 @@ from frontend_svc.responses import (
     prompt_logprobs,
     usage,
 )
-from frontend_svc.serving import Run, collect, request_id_from, sse, start, stream_response
+from frontend_svc.serving import Run, request_id_from, respond, sse
 from frontend_svc.serving import token_texts as _token_texts
 from frontend_svc.state import FrontendState
 from frontend_svc.tools.structured import name_param
@@ -196,15 +195,4 @@ class CompletionAnswer:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    answer = await CompletionAnswer.begin(body, request)
-    if body.stream:
-        try:
-            first, rest = await start(answer.run, request)
-        except APIError as e:
-            raise answer.error(e) from None
-        return stream_response(answer.run, first, rest, answer.events)
-    try:
-        await collect(answer.run, request, answer.add)
-    except LLMServeError as e:
-        raise answer.error(e) from None
-    return JSONResponse(answer.whole())
+    return await respond(await CompletionAnswer.begin(body, request), body.stream, request)

@@ -9,10 +9,10 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from client.async_client import AsyncLLMClient
@@ -221,6 +221,36 @@ async def start(run: Run, request: Request):
     except ClientGone:
         run.abort_in_background()
         raise
+
+
+class Answer(Protocol):
+    """One generation call's answer being built (completions_api, chat_api)."""
+
+    run: Run
+
+    async def events(self, i: Any, d: Any) -> list[str]: ...
+
+    async def add(self, i: int, d: StreamDelta) -> None: ...
+
+    def error(self, e: LLMServeError | APIError) -> APIError: ...
+
+    def whole(self) -> dict: ...
+
+
+async def respond(answer: Answer, stream: bool, request: Request) -> Any:
+    """The HTTP response of a generation call: its events streamed, or one JSON body once every
+    delta is in; an error before any output gets its status, in the answer's wording."""
+    if stream:
+        try:
+            first, rest = await start(answer.run, request)
+        except APIError as e:
+            raise answer.error(e) from None
+        return stream_response(answer.run, first, rest, answer.events)
+    try:
+        await collect(answer.run, request, answer.add)
+    except LLMServeError as e:
+        raise answer.error(e) from None
+    return JSONResponse(answer.whole())
 
 
 async def token_texts(client: AsyncLLMClient, delta: StreamDelta) -> list[str]:
