@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import socket
+import sys
 from pathlib import Path
 
 import structlog
@@ -119,10 +120,13 @@ async def serve(args: argparse.Namespace, tools: ToolConfig) -> None:
 
 
 def configure_logging(level: str) -> None:
+    # To stderr, as the scheduler and executor log: it is line-buffered where stdout to a file
+    # is block-buffered, so a line is in the log when it happens (not at the next 8 KiB).
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
-        )
+        ),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
     )
 
 
