@@ -6,13 +6,12 @@ import pytest
 import torch
 
 from executor_svc.kernels import library, sampling
+from executor_svc.runner.noise import row_key, uniform_noise
 from executor_svc.runner.sampler import (
     Sampler,
     SamplingParams,
     allowed_mask,
     apply_penalties,
-    row_key,
-    uniform_noise,
 )
 from protos import executor_pb2 as pb
 
