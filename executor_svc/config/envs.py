@@ -12,6 +12,8 @@ variable (``config.numerics``).
 | ``LLMSERVE_KERNEL_DIR`` | ``$XDG_CACHE_HOME/llmserve/kernels`` or ``~/.cache/llmserve/kernels`` | ``kernels.library``: the build cache |
 | ``LLMSERVE_KERNEL_LIB`` | unset | ``kernels.library``: a library built ahead of time, used when there is no compiler |
 | ``CXX`` | ``g++``, else ``c++`` on PATH | ``kernels.library``: the compiler |
+| ``LLMSERVE_CPU_ISA`` | ``auto`` | ``kernels.library``: force a kernel variant (``avx2``, ``avx512``, ``avx512bf16``) |
+| ``LLMSERVE_AUTO_CPU_DTYPE`` | unset | ``kernels.cpu_dtype``: ``float32``/``bfloat16`` fixes what ``--dtype auto`` is on a CPU (the test suite sets ``float32``) |
 | ``LLMSERVE_PREPACK`` | on | ``kernels.gemm``: ``0`` keeps plain weight matrices |
 | ``LLMSERVE_CACHE`` | ``~/.cache/llmserve`` | ``tools.demo_model``: where the demo checkpoint is built |
 """
@@ -52,6 +54,18 @@ def kernel_dir() -> Path:
 def kernel_lib() -> str | None:
     """``LLMSERVE_KERNEL_LIB``: a kernel library built ahead of time (None when unset)."""
     return os.environ.get("LLMSERVE_KERNEL_LIB") or None
+
+
+def cpu_isa() -> str | None:
+    """``LLMSERVE_CPU_ISA``: the kernel library variant to load (``kernels.library.VARIANTS``);
+    unset or ``auto``: the best one the CPU runs."""
+    return os.environ.get("LLMSERVE_CPU_ISA", "").strip().lower() or None
+
+
+def auto_cpu_dtype() -> str | None:
+    """``LLMSERVE_AUTO_CPU_DTYPE``: what ``--dtype auto`` means on a CPU (``float32`` or
+    ``bfloat16``); unset: by the CPU's instruction sets (``kernels.cpu_dtype``)."""
+    return os.environ.get("LLMSERVE_AUTO_CPU_DTYPE", "").strip().lower() or None
 
 
 def cxx() -> str | None:

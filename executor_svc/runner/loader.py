@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from executor_svc.attention import AttentionBackend
+from executor_svc.kernels import cpu_dtype
 from executor_svc.models import MODEL_REGISTRY, LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -69,11 +70,12 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """ "auto" is bf16 on CUDA (halves memory traffic) and fp32 on CPU (fast fp32 GEMMs)."""
+    """ "auto" is bf16 on CUDA (halves memory traffic); on CPU bf16 where it has AMX or
+    AVX512-BF16, fp32 elsewhere (``kernels.cpu_dtype``)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else cpu_dtype.auto_cpu_dtype()
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -200,7 +202,7 @@ def load_model(
     model.eval().requires_grad_(False)
     # Not under tensor parallelism yet: its layers and lm_head use matmul_io on the plain
     # weights, which with step-invariant numerics runs the same kernel unpacked (same bits).
-    if tp is None and dev.type == "cpu" and torch_dtype == torch.float32:
+    if tp is None and dev.type == "cpu" and torch_dtype in (torch.float32, torch.bfloat16):
         model.prepack_weights()
 
     info = ModelInfo(
