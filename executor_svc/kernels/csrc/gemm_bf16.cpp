@@ -6,12 +6,14 @@
 // for each pair of k (k = 2i, 2i + 1; i ascending): acc += x[2i+1] * w[2i+1], then
 // acc += x[2i] * w[2i], each a single rounding; then bias, then the optional bf16 rounding (to
 // nearest even). That is what AVX512-BF16's vdpbf16ps does per lane (odd element first, products
-// of two bf16 exact in fp32, round to nearest even, denormals flushed), so the AVX512-BF16
-// variant issues one instruction per pair; the other variants (AVX-512F, AVX2) widen bf16 by a
-// 16-bit shift and issue the same two FMAs in the same order under MXCSR flush-to-zero +
-// denormals-are-zero, and so give the same bits for every finite input (a test checks it). No
-// K split, no partial sums; threads split panels and row blocks: a row computed alone and the
-// same row in a 512-row prefill give the same bits (step invariance, config/numerics.py).
+// of two bf16 exact in fp32, round to nearest even, denormals flushed). Tiles of several rows
+// widen bf16 by a 16-bit shift and issue those two FMAs in that order under MXCSR flush-to-zero
+// + denormals-are-zero, the same bits; on this project's AVX512-BF16 CPU an FMA pair is ~2x the
+// multiply-adds per second of one vdpbf16ps. A single row (decode, memory-bound) takes
+// vdpbf16ps where the variant has it, the widening FMAs elsewhere. Tests check every variant and
+// both paths give the same bits (tests/unit/test_gemm_bf16.py). No K split, no partial sums;
+// threads split panels and row blocks: a row computed alone and the same row in a 512-row
+// prefill give the same bits (step invariance, config/numerics.py).
 //
 // Weights, packed once at load: [ceil(N / kNR)][K / 2][kNR][2] (panels of kNR columns; for each
 // pair of k, the kNR columns' two values side by side, the operand layout of vdpbf16ps; the last
@@ -21,6 +23,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "simd.h"
 
@@ -52,20 +55,6 @@ typedef uint32_t u16x __attribute__((vector_size(64)));  // 16 bf16 pairs
 
 inline v16 splat(float s) { return v16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 
-inline float bf16_lo(uint32_t pair) {  // element 2i (the low half) as fp32
-  const uint32_t bits = pair << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline float bf16_hi(uint32_t pair) {  // element 2i + 1 (the high half) as fp32
-  const uint32_t bits = pair & 0xFFFF0000u;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // acc + a * b with one rounding, as an explicit instruction where there is one (so contraction
 // choices of the compiler cannot differ between tile shapes).
 inline v16 fma_v(v16 a, v16 b, v16 c) {
@@ -86,21 +75,13 @@ inline v16 fma_v(v16 a, v16 b, v16 c) {
 #endif
 }
 
-// One pair step of 16 lanes: acc += a.hi * w.hi, then acc += a.lo * w.lo (module comment).
-inline v16 dot_pair(v16 acc, uint32_t a, const uint16_t* w) {
-#if defined(__AVX512BF16__)
-  return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32((int)a),
-                               (__m512bh)_mm512_loadu_si512(w));
-#else
+// The two halves of 16 packed pairs as fp32: element 2i + 1 (high 16 bits) and 2i (low).
+inline void widen(const uint16_t* w, v16* hi, v16* lo) {
   u16x wv;
   std::memcpy(&wv, w, sizeof wv);
-  v16 w_hi, w_lo;
-  const u16x hi = wv & 0xFFFF0000u, lo = wv << 16;
-  std::memcpy(&w_hi, &hi, sizeof w_hi);
-  std::memcpy(&w_lo, &lo, sizeof w_lo);
-  acc = fma_v(splat(bf16_hi(a)), w_hi, acc);
-  return fma_v(splat(bf16_lo(a)), w_lo, acc);
-#endif
+  const u16x h = wv & 0xFFFF0000u, l = wv << 16;
+  std::memcpy(hi, &h, sizeof h);
+  std::memcpy(lo, &l, sizeof l);
 }
 
 // MXCSR for the duration of a thread's share: round to nearest, exceptions masked, and flush-
@@ -133,9 +114,24 @@ struct Out {
   }
 };
 
-// R rows x P consecutive panels of y, from row `row0` and column `col0`; ncols valid columns.
+// Bias, then the store (fp32, or rounded to bf16) of a tile's accumulators.
 template <int R, int P>
-void tile(const uint16_t* x, int64_t ldx, int64_t K2, const uint16_t* w, const float* bias,
+inline void finish(const v16 (&acc)[R][P][kVecs], const float* bias, const Out& y, int64_t row0,
+                   int64_t col0, int64_t ncols) {
+  for (int r = 0; r < R; ++r) {
+    float buf[P * kNR];
+    for (int p = 0; p < P; ++p)
+      for (int j = 0; j < kVecs; ++j) store16(buf + p * kNR + 16 * j, acc[r][p][j]);
+    for (int64_t c = 0; c < ncols; ++c) y.put(row0 + r, col0 + c, bias ? buf[c] + bias[c] : buf[c]);
+  }
+}
+
+// R rows x P consecutive panels of y, from row `row0` and column `col0`; ncols valid columns.
+// xf: the rows widened to fp32. Weights widened by shift and mask, two FMAs per pair (the
+// rows share each widened weight vector); this is the compute-bound shape (several rows), where
+// FMAs outrun vdpbf16ps on the CPUs measured (docs/benchmarks.md).
+template <int R, int P>
+void tile(const float* xf, int64_t ldx, int64_t K2, const uint16_t* w, const float* bias,
           const Out& y, int64_t row0, int64_t col0, int64_t ncols) {
   const int64_t pstride = K2 * kNR * 2;  // uint16 per panel
   v16 acc[R][P][kVecs];
@@ -146,33 +142,61 @@ void tile(const uint16_t* x, int64_t ldx, int64_t K2, const uint16_t* w, const f
 #pragma GCC unroll 32
       for (int j = 0; j < kVecs; ++j) acc[r][p][j] = v16{};
   for (int64_t i = 0; i < K2; ++i) {
-    uint32_t a[R];
+    v16 hi[P][kVecs], lo[P][kVecs];
 #pragma GCC unroll 32
-    for (int r = 0; r < R; ++r) std::memcpy(&a[r], x + r * ldx + 2 * i, 4);
-#pragma GCC unroll 32
-    for (int p = 0; p < P; ++p) {
-      const uint16_t* wp = w + p * pstride + i * (kNR * 2);
+    for (int p = 0; p < P; ++p)
 #pragma GCC unroll 32
       for (int j = 0; j < kVecs; ++j)
+        widen(w + p * pstride + i * (kNR * 2) + 32 * j, &hi[p][j], &lo[p][j]);
 #pragma GCC unroll 32
-        for (int r = 0; r < R; ++r) acc[r][p][j] = dot_pair(acc[r][p][j], a[r], wp + 32 * j);
+    for (int r = 0; r < R; ++r) {
+      const v16 xh = splat(xf[r * ldx + 2 * i + 1]), xl = splat(xf[r * ldx + 2 * i]);
+#pragma GCC unroll 32
+      for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+        for (int j = 0; j < kVecs; ++j)
+          acc[r][p][j] = fma_v(xl, lo[p][j], fma_v(xh, hi[p][j], acc[r][p][j]));
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float buf[P * kNR];
-    for (int p = 0; p < P; ++p)
-      for (int j = 0; j < kVecs; ++j) store16(buf + p * kNR + 16 * j, acc[r][p][j]);
-    for (int64_t c = 0; c < ncols; ++c) y.put(row0 + r, col0 + c, bias ? buf[c] + bias[c] : buf[c]);
-  }
+  finish<R, P>(acc, bias, y, row0, col0, ncols);
 }
 
-using TileFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*,
+#if defined(__AVX512BF16__)
+// One row (a decode) with vdpbf16ps, one instruction per pair and 16 columns: the same chain as
+// `tile` (module comment), from the bf16 row itself.
+template <int P>
+void tile_dp(const uint16_t* x, int64_t K2, const uint16_t* w, const float* bias, const Out& y,
+             int64_t col0, int64_t ncols) {
+  const int64_t pstride = K2 * kNR * 2;
+  v16 acc[1][P][kVecs];
+#pragma GCC unroll 32
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+    for (int j = 0; j < kVecs; ++j) acc[0][p][j] = v16{};
+  for (int64_t i = 0; i < K2; ++i) {
+    uint32_t pair;
+    std::memcpy(&pair, x + 2 * i, 4);
+    const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+      for (int j = 0; j < kVecs; ++j)
+        acc[0][p][j] = (v16)_mm512_dpbf16_ps(
+            (__m512)acc[0][p][j], a,
+            (__m512bh)_mm512_loadu_si512(w + p * pstride + i * (kNR * 2) + 32 * j));
+  }
+  finish<1, P>(acc, bias, y, 0, col0, ncols);
+}
+#endif
+
+using TileFn = void (*)(const float*, int64_t, int64_t, const uint16_t*, const float*,
                         const Out&, int64_t, int64_t, int64_t);
 constexpr TileFn kRowTiles[kMR + 1] = {nullptr,    tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>,
                                        tile<5, 1>, tile<6, 1>, tile<7, 1>, tile<kMR, 1>};
 
 struct Gemm {
-  const uint16_t* x;
+  const uint16_t* x;  // [M, ldx] bf16
+  const float* xf;    // the same rows widened to fp32, [M, 2 * K2]
   int64_t M, K2, ldx;
   const uint16_t* w;
   int64_t N, P;
@@ -186,7 +210,7 @@ struct Gemm {
     const float* bp = bias ? bias + p * kNR : nullptr;
     for (int64_t m = m0; m < m1; m += kMR) {
       const int64_t r = m1 - m < kMR ? m1 - m : kMR;
-      kRowTiles[r](x + m * ldx, ldx, K2, wp, bp, y, m, p * kNR, cols(p));
+      kRowTiles[r](xf + m * 2 * K2, 2 * K2, K2, wp, bp, y, m, p * kNR, cols(p));
     }
   }
 
@@ -195,8 +219,12 @@ struct Gemm {
     int64_t p = p0;
     for (; p + kGemvP <= p1; p += kGemvP) {
       const int64_t ncols = (p + kGemvP == P) ? N - p * kNR : kGemvP * kNR;
-      tile<1, kGemvP>(x, ldx, K2, w + p * K2 * kNR * 2, bias ? bias + p * kNR : nullptr, y, 0,
-                      p * kNR, ncols);
+      const float* bp = bias ? bias + p * kNR : nullptr;
+#if defined(__AVX512BF16__)
+      tile_dp<kGemvP>(x, K2, w + p * K2 * kNR * 2, bp, y, p * kNR, ncols);
+#else
+      tile<1, kGemvP>(xf, 2 * K2, K2, w + p * K2 * kNR * 2, bp, y, 0, p * kNR, ncols);
+#endif
     }
     for (; p < p1; ++p) rows_of_panel(p, 0, 1);
   }
@@ -224,7 +252,15 @@ extern "C" int llmserve_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, int64
     return 1;
   if (M == 0) return 0;
   if (num_threads < 1) num_threads = 1;
-  const Gemm g{x, M, K / 2, ldx, w, N, (N + kNR - 1) / kNR, bias, Out{y_f32, y_bf16, ldy}};
+  // The rows widened once (M x K floats, against M x K x N multiply-adds).
+  std::vector<float> xf((size_t)M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      const uint32_t bits = (uint32_t)x[m * ldx + k] << 16;
+      std::memcpy(&xf[(size_t)m * K + k], &bits, 4);
+    }
+  const Gemm g{x, xf.data(), M, K / 2, ldx, w, N, (N + kNR - 1) / kNR, bias,
+               Out{y_f32, y_bf16, ldy}};
   int64_t mc = kABytes / (K * 2) / kMR * kMR;
   if (mc < kMR) mc = kMR;
   const int64_t blocks = (M + mc - 1) / mc;
