@@ -246,6 +246,8 @@ class ExecutorInfo:
     prefix_cache_queries: int = 0  # prompt tokens looked up in its prefix cache
     prefix_cache_hits: int = 0  # of which found there
     draining: bool = False
+    dtype: str = ""  # its compute dtype ("float32", "bfloat16", ...)
+    cpu_kernel_isa: str = ""  # its CPU kernel variant ("avx512bf16", "avx512", "avx2"; "" = none)
 
 
 @dataclass(slots=True)
@@ -293,6 +295,8 @@ class ServerInfo:
                     prefix_cache_queries=e.prefix_cache_queries,
                     prefix_cache_hits=e.prefix_cache_hits,
                     draining=e.draining,
+                    dtype=e.dtype,
+                    cpu_kernel_isa=e.cpu_kernel_isa,
                 )
                 for e in msg.executors
             ],

@@ -21,7 +21,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("instance_id", "model_name", "architecture", "dtype", "device", "block_size", "num_device_blocks", "num_cpu_blocks", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "max_logprobs", "tensor_parallel_size", "draining", "hidden_size")
+    __slots__ = ("instance_id", "model_name", "architecture", "dtype", "device", "block_size", "num_device_blocks", "num_cpu_blocks", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "max_logprobs", "tensor_parallel_size", "draining", "hidden_size", "cpu_kernel_isa")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class DescribeResponse(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CPU_KERNEL_ISA_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_name: str
     architecture: str
@@ -54,7 +55,8 @@ class DescribeResponse(_message.Message):
     tensor_parallel_size: int
     draining: bool
     hidden_size: int
-    def __init__(self, instance_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., draining: _Optional[bool] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    cpu_kernel_isa: str
+    def __init__(self, instance_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., draining: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., cpu_kernel_isa: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "num_logprobs", "min_tokens", "min_tokens_suppressed_ids", "logit_bias", "num_prompt_logprobs", "prompt_only", "pooling")

@@ -24,6 +24,7 @@ import structlog
 from executor_svc.api.seq_state import SeqState
 from executor_svc.api.step import StepOutput, StepWork, build_reply, record_samples, run_step
 from executor_svc.api.validation import InvalidStep, StepPlan, validate_step
+from executor_svc.kernels import library
 from executor_svc.runner.loader import tokenizer_class_name
 from executor_svc.runner.model_runner import ModelRunner
 from protos import executor_pb2 as pb
@@ -211,6 +212,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             tensor_parallel_size=getattr(info, "tensor_parallel_size", 1),
             draining=self.draining,
             hidden_size=getattr(info, "hidden_size", 0),
+            cpu_kernel_isa=library.variant() if runner.device.type == "cpu" else "",
         )
 
     @_rpc

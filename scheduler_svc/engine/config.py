@@ -131,6 +131,8 @@ class ExecutorInfo:
     prefix_cache_queries: int = 0  # prompt tokens looked up in its prefix cache
     prefix_cache_hits: int = 0  # of which found there
     draining: bool = False
+    dtype: str = ""  # its weights' and KV cache's dtype, as it described itself
+    cpu_kernel_isa: str = ""  # its CPU kernel library's instruction-set variant ("" = none)
 
 
 @dataclass(slots=True)

@@ -52,4 +52,6 @@ def _executor_info(ex: ExecutorHandle) -> ExecutorInfo:
         prefix_cache_queries=ex.sched.block_manager.prefix_cache_queries,
         prefix_cache_hits=ex.sched.block_manager.prefix_cache_hits,
         draining=ex.draining,
+        dtype=ex.describe.dtype,
+        cpu_kernel_isa=ex.describe.cpu_kernel_isa,
     )
