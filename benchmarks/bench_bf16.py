@@ -38,8 +38,13 @@ from executor_svc.kernels import gemm, gemm_bf16, library  # noqa: E402
 from executor_svc.runner.model_runner import ModelRunner  # noqa: E402
 from tests.support.model_factory import make_tiny_checkpoint  # noqa: E402
 
-H, I, V, L = 576, 1536, 49152, 30
-SHAPES = [(H, H + 2 * 192), (H, H), (H, 2 * I), (I, H)]  # (in, out) per layer
+HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
+SHAPES = [
+    (HIDDEN, HIDDEN + 2 * 192),
+    (HIDDEN, HIDDEN),
+    (HIDDEN, 2 * INTER),
+    (INTER, HIDDEN),
+]  # (in, out) per layer
 
 
 def _median_time(fn, iters: int) -> float:
@@ -55,29 +60,31 @@ def gemm_fns(batch: int) -> dict[str, object]:
     """One decode step's matmuls for each engine, as a zero-argument callable."""
     g = torch.Generator().manual_seed(0)
     mats = [(torch.randn(k, n, generator=g) * 0.05) for k, n in SHAPES]
-    head = torch.randn(H, V, generator=g) * 0.05
-    xs = {k: torch.randn(batch, k, generator=g) for k in (H, I)}
+    head = torch.randn(HIDDEN, VOCAB, generator=g) * 0.05
+    xs = {k: torch.randn(batch, k, generator=g) for k in (HIDDEN, INTER)}
     xb = {k: v.bfloat16() for k, v in xs.items()}
     ours_b = [gemm_bf16.pack(w.bfloat16()) for w in mats] + [gemm_bf16.pack(head.bfloat16())]
     ours_f = [gemm.PanelWeight.pack(w) for w in mats] + [gemm.PanelWeight.pack(head)]
     plain_b = [w.t().contiguous().bfloat16() for w in [*mats, head]]
     reorder = torch.ops.mkldnn._reorder_linear_weight
     onednn_b = [reorder(w, None) for w in plain_b]
-    ins = [k for k, _ in SHAPES] + [H]
+    ins = [k for k, _ in SHAPES] + [HIDDEN]
 
     def run(ws, x, call):
         def step():
-            for _ in range(L):
+            for _ in range(LAYERS):
                 for w, k in zip(ws[:4], ins[:4], strict=True):
                     call(w, x[k])
-            call(ws[4], x[H])
+            call(ws[4], x[HIDDEN])
 
         return step
 
     return {
         "ours-bf16": run(ours_b, xb, lambda w, x: w.linear(x, None)),
         "onednn-bf16": run(
-            onednn_b, xb, lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            onednn_b,
+            xb,
+            lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
         ),
         "torch-bf16": run(plain_b, xb, lambda w, x: F.linear(x, w)),
         "ours-fp32": run(ours_f, xs, lambda w, x: w.linear(x, None)),

@@ -42,7 +42,11 @@ def test_each_variant_matches_the_torch_reference(use_variant, name):
     use_variant(name)
     g = torch.Generator().manual_seed(1)
     # fp32 GEMM, packed and plain.
-    x, w, b = torch.randn(11, 200, generator=g), torch.randn(200, 100, generator=g), torch.randn(100)
+    x, w, b = (
+        torch.randn(11, 200, generator=g),
+        torch.randn(200, 100, generator=g),
+        torch.randn(100),
+    )
     ref = x @ w + b
     torch.testing.assert_close(gemm.PanelWeight.pack(w).linear(x, b), ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(gemm.matmul(x, w, b), ref, atol=1e-4, rtol=1e-4)
@@ -58,7 +62,10 @@ def test_each_variant_matches_the_torch_reference(use_variant, name):
     # Fused elementwise and the sampler's reduction.
     gate_up = torch.randn(5, 2 * 40, generator=g)
     torch.testing.assert_close(
-        elementwise.silu_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:], atol=1e-6, rtol=1e-5
+        elementwise.silu_mul(gate_up),
+        F.silu(gate_up[:, :40]) * gate_up[:, 40:],
+        atol=1e-6,
+        rtol=1e-5,
     )
     h, d, nw = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.rand(96)
     total, normed = elementwise.add_rms_norm(h, d, nw, 1e-6)
