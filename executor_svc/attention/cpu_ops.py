@@ -6,7 +6,11 @@ sequence's context into a padded copy per layer. The kernel is built and loaded 
 of the kernel library (``kernels/library.py``: at first use, cached, called through ctypes; or a
 library built ahead of time). No library: ``available()`` is False and
 ``get_attention_backend("auto", "cpu")`` takes the torch backend. Anything the kernel does not
-cover (a dtype other than fp32) goes to the torch ops, which stay the reference in tests.
+cover goes to the torch ops, which stay the reference in tests.
+
+bf16 models: the cache stays fp32 on this backend (``AttentionBackend.kv_cache_dtype``); the
+step's bf16 q/k/v rows are widened (exactly) before the call and the output rounded back to bf16,
+so the kernel and its step invariance are the fp32 ones.
 """
 
 from __future__ import annotations
@@ -30,10 +34,15 @@ def available() -> bool:
 def _supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     return (
         query.device.type == "cpu"
-        and query.dtype == key_cache.dtype == torch.float32
+        and query.dtype in (torch.float32, torch.bfloat16)
+        and key_cache.dtype == torch.float32
         and key_cache.is_contiguous()
         and library.load() is not None
     )
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def write_kv(
@@ -67,13 +76,15 @@ def paged_attention(
         return torch_ops.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
         )
+    out_dtype = query.dtype
+    query = _f32(query)
     if query.stride(2) != 1:
         query = query.contiguous()
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
     if num_tokens:
         meta = _Meta(block_tables, seq_lens, query_start_loc, None)
         _run(query, key_cache, value_cache, meta, scale, out)
-    return out
+    return out.to(out_dtype)
 
 
 class _Meta:
@@ -122,19 +133,25 @@ def _run(query, key_cache, value_cache, meta: _Meta, scale, out, new=None, rope=
 def _fused(query, key, value, rope, key_cache, value_cache, md, scale) -> torch.Tensor | None:
     """K/V write (rope on q and k when given) and attention in one kernel call; None when the
     kernel does not take these inputs."""
-    d = query.shape[2]
-    rows_ok = all(t.stride(2) == 1 and t.stride(1) == d for t in (query, key, value))
+    d, out_dtype = query.shape[2], query.dtype
     if not (
-        rows_ok
-        and _supported(query, key_cache)
-        and key.dtype == value.dtype == torch.float32
+        _supported(query, key_cache)
+        and key.dtype == value.dtype == query.dtype
         and value_cache.is_contiguous()
-        and (rope is None or all(t.dtype == torch.float32 and t.is_contiguous() for t in rope))
+        and (rope is None or all(t.dtype == query.dtype and t.is_contiguous() for t in rope))
     ):
+        return None
+    if out_dtype != torch.float32:  # bf16 rows widened; the rope tables once per forward
+        query, key, value = _f32(query), _f32(key), _f32(value)
+        if rope is not None:
+            rope = md.scratch.get("cpu.rope_f32") or md.scratch.setdefault(
+                "cpu.rope_f32", tuple(t.float() for t in rope)
+            )
+    if not all(t.stride(2) == 1 and t.stride(1) == d for t in (query, key, value)):
         return None
     out = torch.empty(query.shape, dtype=torch.float32)
     _run(query, key_cache, value_cache, _Meta.of(md), scale, out, (key, value), rope)
-    return out
+    return out.to(out_dtype)
 
 
 def attend(
