@@ -92,6 +92,12 @@ _OPTIONAL_SIGNATURES: dict[str, tuple[list, type]] = {
     "llmserve_gemm_bf16": ([_p, _i64, _i64, _i64, _p, _i64, _p, _p, _p, _i64, _i32], ctypes.c_int),
     "llmserve_gemm_bf16_nr": ([], ctypes.c_int),
     "llmserve_gemm_bf16_path": ([], ctypes.c_char_p),
+    # csrc/elementwise_bf16.cpp (elementwise.py), the fp32 functions' arguments on bf16 rows
+    "llmserve_silu_mul_bf16": ([_p, _i64, _i64, _i64, _p, _i32], ctypes.c_int),
+    "llmserve_add_rms_norm_bf16": (
+        [_p, _i64, _p, _i64, _p, _i64, _i64, _f32, _p, _p, _i32],
+        ctypes.c_int,
+    ),
 }
 
 _lib: ctypes.CDLL | None = None

@@ -180,10 +180,10 @@ class RMSNorm(nn.Module):
         self.weight = _set_loader(nn.Parameter(torch.empty(dim)), default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = elementwise.add_rms_norm(x, None, self.weight, self.eps)  # fp32 / bf16 CPU rows
+        if fused is not None:
+            return fused[1]
         if x.dtype == torch.float32:
-            fused = elementwise.add_rms_norm(x, None, self.weight, self.eps)  # fp32 CPU rows
-            if fused is not None:
-                return fused[1]
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Statistics in fp32 whatever the compute dtype, as the reference implementation does.
         xf = x.float()

@@ -416,7 +416,9 @@ class ModelRunner:
         num_seqs = max(PROFILE_NUM_TOKENS // seq_len, 1)
         num_tokens = num_seqs * seq_len
         dev = self.device
-        dummy = torch.zeros(1, bs, info.num_kv_heads, info.head_dim, dtype=self.kv_dtype, device=dev)
+        dummy = torch.zeros(
+            1, bs, info.num_kv_heads, info.head_dim, dtype=self.kv_dtype, device=dev
+        )
         layers = [(dummy, dummy)] * info.num_layers
         md = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
