@@ -106,3 +106,35 @@ def test_variants_give_the_same_bf16_bits(use_variant):
         results[name] = batch
     first = next(iter(results.values()))
     assert all(torch.equal(first, r) for r in results.values()), list(results)
+
+
+@needs_kernel
+def test_a_folder_of_prebuilt_variants_serves_without_a_compiler(tmp_path):
+    """The Docker image's layout: $LLMSERVE_KERNEL_LIB a folder of <variant>.so files, no
+    compiler. With only the avx2 one there, a CPU that would take a better one falls back to it."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if "avx2" not in RUNNABLE:
+        pytest.skip("needs an x86-64-v3 CPU")
+    built, name = library._build("avx2")
+    assert built is not None and name == "avx2"
+    shutil.copy(built, tmp_path / "avx2.so")
+    code = (
+        "from executor_svc.kernels import gemm_bf16, library\n"
+        "assert library.variant() == 'avx2', library.variant()\n"
+        "assert gemm_bf16.isa_path() == 'avx2'\n"
+        "print('folder ok')\n"
+    )
+    env = dict(
+        os.environ, PATH=str(tmp_path), CXX="", LLMSERVE_KERNEL_DIR=str(tmp_path / "cache"),
+        LLMSERVE_KERNEL_LIB=str(tmp_path),
+    )  # fmt: skip
+    env.pop("LLMSERVE_CPU_ISA", None)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "folder ok" in result.stdout
