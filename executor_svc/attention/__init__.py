@@ -27,14 +27,6 @@ class AttentionBackend:
     # not take, and the model then rotates q and k itself and calls attend.
     attend_rope_fn: Callable[..., torch.Tensor | None] | None = None
 
-    def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The KV cache's dtype for a model computing in ``model_dtype``. The CPU kernel reads
-        fp32 K/V only: a bf16 model keeps fp32 K/V there (the bf16 rows widen exactly; the
-        cache takes twice a bf16 cache's memory, see docs/internals.md)."""
-        if self.name == "cpu" and model_dtype == torch.bfloat16:
-            return torch.float32
-        return model_dtype
-
     def attend(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]

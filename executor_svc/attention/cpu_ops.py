@@ -8,9 +8,10 @@ library built ahead of time). No library: ``available()`` is False and
 ``get_attention_backend("auto", "cpu")`` takes the torch backend. Anything the kernel does not
 cover goes to the torch ops, which stay the reference in tests.
 
-bf16 models: the cache stays fp32 on this backend (``AttentionBackend.kv_cache_dtype``); the
-step's bf16 q/k/v rows are widened (exactly) before the call and the output rounded back to bf16,
-so the kernel and its step invariance are the fp32 ones.
+bf16 models keep a bf16 cache: the kernel's bf16-K/V build (``csrc/paged_attention_bf16kv.cpp``)
+reads it, widening each key and value exactly, with the fp32 kernel's arithmetic and order. The
+step's bf16 q/k/v rows are widened before the call (new keys are rotated in fp32, then rounded
+once into the cache) and the output is rounded back to bf16.
 """
 
 from __future__ import annotations
@@ -35,10 +36,17 @@ def _supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     return (
         query.device.type == "cpu"
         and query.dtype in (torch.float32, torch.bfloat16)
-        and key_cache.dtype == torch.float32
+        and key_cache.dtype in _ENTRY
         and key_cache.is_contiguous()
         and library.load() is not None
     )
+
+
+# The kernel's entry point per cache dtype.
+_ENTRY = {
+    torch.float32: "llmserve_paged_attention_f32",
+    torch.bfloat16: "llmserve_paged_attention_bf16kv",
+}
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -114,7 +122,7 @@ def _run(query, key_cache, value_cache, meta: _Meta, scale, out, new=None, rope=
     block_size, num_kv_heads = key_cache.shape[1:3]
     key, value = new if new is not None else (None, None)
     cos, sin = rope if rope is not None else (None, None)
-    rc = library.load().llmserve_paged_attention_f32(  # type: ignore[union-attr]
+    rc = getattr(library.load(), _ENTRY[key_cache.dtype])(  # type: ignore[union-attr]
         query.data_ptr(), query.stride(0), query.stride(1),
         key_cache.data_ptr(), value_cache.data_ptr(),
         meta.tables.data_ptr(), meta.tables.stride(0),

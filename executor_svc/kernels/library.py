@@ -74,6 +74,8 @@ _PAGED_ATTENTION_ARGS = [_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _i32, _i32, _
 _SIGNATURES: dict[str, tuple[list, type]] = {
     # csrc/paged_attention.cpp (attention/cpu_ops.py)
     "llmserve_paged_attention_f32": (_PAGED_ATTENTION_ARGS, ctypes.c_int),
+    # csrc/paged_attention_bf16kv.cpp: the same arguments, the caches bf16
+    "llmserve_paged_attention_bf16kv": (_PAGED_ATTENTION_ARGS, ctypes.c_int),
     # csrc/sampling.cpp (sampling.py)
     "llmserve_argmax_logsumexp_f32": ([_p, _i64, _i64, _i64, _p, _p, _i32], ctypes.c_int),
     # csrc/elementwise.cpp (elementwise.py)

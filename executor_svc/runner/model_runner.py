@@ -108,9 +108,8 @@ class ModelRunner:
         )
         info: ModelInfo = self.info
         self.block_size = block_size
-        self.kv_dtype = self.backend.kv_cache_dtype(info.dtype)
         bytes_per_block = block_bytes(
-            info.num_layers, block_size, info.num_kv_heads, info.head_dim, self.kv_dtype
+            info.num_layers, block_size, info.num_kv_heads, info.head_dim, info.dtype
         )
         cap = max_useful_blocks(info.max_model_len, block_size)
         if num_device_blocks is None:
@@ -138,7 +137,7 @@ class ModelRunner:
             block_size=block_size,
             num_device_blocks=self.num_device_blocks,
             num_cpu_blocks=self.num_cpu_blocks,
-            dtype=self.kv_dtype,
+            dtype=info.dtype,
             device=self.device,
         )
         self._sampler: Sampler | None = None
@@ -416,9 +415,7 @@ class ModelRunner:
         num_seqs = max(PROFILE_NUM_TOKENS // seq_len, 1)
         num_tokens = num_seqs * seq_len
         dev = self.device
-        dummy = torch.zeros(
-            1, bs, info.num_kv_heads, info.head_dim, dtype=self.kv_dtype, device=dev
-        )
+        dummy = torch.zeros(1, bs, info.num_kv_heads, info.head_dim, dtype=info.dtype, device=dev)
         layers = [(dummy, dummy)] * info.num_layers
         md = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),

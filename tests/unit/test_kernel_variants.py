@@ -138,3 +138,18 @@ def test_a_folder_of_prebuilt_variants_serves_without_a_compiler(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "folder ok" in result.stdout
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(library.VARIANTS))
+def test_bf16_kv_cache_attention_matches_the_reference(use_variant, name):
+    """The kernel's bf16-K/V build against the dense reference over the same (bf16) cache."""
+    use_variant(name)
+    query, kc, vc, bt, sl, qsl, dense = make_batch(
+        [1, 9, 1], [70, 9, 150], num_heads=6, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16
+    )
+    query = query.float()
+    out = cpu_ops.paged_attention(query, kc, vc, bt, sl, qsl, 0.125)
+    assert out.dtype == torch.float32
+    dense = [tuple(t.float() for t in d) for d in dense]
+    torch.testing.assert_close(out, dense_reference(query, qsl, dense, 0.125), atol=2e-5, rtol=1e-4)
