@@ -109,3 +109,20 @@ def test_auto_is_bf16_only_where_the_cpu_has_bf16_dot_products(monkeypatch):
     monkeypatch.setenv("LLMSERVE_AUTO_CPU_DTYPE", "float32")
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16  # explicit wins
+
+
+@needs_kernel
+def test_describe_reports_the_auto_dtype_and_the_kernel_variant(tmp_path, monkeypatch):
+    """An executor started with dtype "auto" serves bf16 on a CPU with AVX512-BF16 / AMX (fp32
+    elsewhere) and says so in Describe, with its kernel variant."""
+    from protos import executor_pb2 as pb
+    from tests.support.executor_driver import executor_channel, running_executor
+
+    monkeypatch.delenv("LLMSERVE_AUTO_CPU_DTYPE", raising=False)
+    expected = cpu_dtype.auto_cpu_dtype()
+    model_dir = make_tiny_checkpoint(tmp_path / "m", "llama", seed=1)
+    kwargs = dict(device="cpu", dtype="auto", block_size=8, num_device_blocks=16)
+    with running_executor(model_dir, **kwargs) as (_, port), executor_channel(port) as stub:
+        info = stub.Describe(pb.DescribeRequest())
+    assert info.dtype == str(expected).removeprefix("torch.")
+    assert info.cpu_kernel_isa == library.variant() != ""
