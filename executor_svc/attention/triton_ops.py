@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.attention.triton_write_kv import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -21,7 +22,7 @@ from executor_svc.attention.triton_write_kv import (
     write_kv,
 )
 
-__all__ = ["write_kv", "paged_attention"]
+__all__ = ["write_kv", "paged_attention", "attend"]
 
 _LOG2E = 1.4426950408889634
 
@@ -390,3 +391,28 @@ def paged_attention(
             NUM_SPLITS=num_splits,
         )
     return out
+
+
+def attend(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """One layer: K/V write, then attention sized by the host's ``md.max_query_len``. Without
+    it ``paged_attention`` reads the longest query off the device: one sync per layer, and no
+    CUDA graph could be captured around it."""
+    write_kv(key, value, key_cache, value_cache, md.slot_mapping)
+    return paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        md.block_tables,
+        md.seq_lens,
+        md.query_start_loc,
+        scale,
+        max_query_len=md.max_query_len,
+    )
