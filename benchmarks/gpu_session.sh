@@ -40,7 +40,7 @@ cat "$OUT/env.txt"
 for step in $steps; do
   case $step in
   tests)
-    timeout 330 $PY -m pytest -p no:cacheprovider -m gpu -s -q -rs --timeout 300 \
+    timeout "${TESTS_TIMEOUT:-330}" $PY -m pytest -p no:cacheprovider -m gpu -s -q -rs --timeout 300 \
       tests/unit/test_cuda_runner.py tests/unit/test_triton_kernels.py \
       tests/unit/test_sampler.py tests/unit/test_step_invariance.py \
       >"$OUT/tests.log" 2>&1
@@ -70,7 +70,7 @@ for step in $steps; do
       >>"$log" 2>&1 &
     spid=$!
     for _ in $(seq 240); do [ -s "$work/scheduler.port" ] && break; sleep 0.5; done
-    timeout 300 $PY -m client.bench throughput --backend llmserve \
+    timeout "${SERVE_TIMEOUT:-300}" $PY -m client.bench throughput --backend llmserve \
       --address "127.0.0.1:$(cat "$work/scheduler.port")" --workload sharegpt-like \
       --num-prompts "$NUM_PROMPTS" --no-progress --output "$OUT/$step.json" >>"$log" 2>&1
     echo "$step rc=$?"
