@@ -26,6 +26,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
+export PATH=/tmp/site/bin:$PATH
 steps=${*:-tests decode serve}
 
 {
@@ -61,19 +62,34 @@ for step in $steps; do
     log="$OUT/$step.log"
     $PY -m executor_svc --model "$work/llama3-8b-shape" --device "$DEVICE" --dtype bfloat16 \
       --load-format dummy --port 0 --port-file "$work/executor.port" --log-level info \
+      --metrics-port 9464 \
       "${extra[@]}" >"$log" 2>&1 &
     epid=$!
     for _ in $(seq 600); do [ -s "$work/executor.port" ] && break; sleep 0.5; done
     $PY -m scheduler_svc --executor "127.0.0.1:$(cat "$work/executor.port")" \
       --redis-dir "$work/redis" --port 0 --port-file "$work/scheduler.port" \
       --max-num-seqs "$MAX_SEQS" --max-num-batched-tokens 8192 --log-level warning \
+      --metrics-port 9465 \
       >>"$log" 2>&1 &
     spid=$!
     for _ in $(seq 240); do [ -s "$work/scheduler.port" ] && break; sleep 0.5; done
+    if [ -n "${PROFILE:-}" ] && command -v py-spy >/dev/null; then
+      # Where the two processes' CPU time goes, as collapsed stacks (one line per stack).
+      (sleep "${PROFILE_DELAY:-12}"
+       py-spy record --format raw -r 40 -d 15 -o "$OUT/prof-executor.txt" --pid "$epid" &
+       py-spy record --format raw -r 40 -d 15 -o "$OUT/prof-scheduler.txt" --pid "$spid" &
+       nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader -l 1 >"$OUT/gpu-util.txt" &
+       sleep 16; kill %3) >/dev/null 2>&1 &
+    fi
     timeout "${SERVE_TIMEOUT:-300}" $PY -m client.bench throughput --backend llmserve \
       --address "127.0.0.1:$(cat "$work/scheduler.port")" --workload sharegpt-like \
       --num-prompts "$NUM_PROMPTS" --no-progress --output "$OUT/$step.json" >>"$log" 2>&1
     echo "$step rc=$?"
+    $PY -c "import urllib.request as u
+for p in (9464, 9465): print(u.urlopen(f'http://127.0.0.1:{p}/metrics').read().decode())" \
+      | grep -E "^llmserve:(executor_phase|executor_step|redis_write|num_steps|executor_steps)" \
+      >"$OUT/$step-metrics.txt"
+    cat "$OUT/$step-metrics.txt"
     kill "$spid" 2>/dev/null; sleep 2; kill "$epid" 2>/dev/null; wait 2>/dev/null
     grep -E "cuda_graphs|num_device_blocks|kv_cache|error|Error" "$log" | head -8
     cat "$OUT/$step.md" 2>/dev/null || tail -20 "$log"
