@@ -16,6 +16,7 @@ variable (``config.numerics``).
 | ``LLMSERVE_LOAD_FORMAT`` | ``auto`` | ``runner.loader``: ``dummy`` fills the weights with seeded random values instead of reading a checkpoint (benchmarks of model shapes one has no weights for; vLLM's ``--load-format dummy``) |
 | ``LLMSERVE_ENFORCE_EAGER`` | off | ``runner.cuda_graphs``: ``1`` never captures CUDA graphs (vLLM's ``--enforce-eager``) |
 | ``LLMSERVE_MAX_GRAPH_BATCH`` | ``256`` | ``runner.cuda_graphs``: the largest decode batch replayed from a CUDA graph |
+| ``LLMSERVE_CUDA_FUSED`` | on | ``models.llama``: ``0`` runs RMSNorm, SiLU-and-multiply and rope as plain torch ops on CUDA instead of the fused Triton kernels (``kernels.triton_elementwise``) |
 | ``LLMSERVE_CACHE`` | ``~/.cache/llmserve`` | ``tools.demo_model``: where the demo checkpoint is built |
 """
 
@@ -85,3 +86,8 @@ def enforce_eager() -> bool:
 def max_graph_batch() -> int:
     """``LLMSERVE_MAX_GRAPH_BATCH``: the largest decode batch captured as a CUDA graph."""
     return int(os.environ.get("LLMSERVE_MAX_GRAPH_BATCH", "256"))
+
+
+def cuda_fused() -> bool:
+    """``LLMSERVE_CUDA_FUSED``: ``0`` turns the fused Triton elementwise kernels off."""
+    return os.environ.get("LLMSERVE_CUDA_FUSED", "1").strip().lower() not in _FALSE
