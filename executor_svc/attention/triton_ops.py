@@ -21,6 +21,7 @@ from executor_svc.attention.triton_write_kv import (
     interpreting,
     write_kv,
 )
+from executor_svc.config import numerics
 
 __all__ = ["write_kv", "paged_attention", "attend"]
 
@@ -338,8 +339,14 @@ def paged_attention(
         return out
 
     group = num_heads // num_kv_heads
-    head_pad, group_pad, block_q, block_n = _attention_config(head_dim, group, max_query_len)
-    num_splits = _num_kv_splits(num_seqs, num_kv_heads, max_query_len, query.device)
+    # Step-invariant numerics: one tile height and no context split whatever the step holds,
+    # so a position's attention is summed over the same KV tiles in the same order in a
+    # decode, a chunk or a whole prefill (extra query rows only cost compute).
+    fixed = numerics.deterministic() and query.is_cuda
+    head_pad, group_pad, block_q, block_n = _attention_config(
+        head_dim, group, 1 << 20 if fixed else max_query_len
+    )
+    num_splits = 1 if fixed else _num_kv_splits(num_seqs, num_kv_heads, max_query_len, query.device)
     partial_acc = partial_ml = out  # unused placeholders when the context is not split
     if num_splits > 1:
         partial_acc = torch.empty(

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
-from executor_svc.config import envs
+from executor_svc.config import envs, numerics
 from executor_svc.kernels import elementwise, gemm
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
@@ -121,6 +121,14 @@ def _cuda_elementwise() -> ModuleType | None:
     return triton_elementwise
 
 
+@functools.cache
+def _cuda_gemm() -> ModuleType:
+    """The step-invariant Triton GEMM (imported on first CUDA use: it needs triton)."""
+    from executor_svc.kernels import triton_gemm
+
+    return triton_gemm
+
+
 def matmul_io(x: torch.Tensor, w_io: torch.Tensor, bias: torch.Tensor | None = None):
     """``x [num_tokens, in] @ w_io [in, out] (+ bias)``.
 
@@ -132,12 +140,15 @@ def matmul_io(x: torch.Tensor, w_io: torch.Tensor, bias: torch.Tensor | None = N
     it takes the plain matmul; so do CPU fp16/bf16, which oneDNN supports only on CPUs with the
     matching instructions.
 
-    With step-invariant numerics (the default) fp32 CPU goes to ``gemm.matmul`` instead:
-    MKL and oneDNN give a row other bits depending on how many rows come with it.
+    With step-invariant numerics (the default) fp32 CPU goes to ``gemm.matmul`` instead, and
+    CUDA to ``kernels.triton_gemm``: MKL, oneDNN and cuBLAS give a row other bits depending on
+    how many rows come with it.
     """
     y = gemm.matmul(x, w_io, bias)  # None: not fp32 CPU, or numerics not step-invariant
     if y is not None:
         return y
+    if x.is_cuda and numerics.deterministic():
+        return _cuda_gemm().matmul(x, w_io, bias)  # cuBLAS picks its kernel by the row count
     use_onednn = x.shape[0] > 1 or torch.get_num_threads() > 1
     if use_onednn and x.is_cpu and x.dtype == torch.float32 and _ONEDNN_LINEAR is not None:
         return _ONEDNN_LINEAR(x.contiguous(), w_io.t(), bias, "none", [], "")
