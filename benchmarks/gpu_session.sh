@@ -63,7 +63,7 @@ for step in $steps; do
     $PY -m executor_svc --model "$work/llama3-8b-shape" --device "$DEVICE" --dtype bfloat16 \
       --load-format dummy --port 0 --port-file "$work/executor.port" --log-level info \
       --metrics-port 9464 \
-      "${extra[@]}" >"$log" 2>&1 &
+      "${extra[@]}" ${EXECUTOR_ARGS:-} >"$log" 2>&1 &
     epid=$!
     for _ in $(seq 600); do [ -s "$work/executor.port" ] && break; sleep 0.5; done
     $PY -m scheduler_svc --executor "127.0.0.1:$(cat "$work/executor.port")" \

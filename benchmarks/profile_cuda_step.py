@@ -95,6 +95,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--profile-batch", type=int, default=512)
     p.add_argument("--rows", type=int, default=14)
+    p.add_argument("--no-profile", action="store_true", help="timings only")
     args = p.parse_args()
     os.environ["LLMSERVE_LOAD_FORMAT"] = "dummy"
     batches = [int(b) for b in args.batches.split(",")]
@@ -125,6 +126,8 @@ def main() -> None:
     flops = 2 * weight_bytes / 2 * 32 * 256
     print(f"\nprefill 32 x 256 = 8192 tokens: {t * 1e3:.1f} ms ({flops / t / 1e12:.0f} TFLOP/s "
           "counting 2 x params per token, attention excluded)")  # fmt: skip
+    if args.no_profile:
+        return
     if args.profile_batch in steps:
         profile(steps[args.profile_batch], f"decode batch {args.profile_batch}", args.rows)
     profile(prefill, "prefill 8192 tokens", args.rows)
