@@ -21,7 +21,7 @@ from executor_svc.attention.triton_write_kv import (
     interpreting,
     write_kv,
 )
-from executor_svc.config import numerics
+from executor_svc.config import envs, numerics
 
 __all__ = ["write_kv", "paged_attention", "attend"]
 
@@ -339,10 +339,11 @@ def paged_attention(
         return out
 
     group = num_heads // num_kv_heads
-    # Step-invariant numerics: one tile height and no context split whatever the step holds,
+    # Experimental step-invariant mode (LLMSERVE_CUDA_INVARIANT=1, config/envs.py): one tile
+    # height and no context split whatever the step holds,
     # so a position's attention is summed over the same KV tiles in the same order in a
     # decode, a chunk or a whole prefill (extra query rows only cost compute).
-    fixed = numerics.deterministic() and query.is_cuda
+    fixed = query.is_cuda and numerics.deterministic() and envs.cuda_invariant()
     head_pad, group_pad, block_q, block_n = _attention_config(
         head_dim, group, 1 << 20 if fixed else max_query_len
     )

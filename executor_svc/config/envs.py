@@ -17,6 +17,7 @@ variable (``config.numerics``).
 | ``LLMSERVE_ENFORCE_EAGER`` | off | ``runner.cuda_graphs``: ``1`` never captures CUDA graphs (vLLM's ``--enforce-eager``) |
 | ``LLMSERVE_MAX_GRAPH_BATCH`` | ``256`` | ``runner.cuda_graphs``: the largest decode batch replayed from a CUDA graph |
 | ``LLMSERVE_CUDA_FUSED`` | on | ``models.llama``: ``0`` runs RMSNorm, SiLU-and-multiply and rope as plain torch ops on CUDA instead of the fused Triton kernels (``kernels.triton_elementwise``) |
+| ``LLMSERVE_CUDA_INVARIANT`` | off | ``models.llama``, ``attention.triton_ops``: ``1`` (with step-invariant numerics) runs CUDA linears through ``kernels.triton_gemm`` and the Triton attention with fixed tiles and no context split. Experimental: an H100 run found it 2.3x slower on prefill and still not step-invariant (docs/benchmarks.md, "CUDA") |
 | ``LLMSERVE_CACHE`` | ``~/.cache/llmserve`` | ``tools.demo_model``: where the demo checkpoint is built |
 """
 
@@ -91,3 +92,8 @@ def max_graph_batch() -> int:
 def cuda_fused() -> bool:
     """``LLMSERVE_CUDA_FUSED``: ``0`` turns the fused Triton elementwise kernels off."""
     return os.environ.get("LLMSERVE_CUDA_FUSED", "1").strip().lower() not in _FALSE
+
+
+def cuda_invariant() -> bool:
+    """``LLMSERVE_CUDA_INVARIANT``: ``1`` tries the step-invariant CUDA kernels (experimental)."""
+    return os.environ.get("LLMSERVE_CUDA_INVARIANT", "0").strip().lower() not in (*_FALSE, "")

@@ -140,14 +140,15 @@ def matmul_io(x: torch.Tensor, w_io: torch.Tensor, bias: torch.Tensor | None = N
     it takes the plain matmul; so do CPU fp16/bf16, which oneDNN supports only on CPUs with the
     matching instructions.
 
-    With step-invariant numerics (the default) fp32 CPU goes to ``gemm.matmul`` instead, and
-    CUDA to ``kernels.triton_gemm``: MKL, oneDNN and cuBLAS give a row other bits depending on
-    how many rows come with it.
+    With step-invariant numerics (the default) fp32 CPU goes to ``gemm.matmul`` instead: MKL
+    and oneDNN give a row other bits depending on how many rows come with it. On CUDA cuBLAS
+    does the same; ``LLMSERVE_CUDA_INVARIANT=1`` tries ``kernels.triton_gemm`` (experimental,
+    see config/envs.py).
     """
     y = gemm.matmul(x, w_io, bias)  # None: not fp32 CPU, or numerics not step-invariant
     if y is not None:
         return y
-    if x.is_cuda and numerics.deterministic():
+    if x.is_cuda and numerics.deterministic() and envs.cuda_invariant():
         return _cuda_gemm().matmul(x, w_io, bias)  # cuBLAS picks its kernel by the row count
     use_onednn = x.shape[0] > 1 or torch.get_num_threads() > 1
     if use_onednn and x.is_cpu and x.dtype == torch.float32 and _ONEDNN_LINEAR is not None:
