@@ -19,6 +19,7 @@ import torch
 
 from executor_svc.attention import AttentionMetadata, get_attention_backend
 from executor_svc.runner.batch import BatchInputs
+from executor_svc.runner.cuda_graphs import DecodeGraphs, build_decode_graphs
 from executor_svc.runner.kv_cache import (
     GIB,
     PROFILE_NUM_TOKENS,
@@ -140,6 +141,17 @@ class ModelRunner:
             dtype=info.dtype,
             device=self.device,
         )
+        # CUDA: decode steps replay captured graphs (runner/cuda_graphs.py); None elsewhere.
+        self.graphs: DecodeGraphs | None = None
+        if tp is None:
+            self.graphs = build_decode_graphs(
+                self.model,
+                self.kv_cache.layers,
+                device=self.device,
+                max_model_len=info.max_model_len,
+                block_size=block_size,
+                num_device_blocks=self.num_device_blocks,
+            )
         self._sampler: Sampler | None = None
         # Seconds per phase of execute(), for metrics (plain floats: one add per phase a step).
         self.phase_seconds = {"cache_ops": 0.0, "forward": 0.0, "sampling": 0.0}
@@ -184,9 +196,7 @@ class ModelRunner:
             return []
         if batch is None:
             batch = self.prepare_inputs(seqs)
-        hidden = self.model(
-            batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
-        )
+        hidden = self._forward(batch)
         # Almost no step has a sequence asking: one generator pass, no per-row bookkeeping.
         if prompt_logprobs is not None and any(
             s.sampling_params.num_prompt_logprobs is not None for s in seqs
@@ -234,10 +244,16 @@ class ModelRunner:
         if self._send_step is not None:
             raise RuntimeError("forward_logits is not available with tensor parallelism")
         batch = self.prepare_inputs(seqs)
-        hidden = self.model(
+        hidden = self._forward(batch)
+        return self._sample_logits(batch, hidden)
+
+    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+        """Hidden states of the step's tokens: from a CUDA graph for decode batches it holds."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        return self.model(
             batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
         )
-        return self._sample_logits(batch, hidden)
 
     def _sample_logits(
         self, batch: BatchInputs, hidden: torch.Tensor
