@@ -155,6 +155,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"executor {e.address} ({state}, instance {e.instance_id}): "
             f"{e.num_free_blocks}/{e.num_device_blocks} device blocks free, "
             f"{e.num_cpu_blocks} cpu blocks, prefix-cache hit rate {hits}"
+            + (f", {e.dtype}" if e.dtype else "")
+            + (f", cpu kernels {e.cpu_kernel_isa}" if e.cpu_kernel_isa else "")
         )
     return 0
 
