@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from executor_svc.attention import AttentionMetadata, get_attention_backend
+from executor_svc.lora.manager import LoraConfig, LoraManager, no_lora_error
 from executor_svc.runner.batch import BatchInputs
 from executor_svc.runner.kv_cache import (
     GIB,
@@ -54,6 +55,9 @@ class ScheduledSequence:
     # Structured output: this step's allowed tokens as packed uint32 words (runner/token_mask.py),
     # None when unconstrained.
     token_mask: np.ndarray | None = None
+    # LoRA: the adapter's name and directory (executor_svc/lora); None = the base model.
+    lora_name: str | None = None
+    lora_path: str | None = None
     # A token is sampled iff num_computed_tokens + num_scheduled_tokens == len(token_ids), and
     # never for a prompt-only sequence (sampling_params.prompt_only).
 
@@ -90,6 +94,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         attention_backend: str = "auto",
         tp: TPGroup | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         """``tp``: this process's rank of a tensor-parallel group (every rank builds its own
         runner, in the same order, since loading and profiling involve collectives)."""
@@ -107,6 +112,10 @@ class ModelRunner:
             tp=tp,
         )
         info: ModelInfo = self.info
+        if lora is not None and tp is not None and tp.world_size > 1:
+            raise ValueError("LoRA with tensor parallelism is not supported yet")
+        # The adapter table (executor_svc/lora): slots on the model's projections, LRU caches.
+        self.lora = LoraManager(self.model, lora, self.device, info.dtype) if lora else None
         self.block_size = block_size
         bytes_per_block = block_bytes(
             info.num_layers, block_size, info.num_kv_heads, info.head_dim, info.dtype
@@ -184,9 +193,7 @@ class ModelRunner:
             return []
         if batch is None:
             batch = self.prepare_inputs(seqs)
-        hidden = self.model(
-            batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
-        )
+        hidden = self._forward(seqs, batch)
         # Almost no step has a sequence asking: one generator pass, no per-row bookkeeping.
         if prompt_logprobs is not None and any(
             s.sampling_params.num_prompt_logprobs is not None for s in seqs
@@ -234,10 +241,22 @@ class ModelRunner:
         if self._send_step is not None:
             raise RuntimeError("forward_logits is not available with tensor parallelism")
         batch = self.prepare_inputs(seqs)
-        hidden = self.model(
-            batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
-        )
-        return self._sample_logits(batch, hidden)
+        return self._sample_logits(batch, self._forward(seqs, batch))
+
+    def _forward(self, seqs: list[ScheduledSequence], batch: BatchInputs) -> torch.Tensor:
+        """The model over the step's rows, with each sequence's LoRA adapter when LoRA is on."""
+        if self.lora is None:
+            no_lora_error(seqs)
+            return self.model(
+                batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
+            )
+        self.lora.begin_step(seqs)
+        try:
+            return self.model(
+                batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
+            )
+        finally:
+            self.lora.end_step()
 
     def _sample_logits(
         self, batch: BatchInputs, hidden: torch.Tensor
