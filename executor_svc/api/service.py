@@ -211,6 +211,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             tensor_parallel_size=getattr(info, "tensor_parallel_size", 1),
             draining=self.draining,
             hidden_size=getattr(info, "hidden_size", 0),
+            max_loras=runner.lora.config.max_loras if runner.lora is not None else 0,
+            max_lora_rank=runner.lora.config.max_lora_rank if runner.lora is not None else 0,
         )
 
     @_rpc

@@ -48,3 +48,8 @@ class LoraBudget:
     def add(self, lora: LoraRef | None) -> None:
         if lora is not None:
             self.loras.add(lora)
+
+
+def stored_lora(lora: LoraRef | None) -> list[str] | None:
+    """How a request's adapter is stored with it (Redis): [name, path], or None."""
+    return None if lora is None else [lora.name, lora.path]
