@@ -248,6 +248,15 @@ class ExecutorInfo:
     draining: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class LoraAdapterInfo:
+    """A loaded LoRA adapter: the name requests select it by, its PEFT directory, its rank."""
+
+    name: str
+    path: str
+    rank: int
+
+
 @dataclass(slots=True)
 class ServerInfo:
     model: str
@@ -266,6 +275,8 @@ class ServerInfo:
     routing: str = ""
     tasks: list[str] = field(default_factory=list)  # "generate", "embed"
     hidden_size: int = 0  # an embedding's length without `dimensions`
+    lora_adapters: list[LoraAdapterInfo] = field(default_factory=list)
+    max_loras: int = 0  # distinct adapters per step; 0: the server serves no LoRA
 
     @classmethod
     def from_proto(cls, msg: pb.GetServerInfoResponse) -> ServerInfo:
@@ -298,6 +309,8 @@ class ServerInfo:
             ],
             routing=msg.routing,
             tasks=list(msg.tasks),
+            lora_adapters=[LoraAdapterInfo(a.name, a.path, a.rank) for a in msg.lora_adapters],
+            max_loras=msg.max_loras,
             hidden_size=msg.hidden_size,
         )
 

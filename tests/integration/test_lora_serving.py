@@ -13,12 +13,15 @@ import threading
 import time
 
 import grpc
+import httpx
+import openai
 import pytest
 import torch
 
 from protos import scheduler_pb2 as pb
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import collect, gen_request, run_in_threads, stub_for
+from tests.support.frontend import Frontend
 from tests.support.lora_factory import SPECS, AdapterSpec, load_peft_reference, make_adapter
 from tests.support.model_factory import load_hf_model
 from tests.support.stack import Stack, tiny_model_dir
@@ -191,3 +194,47 @@ def test_adapter_request_survives_scheduler_kill_9(lora_stack):
     names = [a.name for a in stub.GetServerInfo(pb.GetServerInfoRequest()).lora_adapters]
     assert "durable" not in names
     channel.close()
+
+
+def test_openai_frontend_serves_adapters_by_model_name(lora_stack, tmp_path):
+    stack, adapters = lora_stack
+    fe = Frontend.start(tmp_path / "frontend", stack.address)
+    try:
+        fe.wait_healthy()
+        oai = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key="unused", max_retries=0)
+        models = {m.id: m for m in oai.models.list().data}
+        base = next(m for m in models.values() if getattr(m, "parent", None) is None)
+        assert models["qv8"].parent == base.id and models["qv8"].root == str(adapters["qv8"])
+        prompt = _prompts(1, seed=31)[0]
+        want = _reference(stack.model_dir, adapters["qv8"], prompt)
+        out = oai.completions.create(
+            model="qv8",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            extra_body={"min_tokens": MAX_TOKENS, "ignore_eos": True},
+        )
+        assert out.model == "qv8"
+        http = httpx.Client(base_url=fe.base_url, timeout=30)
+        text = http.post("/detokenize", json={"tokens": want}).json()["prompt"]
+        assert out.choices[0].text == text
+        base_out = oai.completions.create(
+            model=base.id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+            extra_body={"min_tokens": MAX_TOKENS, "ignore_eos": True},
+        )  # fmt: skip
+        assert base_out.choices[0].text != text
+        with pytest.raises(openai.NotFoundError):
+            oai.completions.create(model="nope", prompt=prompt, max_tokens=2)
+        r = http.post(
+            "/v1/load_lora_adapter",
+            json={"lora_name": "fe", "lora_path": str(adapters["ku16"])},
+        )
+        assert r.status_code == 200, r.text
+        assert "fe" in {m.id for m in oai.models.list().data}
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nope"})
+        assert r.status_code == 404 and r.json()["error"]["message"]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "fe"}).status_code == 200
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": "fe"})
+        assert r.status_code == 404
+    finally:
+        fe.stop()
