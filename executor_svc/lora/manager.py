@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from executor_svc.lora.layers import LoraGroup, LoraSlot, LoraStep
+from executor_svc.lora.layers import LoraGroup, LoraSlot, LoraStep, pack_adapter
 from executor_svc.lora.peft import (
     LoraAdapter,
     LoraError,
@@ -135,7 +135,7 @@ class LoraManager:
             return adapter
         host = self.load(*key)
         t0 = time.perf_counter()
-        adapter = host.to(self.device, self.dtype)
+        adapter = pack_adapter(host.to(self.device, self.dtype))
         self.stats.loads_from_cache += 1
         self.stats.seconds_from_cache += time.perf_counter() - t0
         self._device[key] = adapter

@@ -1,11 +1,12 @@
 """PEFT LoRA adapter directories (``adapter_config.json`` + ``adapter_model.safetensors``) ->
-``LoraAdapter``: per layer and packed projection, one ``A [in, R]`` and one ``B [R, out]``.
+``LoraAdapter``: per layer and packed projection, one ``A [in, r * num_shards]`` and one
+``B_s [r, size_s]`` per targeted shard with the output columns it lands in.
 
 The model packs q|k|v into ``qkv_proj`` and gate|up into ``gate_up_proj``. An adapter's q, k and
-v (gate and up) matrices are stacked along the rank: ``A = [A_q | A_k | A_v]`` and ``B`` is block
-diagonal, each shard's rows landing in its own output columns and zeros elsewhere. One
-``x @ A @ B`` then yields every shard's delta in its packed columns; the zeros add exact zeros,
-so the packed form gives the same bits a shard alone would (up to the one product order).
+v (gate and up) A matrices are stacked along the rank, ``A = [A_q | A_k | A_v]``, so that one
+``x @ A`` (one read of the row) serves every shard; each shard's ``B_s`` then maps its ``r``
+columns of ``x @ A`` onto its own output columns of the packed projection. (A block-diagonal
+``B`` would do the same in one product but read and multiply its zeros: 2-3x the work of B.)
 The scaling (``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA) is folded into ``B``.
 """
 
@@ -15,6 +16,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -66,16 +68,18 @@ class LoraAdapter:
     path: str
     rank: int
     scaling: float
-    # (layer, packed module) -> (A [in, R], B [R, out] scaled); modules the adapter skips absent
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+    # (layer, packed module) -> (A [in, r * num_shards], [(out start, size, B_s [r, size])]),
+    # B scaled; modules the adapter skips are absent. On the device each matrix may be a
+    # kernels.gemm.PackedWeight instead (lora.layers.pack_adapter).
+    weights: dict[tuple[int, str], tuple[Any, Any]] = field(default_factory=dict)
 
     def to(self, device: torch.device, dtype: torch.dtype) -> LoraAdapter:
         moved = {
-            k: (a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous())
-            for k, (a, b) in self.weights.items()
+            k: (
+                a.to(device, dtype).contiguous(),
+                [(start, size, b.to(device, dtype).contiguous()) for start, size, b in bs],
+            )
+            for k, (a, bs) in self.weights.items()
         }
         return LoraAdapter(self.name, self.path, self.rank, self.scaling, moved)
 
@@ -191,9 +195,9 @@ def load_peft_adapter(
     for key, shards in by_module.items():
         shape = shapes[key]
         a_packed = torch.cat([a.t() for _, a, _ in shards], dim=1)  # [in, r * num_shards]
-        b_packed = torch.zeros(rank * len(shards), shape.out_features)
-        for j, (shard_id, _, b) in enumerate(shards):
+        b_shards = []
+        for shard_id, _, b in shards:
             start, size = shape.shard_offsets[shard_id]
-            b_packed[j * rank : (j + 1) * rank, start : start + size] = b.t() * scaling
-        adapter.weights[key] = (a_packed.contiguous(), b_packed)
+            b_shards.append((start, size, (b.t() * scaling).contiguous()))  # [r, size]
+        adapter.weights[key] = (a_packed.contiguous(), b_shards)
     return adapter
