@@ -212,7 +212,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def LoadLoraAdapter(
         self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoadLoraAdapterResponse:
-        name, path, rank = self.engine.load_lora_adapter(request.name, request.path)
+        name, path, rank = await self.engine.load_lora_adapter(request.name, request.path)
         return pb.LoadLoraAdapterResponse(adapter=pb.LoraAdapter(name=name, path=path, rank=rank))
 
     @_rpc(pb.UnloadLoraAdapterResponse)

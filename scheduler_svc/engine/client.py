@@ -42,7 +42,7 @@ class EngineClient(Protocol):
         self, token_ids: list[int], skip_special_tokens: bool
     ) -> tuple[str, list[str]]: ...
 
-    def load_lora_adapter(self, name: str, path: str) -> tuple[str, str, int]:
+    async def load_lora_adapter(self, name: str, path: str) -> tuple[str, str, int]:
         """Register a LoRA adapter: (name, resolved path, rank); ValidationError/NotFound."""
         ...
 

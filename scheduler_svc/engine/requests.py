@@ -35,7 +35,7 @@ from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.server_info import server_info
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
 from scheduler_svc.grammar.structured import StructuredOutputs
-from scheduler_svc.lora.registry import LoraRegistry
+from scheduler_svc.lora.registry import LoraRegistry, load_on_executors
 from scheduler_svc.output.tokenizer import encode_chat, encode_infill, encode_prompt
 from scheduler_svc.state.persister import Persister
 from scheduler_svc.state.store import (
@@ -268,11 +268,14 @@ class RequestFront:
         m = self.model
         return RequestView.from_stored(rec, params, m.tokenizer, m.eos_token_ids, m.max_model_len)
 
-    def load_lora_adapter(self, name: str, path: str) -> tuple[str, str, int]:
-        """Register an adapter (ValidationError / NotFound saying why not): name, path, rank."""
+    async def load_lora_adapter(self, name: str, path: str) -> tuple[str, str, int]:
+        """Register an adapter (ValidationError / NotFound saying why not): name, path, rank.
+        Every executor reads it and checks it against the model first."""
         self._check_available()
         self.loras.max_rank = self._max_lora_rank()
         self.loras.base_model_names = tuple({ex.describe.model_name for ex in self.pool.executors})
+        ref = self.loras.check(name, path).ref
+        await load_on_executors(self.pool.executors, ref.name, ref.path)
         info = self.loras.load(name, path)
         log.info("lora.loaded", name=name, path=info.ref.path, rank=info.rank)
         return info.ref.name, info.ref.path, info.rank

@@ -13,9 +13,14 @@ was unloaded or reloaded meanwhile.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import grpc
+
+from protos import executor_pb2 as epb
 from scheduler_svc.core.errors import NotFound, ValidationError
 from scheduler_svc.core.lora import LoraRef
 
@@ -96,6 +101,12 @@ class LoraRegistry:
         return list(self._adapters.values())
 
     def load(self, name: str, path: str) -> LoraAdapterInfo:
+        info = self.check(name, path)
+        self._adapters[name] = info
+        return info
+
+    def check(self, name: str, path: str) -> LoraAdapterInfo:
+        """What ``load`` would register, without registering it."""
         if not name or any(c.isspace() for c in name):
             raise ValidationError(f"LoRA adapter name {name!r} is not valid")
         if name in self.base_model_names:
@@ -106,7 +117,6 @@ class LoraRegistry:
             raise ValidationError(
                 f"LoRA adapter {name!r} is loaded from {old.ref.path}; unload it first"
             )
-        self._adapters[name] = info
         return info
 
     def unload(self, name: str) -> None:
@@ -119,3 +129,20 @@ class LoraRegistry:
             known = ", ".join(sorted(self._adapters)) or "none loaded"
             raise NotFound(f"LoRA adapter {name!r} is not loaded (adapters: {known})")
         return info.ref
+
+
+async def load_on_executors(executors: Iterable[Any], name: str, path: str) -> None:
+    """Have every reachable executor read the adapter and check it against its model; the
+    first refusal is raised (ValidationError / NotFound). One that cannot be reached now loads
+    it with the first step that names it."""
+    req = epb.LoadLoraAdapterRequest(name=name, path=path)
+    for ex in executors:
+        if not ex.healthy:
+            continue
+        try:
+            await ex.stub.LoadLoraAdapter(req, timeout=60)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise NotFound(f"executor {ex.address}: {e.details()}") from None
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValidationError(f"executor {ex.address}: {e.details()}") from None

@@ -23,7 +23,7 @@ from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import collect, gen_request, run_in_threads, stub_for
 from tests.support.frontend import Frontend
 from tests.support.lora_factory import SPECS, AdapterSpec, load_peft_reference, make_adapter
-from tests.support.model_factory import load_hf_model
+from tests.support.model_factory import load_hf_model, make_tiny_checkpoint
 from tests.support.stack import Stack, tiny_model_dir
 
 pytest.importorskip("peft")
@@ -131,6 +131,16 @@ def test_unknown_and_malformed_adapters_are_refused(lora_stack, tmp_path):
     with pytest.raises(grpc.RpcError) as e:
         stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(name="x", path=str(tmp_path)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "rank 128" in e.value.details()
+    # Its config is fine; its tensors are for another base: the executor refuses it.
+    other = make_tiny_checkpoint(tmp_path / "other", "llama", seed=1, hidden_size=32)
+    wrong = make_adapter(other, tmp_path / "wrong", SPECS[0])
+    with pytest.raises(grpc.RpcError) as e:
+        stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(name="wrong", path=str(wrong)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the base model needs" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(_request([5, 6, 7], "wrong")))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.RpcError) as e:
         stub.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(name="nope"))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
