@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.kernels import gemm
+from executor_svc.kernels import lora as lora_kernel
 from executor_svc.lora.peft import LoraAdapter
 
 
@@ -33,8 +34,12 @@ def pack_adapter(adapter: LoraAdapter) -> LoraAdapter:
     """The adapter with A and B in the CPU kernel's packed layout where it applies (fp32 CPU):
     bitwise the same products as ``gemm.matmul`` on the plain matrices, several times faster
     on the small matrices of an adapter (no per-call packing)."""
-    packed = {}
+    packed: dict = {}
     for key, (a, bs) in adapter.weights.items():
+        fused = lora_kernel.LoraWeights.of(a, adapter.rank, bs)
+        if fused is not None:  # one kernel call per group (csrc/lora.cpp)
+            packed[key] = fused
+            continue
         pa = gemm.pack(a)
         pbs = [(start, size, gemm.pack(b)) for start, size, b in bs]
         if pa is None or any(pb is None for _, _, pb in pbs):
@@ -75,6 +80,9 @@ class LoraSlot:
         for group in self.step.groups:
             ab = group.adapter.weights.get(self.key)
             if ab is None:
+                continue
+            if isinstance(ab, lora_kernel.LoraWeights):
+                ab.apply(x, group.rows, y)
                 continue
             a, bs = ab
             r = group.adapter.rank
