@@ -18,6 +18,7 @@ import openai
 import pytest
 import torch
 
+from client import LLMClient, SamplingParams
 from protos import scheduler_pb2 as pb
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import collect, gen_request, run_in_threads, stub_for
@@ -248,3 +249,20 @@ def test_openai_frontend_serves_adapters_by_model_name(lora_stack, tmp_path):
         assert r.status_code == 404
     finally:
         fe.stop()
+
+
+def test_python_client_takes_an_adapter_name(lora_stack):
+    stack, adapters = lora_stack
+    prompt = _prompts(1, seed=41)[0]
+    want = _reference(stack.model_dir, adapters["mlp8"], prompt)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
+    )
+    with LLMClient(stack.address) as client:
+        info = client.load_lora_adapter("client-mlp8", str(adapters["mlp8"]))
+        assert (info.name, info.rank) == ("client-mlp8", 8)
+        assert "client-mlp8" in {a.name for a in client.server_info().lora_adapters}
+        out = client.generate([prompt], params, use_tqdm=False, lora_adapter="client-mlp8")
+        assert out[0].outputs[0].token_ids == want
+        client.unload_lora_adapter("client-mlp8")
+        assert "client-mlp8" not in {a.name for a in client.server_info().lora_adapters}
