@@ -149,8 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _lora_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     if not args.enable_lora:
         return {}
-    if args.tensor_parallel_size > 1:
-        parser.error("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
     from executor_svc.lora.manager import LoraConfig
 
     try:

@@ -70,19 +70,37 @@ class LoraStats:
 def install_slots(model: Any, step: LoraStep) -> ModelShapes:
     """Put a ``LoraSlot`` on each packed projection of ``model`` (a models.llama decoder);
     returns the shapes adapters are checked against."""
-    cfg = model.config
+    cfg = model.config  # the whole model's, also under tensor parallelism
     widths = {
         "hidden": cfg.hidden_size,
         "attn_out": cfg.num_heads * cfg.head_dim,
         "intermediate": cfg.intermediate_size,
+    }
+    kv = cfg.num_kv_heads * cfg.head_dim
+    full_sizes = {
+        "qkv_proj": {"q": widths["attn_out"], "k": kv, "v": kv},
+        "gate_up_proj": {0: cfg.intermediate_size, 1: cfg.intermediate_size},
     }
     shapes: ModelShapes = {}
     for i, layer in enumerate(model.layers):
         for name, (block, width) in _MODULES.items():
             linear = getattr(getattr(layer, block), name)
             linear.lora = LoraSlot((i, name), step)
-            shapes[(i, name)] = ModuleShape(widths[width], dict(linear.shard_offsets))
+            shapes[(i, name)] = _module_shape(linear, widths[width], full_sizes.get(name))
     return shapes
+
+
+def _module_shape(linear: Any, full_in: int, full_sizes: dict | None) -> ModuleShape:
+    """The shape of a plain, column-parallel (``source_offsets``) or row-parallel (``first``,
+    no ``shard_offsets``) projection of models/."""
+    offsets = getattr(linear, "shard_offsets", None)
+    if offsets is None:  # row-parallel: this rank's input rows, the whole output
+        rows, out = linear.weight.shape
+        return ModuleShape(rows, {None: (0, out)}, in_first=linear.first, full_in=full_in)
+    sources = getattr(linear, "source_offsets", None)
+    return ModuleShape(
+        full_in, dict(offsets), source_offsets=sources, full_sizes=full_sizes if sources else None
+    )
 
 
 class LoraManager:
@@ -157,15 +175,10 @@ class LoraManager:
         """Group the step's rows (sequences back to back, ``num_scheduled_tokens`` each) by
         adapter, loading what is missing; groups keep the order of first appearance."""
         self.check_step(seqs)
-        rows: dict[AdapterKey, list[int]] = {}
-        start = 0
-        for s in seqs:
-            n = s.num_scheduled_tokens
-            if s.lora_name:
-                if not s.lora_path:
-                    raise LoraError(f"LoRA adapter {s.lora_name!r} was sent without its path")
-                rows.setdefault((s.lora_name, s.lora_path), []).extend(range(start, start + n))
-            start += n
+        self.begin_groups(row_groups(seqs))
+
+    def begin_groups(self, rows: dict[AdapterKey, list[int]]) -> None:
+        """The step's groups from (adapter -> rows); tensor-parallel workers get them so."""
         groups = [
             LoraGroup(self._on_device(k), torch.tensor(r, dtype=torch.long, device=self.device))
             for k, r in rows.items()
@@ -174,6 +187,21 @@ class LoraManager:
 
     def end_step(self) -> None:
         self.step.clear()
+
+
+def row_groups(seqs: Sequence[LoraSequence]) -> dict[AdapterKey, list[int]]:
+    """The batch rows of each adapter (sequences back to back, ``num_scheduled_tokens``
+    each), adapters in order of first appearance."""
+    rows: dict[AdapterKey, list[int]] = {}
+    start = 0
+    for s in seqs:
+        n = s.num_scheduled_tokens
+        if s.lora_name:
+            if not s.lora_path:
+                raise LoraError(f"LoRA adapter {s.lora_name!r} was sent without its path")
+            rows.setdefault((s.lora_name, s.lora_path), []).extend(range(start, start + n))
+        start += n
+    return rows
 
 
 def no_lora_error(seqs: Sequence[Any]) -> None:

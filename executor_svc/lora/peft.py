@@ -48,10 +48,18 @@ class LoraError(ValueError):
 @dataclass(frozen=True, slots=True)
 class ModuleShape:
     """What an adapter must match of one packed projection: its input width and its shards
-    (shard id -> (output offset, size)), as ``models.llama.Linear.shard_offsets``."""
+    (shard id -> (output offset, size)), as ``models.llama.Linear.shard_offsets``. Under tensor
+    parallelism a rank holds a slice: A is cut like the layer's input (rows ``in_first`` on),
+    each B like its output (``source_offsets``: where the shard's columns start in the whole
+    projection); ``full_in`` and ``full_sizes`` are the whole model's, which the adapter's
+    tensors must match."""
 
     in_features: int
     shard_offsets: dict[object, tuple[int, int]]
+    in_first: int = 0
+    source_offsets: dict[object, int] | None = None  # None: 0 for every shard
+    full_in: int | None = None  # None: in_features
+    full_sizes: dict[object, int] | None = None  # None: the shard sizes
 
     @property
     def out_features(self) -> int:
@@ -185,11 +193,17 @@ def load_peft_adapter(
             raise LoraError(f"{where}: layer {layer} {proj} lacks lora_A or lora_B")
         a, b = ab["A"], ab["B"]
         _, size = shape.shard_offsets[shard_id]
-        if a.shape != (rank, shape.in_features) or b.shape != (size, rank):
+        full_in = shape.full_in or shape.in_features
+        full_size = (shape.full_sizes or {}).get(shard_id, size)
+        if a.shape != (rank, full_in) or b.shape != (full_size, rank):
             raise LoraError(
                 f"{where}: layer {layer} {proj} has A {tuple(a.shape)} and B {tuple(b.shape)};"
-                f" the base model needs A ({rank}, {shape.in_features}) and B ({size}, {rank})"
+                f" the base model needs A ({rank}, {full_in}) and B ({full_size}, {rank})"
             )
+        # This rank's slices (the whole matrices without tensor parallelism).
+        a = a[:, shape.in_first : shape.in_first + shape.in_features]
+        src = (shape.source_offsets or {}).get(shard_id, 0)
+        b = b[src : src + size]
         by_module.setdefault((layer, module), []).append((shard_id, a, b))
     adapter = LoraAdapter(name, str(path), rank, scaling)
     for key, shards in by_module.items():

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from executor_svc.attention import AttentionMetadata, get_attention_backend
-from executor_svc.lora.manager import LoraConfig, LoraManager, no_lora_error
+from executor_svc.lora.manager import LoraConfig, LoraManager, no_lora_error, row_groups
 from executor_svc.runner.batch import BatchInputs
 from executor_svc.runner.kv_cache import (
     GIB,
@@ -112,8 +112,6 @@ class ModelRunner:
             tp=tp,
         )
         info: ModelInfo = self.info
-        if lora is not None and tp is not None and tp.world_size > 1:
-            raise ValueError("LoRA with tensor parallelism is not supported yet")
         # The adapter table (executor_svc/lora): slots on the model's projections, LRU caches.
         self.lora = LoraManager(self.model, lora, self.device, info.dtype) if lora else None
         self.block_size = block_size
@@ -229,7 +227,10 @@ class ModelRunner:
             s.sampling_params.num_prompt_logprobs is not None for s in seqs
         ):
             ranges = [(r, r + b - a) for _, _, a, b, r in self._prompt_logprob_chunks(seqs)]
-        msg = StepMessage(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, host, ranges)
+        lora_rows = row_groups(seqs) if self.lora is not None and seqs else {}
+        msg = StepMessage(
+            blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, host, ranges, lora_rows
+        )
         self._send_step(msg)
         self.phase_seconds["broadcast"] += time.perf_counter() - t0
         return host.to(self.device) if host is not None else None

@@ -266,3 +266,42 @@ def test_python_client_takes_an_adapter_name(lora_stack):
         assert out[0].outputs[0].token_ids == want
         client.unload_lora_adapter("client-mlp8")
         assert "client-mlp8" not in {a.name for a in client.server_info().lora_adapters}
+
+
+def test_tensor_parallel_2_equals_hf_peft_and_tp1(lora_stack, tmp_path):
+    """A second stack, its executor split over 2 ranks (A sharded like each layer's input, B
+    like its output): the same greedy outputs as HF + PEFT (and so as TP=1 above)."""
+    stack1, adapters = lora_stack
+    redis = RedisServer(data_dir=tmp_path / "redis")
+    redis.start()
+    modules = [f"{n}={p}" for n, p in adapters.items() if n != EXTRA.name]
+    stack = Stack(
+        workdir=tmp_path,
+        model_dir=stack1.model_dir,
+        redis=redis,
+        executor_args=["--num-device-blocks", "128", "--swap-space", "0.05", "--enable-lora",
+                       "--max-loras", "4", "--tensor-parallel-size", "2"],
+        scheduler_args=["--lora-modules", *modules],
+    )  # fmt: skip
+    try:
+        stack.start_executor()
+        stack.start_scheduler()
+        channel, stub = stub_for(stack.address)
+        names = [None, "qv8", "all64", "mlp8", "ku16"]
+        prompts = _prompts(len(names), seed=51)
+        got = run_in_threads(
+            [
+                lambda p=p, n=n: collect(stub.Generate(_request(p, n)))
+                for p, n in zip(prompts, names, strict=True)
+            ]
+        )
+        for p, n, out in zip(prompts, names, got, strict=True):
+            assert out.error is None, out.error
+            assert out.tokens[0] == _reference(stack.model_dir, adapters.get(n), p), n
+        channel.close()
+    except BaseException:
+        print(stack.logs())
+        raise
+    finally:
+        stack.stop()
+        redis.close()
