@@ -13,6 +13,11 @@ variable (``config.numerics``).
 | ``LLMSERVE_KERNEL_LIB`` | unset | ``kernels.library``: a library built ahead of time, used when there is no compiler |
 | ``CXX`` | ``g++``, else ``c++`` on PATH | ``kernels.library``: the compiler |
 | ``LLMSERVE_PREPACK`` | on | ``kernels.gemm``: ``0`` keeps plain weight matrices |
+| ``LLMSERVE_LOAD_FORMAT`` | ``auto`` | ``runner.loader``: ``dummy`` fills the weights with seeded random values instead of reading a checkpoint (benchmarks of model shapes one has no weights for; vLLM's ``--load-format dummy``) |
+| ``LLMSERVE_ENFORCE_EAGER`` | off | ``runner.cuda_graphs``: ``1`` never captures CUDA graphs (vLLM's ``--enforce-eager``) |
+| ``LLMSERVE_MAX_GRAPH_BATCH`` | ``256`` | ``runner.cuda_graphs``: the largest decode batch replayed from a CUDA graph |
+| ``LLMSERVE_CUDA_FUSED`` | on | ``models.llama``: ``0`` runs RMSNorm, SiLU-and-multiply and rope as plain torch ops on CUDA instead of the fused Triton kernels (``kernels.triton_elementwise``) |
+| ``LLMSERVE_CUDA_INVARIANT`` | off | ``models.llama``, ``attention.triton_ops``: ``1`` (with step-invariant numerics) runs CUDA linears through ``kernels.triton_gemm`` and the Triton attention with fixed tiles and no context split. Experimental: an H100 run found it 2.3x slower on prefill and still not step-invariant (docs/benchmarks.md, "CUDA") |
 | ``LLMSERVE_CACHE`` | ``~/.cache/llmserve`` | ``tools.demo_model``: where the demo checkpoint is built |
 """
 
@@ -67,3 +72,28 @@ def prepack() -> bool:
 def cache_dir() -> Path:
     """``LLMSERVE_CACHE``: the root of llmserve's own cache (the demo checkpoint)."""
     return Path(os.environ.get("LLMSERVE_CACHE") or Path.home() / ".cache/llmserve")
+
+
+def load_format() -> str:
+    """``LLMSERVE_LOAD_FORMAT``: ``auto`` (read the checkpoint) or ``dummy`` (random weights)."""
+    return os.environ.get("LLMSERVE_LOAD_FORMAT", "auto").strip().lower() or "auto"
+
+
+def enforce_eager() -> bool:
+    """``LLMSERVE_ENFORCE_EAGER``: on (1/true/yes/on) means no CUDA graphs."""
+    return os.environ.get("LLMSERVE_ENFORCE_EAGER", "0").strip().lower() not in (*_FALSE, "")
+
+
+def max_graph_batch() -> int:
+    """``LLMSERVE_MAX_GRAPH_BATCH``: the largest decode batch captured as a CUDA graph."""
+    return int(os.environ.get("LLMSERVE_MAX_GRAPH_BATCH", "256"))
+
+
+def cuda_fused() -> bool:
+    """``LLMSERVE_CUDA_FUSED``: ``0`` turns the fused Triton elementwise kernels off."""
+    return os.environ.get("LLMSERVE_CUDA_FUSED", "1").strip().lower() not in _FALSE
+
+
+def cuda_invariant() -> bool:
+    """``LLMSERVE_CUDA_INVARIANT``: ``1`` tries the step-invariant CUDA kernels (experimental)."""
+    return os.environ.get("LLMSERVE_CUDA_INVARIANT", "0").strip().lower() not in (*_FALSE, "")

@@ -20,6 +20,7 @@ import torch
 from executor_svc.attention import AttentionMetadata, get_attention_backend
 from executor_svc.lora.manager import LoraConfig, LoraManager, no_lora_error, row_groups
 from executor_svc.runner.batch import BatchInputs
+from executor_svc.runner.cuda_graphs import DecodeGraphs, build_decode_graphs
 from executor_svc.runner.kv_cache import (
     GIB,
     PROFILE_NUM_TOKENS,
@@ -147,6 +148,17 @@ class ModelRunner:
             dtype=info.dtype,
             device=self.device,
         )
+        # CUDA: decode steps replay captured graphs (runner/cuda_graphs.py); None elsewhere.
+        self.graphs: DecodeGraphs | None = None
+        if tp is None:
+            self.graphs = build_decode_graphs(
+                self.model,
+                self.kv_cache.layers,
+                device=self.device,
+                max_model_len=info.max_model_len,
+                block_size=block_size,
+                num_device_blocks=self.num_device_blocks,
+            )
         self._sampler: Sampler | None = None
         # Seconds per phase of execute(), for metrics (plain floats: one add per phase a step).
         self.phase_seconds = {"cache_ops": 0.0, "forward": 0.0, "sampling": 0.0}
@@ -245,19 +257,24 @@ class ModelRunner:
         return self._sample_logits(batch, self._forward(seqs, batch))
 
     def _forward(self, seqs: list[ScheduledSequence], batch: BatchInputs) -> torch.Tensor:
-        """The model over the step's rows, with each sequence's LoRA adapter when LoRA is on."""
+        """Hidden states of the step's tokens: with each sequence's LoRA adapter when any has
+        one (never from a CUDA graph: the adapter groups change from step to step), else from a
+        CUDA graph for decode batches it holds."""
         if self.lora is None:
             no_lora_error(seqs)
-            return self.model(
-                batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
-            )
-        self.lora.begin_step(seqs)
-        try:
-            return self.model(
-                batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
-            )
-        finally:
-            self.lora.end_step()
+        elif any(s.lora_name for s in seqs):
+            self.lora.begin_step(seqs)
+            try:
+                return self.model(
+                    batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
+                )
+            finally:
+                self.lora.end_step()
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        return self.model(
+            batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
+        )
 
     def _sample_logits(
         self, batch: BatchInputs, hidden: torch.Tensor
