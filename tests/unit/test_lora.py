@@ -190,3 +190,25 @@ def test_runner_without_lora_refuses_an_adapter(base_and_adapters):
     d = Driver(runner, _prompts(1), [("qv8", adapters["qv8"])])
     with pytest.raises(LoraError, match="not enabled"):
         d.step({0: 5})
+
+
+def test_bfloat16_takes_the_torch_path_and_follows_float32(base_and_adapters):
+    """Off the fp32 CPU kernel (here bf16; CUDA likewise) the apply is torch matmuls per
+    group: the first greedy tokens match float32's."""
+    base, adapters = base_and_adapters
+    prompt = _prompts(1, seed=5)
+    lora = [("all64", adapters["all64"])]
+    runs = []
+    for dtype in ("float32", "bfloat16"):
+        cfg = LoraConfig(max_loras=2, max_cpu_loras=2)
+        runner = ModelRunner(
+            base, dtype=dtype, block_size=BLOCK_SIZE, num_device_blocks=32, lora=cfg
+        )
+        d = Driver(runner, prompt, lora)
+        logits = d.step({0: len(prompt[0])})
+        runs.append(logits.float())
+        if dtype == "bfloat16":
+            weights = runner.lora._on_device(lora[0]).weights  # noqa: SLF001
+            assert all(isinstance(a, torch.Tensor) for a, _ in weights.values())
+    assert runs[0].argmax(-1).tolist() == runs[1].argmax(-1).tolist()
+    torch.testing.assert_close(runs[1], runs[0], rtol=0.1, atol=0.5)
