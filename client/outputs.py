@@ -250,6 +250,15 @@ class ExecutorInfo:
     cpu_kernel_isa: str = ""  # its CPU kernel variant ("avx512bf16", "avx512", "avx2"; "" = none)
 
 
+@dataclass(frozen=True, slots=True)
+class LoraAdapterInfo:
+    """A loaded LoRA adapter: the name requests select it by, its PEFT directory, its rank."""
+
+    name: str
+    path: str
+    rank: int
+
+
 @dataclass(slots=True)
 class ServerInfo:
     model: str
@@ -268,6 +277,8 @@ class ServerInfo:
     routing: str = ""
     tasks: list[str] = field(default_factory=list)  # "generate", "embed"
     hidden_size: int = 0  # an embedding's length without `dimensions`
+    lora_adapters: list[LoraAdapterInfo] = field(default_factory=list)
+    max_loras: int = 0  # distinct adapters per step; 0: the server serves no LoRA
 
     @classmethod
     def from_proto(cls, msg: pb.GetServerInfoResponse) -> ServerInfo:
@@ -302,6 +313,8 @@ class ServerInfo:
             ],
             routing=msg.routing,
             tasks=list(msg.tasks),
+            lora_adapters=[LoraAdapterInfo(a.name, a.path, a.rank) for a in msg.lora_adapters],
+            max_loras=msg.max_loras,
             hidden_size=msg.hidden_size,
         )
 

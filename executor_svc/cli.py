@@ -140,12 +140,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept only clients (schedulers) with a certificate this CA signed (mutual TLS)",
     )
     p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (the scheduler names each sequence's PEFT directory)",
+    )
+    p.add_argument("--max-loras", type=int, default=4, help="distinct adapters in one step")
+    p.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank")
+    p.add_argument(
+        "--max-cpu-loras", type=int, default=16, help="adapters kept loaded on the host (LRU)"
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         help="serve Prometheus metrics over HTTP at /metrics on this port (0: any free port; "
         "default: off)",
     )
     return p
+
+
+def _lora_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    if not args.enable_lora:
+        return {}
+    from executor_svc.lora.manager import LoraConfig
+
+    try:
+        return {"lora": LoraConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)}
+    except ValueError as e:
+        parser.error(f"--max-loras/--max-lora-rank/--max-cpu-loras: {e}")
 
 
 def _write_port_file(path: Path, port: int) -> None:
@@ -219,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         tls=tls,
         tensor_parallel_size=args.tensor_parallel_size,
         log_level=args.log_level,
+        **_lora_kwargs(args, parser),
     )
     server.install_signal_handlers(args.grace, args.drain_timeout)
     if args.metrics_port is not None:

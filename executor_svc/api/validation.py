@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from executor_svc.api.lora_check import check_step_loras
 from executor_svc.api.seq_state import BlockTable, SeqState
 from executor_svc.runner.model_runner import ModelRunner
 from executor_svc.runner.pooling import check_pooling
@@ -95,6 +96,9 @@ def validate_step(
     scheduled.extend((s, 1) for s in lane)
     states = {s.seq_id: s for s, _ in scheduled}
     masks = _check_token_masks(request.token_masks, scheduled, limits.vocab_size)
+    lora_error = check_step_loras((s for s, _ in scheduled), getattr(runner, "lora", None))
+    if lora_error is not None:
+        raise InvalidStep(lora_error)
     return StepPlan(new_states, scheduled, states, lane, masks)
 
 
@@ -170,6 +174,8 @@ def _new_state(
         sampling_params=params,
         block_table=BlockTable(n.block_table),
         num_computed_tokens=n.num_computed_tokens,
+        lora_name=n.lora_name or None,
+        lora_path=n.lora_path or None,
     )
 
 

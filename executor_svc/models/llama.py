@@ -174,6 +174,7 @@ class Linear(nn.Module):
         self.weight = _set_loader(nn.Parameter(torch.empty(in_features, offset)), self._load)
         self.bias = _set_loader(nn.Parameter(torch.empty(offset)), self._load) if bias else None
         self.packed: gemm.PackedWeight | None = None  # set by prepack(); weight is emptied
+        self.lora: Any = None  # lora.layers.LoraSlot when LoRA is on: adds adapter deltas
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
         start, size = self.shard_offsets[shard_id]
@@ -194,8 +195,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return self.packed.linear(x, self.bias)
-        return matmul_io(x, self.weight, self.bias)
+            y = self.packed.linear(x, self.bias)
+        else:
+            y = matmul_io(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 class RMSNorm(nn.Module):

@@ -93,6 +93,8 @@ class EngineConfig:
     # renewal.
     leader_election: bool = False
     lease_ttl_s: float = 2.0
+    # LoRA adapters registered at start (--lora-modules name=path): (name, PEFT directory).
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
 
 
 class AbortOutcome(enum.Enum):
@@ -116,6 +118,7 @@ class GenerateInput:
     add_generation_prompt: bool = True
     priority: int = 0
     owner: str = ""  # the API key's name when keys are on: ids are scoped to it (scoped_id)
+    lora_adapter: str = ""  # a loaded LoRA adapter's name; "" = the base model
 
 
 @dataclass(slots=True)
@@ -158,3 +161,5 @@ class ServerInfo:
     # into embeddings (as vLLM's pooling runner does for decoder checkpoints).
     tasks: list[str] = field(default_factory=lambda: ["generate", "embed"])
     hidden_size: int = 0  # the size of an embedding (engine/embeds.py)
+    lora_adapters: list[tuple[str, str, int]] = field(default_factory=list)  # name, path, rank
+    max_loras: int = 0  # distinct adapters per step (the executors'); 0: no LoRA

@@ -38,6 +38,7 @@ def server_info(
         num_preemptions=sum(c.num_preemptions for c in cores),
         prefix_cache_hit_rate=hits / queries if queries else 0.0,
         hidden_size=d.hidden_size,
+        max_loras=d.max_loras,
     )
 
 
