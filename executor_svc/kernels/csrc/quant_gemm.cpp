@@ -1,0 +1,359 @@
+// Weight-only quantized matmul over GGUF blocks, fp32 activations and accumulation:
+// y[M, N] = x[M, K] @ W^T (+ bias[N]) where W is [N rows][row_bytes], each row K / block_size
+// GGUF blocks of one type (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), exactly as a GGUF file stores them.
+// Part of the CPU kernel library (kernels/library.py); called from kernels/quant.py.
+//
+// Every type is read as groups of 32 weights w_k = s * q_k + t (q_k small integers, exact in
+// fp32; Q6_K folds its 16-weight scales into q). One output element is then, always in this
+// order: acc (16 lanes) = 0; for each group g ascending: acc = fma(s_g, q[0:16] * x[0:16] +
+// q[16:32] * x[16:32] (one fma), acc); then hsum(acc) (a fixed tree), then + sum_g t_g * sx_g
+// (sx_g = the fixed-tree sum of x over group g), then + bias. Nothing in that chain depends on
+// M, the tile a row lands in, or the threads (they split weight rows), so a decode row and the
+// same row inside a prefill give the same bits (step invariance, config/numerics.py). The fmas
+// are explicit intrinsics so that the compiler's contraction cannot differ between tiles.
+//
+// Many rows (prefill, batched decode): one group of one weight row is decoded once into
+// registers and applied to kRows rows of x (the dequantized tile lives in registers, not in a
+// panel), so the decode cost is shared; one row (memory-bound decode): the same code with one.
+//
+// Also llmserve_quant_dequant_f32: the exact de-quantization (bit for bit the `gguf` package's
+// numpy reference, products rounded before sums as numpy does), for embedding rows and tests.
+
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+
+using namespace llmserve;
+
+namespace {
+
+// ggml type ids (gguf.GGMLQuantizationType)
+enum : int { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kBF16 = 30 };
+
+constexpr int kRows = 4;  // rows of x per pass over a weight row
+
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t s8x16 __attribute__((vector_size(16)));
+
+inline v16 fma16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  typedef float v8 __attribute__((vector_size(32)));
+  const v8 lo = (v8)_mm256_fmadd_ps(
+      (__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+      (__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+      (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+  const v8 hi = (v8)_mm256_fmadd_ps(
+      (__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+      (__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+      (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return a * b + c;
+#endif
+}
+
+inline v16 splat(float s) { return v16{} + s; }
+
+// A product rounded on its own (numpy's order), never fused into a following sum.
+inline float mul_rounded(float a, float b) {
+  float r = a * b;
+#if defined(__x86_64__) || defined(__i386__)
+  __asm__("" : "+x"(r));
+#else
+  __asm__("" : "+w"(r));
+#endif
+  return r;
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(man & 0x400)) man <<= 1, --exp;
+    bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline u8x16 load_u8(const uint8_t* p) {
+  u8x16 v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
+
+inline v16 to_float(u8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i16), v16); }
+
+// One group of 32 weights: q[0:16], q[16:32], scale s and offset t (w = s * q + t).
+struct Group {
+  v16 q0, q1;
+  float s, t;
+};
+
+// Per type: bytes per block, weights per block, whether t can be non-zero, and the decoder of
+// group g (of 32 weights) of a row.
+struct Q8_0 {
+  static constexpr int kBytes = 34, kBlock = 32;
+  static constexpr bool kMin = false;
+  static Group group(const uint8_t* row, int64_t g) {
+    const uint8_t* b = row + g * kBytes;
+    s8x16 a, c;
+    std::memcpy(&a, b + 2, 16);
+    std::memcpy(&c, b + 18, 16);
+    return {__builtin_convertvector(__builtin_convertvector(a, i16), v16),
+            __builtin_convertvector(__builtin_convertvector(c, i16), v16), half(b), 0.0f};
+  }
+};
+
+struct Q4_0 {
+  static constexpr int kBytes = 18, kBlock = 32;
+  static constexpr bool kMin = false;
+  static Group group(const uint8_t* row, int64_t g) {
+    const uint8_t* b = row + g * kBytes;
+    const u8x16 v = load_u8(b + 2);
+    return {to_float(v & 0xF) - 8.0f, to_float(v >> 4) - 8.0f, half(b), 0.0f};
+  }
+};
+
+struct Q4_1 {
+  static constexpr int kBytes = 20, kBlock = 32;
+  static constexpr bool kMin = true;
+  static Group group(const uint8_t* row, int64_t g) {
+    const uint8_t* b = row + g * kBytes;
+    const u8x16 v = load_u8(b + 4);
+    return {to_float(v & 0xF), to_float(v >> 4), half(b), half(b + 2)};
+  }
+};
+
+// Q4_K's 6-bit scale and min of sub-block j (0..7) from its 12 packed bytes.
+inline void q4k_scale_min(const uint8_t* sc, int j, int* scale, int* min) {
+  if (j < 4) {
+    *scale = sc[j] & 0x3F;
+    *min = sc[j + 4] & 0x3F;
+  } else {
+    *scale = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 2) & 0x30);
+    *min = (sc[j + 4] >> 4) | ((sc[j] >> 2) & 0x30);
+  }
+}
+
+struct Q4_K {
+  static constexpr int kBytes = 144, kBlock = 256;
+  static constexpr bool kMin = true;
+  static Group group(const uint8_t* row, int64_t g) {
+    const uint8_t* b = row + (g / 8) * kBytes;
+    const int j = (int)(g % 8);
+    int sc, m;
+    q4k_scale_min(b + 4, j, &sc, &m);
+    const uint8_t* qs = b + 16 + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    const v16 q0 = to_float((load_u8(qs) >> shift) & 0xF);
+    const v16 q1 = to_float((load_u8(qs + 16) >> shift) & 0xF);
+    return {q0, q1, half(b) * (float)sc, -(half(b + 2) * (float)m)};
+  }
+};
+
+struct Q6_K {
+  static constexpr int kBytes = 210, kBlock = 256;
+  static constexpr bool kMin = false;
+  static Group group(const uint8_t* row, int64_t g) {
+    const uint8_t* b = row + (g / 8) * kBytes;
+    const int j = (int)(g % 8), h = j / 4, s = (j / 2) % 2, e = (j % 2) * 32;
+    const uint8_t* ql = b + h * 64 + e;
+    const uint8_t* qh = b + 128 + h * 32;
+    const int8_t* scales = (const int8_t*)(b + 192) + 2 * j;
+    v16 q[2];
+    for (int half_i = 0; half_i < 2; ++half_i) {
+      const u8x16 lo = (load_u8(ql + 16 * half_i) >> (4 * s)) & 0xF;
+      const u8x16 hi = (load_u8(qh + 16 * half_i) >> (2 * (j % 4))) & 0x3;
+      // (q - 32) * scale: integers below 2^13, exact in fp32.
+      q[half_i] = (to_float(lo | (u8x16)(hi << 4)) - 32.0f) * (float)scales[half_i];
+    }
+    return {q[0], q[1], half(b + 208), 0.0f};
+  }
+};
+
+struct IeeeMode {
+#if defined(__SSE__)
+  unsigned saved = _mm_getcsr();
+  IeeeMode() { _mm_setcsr(0x1F80); }
+  ~IeeeMode() { _mm_setcsr(saved); }
+#endif
+};
+
+// kR rows of x (row stride ldx) against weight row `row`: y[r * ldy] for r < kR.
+template <class D, int kR>
+inline void rows_dot(const float* x, int64_t ldx, const float* sx, int64_t groups,
+                     const uint8_t* row, float bias, float* y, int64_t ldy) {
+  v16 acc[kR];
+  float tacc[kR];
+  for (int r = 0; r < kR; ++r) acc[r] = v16{}, tacc[r] = 0.0f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const Group q = D::group(row, g);
+    const v16 s = splat(q.s);
+#pragma GCC unroll 8
+    for (int r = 0; r < kR; ++r) {
+      const float* xr = x + r * ldx + 32 * g;
+      const v16 p = fma16(q.q1, load16(xr + 16), q.q0 * load16(xr));
+      acc[r] = fma16(s, p, acc[r]);
+      if (D::kMin) tacc[r] = mul_rounded(q.t, sx[r * groups + g]) + tacc[r];
+    }
+  }
+  for (int r = 0; r < kR; ++r) y[r * ldy] = (hsum(acc[r]) + tacc[r]) + bias;
+}
+
+template <class D>
+void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, int64_t N,
+         int64_t row_bytes, const float* bias, float* y, int64_t ldy, int num_threads) {
+  const int64_t groups = K / 32;
+  IeeeMode caller;
+  // sx[m][g]: the group sums of x, one fixed tree each (only types with an offset use them).
+  std::vector<float> sx(D::kMin ? M * groups : 0);
+  if (D::kMin)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < groups; ++g)
+        sx[m * groups + g] = hsum(load16(x + m * ldx + 32 * g) + load16(x + m * ldx + 32 * g + 16));
+  const float* sxp = sx.data();
+  const bool parallel = num_threads > 1 && M * K * N >= (1 << 17);
+#pragma omp parallel num_threads(num_threads) if (parallel)
+  {
+    IeeeMode ieee;  // per thread: no flush-to-zero, whichever thread computes a row
+#pragma omp for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    const float b = bias ? bias[n] : 0.0f;
+    int64_t m = 0;
+    for (; m + kRows <= M; m += kRows)
+      rows_dot<D, kRows>(x + m * ldx, ldx, sxp + m * groups, groups, row, b, y + m * ldy + n, ldy);
+    for (; m < M; ++m) rows_dot<D, 1>(x + m * ldx, ldx, sxp + m * groups, groups, row, b,
+                                      y + m * ldy + n, ldy);
+  }
+  }
+}
+
+// The exact de-quantization of one row of K weights into out.
+void dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
+  switch (type) {
+    case kF32:
+      std::memcpy(out, row, K * 4);
+      return;
+    case kF16:
+      for (int64_t k = 0; k < K; ++k) out[k] = half(row + 2 * k);
+      return;
+    case kBF16:
+      for (int64_t k = 0; k < K; ++k) {
+        const uint32_t bits = (uint32_t)(row[2 * k] | (row[2 * k + 1] << 8)) << 16;
+        std::memcpy(out + k, &bits, 4);
+      }
+      return;
+    default:
+      break;
+  }
+  for (int64_t g = 0; g < K / 32; ++g) {
+    float* o = out + 32 * g;
+    if (type == kQ8_0) {
+      const uint8_t* b = row + g * 34;
+      const float d = half(b);
+      for (int i = 0; i < 32; ++i) o[i] = (float)(int8_t)b[2 + i] * d;
+    } else if (type == kQ4_0 || type == kQ4_1) {
+      const bool q41 = type == kQ4_1;
+      const uint8_t* b = row + g * (q41 ? 20 : 18);
+      const float d = half(b), m = q41 ? half(b + 2) : 0.0f;
+      const uint8_t* qs = b + (q41 ? 4 : 2);
+      for (int i = 0; i < 32; ++i) {
+        const int q = i < 16 ? qs[i] & 0xF : qs[i - 16] >> 4;
+        o[i] = q41 ? mul_rounded(d, (float)q) + m : d * (float)(q - 8);
+      }
+    } else if (type == kQ4_K) {
+      const uint8_t* b = row + (g / 8) * 144;
+      const int j = (int)(g % 8);
+      int sc, mn;
+      q4k_scale_min(b + 4, j, &sc, &mn);
+      const float d = half(b) * (float)sc, dm = half(b + 2) * (float)mn;
+      const uint8_t* qs = b + 16 + 32 * (j / 2);
+      for (int i = 0; i < 32; ++i)
+        o[i] = mul_rounded(d, (float)((qs[i] >> (4 * (j % 2))) & 0xF)) - dm;
+    } else {  // kQ6_K
+      const uint8_t* b = row + (g / 8) * 210;
+      const int j = (int)(g % 8), h = j / 4, s = (j / 2) % 2, e = (j % 2) * 32;
+      const float d = half(b + 208);
+      for (int i = 0; i < 32; ++i) {
+        const int lo = (b[h * 64 + e + i] >> (4 * s)) & 0xF;
+        const int hi = (b[128 + h * 32 + i] >> (2 * (j % 4))) & 0x3;
+        const float scale = mul_rounded(d, (float)((const int8_t*)(b + 192))[2 * j + i / 16]);
+        o[i] = scale * (float)((lo | (hi << 4)) - 32);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias [N] when not null), W
+// as N rows of row_bytes bytes of `type` blocks. Returns 0; 1 for arguments it rejects, 2 for
+// a type it does not take (the Python side names it).
+extern "C" int llmserve_quant_gemm_f32(int type, const float* x, int64_t M, int64_t K,
+                                       int64_t ldx, const uint8_t* w, int64_t N,
+                                       int64_t row_bytes, const float* bias, float* y,
+                                       int64_t ldy, int num_threads) {
+  if (M < 0 || K <= 0 || K % 32 || N <= 0 || ldx < K || ldy < N) return 1;
+  if (M == 0) return 0;
+  const int nt = num_threads < 1 ? 1 : num_threads;
+  switch (type) {
+    case kQ8_0: run<Q8_0>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt); return 0;
+    case kQ4_0: run<Q4_0>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt); return 0;
+    case kQ4_1: run<Q4_1>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt); return 0;
+    case kQ4_K:
+      if (K % 256) return 1;
+      run<Q4_K>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt);
+      return 0;
+    case kQ6_K:
+      if (K % 256) return 1;
+      run<Q6_K>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt);
+      return 0;
+    default:
+      return 2;
+  }
+}
+
+// out [num, K] (row stride ldo) = the de-quantized rows rows[0..num) of W (N rows of row_bytes
+// bytes of `type`, K weights each); rows null = rows 0..num. Returns 0, 1 or 2 as above.
+extern "C" int llmserve_quant_dequant_f32(int type, const uint8_t* w, int64_t N, int64_t K,
+                                          int64_t row_bytes, const int64_t* rows, int64_t num,
+                                          float* out, int64_t ldo) {
+  if (K <= 0 || N <= 0 || ldo < K) return 1;
+  if (type != kF32 && type != kF16 && type != kBF16 && type != kQ8_0 && type != kQ4_0 &&
+      type != kQ4_1 && type != kQ4_K && type != kQ6_K)
+    return 2;
+  if (K % 32 && type != kF32 && type != kF16 && type != kBF16) return 1;
+  if ((type == kQ4_K || type == kQ6_K) && K % 256) return 1;
+  for (int64_t i = 0; i < num; ++i) {
+    const int64_t r = rows ? rows[i] : i;
+    if (r < 0 || r >= N) return 1;
+    dequant_row(type, w + r * row_bytes, K, out + i * ldo);
+  }
+  return 0;
+}
