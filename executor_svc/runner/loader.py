@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from executor_svc.attention import AttentionBackend
 from executor_svc.models import MODEL_REGISTRY, LlamaForCausalLM
+from executor_svc.runner.gguf.hf_files import gguf_source
 
 if TYPE_CHECKING:
     from executor_svc.parallel.group import TPGroup
@@ -168,6 +169,11 @@ def load_model(
     """Build the model for ``model_dir`` on ``device`` in ``dtype`` and load its weights; with
     ``tp``, this rank's shard of it, reading only that shard from the checkpoint."""
     model_dir = Path(model_dir)
+    gguf_path = gguf_source(model_dir)  # a GGUF model's side directory (runner/gguf)
+    if gguf_path is not None:
+        if tp is not None:
+            raise ValueError("GGUF models do not run tensor-parallel yet")
+        dtype = "float32"  # the quantized kernels take fp32 activations
     config = _read_json(model_dir / "config.json")
     if not config:
         raise FileNotFoundError(f"{model_dir / 'config.json'} is missing or empty")
@@ -196,7 +202,13 @@ def load_model(
     finally:
         torch.set_default_dtype(old_dtype)
     with torch.no_grad():
-        load_weights(model, _weight_files(model_dir))
+        if gguf_path is not None:
+            from executor_svc.runner.gguf.weights import load_gguf_weights
+
+            held = load_gguf_weights(model, gguf_path)
+            log.info("gguf.loaded", gguf=str(gguf_path), **held)
+        else:
+            load_weights(model, _weight_files(model_dir))
     model.eval().requires_grad_(False)
     # Not under tensor parallelism yet: its layers and lm_head use matmul_io on the plain
     # weights, which with step-invariant numerics runs the same kernel unpacked (same bits).
