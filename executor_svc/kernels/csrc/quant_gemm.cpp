@@ -38,10 +38,14 @@ namespace {
 // ggml type ids (gguf.GGMLQuantizationType)
 enum : int { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kBF16 = 30 };
 
-constexpr int kRows = 4;  // rows of x per pass over a weight row
+// Rows of x per pass over a weight row: their accumulators and the decoded group fit the
+// vector registers (32 with AVX-512, 16 with AVX2, where a v16 takes two).
+#if defined(__AVX512F__)
+constexpr int kRows = 8;
+#else
+constexpr int kRows = 4;
+#endif
 
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef int8_t s8x16 __attribute__((vector_size(16)));
 
 inline v16 fma16(v16 a, v16 b, v16 c) {
 #if defined(__AVX512F__)
@@ -100,13 +104,68 @@ inline float half(const uint8_t* p) {
 #endif
 }
 
-inline u8x16 load_u8(const uint8_t* p) {
-  u8x16 v;
-  std::memcpy(&v, p, 16);
+// 16 bytes as 16 floats, unsigned or signed. Written per ISA: GCC's generic vector
+// conversions of byte vectors come out as scalar code.
+#if defined(__SSE4_1__)
+typedef __m128i b16;
+inline b16 load_b16(const uint8_t* p) { return _mm_loadu_si128((const __m128i*)p); }
+inline b16 low_nibbles(b16 v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
+inline b16 high_nibbles(b16 v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)); }
+inline b16 shift_right(b16 v, int n) { return _mm_srl_epi16(v, _mm_cvtsi32_si128(n)); }
+inline b16 and_bytes(b16 v, int m) { return _mm_and_si128(v, _mm_set1_epi8((char)m)); }
+inline b16 or_shifted4(b16 lo, b16 hi) {  // lo | hi << 4, hi < 16
+  return _mm_or_si128(lo, _mm_slli_epi16(hi, 4));
+}
+template <bool kSigned>
+inline v16 to_v16(b16 v) {
+#if defined(__AVX512F__)
+  const __m512i w = kSigned ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+  return (v16)_mm512_cvtepi32_ps(w);
+#elif defined(__AVX2__)
+  const b16 h = _mm_srli_si128(v, 8);
+  const __m256 lo = _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+  const __m256 hi = _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(h) : _mm256_cvtepu8_epi32(h));
+  typedef float v8 __attribute__((vector_size(32)));
+  return __builtin_shufflevector((v8)lo, (v8)hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                 14, 15);
+#else
+  alignas(16) uint8_t b[16];
+  _mm_store_si128((__m128i*)b, v);
+  v16 f;
+  for (int i = 0; i < 16; ++i) f[i] = kSigned ? (float)(int8_t)b[i] : (float)b[i];
+  return f;
+#endif
+}
+#else  // portable fallback: plain byte arrays
+struct b16 {
+  uint8_t b[16];
+};
+inline b16 load_b16(const uint8_t* p) {
+  b16 v;
+  std::memcpy(v.b, p, 16);
   return v;
 }
-
-inline v16 to_float(u8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i16), v16); }
+inline b16 shift_right(b16 v, int n) {
+  for (auto& x : v.b) x = (uint8_t)(x >> n);
+  return v;
+}
+inline b16 and_bytes(b16 v, int m) {
+  for (auto& x : v.b) x = (uint8_t)(x & m);
+  return v;
+}
+inline b16 low_nibbles(b16 v) { return and_bytes(v, 0x0F); }
+inline b16 high_nibbles(b16 v) { return shift_right(v, 4); }
+inline b16 or_shifted4(b16 lo, b16 hi) {
+  for (int i = 0; i < 16; ++i) lo.b[i] = (uint8_t)(lo.b[i] | (hi.b[i] << 4));
+  return lo;
+}
+template <bool kSigned>
+inline v16 to_v16(b16 v) {
+  v16 f;
+  for (int i = 0; i < 16; ++i) f[i] = kSigned ? (float)(int8_t)v.b[i] : (float)v.b[i];
+  return f;
+}
+#endif
 
 // One group of 32 weights: q[0:16], q[16:32], scale s and offset t (w = s * q + t).
 struct Group {
@@ -121,11 +180,7 @@ struct Q8_0 {
   static constexpr bool kMin = false;
   static Group group(const uint8_t* row, int64_t g) {
     const uint8_t* b = row + g * kBytes;
-    s8x16 a, c;
-    std::memcpy(&a, b + 2, 16);
-    std::memcpy(&c, b + 18, 16);
-    return {__builtin_convertvector(__builtin_convertvector(a, i16), v16),
-            __builtin_convertvector(__builtin_convertvector(c, i16), v16), half(b), 0.0f};
+    return {to_v16<true>(load_b16(b + 2)), to_v16<true>(load_b16(b + 18)), half(b), 0.0f};
   }
 };
 
@@ -134,8 +189,9 @@ struct Q4_0 {
   static constexpr bool kMin = false;
   static Group group(const uint8_t* row, int64_t g) {
     const uint8_t* b = row + g * kBytes;
-    const u8x16 v = load_u8(b + 2);
-    return {to_float(v & 0xF) - 8.0f, to_float(v >> 4) - 8.0f, half(b), 0.0f};
+    const b16 v = load_b16(b + 2);
+    return {to_v16<false>(low_nibbles(v)) - 8.0f, to_v16<false>(high_nibbles(v)) - 8.0f, half(b),
+            0.0f};
   }
 };
 
@@ -144,8 +200,8 @@ struct Q4_1 {
   static constexpr bool kMin = true;
   static Group group(const uint8_t* row, int64_t g) {
     const uint8_t* b = row + g * kBytes;
-    const u8x16 v = load_u8(b + 4);
-    return {to_float(v & 0xF), to_float(v >> 4), half(b), half(b + 2)};
+    const b16 v = load_b16(b + 4);
+    return {to_v16<false>(low_nibbles(v)), to_v16<false>(high_nibbles(v)), half(b), half(b + 2)};
   }
 };
 
@@ -170,8 +226,8 @@ struct Q4_K {
     q4k_scale_min(b + 4, j, &sc, &m);
     const uint8_t* qs = b + 16 + 32 * (j / 2);
     const int shift = 4 * (j % 2);
-    const v16 q0 = to_float((load_u8(qs) >> shift) & 0xF);
-    const v16 q1 = to_float((load_u8(qs + 16) >> shift) & 0xF);
+    const v16 q0 = to_v16<false>(and_bytes(shift_right(load_b16(qs), shift), 0x0F));
+    const v16 q1 = to_v16<false>(and_bytes(shift_right(load_b16(qs + 16), shift), 0x0F));
     return {q0, q1, half(b) * (float)sc, -(half(b + 2) * (float)m)};
   }
 };
@@ -187,10 +243,10 @@ struct Q6_K {
     const int8_t* scales = (const int8_t*)(b + 192) + 2 * j;
     v16 q[2];
     for (int half_i = 0; half_i < 2; ++half_i) {
-      const u8x16 lo = (load_u8(ql + 16 * half_i) >> (4 * s)) & 0xF;
-      const u8x16 hi = (load_u8(qh + 16 * half_i) >> (2 * (j % 4))) & 0x3;
+      const b16 lo = and_bytes(shift_right(load_b16(ql + 16 * half_i), 4 * s), 0x0F);
+      const b16 hi = and_bytes(shift_right(load_b16(qh + 16 * half_i), 2 * (j % 4)), 0x03);
       // (q - 32) * scale: integers below 2^13, exact in fp32.
-      q[half_i] = (to_float(lo | (u8x16)(hi << 4)) - 32.0f) * (float)scales[half_i];
+      q[half_i] = (to_v16<false>(or_shifted4(lo, hi)) - 32.0f) * (float)scales[half_i];
     }
     return {q[0], q[1], half(b + 208), 0.0f};
   }
