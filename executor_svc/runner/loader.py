@@ -165,6 +165,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     max_model_len: int | None = None,
     tp: TPGroup | None = None,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
     """Build the model for ``model_dir`` on ``device`` in ``dtype`` and load its weights; with
     ``tp``, this rank's shard of it, reading only that shard from the checkpoint."""
@@ -174,6 +175,10 @@ def load_model(
         if tp is not None:
             raise ValueError("GGUF models do not run tensor-parallel yet")
         dtype = "float32"  # the quantized kernels take fp32 activations
+    if quantization is not None:  # models/quant_linear.py: int8 / int4 at load
+        if tp is not None or gguf_path is not None:
+            raise ValueError("--quantization applies to a checkpoint directory without TP")
+        dtype = "float32"
     config = _read_json(model_dir / "config.json")
     if not config:
         raise FileNotFoundError(f"{model_dir / 'config.json'} is missing or empty")
@@ -184,6 +189,8 @@ def load_model(
     model_cls, config_cls = MODEL_REGISTRY[arch]
     cfg = config_cls.from_hf(config)
     dev = resolve_device(device)
+    if (gguf_path is not None or quantization is not None) and dev.type != "cpu":
+        raise ValueError("quantized weights (GGUF, --quantization) run on the CPU only")
     torch_dtype = resolve_dtype(dtype, dev)
     max_len = _max_model_len(config, max_model_len)
 
@@ -209,6 +216,10 @@ def load_model(
             log.info("gguf.loaded", gguf=str(gguf_path), **held)
         else:
             load_weights(model, _weight_files(model_dir))
+        if quantization is not None:
+            from executor_svc.models.quant_linear import quantize_model
+
+            log.info("quantized", scheme=quantization, matrices=quantize_model(model, quantization))
     model.eval().requires_grad_(False)
     # Not under tensor parallelism yet: its layers and lm_head use matmul_io on the plain
     # weights, which with step-invariant numerics runs the same kernel unpacked (same bits).

@@ -90,6 +90,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         attention_backend: str = "auto",
         tp: TPGroup | None = None,
+        quantization: str | None = None,
     ) -> None:
         """``tp``: this process's rank of a tensor-parallel group (every rank builds its own
         runner, in the same order, since loading and profiling involve collectives)."""
@@ -105,6 +106,7 @@ class ModelRunner:
             dtype=dtype,
             max_model_len=max_model_len,
             tp=tp,
+            quantization=quantization,
         )
         info: ModelInfo = self.info
         self.block_size = block_size
