@@ -44,7 +44,7 @@ import json, sys, time
 from llama_cpp import Llama
 path, prompt_len, out_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 llm = Llama(model_path=path, n_threads=1, n_threads_batch=1, n_ctx=prompt_len + out_len + 16,
-            n_batch=512, verbose=False)
+            n_batch=prompt_len + out_len + 16, verbose=False)
 prompt = [(7 * i + 3) % 40000 + 100 for i in range(prompt_len)]
 llm.reset()
 t0 = time.perf_counter()

@@ -115,3 +115,50 @@ def test_greedy_equals_transformers_gguf_loader(stack: Stack, gguf_path: Path) -
             worst = max(worst, abs(got.logprobs[pos][t].logprob - ref_lp))
     print(f"max |logprob - transformers'| = {worst:.2e}")
     assert worst < LOGPROB_BOUND
+
+
+def test_side_directory_config_and_tokenizer_equal_transformers(gguf_path: Path, tmp_path) -> None:
+    """What the executor serves (config, and the tokenizer the scheduler builds from its files)
+    equals what transformers' GGUF loader makes of the file's metadata."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from executor_svc.runner.gguf.hf_files import prepare
+    from executor_svc.runner.loader import tokenizer_class_name
+
+    side = prepare(gguf_path, cache=tmp_path)
+    src, name = str(gguf_path.parent), gguf_path.name
+    ref_cfg = AutoConfig.from_pretrained(src, gguf_file=name).to_dict()
+    cfg = AutoConfig.from_pretrained(side).to_dict()
+    for key in ("quantization_config", "architectures", "_name_or_path", "transformers_version"):
+        ref_cfg.pop(key, None), cfg.pop(key, None)
+    assert cfg == ref_cfg
+    ref = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    tok = AutoTokenizer.from_pretrained(side)
+    assert tokenizer_class_name(side).endswith(type(ref).__qualname__)
+    texts = [*PROMPTS, "  leading spaces\tand\ttabs\n\nnew lines", "émoji 🙂 中文", "<|im_end|>x"]
+    for text in texts:
+        assert tok(text).input_ids == ref(text).input_ids
+        assert tok.decode(ref(text).input_ids) == ref.decode(ref(text).input_ids)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[0]}]
+    for gen in (True, False):
+        assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen) == (
+            ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
+        )
+    assert (tok.eos_token_id, tok.bos_token_id) == (ref.eos_token_id, ref.bos_token_id)
+
+
+def test_corrupt_gguf_fails_at_start_up(gguf_path: Path, tmp_path) -> None:
+    """The executor refuses a truncated GGUF with a message naming it, and exits."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "cut.gguf"
+    with gguf_path.open("rb") as f:
+        bad.write_bytes(f.read(5_000_000))
+    proc = subprocess.run(
+        [sys.executable, "-m", "executor_svc", "--model", str(bad), "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+        env={**__import__("os").environ, "LLMSERVE_CACHE": str(tmp_path / "cache")},
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "cut.gguf" in proc.stderr and ("truncated" in proc.stderr or "corrupt" in proc.stderr)
