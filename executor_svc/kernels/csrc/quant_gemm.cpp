@@ -281,6 +281,27 @@ inline void rows_dot(const float* x, int64_t ldx, const float* sx, int64_t group
   for (int r = 0; r < kR; ++r) y[r * ldy] = (hsum(acc[r]) + tacc[r]) + bias;
 }
 
+// One row of x against two weight rows, interleaved: the same chain per element as
+// rows_dot<D, 1> (so the same bits), with two independent chains in flight and x read once.
+template <class D>
+inline void row_dot2(const float* x, const float* sx, int64_t groups, const uint8_t* row0,
+                     const uint8_t* row1, float bias0, float bias1, float* y) {
+  v16 acc0 = v16{}, acc1 = v16{};
+  float t0 = 0.0f, t1 = 0.0f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const Group a = D::group(row0, g), b = D::group(row1, g);
+    const v16 x0 = load16(x + 32 * g), x1 = load16(x + 32 * g + 16);
+    acc0 = fma16(splat(a.s), fma16(a.q1, x1, a.q0 * x0), acc0);
+    acc1 = fma16(splat(b.s), fma16(b.q1, x1, b.q0 * x0), acc1);
+    if (D::kMin) {
+      t0 = mul_rounded(a.t, sx[g]) + t0;
+      t1 = mul_rounded(b.t, sx[g]) + t1;
+    }
+  }
+  y[0] = (hsum(acc0) + t0) + bias0;
+  y[1] = (hsum(acc1) + t1) + bias1;
+}
+
 template <class D>
 void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, int64_t N,
          int64_t row_bytes, const float* bias, float* y, int64_t ldy, int num_threads) {
@@ -297,6 +318,18 @@ void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, in
 #pragma omp parallel num_threads(num_threads) if (parallel)
   {
     IeeeMode ieee;  // per thread: no flush-to-zero, whichever thread computes a row
+  if (M == 1) {
+    // A decode: weight rows two at a time (row_dot2), the last odd one alone.
+#pragma omp for schedule(static)
+    for (int64_t n2 = 0; n2 < (N + 1) / 2; ++n2) {
+      const int64_t n = 2 * n2;
+      if (n + 1 < N)
+        row_dot2<D>(x, sxp, groups, w + n * row_bytes, w + (n + 1) * row_bytes,
+                    bias ? bias[n] : 0.0f, bias ? bias[n + 1] : 0.0f, y + n);
+      else
+        rows_dot<D, 1>(x, ldx, sxp, groups, w + n * row_bytes, bias ? bias[n] : 0.0f, y + n, ldy);
+    }
+  } else
 #pragma omp for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* row = w + n * row_bytes;
