@@ -281,6 +281,36 @@ inline void rows_dot(const float* x, int64_t ldx, const float* sx, int64_t group
   for (int r = 0; r < kR; ++r) y[r * ldy] = (hsum(acc[r]) + tacc[r]) + bias;
 }
 
+// kRows rows of x at once, the offset terms of the rows as one vector (lane r = row r, the
+// same product-then-sum per lane as rows_dot's scalar, so the same bits); sxt: this tile's
+// group sums, [groups][kRows].
+template <class D>
+inline void tile_dot(const float* x, int64_t ldx, const float* sxt, int64_t groups,
+                     const uint8_t* row, float bias, float* y, int64_t ldy) {
+  typedef float vr __attribute__((vector_size(4 * kRows)));
+  v16 acc[kRows];
+  vr tacc{};
+  for (int r = 0; r < kRows; ++r) acc[r] = v16{};
+  for (int64_t g = 0; g < groups; ++g) {
+    const Group q = D::group(row, g);
+    const v16 s = splat(q.s);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const float* xr = x + r * ldx + 32 * g;
+      const v16 p = fma16(q.q1, load16(xr + 16), q.q0 * load16(xr));
+      acc[r] = fma16(s, p, acc[r]);
+    }
+    if (D::kMin) {
+      vr sxv, prod;
+      std::memcpy(&sxv, sxt + g * kRows, sizeof sxv);
+      prod = sxv * q.t;
+      __asm__("" : "+x"(prod));  // rounded apart, never fused into the sum
+      tacc += prod;
+    }
+  }
+  for (int r = 0; r < kRows; ++r) y[r * ldy] = (hsum(acc[r]) + tacc[r]) + bias;
+}
+
 // One row of x against two weight rows, interleaved: the same chain per element as
 // rows_dot<D, 1> (so the same bits), with two independent chains in flight and x read once.
 template <class D>
@@ -314,6 +344,15 @@ void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, in
       for (int64_t g = 0; g < groups; ++g)
         sx[m * groups + g] = hsum(load16(x + m * ldx + 32 * g) + load16(x + m * ldx + 32 * g + 16));
   const float* sxp = sx.data();
+  // The same sums per tile of kRows rows, group-major, for tile_dot.
+  const int64_t tiles = M / kRows;
+  std::vector<float> sxt(D::kMin ? tiles * groups * kRows : 0);
+  if (D::kMin)
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int r = 0; r < kRows; ++r)
+          sxt[(t * groups + g) * kRows + r] = sx[(t * kRows + r) * groups + g];
+  const float* sxtp = sxt.data();
   const bool parallel = num_threads > 1 && M * K * N >= (1 << 17);
 #pragma omp parallel num_threads(num_threads) if (parallel)
   {
@@ -336,7 +375,7 @@ void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, in
     const float b = bias ? bias[n] : 0.0f;
     int64_t m = 0;
     for (; m + kRows <= M; m += kRows)
-      rows_dot<D, kRows>(x + m * ldx, ldx, sxp + m * groups, groups, row, b, y + m * ldy + n, ldy);
+      tile_dot<D>(x + m * ldx, ldx, sxtp + m * groups, groups, row, b, y + m * ldy + n, ldy);
     for (; m < M; ++m) rows_dot<D, 1>(x + m * ldx, ldx, sxp + m * groups, groups, row, b,
                                       y + m * ldy + n, ldy);
   }
