@@ -143,3 +143,15 @@ def test_load_time_quantizer_writes_gguf_blocks(scheme: str, type_name: str) -> 
         step = (g.amax(-1, keepdim=True) - g.amin(-1, keepdim=True)) / 15
     err = (back.reshape(24, 3, 32) - g).abs()
     assert (err <= step * 0.5 * 1.01 + 1e-3 * step).all()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_many_rows_span_several_row_blocks(type_name: str) -> None:
+    """Past the kernel's L2 row block (256 KiB of x): rows in later blocks and in the tail
+    give the same bits as alone."""
+    tid, k = quant.TYPE_IDS[type_name], 1536
+    weight = quant.QuantWeight(torch.from_numpy(random_blocks(type_name, 9, k)), tid, k)
+    x = torch.randn(181, k)  # blocks of 40 rows at k = 1536: 4 whole blocks and a tail
+    y = weight.linear(x, None)
+    for i in (0, 39, 40, 47, 120, 175, 180):
+        assert torch.equal(y[i : i + 1], weight.linear(x[i : i + 1], None)), i

@@ -40,6 +40,7 @@ enum : int { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ
 
 // Rows of x per pass over a weight row: their accumulators and the decoded group fit the
 // vector registers (32 with AVX-512, 16 with AVX2, where a v16 takes two).
+constexpr int64_t kXBytes = 256 * 1024;  // rows of x kept in L2 while the weights pass
 #if defined(__AVX512F__)
 constexpr int kRows = 8;
 #else
@@ -368,16 +369,27 @@ void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, in
       else
         rows_dot<D, 1>(x, ldx, sxp, groups, w + n * row_bytes, bias ? bias[n] : 0.0f, y + n, ldy);
     }
-  } else
+  } else {
+    // Row blocks of x that stay in L2 (kXBytes) while every weight row passes over them; a
+    // block is whole tiles, so each row is computed by the same tile or single-row code
+    // whatever M is, and by the same chain either way.
+    int64_t mc = kXBytes / (K * (int64_t)sizeof(float)) / kRows * kRows;
+    if (mc < kRows) mc = kRows;
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+      const int64_t m1 = m0 + mc < M ? m0 + mc : M;
 #pragma omp for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    const float b = bias ? bias[n] : 0.0f;
-    int64_t m = 0;
-    for (; m + kRows <= M; m += kRows)
-      tile_dot<D>(x + m * ldx, ldx, sxtp + m * groups, groups, row, b, y + m * ldy + n, ldy);
-    for (; m < M; ++m) rows_dot<D, 1>(x + m * ldx, ldx, sxp + m * groups, groups, row, b,
-                                      y + m * ldy + n, ldy);
+      for (int64_t n = 0; n < N; ++n) {
+        const uint8_t* row = w + n * row_bytes;
+        const float b = bias ? bias[n] : 0.0f;
+        int64_t m = m0;
+        for (; m + kRows <= m1; m += kRows)
+          tile_dot<D>(x + m * ldx, ldx, sxtp + m * groups, groups, row, b, y + m * ldy + n,
+                      ldy);
+        for (; m < m1; ++m)
+          rows_dot<D, 1>(x + m * ldx, ldx, sxp + m * groups, groups, row, b, y + m * ldy + n,
+                         ldy);
+      }
+    }
   }
   }
 }
