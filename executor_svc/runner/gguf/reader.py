@@ -112,7 +112,12 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: not a GGUF file (no GGUF magic at its start)")
         try:
             from gguf import GGUFReader
-
+        except ImportError as e:
+            raise GGUFError(
+                f"{self.path}: serving a GGUF file needs the `gguf` package "
+                "(pip install 'llmserve[gguf]')"
+            ) from e
+        try:
             self._reader = GGUFReader(str(self.path), "r")
             tensors = list(self._reader.tensors)
         except Exception as e:  # the package raises ValueError, struct errors, mmap errors
