@@ -17,10 +17,28 @@ import time
 
 import httpx
 
-WORDS = (
-    "river mountain engine library garden window history science music ocean silver planet "
-    "market winter forest letter bridge theory island summer"
-).split()
+WORDS = [
+    "river",
+    "mountain",
+    "engine",
+    "library",
+    "garden",
+    "window",
+    "history",
+    "science",
+    "music",
+    "ocean",
+    "silver",
+    "planet",
+    "market",
+    "winter",
+    "forest",
+    "letter",
+    "bridge",
+    "theory",
+    "island",
+    "summer",
+]
 
 
 def prompt(i: int, words: int) -> str:
