@@ -109,6 +109,10 @@ class QuantWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` de-quantized, ``[len(ids), in]`` fp32 (an embedding lookup)."""
+        return dequantize(self.type_id, self.data, self.in_features, ids)
+
     def dequantize(self) -> torch.Tensor:
         """``[out, in]`` fp32 (tests, and references)."""
         return dequantize(self.type_id, self.data, self.in_features)

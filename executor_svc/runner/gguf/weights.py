@@ -5,9 +5,9 @@
   one after the other, as the fp32 layer packs columns. Where the shards of one packed layer
   have different types (some quantizers give v another type than q), the layer is de-quantized
   to fp32 instead, logged.
-- The tied lm_head reads the embedding's blocks (``packed_lm_head``); the embedding lookup
-  itself reads a de-quantized fp32 copy (a lookup touches a few rows per step, so its size costs
-  memory, not time).
+- A block-type embedding stays as blocks too (``model.quant_embedding``): a lookup de-quantizes
+  its rows (bit for bit gguf's values); a tied lm_head runs on the same blocks
+  (``packed_lm_head``), an untied one on its own.
 - F32 / F16 / BF16 tensors are de-quantized to fp32 and go through the parameters' own loaders.
 - Llama GGUFs store q and k rows permuted for llama.cpp's rope (interleaved pairs); the inverse
   permutation is applied to the rows, as transformers' GGUF loader applies it to its fp32
@@ -81,6 +81,9 @@ def load_gguf_weights(model: LlamaForCausalLM, gguf_path: str | Path) -> dict[st
             head = t  # its blocks, below
             loaded.add((name, shard_id))
             continue
+        if name == "embed_tokens" and t.type_id not in quant.FLOAT_TYPES:
+            loaded.add((name, shard_id))  # kept as blocks, below
+            continue
         if name not in params:
             raise GGUFError(f"{file.path}: tensor {t.name} matches no model parameter ({name})")
         rows = _rows(t, file, model)
@@ -105,6 +108,14 @@ def load_gguf_weights(model: LlamaForCausalLM, gguf_path: str | Path) -> dict[st
         held["quantized"] += held_q
     if head is None and model.config.tie_word_embeddings:
         head = embed if embed is not None and embed.type_id not in quant.FLOAT_TYPES else None
+    if embed is not None and embed.type_id not in quant.FLOAT_TYPES:
+        data = torch.from_numpy(np.array(embed.data))
+        model.quant_embedding = quant.QuantWeight(data, embed.type_id, embed.shape[1])
+        model.embed_tokens.data = model.embed_tokens.data.new_empty(0)
+        held["quantized"] += data.numel()
+        if head is embed:  # tied: the lm_head reads the same blocks
+            model.packed_lm_head = model.quant_embedding
+            head = None
     if head is not None:
         data = torch.from_numpy(np.array(head.data))
         model.packed_lm_head = quant.QuantWeight(data, head.type_id, head.shape[1])
