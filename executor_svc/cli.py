@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swap-space", type=float, default=1.0, help="CPU swap pool size in GiB")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int4"],
+        help="quantize a checkpoint's matrices at load (group-wise, 32 weights a group: int8 = "
+        "Q8_0, int4 = Q4_1 with an int8 lm_head; models/quant_linear.py); CPU only",
+    )
+    p.add_argument(
         "--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"]
     )
     p.add_argument(
@@ -237,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         swap_space_gib=args.swap_space,
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
+        **({"quantization": args.quantization} if args.quantization else {}),
         tls=tls,
         tensor_parallel_size=args.tensor_parallel_size,
         log_level=args.log_level,

@@ -37,6 +37,11 @@ def resolve_model(model: str | Path) -> tuple[Path, str]:
 
         return ensure_demo_model(), DEMO_MODEL
     path = Path(model).expanduser()
+    from executor_svc.runner.gguf import hf_files, reader
+
+    gguf_path = reader.find_gguf(path)
+    if gguf_path is not None:  # the side directory transformers builds from its metadata
+        return hf_files.prepare(gguf_path), gguf_path.stem
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint (no config.json)")
     return path, path.resolve().name

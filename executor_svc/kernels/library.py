@@ -106,6 +106,16 @@ _OPTIONAL_SIGNATURES: dict[str, tuple[list, type]] = {
         [_p, _i64, _i64, _p, _i64, _p, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _i32],
         ctypes.c_int,
     ),
+    # csrc/quant_gemm.cpp (quant.py): type, x, M, K, ldx, w, N, row_bytes, bias, y, ldy, threads
+    "llmserve_quant_gemm_f32": (
+        [_i32, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _p, _i64, _i32],
+        ctypes.c_int,
+    ),
+    # type, w, N, K, row_bytes, rows, num, out, ldo
+    "llmserve_quant_dequant_f32": (
+        [_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i64],
+        ctypes.c_int,
+    ),
 }
 
 _lib: ctypes.CDLL | None = None

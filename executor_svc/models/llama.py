@@ -402,6 +402,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.packed_lm_head: gemm.PackedWeight | None = None  # set by prepack_weights()
+        # A GGUF embedding kept as blocks (kernels.quant.QuantWeight, runner/gguf/weights.py):
+        # lookups de-quantize their rows; embed_tokens is then empty.
+        self.quant_embedding: Any = None
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
@@ -416,7 +419,10 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: KVCaches,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
-        x = self.embed_tokens.index_select(1, input_ids).t().contiguous()  # [num_tokens, hidden]
+        if self.quant_embedding is not None:
+            x = self.quant_embedding.rows(input_ids)  # [num_tokens, hidden]
+        else:
+            x = self.embed_tokens.index_select(1, input_ids).t().contiguous()
         rope = self.rotary.cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(rope, x, kv_cache, attn_metadata)

@@ -21,6 +21,7 @@ from executor_svc.attention import AttentionBackend
 from executor_svc.config import envs
 from executor_svc.kernels import cpu_dtype
 from executor_svc.models import MODEL_REGISTRY, LlamaForCausalLM
+from executor_svc.runner.gguf.hf_files import gguf_source
 
 if TYPE_CHECKING:
     from executor_svc.parallel.group import TPGroup
@@ -180,10 +181,20 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     max_model_len: int | None = None,
     tp: TPGroup | None = None,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
     """Build the model for ``model_dir`` on ``device`` in ``dtype`` and load its weights; with
     ``tp``, this rank's shard of it, reading only that shard from the checkpoint."""
     model_dir = Path(model_dir)
+    gguf_path = gguf_source(model_dir)  # a GGUF model's side directory (runner/gguf)
+    if gguf_path is not None:
+        if tp is not None:
+            raise ValueError("GGUF models do not run tensor-parallel yet")
+        dtype = "float32"  # the quantized kernels take fp32 activations
+    if quantization is not None:  # models/quant_linear.py: int8 / int4 at load
+        if tp is not None or gguf_path is not None:
+            raise ValueError("--quantization applies to a checkpoint directory without TP")
+        dtype = "float32"
     config = _read_json(model_dir / "config.json")
     if not config:
         raise FileNotFoundError(f"{model_dir / 'config.json'} is missing or empty")
@@ -194,6 +205,8 @@ def load_model(
     model_cls, config_cls = MODEL_REGISTRY[arch]
     cfg = config_cls.from_hf(config)
     dev = resolve_device(device)
+    if (gguf_path is not None or quantization is not None) and dev.type != "cpu":
+        raise ValueError("quantized weights (GGUF, --quantization) run on the CPU only")
     torch_dtype = resolve_dtype(dtype, dev)
     max_len = _max_model_len(config, max_model_len)
 
@@ -214,8 +227,17 @@ def load_model(
     with torch.no_grad():
         if envs.load_format() == "dummy":
             fill_dummy_weights(model, float(config.get("initializer_range", 0.02)))
+        elif gguf_path is not None:
+            from executor_svc.runner.gguf.weights import load_gguf_weights
+
+            held = load_gguf_weights(model, gguf_path)
+            log.info("gguf.loaded", gguf=str(gguf_path), **held)
         else:
             load_weights(model, _weight_files(model_dir))
+        if quantization is not None:
+            from executor_svc.models.quant_linear import quantize_model
+
+            log.info("quantized", scheme=quantization, matrices=quantize_model(model, quantization))
     model.eval().requires_grad_(False)
     # Not under tensor parallelism yet: its layers and lm_head use matmul_io on the plain
     # weights, which with step-invariant numerics runs the same kernel unpacked (same bits).

@@ -96,6 +96,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         tp: TPGroup | None = None,
         lora: LoraConfig | None = None,
+        quantization: str | None = None,
     ) -> None:
         """``tp``: this process's rank of a tensor-parallel group (every rank builds its own
         runner, in the same order, since loading and profiling involve collectives)."""
@@ -111,6 +112,7 @@ class ModelRunner:
             dtype=dtype,
             max_model_len=max_model_len,
             tp=tp,
+            quantization=quantization,
         )
         info: ModelInfo = self.info
         # The adapter table (executor_svc/lora): slots on the model's projections, LRU caches.

@@ -110,7 +110,9 @@ def _workload(rng: random.Random, vocab: int, num_short: int, long: bool) -> tup
     return seqs, shared
 
 
-def _runner(model_dir, backend: str, device: str = "cpu") -> ModelRunner:
+def _runner(
+    model_dir, backend: str, device: str = "cpu", quantization: str | None = None
+) -> ModelRunner:
     return ModelRunner(
         model_dir,
         device=device,
@@ -119,6 +121,7 @@ def _runner(model_dir, backend: str, device: str = "cpu") -> ModelRunner:
         num_device_blocks=1024,
         swap_space_gib=0.05,
         attention_backend=backend,
+        quantization=quantization,
     )
 
 
@@ -179,6 +182,21 @@ def test_batches_up_to_64(tmp_path, backend):
     for schedule in (whole_prefills, random_batches(rng, p_swap=0.1, p_recompute=0.05)):
         bad = mismatches(ref, run_plan(runner, seqs, schedule))
         assert not bad, f"{len(bad)} differences, first: {bad[:5]}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_invariant_to_grouping(tmp_path, quantization):
+    """Weights kept as GGUF blocks (kernels/quant.py, the GGUF path's kernels): the same
+    property, for a GQA Llama and a Qwen2 with biases (every input size a multiple of 32)."""
+    for i, case in enumerate((CASES[0], CASES[1])):
+        seed = 31 + i
+        rng = random.Random(seed)
+        runner = _runner(_model(tmp_path, *case, seed=seed), "cpu", quantization=quantization)
+        assert runner.model.layers[0].mlp.down_proj.packed is not None
+        seqs, shared = _workload(rng, runner.info.vocab_size, num_short=6, long=True)
+        bad = _check(runner, seqs, shared, rng)
+        assert not bad, f"{case}: {len(bad)} differences, first: {bad[:5]}"
 
 
 @pytest.mark.gpu

@@ -1,0 +1,94 @@
+"""Perplexity-style drift of ``--quantization int8 | int4`` against fp32 on a fixed text, and
+batch-1 decode speed of each, on an HF checkpoint directory (ModelRunner in this process).
+
+For each mode: the log-probability of every token of ``TEXT`` given the ones before it (one
+prefill with prompt logprobs), its perplexity, the mean and max |logprob - fp32's| and the
+fraction of positions whose fp32 argmax stays the argmax; then the decode time per token of 64
+greedy tokens after it, one thread.
+
+    taskset -c 0 .venv/bin/python benchmarks/quant_drift.py \\
+        ~/.cache/llmserve/smollm2-135m-instruct/SmolLM2-135M-Instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
+from executor_svc.runner.sampler import SamplingParams  # noqa: E402
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined a screw press, oil-based ink and movable metal type into a system that could "
+    "produce books far faster than any scribe. Within fifty years, presses operated in more than "
+    "two hundred European cities, and millions of volumes had been printed. The consequences "
+    "reached well beyond the book trade: scientific results could be copied exactly and shared, "
+    "vernacular languages gained standard spellings, and ideas that once travelled by letter now "
+    "moved through pamphlets read by thousands. Historians still debate how much of the "
+    "Reformation, the scientific revolution and the rise of newspapers owes to this one machine, "
+    "but few doubt that the cheap, identical copy changed how knowledge was kept and argued over."
+)
+BLOCK = 16
+
+
+def run(model_dir: str, quantization: str | None, decode_tokens: int, repeats: int):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(TEXT).input_ids
+    blocks = -(-(len(ids) + decode_tokens + 1) // BLOCK)
+    runner = ModelRunner(
+        model_dir, num_device_blocks=blocks + 1, swap_space_gib=0.01, quantization=quantization
+    )
+    params = SamplingParams(temperature=0.0, num_prompt_logprobs=1)
+    seq = ScheduledSequence("s", list(ids), len(ids), list(range(blocks)), 0, len(ids), params)
+    found: list = []
+    out = runner.execute([seq], [], [], [], prompt_logprobs=found)
+    logprobs = [lp for r in found for lp in r.logprobs]
+    top1 = [t[0][0] for r in found for t in r.top]
+    times = []
+    for _ in range(repeats):
+        seq.token_ids = list(ids) + [out[0].token_id]
+        seq.num_computed_tokens, seq.num_scheduled_tokens = len(ids), 1
+        seq.sampling_params = SamplingParams(temperature=0.0)
+        t0 = time.perf_counter()
+        for _ in range(decode_tokens):
+            res = runner.execute([seq], [], [], [])
+            seq.token_ids.append(res[0].token_id)
+            seq.num_computed_tokens += 1
+        times.append((time.perf_counter() - t0) * 1000 / decode_tokens)
+    return logprobs, top1, statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = {m: run(args.model_dir, m, args.decode_tokens, args.repeats) for m in
+               (None, "int8", "int4")}  # fmt: skip
+    ref_lp, ref_top, ref_ms = results[None]
+    print(f"{len(ref_lp)} scored tokens; decode: {args.decode_tokens} tokens, 1 thread")
+    print("| mode | perplexity | mean abs dlogprob | max abs dlogprob | top-1 kept | "
+          "decode ms/token | speed vs fp32 |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for mode, (lp, top, ms) in results.items():
+        ppl = math.exp(-sum(lp) / len(lp))
+        diffs = [abs(a - b) for a, b in zip(lp, ref_lp, strict=True)]
+        kept = sum(a == b for a, b in zip(top, ref_top, strict=True)) / len(top)
+        print(f"| {mode or 'fp32'} | {ppl:.3f} | {statistics.mean(diffs):.4f} | {max(diffs):.4f} "
+              f"| {kept:.3f} | {ms:.2f} | {ref_ms / ms:.2f}x |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,499 @@
+// Weight-only quantized matmul over GGUF blocks, fp32 activations and accumulation:
+// y[M, N] = x[M, K] @ W^T (+ bias[N]) where W is [N rows][row_bytes], each row K / block_size
+// GGUF blocks of one type (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), exactly as a GGUF file stores them.
+// Part of the CPU kernel library (kernels/library.py); called from kernels/quant.py.
+//
+// Every type is read as groups of 32 weights w_k = s * q_k + t (q_k small integers, exact in
+// fp32; Q6_K folds its 16-weight scales into q). One output element is then, always in this
+// order: acc (16 lanes) = 0; for each group g ascending: acc = fma(s_g, q[0:16] * x[0:16] +
+// q[16:32] * x[16:32] (one fma), acc); then hsum(acc) (a fixed tree), then + sum_g t_g * sx_g
+// (sx_g = the fixed-tree sum of x over group g), then + bias. Nothing in that chain depends on
+// M, the tile a row lands in, or the threads (they split weight rows), so a decode row and the
+// same row inside a prefill give the same bits (step invariance, config/numerics.py). The fmas
+// are explicit intrinsics so that the compiler's contraction cannot differ between tiles.
+//
+// Many rows (prefill, batched decode): one group of one weight row is decoded once into
+// registers and applied to kRows rows of x (the dequantized tile lives in registers, not in a
+// panel), so the decode cost is shared; one row (memory-bound decode): the same code with one.
+//
+// Also llmserve_quant_dequant_f32: the exact de-quantization (bit for bit the `gguf` package's
+// numpy reference, products rounded before sums as numpy does), for embedding rows and tests.
+
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+
+using namespace llmserve;
+
+namespace {
+
+// ggml type ids (gguf.GGMLQuantizationType)
+enum : int { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kBF16 = 30 };
+
+// Rows of x per pass over a weight row: their accumulators and the decoded group fit the
+// vector registers (32 with AVX-512, 16 with AVX2, where a v16 takes two).
+constexpr int64_t kXBytes = 256 * 1024;  // rows of x kept in L2 while the weights pass
+#if defined(__AVX512F__)
+constexpr int kRows = 8;
+#else
+constexpr int kRows = 4;
+#endif
+
+
+inline v16 fma16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  typedef float v8 __attribute__((vector_size(32)));
+  const v8 lo = (v8)_mm256_fmadd_ps(
+      (__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+      (__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+      (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+  const v8 hi = (v8)_mm256_fmadd_ps(
+      (__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+      (__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+      (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return a * b + c;
+#endif
+}
+
+inline v16 splat(float s) { return v16{} + s; }
+
+// A product rounded on its own (numpy's order), never fused into a following sum.
+inline float mul_rounded(float a, float b) {
+  float r = a * b;
+#if defined(__x86_64__) || defined(__i386__)
+  __asm__("" : "+x"(r));
+#else
+  __asm__("" : "+w"(r));
+#endif
+  return r;
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(man & 0x400)) man <<= 1, --exp;
+    bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// 16 bytes as 16 floats, unsigned or signed. Written per ISA: GCC's generic vector
+// conversions of byte vectors come out as scalar code.
+#if defined(__SSE4_1__)
+typedef __m128i b16;
+inline b16 load_b16(const uint8_t* p) { return _mm_loadu_si128((const __m128i*)p); }
+inline b16 low_nibbles(b16 v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
+inline b16 high_nibbles(b16 v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)); }
+inline b16 shift_right(b16 v, int n) { return _mm_srl_epi16(v, _mm_cvtsi32_si128(n)); }
+inline b16 and_bytes(b16 v, int m) { return _mm_and_si128(v, _mm_set1_epi8((char)m)); }
+inline b16 or_shifted4(b16 lo, b16 hi) {  // lo | hi << 4, hi < 16
+  return _mm_or_si128(lo, _mm_slli_epi16(hi, 4));
+}
+template <bool kSigned>
+inline v16 to_v16(b16 v) {
+#if defined(__AVX512F__)
+  const __m512i w = kSigned ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+  return (v16)_mm512_cvtepi32_ps(w);
+#elif defined(__AVX2__)
+  const b16 h = _mm_srli_si128(v, 8);
+  const __m256 lo = _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+  const __m256 hi = _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(h) : _mm256_cvtepu8_epi32(h));
+  typedef float v8 __attribute__((vector_size(32)));
+  return __builtin_shufflevector((v8)lo, (v8)hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                 14, 15);
+#else
+  alignas(16) uint8_t b[16];
+  _mm_store_si128((__m128i*)b, v);
+  v16 f;
+  for (int i = 0; i < 16; ++i) f[i] = kSigned ? (float)(int8_t)b[i] : (float)b[i];
+  return f;
+#endif
+}
+#else  // portable fallback: plain byte arrays
+struct b16 {
+  uint8_t b[16];
+};
+inline b16 load_b16(const uint8_t* p) {
+  b16 v;
+  std::memcpy(v.b, p, 16);
+  return v;
+}
+inline b16 shift_right(b16 v, int n) {
+  for (auto& x : v.b) x = (uint8_t)(x >> n);
+  return v;
+}
+inline b16 and_bytes(b16 v, int m) {
+  for (auto& x : v.b) x = (uint8_t)(x & m);
+  return v;
+}
+inline b16 low_nibbles(b16 v) { return and_bytes(v, 0x0F); }
+inline b16 high_nibbles(b16 v) { return shift_right(v, 4); }
+inline b16 or_shifted4(b16 lo, b16 hi) {
+  for (int i = 0; i < 16; ++i) lo.b[i] = (uint8_t)(lo.b[i] | (hi.b[i] << 4));
+  return lo;
+}
+template <bool kSigned>
+inline v16 to_v16(b16 v) {
+  v16 f;
+  for (int i = 0; i < 16; ++i) f[i] = kSigned ? (float)(int8_t)v.b[i] : (float)v.b[i];
+  return f;
+}
+#endif
+
+// One group of 32 weights: q[0:16], q[16:32], scale s and offset t (w = s * q + t).
+struct Group {
+  v16 q0, q1;
+  float s, t;
+};
+
+// Per type: bytes per block, weights per block, whether t can be non-zero, and the decoder of
+// group g (of 32 weights) of a row.
+struct Q8_0 {
+  static constexpr int kBytes = 34, kBlock = 32;
+  static constexpr bool kMin = false;
+  static Group group(const uint8_t* row, int64_t g) {
+    const uint8_t* b = row + g * kBytes;
+    return {to_v16<true>(load_b16(b + 2)), to_v16<true>(load_b16(b + 18)), half(b), 0.0f};
+  }
+};
+
+struct Q4_0 {
+  static constexpr int kBytes = 18, kBlock = 32;
+  static constexpr bool kMin = false;
+  static Group group(const uint8_t* row, int64_t g) {
+    const uint8_t* b = row + g * kBytes;
+    const b16 v = load_b16(b + 2);
+    return {to_v16<false>(low_nibbles(v)) - 8.0f, to_v16<false>(high_nibbles(v)) - 8.0f, half(b),
+            0.0f};
+  }
+};
+
+struct Q4_1 {
+  static constexpr int kBytes = 20, kBlock = 32;
+  static constexpr bool kMin = true;
+  static Group group(const uint8_t* row, int64_t g) {
+    const uint8_t* b = row + g * kBytes;
+    const b16 v = load_b16(b + 4);
+    return {to_v16<false>(low_nibbles(v)), to_v16<false>(high_nibbles(v)), half(b), half(b + 2)};
+  }
+};
+
+// Q4_K's 6-bit scale and min of sub-block j (0..7) from its 12 packed bytes.
+inline void q4k_scale_min(const uint8_t* sc, int j, int* scale, int* min) {
+  if (j < 4) {
+    *scale = sc[j] & 0x3F;
+    *min = sc[j + 4] & 0x3F;
+  } else {
+    *scale = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 2) & 0x30);
+    *min = (sc[j + 4] >> 4) | ((sc[j] >> 2) & 0x30);
+  }
+}
+
+struct Q4_K {
+  static constexpr int kBytes = 144, kBlock = 256;
+  static constexpr bool kMin = true;
+  static Group group(const uint8_t* row, int64_t g) {
+    const uint8_t* b = row + (g / 8) * kBytes;
+    const int j = (int)(g % 8);
+    int sc, m;
+    q4k_scale_min(b + 4, j, &sc, &m);
+    const uint8_t* qs = b + 16 + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    const v16 q0 = to_v16<false>(and_bytes(shift_right(load_b16(qs), shift), 0x0F));
+    const v16 q1 = to_v16<false>(and_bytes(shift_right(load_b16(qs + 16), shift), 0x0F));
+    return {q0, q1, half(b) * (float)sc, -(half(b + 2) * (float)m)};
+  }
+};
+
+struct Q6_K {
+  static constexpr int kBytes = 210, kBlock = 256;
+  static constexpr bool kMin = false;
+  static Group group(const uint8_t* row, int64_t g) {
+    const uint8_t* b = row + (g / 8) * kBytes;
+    const int j = (int)(g % 8), h = j / 4, s = (j / 2) % 2, e = (j % 2) * 32;
+    const uint8_t* ql = b + h * 64 + e;
+    const uint8_t* qh = b + 128 + h * 32;
+    const int8_t* scales = (const int8_t*)(b + 192) + 2 * j;
+    v16 q[2];
+    for (int half_i = 0; half_i < 2; ++half_i) {
+      const b16 lo = and_bytes(shift_right(load_b16(ql + 16 * half_i), 4 * s), 0x0F);
+      const b16 hi = and_bytes(shift_right(load_b16(qh + 16 * half_i), 2 * (j % 4)), 0x03);
+      // (q - 32) * scale: integers below 2^13, exact in fp32.
+      q[half_i] = (to_v16<false>(or_shifted4(lo, hi)) - 32.0f) * (float)scales[half_i];
+    }
+    return {q[0], q[1], half(b + 208), 0.0f};
+  }
+};
+
+struct IeeeMode {
+#if defined(__SSE__)
+  unsigned saved = _mm_getcsr();
+  IeeeMode() { _mm_setcsr(0x1F80); }
+  ~IeeeMode() { _mm_setcsr(saved); }
+#endif
+};
+
+// kR rows of x (row stride ldx) against weight row `row`: y[r * ldy] for r < kR.
+template <class D, int kR>
+inline void rows_dot(const float* x, int64_t ldx, const float* sx, int64_t groups,
+                     const uint8_t* row, float bias, float* y, int64_t ldy) {
+  v16 acc[kR];
+  float tacc[kR];
+  for (int r = 0; r < kR; ++r) acc[r] = v16{}, tacc[r] = 0.0f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const Group q = D::group(row, g);
+    const v16 s = splat(q.s);
+#pragma GCC unroll 8
+    for (int r = 0; r < kR; ++r) {
+      const float* xr = x + r * ldx + 32 * g;
+      const v16 p = fma16(q.q1, load16(xr + 16), q.q0 * load16(xr));
+      acc[r] = fma16(s, p, acc[r]);
+      if (D::kMin) tacc[r] = mul_rounded(q.t, sx[r * groups + g]) + tacc[r];
+    }
+  }
+  for (int r = 0; r < kR; ++r) y[r * ldy] = (hsum(acc[r]) + tacc[r]) + bias;
+}
+
+// kRows rows of x at once, the offset terms of the rows as one vector (lane r = row r, the
+// same product-then-sum per lane as rows_dot's scalar, so the same bits); sxt: this tile's
+// group sums, [groups][kRows].
+template <class D>
+inline void tile_dot(const float* x, int64_t ldx, const float* sxt, int64_t groups,
+                     const uint8_t* row, float bias, float* y, int64_t ldy) {
+  typedef float vr __attribute__((vector_size(4 * kRows)));
+  v16 acc[kRows];
+  vr tacc{};
+  for (int r = 0; r < kRows; ++r) acc[r] = v16{};
+  for (int64_t g = 0; g < groups; ++g) {
+    const Group q = D::group(row, g);
+    const v16 s = splat(q.s);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const float* xr = x + r * ldx + 32 * g;
+      const v16 p = fma16(q.q1, load16(xr + 16), q.q0 * load16(xr));
+      acc[r] = fma16(s, p, acc[r]);
+    }
+    if (D::kMin) {
+      vr sxv, prod;
+      std::memcpy(&sxv, sxt + g * kRows, sizeof sxv);
+      prod = sxv * q.t;
+      __asm__("" : "+x"(prod));  // rounded apart, never fused into the sum
+      tacc += prod;
+    }
+  }
+  for (int r = 0; r < kRows; ++r) y[r * ldy] = (hsum(acc[r]) + tacc[r]) + bias;
+}
+
+// One row of x against two weight rows, interleaved: the same chain per element as
+// rows_dot<D, 1> (so the same bits), with two independent chains in flight and x read once.
+template <class D>
+inline void row_dot2(const float* x, const float* sx, int64_t groups, const uint8_t* row0,
+                     const uint8_t* row1, float bias0, float bias1, float* y) {
+  v16 acc0 = v16{}, acc1 = v16{};
+  float t0 = 0.0f, t1 = 0.0f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const Group a = D::group(row0, g), b = D::group(row1, g);
+    const v16 x0 = load16(x + 32 * g), x1 = load16(x + 32 * g + 16);
+    acc0 = fma16(splat(a.s), fma16(a.q1, x1, a.q0 * x0), acc0);
+    acc1 = fma16(splat(b.s), fma16(b.q1, x1, b.q0 * x0), acc1);
+    if (D::kMin) {
+      t0 = mul_rounded(a.t, sx[g]) + t0;
+      t1 = mul_rounded(b.t, sx[g]) + t1;
+    }
+  }
+  y[0] = (hsum(acc0) + t0) + bias0;
+  y[1] = (hsum(acc1) + t1) + bias1;
+}
+
+template <class D>
+void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, int64_t N,
+         int64_t row_bytes, const float* bias, float* y, int64_t ldy, int num_threads) {
+  const int64_t groups = K / 32;
+  IeeeMode caller;
+  // sx[m][g]: the group sums of x, one fixed tree each (only types with an offset use them).
+  std::vector<float> sx(D::kMin ? M * groups : 0);
+  if (D::kMin)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < groups; ++g)
+        sx[m * groups + g] = hsum(load16(x + m * ldx + 32 * g) + load16(x + m * ldx + 32 * g + 16));
+  const float* sxp = sx.data();
+  // The same sums per tile of kRows rows, group-major, for tile_dot.
+  const int64_t tiles = M / kRows;
+  std::vector<float> sxt(D::kMin ? tiles * groups * kRows : 0);
+  if (D::kMin)
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int r = 0; r < kRows; ++r)
+          sxt[(t * groups + g) * kRows + r] = sx[(t * kRows + r) * groups + g];
+  const float* sxtp = sxt.data();
+  const bool parallel = num_threads > 1 && M * K * N >= (1 << 17);
+#pragma omp parallel num_threads(num_threads) if (parallel)
+  {
+    IeeeMode ieee;  // per thread: no flush-to-zero, whichever thread computes a row
+  if (M == 1) {
+    // A decode: weight rows two at a time (row_dot2), the last odd one alone.
+#pragma omp for schedule(static)
+    for (int64_t n2 = 0; n2 < (N + 1) / 2; ++n2) {
+      const int64_t n = 2 * n2;
+      if (n + 1 < N)
+        row_dot2<D>(x, sxp, groups, w + n * row_bytes, w + (n + 1) * row_bytes,
+                    bias ? bias[n] : 0.0f, bias ? bias[n + 1] : 0.0f, y + n);
+      else
+        rows_dot<D, 1>(x, ldx, sxp, groups, w + n * row_bytes, bias ? bias[n] : 0.0f, y + n, ldy);
+    }
+  } else {
+    // Row blocks of x that stay in L2 (kXBytes) while every weight row passes over them; a
+    // block is whole tiles, so each row is computed by the same tile or single-row code
+    // whatever M is, and by the same chain either way.
+    int64_t mc = kXBytes / (K * (int64_t)sizeof(float)) / kRows * kRows;
+    if (mc < kRows) mc = kRows;
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+      const int64_t m1 = m0 + mc < M ? m0 + mc : M;
+#pragma omp for schedule(static)
+      for (int64_t n = 0; n < N; ++n) {
+        const uint8_t* row = w + n * row_bytes;
+        const float b = bias ? bias[n] : 0.0f;
+        int64_t m = m0;
+        for (; m + kRows <= m1; m += kRows)
+          tile_dot<D>(x + m * ldx, ldx, sxtp + m * groups, groups, row, b, y + m * ldy + n,
+                      ldy);
+        for (; m < m1; ++m)
+          rows_dot<D, 1>(x + m * ldx, ldx, sxp + m * groups, groups, row, b, y + m * ldy + n,
+                         ldy);
+      }
+    }
+  }
+  }
+}
+
+// The exact de-quantization of one row of K weights into out.
+void dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
+  switch (type) {
+    case kF32:
+      std::memcpy(out, row, K * 4);
+      return;
+    case kF16:
+      for (int64_t k = 0; k < K; ++k) out[k] = half(row + 2 * k);
+      return;
+    case kBF16:
+      for (int64_t k = 0; k < K; ++k) {
+        const uint32_t bits = (uint32_t)(row[2 * k] | (row[2 * k + 1] << 8)) << 16;
+        std::memcpy(out + k, &bits, 4);
+      }
+      return;
+    default:
+      break;
+  }
+  for (int64_t g = 0; g < K / 32; ++g) {
+    float* o = out + 32 * g;
+    if (type == kQ8_0) {
+      const uint8_t* b = row + g * 34;
+      const float d = half(b);
+      for (int i = 0; i < 32; ++i) o[i] = (float)(int8_t)b[2 + i] * d;
+    } else if (type == kQ4_0 || type == kQ4_1) {
+      const bool q41 = type == kQ4_1;
+      const uint8_t* b = row + g * (q41 ? 20 : 18);
+      const float d = half(b), m = q41 ? half(b + 2) : 0.0f;
+      const uint8_t* qs = b + (q41 ? 4 : 2);
+      for (int i = 0; i < 32; ++i) {
+        const int q = i < 16 ? qs[i] & 0xF : qs[i - 16] >> 4;
+        o[i] = q41 ? mul_rounded(d, (float)q) + m : d * (float)(q - 8);
+      }
+    } else if (type == kQ4_K) {
+      const uint8_t* b = row + (g / 8) * 144;
+      const int j = (int)(g % 8);
+      int sc, mn;
+      q4k_scale_min(b + 4, j, &sc, &mn);
+      const float d = half(b) * (float)sc, dm = half(b + 2) * (float)mn;
+      const uint8_t* qs = b + 16 + 32 * (j / 2);
+      for (int i = 0; i < 32; ++i)
+        o[i] = mul_rounded(d, (float)((qs[i] >> (4 * (j % 2))) & 0xF)) - dm;
+    } else {  // kQ6_K
+      const uint8_t* b = row + (g / 8) * 210;
+      const int j = (int)(g % 8), h = j / 4, s = (j / 2) % 2, e = (j % 2) * 32;
+      const float d = half(b + 208);
+      for (int i = 0; i < 32; ++i) {
+        const int lo = (b[h * 64 + e + i] >> (4 * s)) & 0xF;
+        const int hi = (b[128 + h * 32 + i] >> (2 * (j % 4))) & 0x3;
+        const float scale = mul_rounded(d, (float)((const int8_t*)(b + 192))[2 * j + i / 16]);
+        o[i] = scale * (float)((lo | (hi << 4)) - 32);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias [N] when not null), W
+// as N rows of row_bytes bytes of `type` blocks. Returns 0; 1 for arguments it rejects, 2 for
+// a type it does not take (the Python side names it).
+extern "C" int llmserve_quant_gemm_f32(int type, const float* x, int64_t M, int64_t K,
+                                       int64_t ldx, const uint8_t* w, int64_t N,
+                                       int64_t row_bytes, const float* bias, float* y,
+                                       int64_t ldy, int num_threads) {
+  if (M < 0 || K <= 0 || K % 32 || N <= 0 || ldx < K || ldy < N) return 1;
+  if (M == 0) return 0;
+  const int nt = num_threads < 1 ? 1 : num_threads;
+  switch (type) {
+    case kQ8_0: run<Q8_0>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt); return 0;
+    case kQ4_0: run<Q4_0>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt); return 0;
+    case kQ4_1: run<Q4_1>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt); return 0;
+    case kQ4_K:
+      if (K % 256) return 1;
+      run<Q4_K>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt);
+      return 0;
+    case kQ6_K:
+      if (K % 256) return 1;
+      run<Q6_K>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt);
+      return 0;
+    default:
+      return 2;
+  }
+}
+
+// out [num, K] (row stride ldo) = the de-quantized rows rows[0..num) of W (N rows of row_bytes
+// bytes of `type`, K weights each); rows null = rows 0..num. Returns 0, 1 or 2 as above.
+extern "C" int llmserve_quant_dequant_f32(int type, const uint8_t* w, int64_t N, int64_t K,
+                                          int64_t row_bytes, const int64_t* rows, int64_t num,
+                                          float* out, int64_t ldo) {
+  if (K <= 0 || N <= 0 || ldo < K) return 1;
+  if (type != kF32 && type != kF16 && type != kBF16 && type != kQ8_0 && type != kQ4_0 &&
+      type != kQ4_1 && type != kQ4_K && type != kQ6_K)
+    return 2;
+  if (K % 32 && type != kF32 && type != kF16 && type != kBF16) return 1;
+  if ((type == kQ4_K || type == kQ6_K) && K % 256) return 1;
+  for (int64_t i = 0; i < num; ++i) {
+    const int64_t r = rows ? rows[i] : i;
+    if (r < 0 || r >= N) return 1;
+    dequant_row(type, w + r * row_bytes, K, out + i * ldo);
+  }
+  return 0;
+}

@@ -1,0 +1,142 @@
+"""Weight-only quantized matmuls over GGUF blocks (``csrc/quant_gemm.cpp``): the weights stay
+in their GGUF block layout in memory; activations and accumulation are fp32.
+
+Each output element is one fixed chain over the weight row's groups of 32 (the C++ file's
+header), the same for a decode row and for the same row inside a prefill, so quantized models
+keep the step-invariance promise. Activations are not quantized (llama.cpp quantizes them to
+int8 per block for its integer dot products): with fp32 activations the result is within fp32
+rounding of de-quantize-then-matmul, which is what transformers' GGUF loader computes, the
+reference greedy outputs are held to.
+
+``QuantWeight`` is a ``gemm.PackedWeight``: a ``models.llama.Linear`` holding one in ``packed``
+runs it instead of its fp32 weight (``models/quant_linear.py`` builds them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from executor_svc.kernels import library
+
+# ggml type id -> (name, weights per block, bytes per block); every type this build reads.
+TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    30: ("BF16", 1, 2),
+    8: ("Q8_0", 32, 34),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    12: ("Q4_K", 256, 144),
+    14: ("Q6_K", 256, 210),
+}
+FLOAT_TYPES = frozenset({0, 1, 30})  # de-quantized to fp32 at load, run by the fp32 GEMM
+TYPE_IDS = {name: tid for tid, (name, _, _) in TYPES.items()}
+
+
+def type_name(type_id: int) -> str:
+    return TYPES[type_id][0] if type_id in TYPES else f"type {type_id}"
+
+
+def row_bytes(type_id: int, k: int) -> int:
+    """Bytes of one row of ``k`` weights of ``type_id`` (``k`` a multiple of its block)."""
+    _, block, nbytes = TYPES[type_id]
+    if k % block:
+        raise ValueError(f"a row of {k} weights is not whole {type_name(type_id)} blocks")
+    return k // block * nbytes
+
+
+def _lib() -> Any:
+    lib = library.load()
+    if lib is None or not hasattr(lib, "llmserve_quant_gemm_f32"):
+        raise RuntimeError(
+            "quantized weights need the CPU kernel library (a C++ compiler, or "
+            "LLMSERVE_KERNEL_LIB built from these sources); none could be loaded"
+        )
+    return lib
+
+
+def available() -> bool:
+    lib = library.load()
+    return lib is not None and hasattr(lib, "llmserve_quant_gemm_f32")
+
+
+def dequantize(
+    type_id: int, data: torch.Tensor, k: int, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The fp32 values of ``data`` ([N, row_bytes] uint8, N rows of ``k`` weights), or of the
+    rows ``rows`` (int64) only: bit for bit the ``gguf`` package's de-quantization."""
+    assert data.dtype == torch.uint8 and data.dim() == 2 and data.is_contiguous(), data.shape
+    assert data.shape[1] == row_bytes(type_id, k), (data.shape, type_name(type_id), k)
+    num = data.shape[0] if rows is None else rows.numel()
+    out = torch.empty(num, k, dtype=torch.float32)
+    if rows is not None:
+        rows = rows.to(torch.int64).contiguous()
+    rc = _lib().llmserve_quant_dequant_f32(
+        type_id, data.data_ptr(), data.shape[0], k, data.shape[1],
+        None if rows is None else rows.data_ptr(), num, out.data_ptr(), k,
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"cannot de-quantize {type_name(type_id)} rows of {k} (code {rc})")
+    return out
+
+
+@dataclass(slots=True, eq=False)
+class QuantWeight:
+    """An ``[out, in]`` matrix as GGUF blocks: ``out`` rows of ``in / block`` blocks each."""
+
+    data: torch.Tensor  # [out_features, row_bytes] uint8
+    type_id: int
+    in_features: int
+
+    def __post_init__(self) -> None:
+        assert self.data.dtype == torch.uint8 and self.data.dim() == 2, self.data.shape
+        assert self.type_id in TYPES and self.type_id not in FLOAT_TYPES, self.type_id
+        assert self.data.shape[1] == row_bytes(self.type_id, self.in_features), (
+            self.data.shape,
+            type_name(self.type_id),
+            self.in_features,
+        )
+        self.data = self.data.contiguous()
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` de-quantized, ``[len(ids), in]`` fp32 (an embedding lookup)."""
+        return dequantize(self.type_id, self.data, self.in_features, ids)
+
+    def dequantize(self) -> torch.Tensor:
+        """``[out, in]`` fp32 (tests, and references)."""
+        return dequantize(self.type_id, self.data, self.in_features)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [rows, in] @ W^T (+ bias)``, each element in the kernel's fixed order."""
+        assert x.dim() == 2 and x.shape[1] == self.in_features, (x.shape, self.in_features)
+        assert x.device.type == "cpu" and x.dtype == torch.float32, (x.device, x.dtype)
+        n = self.out_features
+        assert bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)), bias
+        if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+            x = x.contiguous()
+        if bias is not None:
+            bias = bias.contiguous()
+        m, k = x.shape
+        y = torch.empty(m, n, dtype=torch.float32)
+        rc = _lib().llmserve_quant_gemm_f32(
+            self.type_id, x.data_ptr(), m, k, max(x.stride(0), k), self.data.data_ptr(), n,
+            self.data.shape[1], None if bias is None else bias.data_ptr(), y.data_ptr(), n,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(
+                f"quantized matmul rejected x {tuple(x.shape)} with {type_name(self.type_id)} "
+                f"weights [{n}, {k}] (code {rc})"
+            )
+        return y
