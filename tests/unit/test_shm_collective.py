@@ -149,3 +149,50 @@ def test_a_dead_or_stalled_rank_is_an_error_naming_it(how: str, why: str, tmp_pa
     seconds, message = out.read_text().split(" ", 1)
     assert "rank 1 failed" in message and why in message, message
     assert float(seconds) < 4.0
+
+
+def _group(rank: int, world: int, port: str, use_shm: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from executor_svc.parallel.group import close_group, init_group
+
+    os.environ["LLMSERVE_TP_SHM"] = use_shm
+    torch.set_num_threads(4)
+    store = dist.TCPStore("127.0.0.1", int(port), world, is_master=rank == 0)
+    tp = init_group(store, rank, world, torch.device("cpu"))
+    x = part(rank, 1000, 7, torch.float32).view(10, 100)
+    tp.all_reduce(x)
+    gathered = tp.gather_last_dim(part(rank, 30, 8, torch.float32).view(3, 10))
+    step = torch.arange(5) if rank == 0 else torch.zeros(5, dtype=torch.long)
+    tp.broadcast_host(step)
+    assert torch.equal(step, torch.arange(5))
+    assert torch.equal(x.view(-1), reference_sum(world, 1000, 7, torch.float32))
+    if rank == 0:
+        want = torch.cat([part(r, 30, 8, torch.float32).view(3, 10) for r in range(world)], 1)
+        assert torch.equal(gathered, want)
+    else:
+        assert gathered is None
+    Path(f"{out}.{rank}").write_text(
+        f"{tp.shm is not None} {sorted(os.sched_getaffinity(0))} {torch.get_num_threads()}"
+    )
+    close_group()
+
+
+@pytest.mark.parametrize("use_shm", ["1", "0"])
+def test_a_cpu_group_takes_the_shared_memory_path_and_pins_its_ranks(use_shm: str, tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    codes = run_ranks(_group, 2, Path(str(port)), use_shm, str(tmp_path / "r"))
+    assert codes == [0, 0]
+    allowed = sorted(os.sched_getaffinity(0))
+    for rank in range(2):
+        shm_used, rest = (tmp_path / f"r.{rank}").read_text().split(" ", 1)
+        cores, threads = rest.rsplit(" ", 1)
+        assert shm_used == str(use_shm == "1")
+        if len(allowed) >= 2:  # each rank on its own share of the cores, threads capped to it
+            share = len(allowed) // 2
+            assert cores == str(allowed[rank * share : (rank + 1) * share])
+            assert int(threads) == share
