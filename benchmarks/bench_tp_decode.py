@@ -8,14 +8,18 @@ per sequence per step (the same step each time, as in bench_decode.py).
 
 TP = 1 is ``ModelRunner.execute`` in this process; TP = 2 is rank 0 in this process plus one
 worker process started by ``TPWorkers`` exactly as the executor starts it, both with
-``--threads`` torch threads. Both runners live in the same run and are timed alternately,
-``--repeats`` rounds of ``--iters`` steps; the table shows medians. For TP = 2, rank 0's step
-time splits into: the step broadcast (flattening the batch and two gloo broadcasts), time inside
-the model's collectives (61 all-reduces and one logits gather; this includes waiting for the
-other rank to reach the collective), and the rest (rank 0's own compute and sampling). A
-separate pair of processes then times the bare collectives of one step (the same 61 all-reduces
-of ``[batch, 576]`` fp32, the logits gather, the two broadcasts) with no model work, which is the
-communication floor; time in collectives above it is one rank waiting for the other.
+``--threads`` torch threads and the executor's default attention backend (``--attention-backend``;
+the CPU kernel). TP = 2 uses what the executor uses: on the CPU the shared memory collectives with
+each rank pinned to its own cores (rank 0, this process, runs the TP = 1 steps on its core too),
+or gloo with ``LLMSERVE_TP_SHM=0``; ``LLMSERVE_TP_PIN=0`` leaves the ranks unpinned. Both
+runners live in the same run and are timed alternately, ``--repeats`` rounds of ``--iters``
+steps; the table shows medians. For TP = 2, rank 0's step time splits into: the step broadcast
+(flattening the batch and sending it), time inside the model's collectives (61 all-reduces and
+one logits gather; this includes waiting for the other rank to reach the collective), and the
+rest (rank 0's own compute and sampling). A separate pair of processes then times the bare
+collectives of one step (the same 61 all-reduces of ``[batch, 576]`` fp32, the logits gather,
+the two broadcasts) with no model work, over gloo and over shared memory: the communication
+floor; time in collectives above it is one rank waiting for the other.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_tp_decode.py --threads 1
 """
@@ -199,6 +203,16 @@ def main() -> None:
                 f"{x['step'] * 1e3:.0f}/{y['step'] * 1e3:.0f}"
                 for x, y in zip(got[(1, b)], got[(2, b)], strict=True)
             )
+            for b in batches
+        )
+    )
+    # On a shared machine the fastest round is the one least disturbed by other work.
+    lines.append(
+        "fastest round (ms), TP=1 / TP=2 (ratio): "
+        + "; ".join(
+            f"b{b}: {min(x['step'] for x in got[(1, b)]) * 1e3:.1f}/"
+            f"{min(y['step'] for y in got[(2, b)]) * 1e3:.1f} "
+            f"({min(x['step'] for x in got[(1, b)]) / min(y['step'] for y in got[(2, b)]):.2f})"
             for b in batches
         )
     )
