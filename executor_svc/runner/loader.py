@@ -215,9 +215,8 @@ def load_model(
         else:
             load_weights(model, _weight_files(model_dir))
     model.eval().requires_grad_(False)
-    # Not under tensor parallelism yet: its layers and lm_head use matmul_io on the plain
-    # weights, which with step-invariant numerics runs the same kernel unpacked (same bits).
-    if tp is None and dev.type == "cpu" and torch_dtype == torch.float32:
+    # Tensor-parallel shards too (issue 28): packed or plain, the kernel gives the same bits.
+    if dev.type == "cpu" and torch_dtype == torch.float32:
         model.prepack_weights()
 
     info = ModelInfo(
