@@ -16,8 +16,8 @@
 // timing, and a result never depends on how a tensor was cut into rounds.
 //
 // Waiting spins (pause) for a few microseconds, then yields, then sleeps in steps that grow
-// with the time waited (at most 200 us), so an idle worker waiting for the next step costs
-// little. While it sleeps it checks that every other rank's pid is alive; a dead rank, or no
+// with the time waited (at most 200 us; 1 ms after a second), so an idle worker waiting for the
+// next step costs little. While it sleeps it checks that every other rank's pid is alive; a dead rank, or no
 // progress within `timeout_s` (<= 0: none), ends the call with an error code and the rank.
 
 #include <atomic>
@@ -106,8 +106,11 @@ int wait_all(char* base, int world, uint64_t seq, double timeout_s, int* bad_ran
           *bad_rank = r;
           return kTimeout;
         }
-        long ns = (long)(waited * 1e9 / 64);
-        timespec ts{0, ns < 200000 ? ns : 200000};
+        // Idle for over a second (a worker between requests): 1 ms naps, ~1000 wake-ups a
+        // second; the first step after it starts at most 1 ms late.
+        const long cap_ns = waited < 1.0 ? 200000 : 1000000;
+        const long ns = (long)(waited * 1e9 / 64);
+        timespec ts{0, ns < cap_ns ? ns : cap_ns};
         nanosleep(&ts, nullptr);
       }
     }
