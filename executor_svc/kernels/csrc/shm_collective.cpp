@@ -15,10 +15,11 @@
 // rank order (0 + 1 + ... + N-1, elementwise), so all ranks get the same bits whatever the
 // timing, and a result never depends on how a tensor was cut into rounds.
 //
-// Waiting spins (pause) for a few microseconds, then yields, then sleeps in steps that grow
-// with the time waited (at most 200 us; 1 ms after a second), so an idle worker waiting for the
-// next step costs little. While it sleeps it checks that every other rank's pid is alive; a dead rank, or no
-// progress within `timeout_s` (<= 0: none), ends the call with an error code and the rank.
+// Waiting spins (2000 pause instructions: 5-100 us by CPU), then yields, then sleeps in steps
+// that grow with the time waited (at most 200 us; 1 ms after a second), so an idle worker
+// waiting for the next step costs little. While it sleeps it checks that every other rank's pid
+// is alive; a dead rank, or no progress within `timeout_s` (<= 0: none), ends the call with an
+// error code and the rank.
 
 #include <atomic>
 #include <cerrno>
@@ -55,6 +56,14 @@ inline char* slot(char* base, int rank, int world, int64_t cap, uint64_t seq) {
   return base + kCtrl + ((int64_t)(seq & 1) * world + rank) * cap;
 }
 
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 inline double now_s() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -81,8 +90,8 @@ int wait_all(char* base, int world, uint64_t seq, double timeout_s, int* bad_ran
   for (int r = 0; r < world; ++r) {
     std::atomic<uint64_t>* s = seq_of(base, r);
     if (s->load(std::memory_order_acquire) >= seq) continue;
-    for (int i = 0; i < 2000; ++i) {  // ~ a few microseconds
-      __builtin_ia32_pause();
+    for (int i = 0; i < 2000; ++i) {
+      cpu_relax();
       if (s->load(std::memory_order_acquire) >= seq) goto next;
     }
     {
