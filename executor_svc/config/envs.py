@@ -21,6 +21,8 @@ variable (``config.numerics``).
 | ``LLMSERVE_CUDA_FUSED`` | on | ``models.llama``: ``0`` runs RMSNorm, SiLU-and-multiply and rope as plain torch ops on CUDA instead of the fused Triton kernels (``kernels.triton_elementwise``) |
 | ``LLMSERVE_CUDA_INVARIANT`` | off | ``models.llama``, ``attention.triton_ops``: ``1`` (with step-invariant numerics) runs CUDA linears through ``kernels.triton_gemm`` and the Triton attention with fixed tiles and no context split. Experimental: an H100 run found it 2.3x slower on prefill and still not step-invariant (docs/benchmarks.md, "CUDA") |
 | ``LLMSERVE_CACHE`` | ``~/.cache/llmserve`` | ``tools.demo_model``: where the demo checkpoint is built |
+| ``LLMSERVE_TP_SHM`` | on | ``parallel.group``: ``0`` keeps CPU tensor-parallel collectives on gloo (no shared memory segment) |
+| ``LLMSERVE_TP_PIN`` | on | ``parallel.group``: ``0`` leaves CPU tensor-parallel ranks unpinned (else each gets its share of the allowed cores) |
 """
 
 from __future__ import annotations
@@ -111,3 +113,13 @@ def cuda_fused() -> bool:
 def cuda_invariant() -> bool:
     """``LLMSERVE_CUDA_INVARIANT``: ``1`` tries the step-invariant CUDA kernels (experimental)."""
     return os.environ.get("LLMSERVE_CUDA_INVARIANT", "0").strip().lower() not in (*_FALSE, "")
+
+
+def tp_shm() -> bool:
+    """``LLMSERVE_TP_SHM``: ``0`` keeps CPU tensor-parallel collectives on gloo."""
+    return os.environ.get("LLMSERVE_TP_SHM", "1").strip().lower() not in _FALSE
+
+
+def tp_pin() -> bool:
+    """``LLMSERVE_TP_PIN``: ``0`` leaves CPU tensor-parallel ranks unpinned."""
+    return os.environ.get("LLMSERVE_TP_PIN", "1").strip().lower() not in _FALSE

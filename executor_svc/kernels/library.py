@@ -116,6 +116,18 @@ _OPTIONAL_SIGNATURES: dict[str, tuple[list, type]] = {
         [_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i64],
         ctypes.c_int,
     ),
+    # csrc/shm_collective.cpp (parallel/shm.py): base, rank, world, slot bytes, ...
+    "llmserve_shm_size": ([_i32, _i64], _i64),
+    "llmserve_shm_register": ([_p, _i32, _i32, _i64], ctypes.c_int),
+    "llmserve_shm_all_reduce": (
+        [_p, _i32, _i32, _i64, _p, _i64, _i32, ctypes.c_double, _p],
+        ctypes.c_int,
+    ),
+    "llmserve_shm_all_gather": (
+        [_p, _i32, _i32, _i64, _p, _i64, _i64, _p, ctypes.c_double, _p],
+        ctypes.c_int,
+    ),
+    "llmserve_shm_broadcast": ([_p, _i32, _i32, _i64, _p, _i64, ctypes.c_double, _p], ctypes.c_int),
 }
 
 _lib: ctypes.CDLL | None = None

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from executor_svc.kernels import gemm
 from executor_svc.models.llama import Linear, matmul_io
 from executor_svc.parallel.group import TPGroup
 
@@ -64,6 +65,7 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features))
             self.bias.weight_loader = self._load  # type: ignore[attr-defined]
+        self.packed: gemm.PackedWeight | None = None  # set by prepack(); weight is emptied
 
     def _load(self, param: torch.Tensor, loaded: Loadable, shard_id: Any = None) -> None:
         if param.dim() == 1:  # the bias, whole on every rank
@@ -72,8 +74,19 @@ class RowParallelLinear(nn.Module):
         n = param.shape[0]
         param.data.copy_(loaded[:, self.first : self.first + n].t())  # [out, in_r] -> [in_r, out]
 
+    def prepack(self) -> bool:
+        """As ``Linear.prepack``: the shard in the layout the CPU kernel streams fastest (the
+        same bits as the plain matrix)."""
+        if self.packed is None:
+            self.packed = gemm.pack(self.weight.data)
+            if self.packed is None:
+                return False
+            self.weight.data = self.weight.data.new_empty(0)
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = matmul_io(x, self.weight)
+        partial = self.packed.linear(x, None) if self.packed is not None else None
+        y = partial if partial is not None else matmul_io(x, self.weight)
         if self.lora is not None:  # (x_rank @ A_rank) @ B: the all-reduce sums them to x @ A @ B
             y = self.lora.apply(x, y)
         y = self.tp.all_reduce(y)

@@ -86,9 +86,18 @@ class ParallelLlamaForCausalLM(LlamaForCausalLM):
             x = layer(rope, x, kv_cache, attn_metadata)
         return self.norm(x)
 
+    def prepack_weights(self) -> int:
+        """As the base class, the row-parallel projections included (not ``Linear``s)."""
+        rows = [m for m in self.modules() if isinstance(m, RowParallelLinear)]
+        return super().prepack_weights() + sum(m.prepack() for m in rows)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         """[num_rows, vocab] on rank 0, None on the others; every rank must call it."""
-        logits = self.tp.gather_last_dim(matmul_io(hidden, self.lm_head))
+        if self.packed_lm_head is not None:
+            local = self.packed_lm_head.linear(hidden, None)
+        else:
+            local = matmul_io(hidden, self.lm_head)
+        logits = self.tp.gather_last_dim(local)
         if logits is None or logits.shape[-1] == self.config.vocab_size:
             return logits
         return logits[:, : self.config.vocab_size].contiguous()

@@ -1,9 +1,12 @@
 """The tensor-parallel group of one executor and how a model's heads split over it.
 
 Rank 0 is the gRPC server process; ranks 1..N-1 are its worker processes. Every rank joins one
-``torch.distributed`` group: gloo on the CPU, NCCL on CUDA (one device per rank). Steps are
-broadcast over a gloo group in every case (``cpu_group``), so a worker waiting for the next step
-sleeps in a socket read instead of spinning on a device stream.
+``torch.distributed`` group: gloo on the CPU, NCCL on CUDA (one device per rank). On the CPU the
+ranks, all on one host, also map one shared memory segment (``parallel/shm.py``) and each is
+pinned to its own cores: the model's collectives and the step broadcast then go through it, one
+ctypes call each; gloo is the fallback (no segment, ``LLMSERVE_TP_SHM=0``). On CUDA steps are
+broadcast over a gloo group (``cpu_group``), so a worker waiting for the next step sleeps in a
+socket read instead of spinning on a device stream.
 """
 
 from __future__ import annotations
@@ -12,8 +15,14 @@ import datetime
 import time
 from dataclasses import dataclass
 
+import structlog
 import torch
 import torch.distributed as dist
+
+from executor_svc.config import envs
+from executor_svc.parallel.shm import ShmComm, pin_rank
+
+log = structlog.get_logger(__name__)
 
 # Workers wait for the next step inside a broadcast for as long as the executor is idle, so
 # the group's timeout must outlast any idle period; a dead peer is noticed by the watchdogs
@@ -83,7 +92,9 @@ class TPGroup:
     logits gather) on this rank; on CUDA it only measures launch, NCCL being asynchronous.
     """
 
-    def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(
+        self, rank: int, world_size: int, device: torch.device, shm: ShmComm | None = None
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -94,6 +105,7 @@ class TPGroup:
         )
         self.comm_seconds = 0.0
         self.num_collectives = 0
+        self.shm = shm  # the one-host shared memory path (CPU), None: torch.distributed
 
     @property
     def is_first(self) -> bool:
@@ -102,7 +114,8 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place."""
         t0 = time.perf_counter()
-        dist.all_reduce(x)
+        if self.shm is None or not self.shm.all_reduce(x):
+            dist.all_reduce(x)
         self.comm_seconds += time.perf_counter() - t0
         self.num_collectives += 1
         return x
@@ -110,11 +123,19 @@ class TPGroup:
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's ``x`` concatenated along the last dimension, on rank 0 only."""
         t0 = time.perf_counter()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_first else None
-        dist.gather(x.contiguous(), parts, dst=0)
+        x = x.contiguous()
+        out = None
+        if self.is_first:
+            out = x.new_empty(*x.shape[:-1], x.shape[-1] * self.world_size)
+        if self.shm is None or not self.shm.gather_last_dim(x, out):
+            parts = (
+                [torch.empty_like(x) for _ in range(self.world_size)] if out is not None else None
+            )
+            dist.gather(x, parts, dst=0)
+            out = torch.cat(parts, dim=-1) if parts is not None else None
         self.comm_seconds += time.perf_counter() - t0
         self.num_collectives += 1
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        return out
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's ``value`` (each rank gets the same answer)."""
@@ -123,8 +144,12 @@ class TPGroup:
         return int(t.item())
 
     def broadcast_host(self, t: torch.Tensor) -> None:
-        """Rank 0's CPU tensor into every rank's ``t`` (same shape and dtype everywhere)."""
-        dist.broadcast(t, src=0, group=self.cpu_group)
+        """Rank 0's CPU tensor into every rank's ``t`` (same shape and dtype everywhere).
+
+        Over shared memory it waits with no timeout: a worker idles here between steps (in
+        short sleeps), and a dead rank is still noticed by its pid."""
+        if self.shm is None or not self.shm.broadcast(t, timeout_s=0.0):
+            dist.broadcast(t, src=0, group=self.cpu_group)
 
 
 def init_group(store: dist.Store, rank: int, world_size: int, device: torch.device) -> TPGroup:
@@ -135,7 +160,17 @@ def init_group(store: dist.Store, rank: int, world_size: int, device: torch.devi
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
     )
-    return TPGroup(rank, world_size, device)
+    shm = None
+    if device.type == "cpu" and world_size > 1:
+        if envs.tp_pin():
+            cores = pin_rank(rank, world_size)
+            if cores is not None and torch.get_num_threads() > len(cores):
+                torch.set_num_threads(len(cores))
+            log.info("tp.pinned", rank=rank, cores=cores, threads=torch.get_num_threads())
+        if envs.tp_shm():
+            shm = ShmComm.connect(store, rank, world_size, dist.group.WORLD)
+        log.info("tp.collectives", rank=rank, path="shm" if shm is not None else "gloo")
+    return TPGroup(rank, world_size, device, shm)
 
 
 def close_group() -> None:

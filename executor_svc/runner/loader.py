@@ -239,9 +239,11 @@ def load_model(
 
             log.info("quantized", scheme=quantization, matrices=quantize_model(model, quantization))
     model.eval().requires_grad_(False)
-    # Not under tensor parallelism yet: its layers and lm_head use matmul_io on the plain
-    # weights, which with step-invariant numerics runs the same kernel unpacked (same bits).
-    if tp is None and dev.type == "cpu" and torch_dtype in (torch.float32, torch.bfloat16):
+    # fp32 tensor-parallel shards too (issue 28): packed or plain, the kernel gives the same
+    # bits. bf16 shards stay plain (torch's matmul) for now.
+    if dev.type == "cpu" and (
+        torch_dtype == torch.float32 or (tp is None and torch_dtype == torch.bfloat16)
+    ):
         model.prepack_weights()
 
     info = ModelInfo(
