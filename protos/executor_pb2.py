@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/executor.proto\x12\x14llmserve.executor.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xef\x02\n\x10\x44\x65scribeResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x11num_device_blocks\x18\x07 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\x12\x19\n\x11\x61ttention_backend\x18\x0c \x01(\t\x12\x14\n\x0cmax_logprobs\x18\r \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x0e \x01(\r\x12\x10\n\x08\x64raining\x18\x0f \x01(\x08\x12\x13\n\x0bhidden_size\x18\x10 \x01(\r\"\x8c\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0cnum_logprobs\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12!\n\x19min_tokens_suppressed_ids\x18\x0b \x03(\r\x12G\n\nlogit_bias\x18\x0c \x03(\x0b\x32\x33.llmserve.executor.v1.SamplingParams.LogitBiasEntry\x12 \n\x13num_prompt_logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x13\n\x0bprompt_only\x18\x0e \x01(\x08\x12\x34\n\x07pooling\x18\x0f \x01(\x0b\x32#.llmserve.executor.v1.PoolingParams\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x16\n\x14_num_prompt_logprobs\"g\n\rPoolingParams\x12/\n\x04type\x18\x01 \x01(\x0e\x32!.llmserve.executor.v1.PoolingType\x12\x11\n\tnormalize\x18\x02 \x01(\x08\x12\x12\n\ndimensions\x18\x03 \x01(\r\"\xda\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12=\n\x0fsampling_params\x18\x04 \x01(\x0b\x32$.llmserve.executor.v1.SamplingParams\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\";\n\x10\x42lockReplacement\x12\x15\n\rlogical_index\x18\x01 \x01(\r\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\"\xca\x01\n\x0e\x43\x61\x63hedSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12?\n\x0freplaced_blocks\x18\x06 \x03(\x0b\x32&.llmserve.executor.v1.BlockReplacement\"(\n\x0c\x42lockMapping\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xaa\x04\n\x13\x45xecuteModelRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x38\n\rnew_sequences\x18\x02 \x03(\x0b\x32!.llmserve.executor.v1.NewSequence\x12>\n\x10\x63\x61\x63hed_sequences\x18\x03 \x03(\x0b\x32$.llmserve.executor.v1.CachedSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\t\x12>\n\x12\x62locks_to_swap_out\x18\x05 \x03(\x0b\x32\".llmserve.executor.v1.BlockMapping\x12=\n\x11\x62locks_to_swap_in\x18\x06 \x03(\x0b\x32\".llmserve.executor.v1.BlockMapping\x12:\n\x0e\x62locks_to_copy\x18\x07 \x03(\x0b\x32\".llmserve.executor.v1.BlockMapping\x12\x16\n\x0e\x64\x65\x63ode_seq_ids\x18\x08 \x03(\t\x12\"\n\x1a\x64\x65\x63ode_num_computed_tokens\x18\t \x03(\r\x12\x13\n\x0binstance_id\x18\n \x01(\t\x12\x14\n\x0cleader_epoch\x18\x0b \x01(\x04\x12\x15\n\rafter_step_id\x18\x0c \x01(\x04\x12\x35\n\x0btoken_masks\x18\r \x01(\x0b\x32 .llmserve.executor.v1.TokenMasks\"D\n\nTokenMasks\x12\x15\n\rseq_positions\x18\x01 \x03(\r\x12\x11\n\trow_index\x18\x02 \x03(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"{\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x38\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\".llmserve.executor.v1.TokenLogprob\"s\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12\x39\n\x07\x65ntries\x18\x03 \x03(\x0b\x32(.llmserve.executor.v1.PromptTokenLogprob\"_\n\x12PromptTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x38\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\".llmserve.executor.v1.TokenLogprob\"\xad\x02\n\x14\x45xecuteModelResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x33\n\x07sampled\x18\x02 \x03(\x0b\x32\".llmserve.executor.v1.SampledToken\x12\x17\n\x0f\x65xecute_time_us\x18\x03 \x01(\x04\x12\x18\n\x10\x64\x65\x63ode_token_ids\x18\x04 \x03(\r\x12\x17\n\x0f\x64\x65\x63ode_logprobs\x18\x05 \x03(\x02\x12=\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32$.llmserve.executor.v1.PromptLogprobs\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x32\n\x06pooled\x18\x08 \x03(\x0b\x32\".llmserve.executor.v1.PooledOutput\",\n\x0cPooledOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x15\n\x13GetTokenizerRequest\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"c\n\x14GetTokenizerResponse\x12\x32\n\x05\x66iles\x18\x01 \x03(\x0b\x32#.llmserve.executor.v1.TokenizerFile\x12\x17\n\x0ftokenizer_class\x18\x02 \x01(\t\"$\n\x0cResetRequest\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x04\"$\n\rResetResponse\x12\x13\n\x0bnum_dropped\x18\x01 \x01(\r*Y\n\x0bPoolingType\x12\x1c\n\x18POOLING_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11POOLING_TYPE_LAST\x10\x01\x12\x15\n\x11POOLING_TYPE_MEAN\x10\x02\x32\x85\x03\n\x08\x45xecutor\x12Y\n\x08\x44\x65scribe\x12%.llmserve.executor.v1.DescribeRequest\x1a&.llmserve.executor.v1.DescribeResponse\x12\x65\n\x0c\x45xecuteModel\x12).llmserve.executor.v1.ExecuteModelRequest\x1a*.llmserve.executor.v1.ExecuteModelResponse\x12\x65\n\x0cGetTokenizer\x12).llmserve.executor.v1.GetTokenizerRequest\x1a*.llmserve.executor.v1.GetTokenizerResponse\x12P\n\x05Reset\x12\".llmserve.executor.v1.ResetRequest\x1a#.llmserve.executor.v1.ResetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/executor.proto\x12\x14llmserve.executor.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xef\x02\n\x10\x44\x65scribeResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x11num_device_blocks\x18\x07 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\x12\x19\n\x11\x61ttention_backend\x18\x0c \x01(\t\x12\x14\n\x0cmax_logprobs\x18\r \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x0e \x01(\r\x12\x10\n\x08\x64raining\x18\x0f \x01(\x08\x12\x13\n\x0bhidden_size\x18\x10 \x01(\r\"\x8c\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0cnum_logprobs\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12!\n\x19min_tokens_suppressed_ids\x18\x0b \x03(\r\x12G\n\nlogit_bias\x18\x0c \x03(\x0b\x32\x33.llmserve.executor.v1.SamplingParams.LogitBiasEntry\x12 \n\x13num_prompt_logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x13\n\x0bprompt_only\x18\x0e \x01(\x08\x12\x34\n\x07pooling\x18\x0f \x01(\x0b\x32#.llmserve.executor.v1.PoolingParams\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x16\n\x14_num_prompt_logprobs\"g\n\rPoolingParams\x12/\n\x04type\x18\x01 \x01(\x0e\x32!.llmserve.executor.v1.PoolingType\x12\x11\n\tnormalize\x18\x02 \x01(\x08\x12\x12\n\ndimensions\x18\x03 \x01(\r\"\xda\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12=\n\x0fsampling_params\x18\x04 \x01(\x0b\x32$.llmserve.executor.v1.SamplingParams\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\";\n\x10\x42lockReplacement\x12\x15\n\rlogical_index\x18\x01 \x01(\r\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\"\xe2\x01\n\x0e\x43\x61\x63hedSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12?\n\x0freplaced_blocks\x18\x06 \x03(\x0b\x32&.llmserve.executor.v1.BlockReplacement\x12\x16\n\x0espec_token_ids\x18\x10 \x03(\r\"(\n\x0c\x42lockMapping\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xaa\x04\n\x13\x45xecuteModelRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x38\n\rnew_sequences\x18\x02 \x03(\x0b\x32!.llmserve.executor.v1.NewSequence\x12>\n\x10\x63\x61\x63hed_sequences\x18\x03 \x03(\x0b\x32$.llmserve.executor.v1.CachedSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\t\x12>\n\x12\x62locks_to_swap_out\x18\x05 \x03(\x0b\x32\".llmserve.executor.v1.BlockMapping\x12=\n\x11\x62locks_to_swap_in\x18\x06 \x03(\x0b\x32\".llmserve.executor.v1.BlockMapping\x12:\n\x0e\x62locks_to_copy\x18\x07 \x03(\x0b\x32\".llmserve.executor.v1.BlockMapping\x12\x16\n\x0e\x64\x65\x63ode_seq_ids\x18\x08 \x03(\t\x12\"\n\x1a\x64\x65\x63ode_num_computed_tokens\x18\t \x03(\r\x12\x13\n\x0binstance_id\x18\n \x01(\t\x12\x14\n\x0cleader_epoch\x18\x0b \x01(\x04\x12\x15\n\rafter_step_id\x18\x0c \x01(\x04\x12\x35\n\x0btoken_masks\x18\r \x01(\x0b\x32 .llmserve.executor.v1.TokenMasks\"D\n\nTokenMasks\x12\x15\n\rseq_positions\x18\x01 \x03(\r\x12\x11\n\trow_index\x18\x02 \x03(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xb5\x01\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x38\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\".llmserve.executor.v1.TokenLogprob\x12\x38\n\x0cspec_sampled\x18\x0e \x03(\x0b\x32\".llmserve.executor.v1.SampledToken\"s\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12\x39\n\x07\x65ntries\x18\x03 \x03(\x0b\x32(.llmserve.executor.v1.PromptTokenLogprob\"_\n\x12PromptTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x38\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\".llmserve.executor.v1.TokenLogprob\"\xad\x02\n\x14\x45xecuteModelResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x33\n\x07sampled\x18\x02 \x03(\x0b\x32\".llmserve.executor.v1.SampledToken\x12\x17\n\x0f\x65xecute_time_us\x18\x03 \x01(\x04\x12\x18\n\x10\x64\x65\x63ode_token_ids\x18\x04 \x03(\r\x12\x17\n\x0f\x64\x65\x63ode_logprobs\x18\x05 \x03(\x02\x12=\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32$.llmserve.executor.v1.PromptLogprobs\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x32\n\x06pooled\x18\x08 \x03(\x0b\x32\".llmserve.executor.v1.PooledOutput\",\n\x0cPooledOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x15\n\x13GetTokenizerRequest\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"c\n\x14GetTokenizerResponse\x12\x32\n\x05\x66iles\x18\x01 \x03(\x0b\x32#.llmserve.executor.v1.TokenizerFile\x12\x17\n\x0ftokenizer_class\x18\x02 \x01(\t\"$\n\x0cResetRequest\x12\x14\n\x0cleader_epoch\x18\x01 \x01(\x04\"$\n\rResetResponse\x12\x13\n\x0bnum_dropped\x18\x01 \x01(\r*Y\n\x0bPoolingType\x12\x1c\n\x18POOLING_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11POOLING_TYPE_LAST\x10\x01\x12\x15\n\x11POOLING_TYPE_MEAN\x10\x02\x32\x85\x03\n\x08\x45xecutor\x12Y\n\x08\x44\x65scribe\x12%.llmserve.executor.v1.DescribeRequest\x1a&.llmserve.executor.v1.DescribeResponse\x12\x65\n\x0c\x45xecuteModel\x12).llmserve.executor.v1.ExecuteModelRequest\x1a*.llmserve.executor.v1.ExecuteModelResponse\x12\x65\n\x0cGetTokenizer\x12).llmserve.executor.v1.GetTokenizerRequest\x1a*.llmserve.executor.v1.GetTokenizerResponse\x12P\n\x05Reset\x12\".llmserve.executor.v1.ResetRequest\x1a#.llmserve.executor.v1.ResetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_POOLINGTYPE']._serialized_start=3212
-  _globals['_POOLINGTYPE']._serialized_end=3301
+  _globals['_POOLINGTYPE']._serialized_start=3295
+  _globals['_POOLINGTYPE']._serialized_end=3384
   _globals['_DESCRIBEREQUEST']._serialized_start=47
   _globals['_DESCRIBEREQUEST']._serialized_end=64
   _globals['_DESCRIBERESPONSE']._serialized_start=67
@@ -50,35 +50,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOCKREPLACEMENT']._serialized_start=1289
   _globals['_BLOCKREPLACEMENT']._serialized_end=1348
   _globals['_CACHEDSEQUENCE']._serialized_start=1351
-  _globals['_CACHEDSEQUENCE']._serialized_end=1553
-  _globals['_BLOCKMAPPING']._serialized_start=1555
-  _globals['_BLOCKMAPPING']._serialized_end=1595
-  _globals['_EXECUTEMODELREQUEST']._serialized_start=1598
-  _globals['_EXECUTEMODELREQUEST']._serialized_end=2152
-  _globals['_TOKENMASKS']._serialized_start=2154
-  _globals['_TOKENMASKS']._serialized_end=2222
-  _globals['_TOKENLOGPROB']._serialized_start=2224
-  _globals['_TOKENLOGPROB']._serialized_end=2273
-  _globals['_SAMPLEDTOKEN']._serialized_start=2275
-  _globals['_SAMPLEDTOKEN']._serialized_end=2398
-  _globals['_PROMPTLOGPROBS']._serialized_start=2400
-  _globals['_PROMPTLOGPROBS']._serialized_end=2515
-  _globals['_PROMPTTOKENLOGPROB']._serialized_start=2517
-  _globals['_PROMPTTOKENLOGPROB']._serialized_end=2612
-  _globals['_EXECUTEMODELRESPONSE']._serialized_start=2615
-  _globals['_EXECUTEMODELRESPONSE']._serialized_end=2916
-  _globals['_POOLEDOUTPUT']._serialized_start=2918
-  _globals['_POOLEDOUTPUT']._serialized_end=2962
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=2964
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=2985
-  _globals['_TOKENIZERFILE']._serialized_start=2987
-  _globals['_TOKENIZERFILE']._serialized_end=3033
-  _globals['_GETTOKENIZERRESPONSE']._serialized_start=3035
-  _globals['_GETTOKENIZERRESPONSE']._serialized_end=3134
-  _globals['_RESETREQUEST']._serialized_start=3136
-  _globals['_RESETREQUEST']._serialized_end=3172
-  _globals['_RESETRESPONSE']._serialized_start=3174
-  _globals['_RESETRESPONSE']._serialized_end=3210
-  _globals['_EXECUTOR']._serialized_start=3304
-  _globals['_EXECUTOR']._serialized_end=3693
+  _globals['_CACHEDSEQUENCE']._serialized_end=1577
+  _globals['_BLOCKMAPPING']._serialized_start=1579
+  _globals['_BLOCKMAPPING']._serialized_end=1619
+  _globals['_EXECUTEMODELREQUEST']._serialized_start=1622
+  _globals['_EXECUTEMODELREQUEST']._serialized_end=2176
+  _globals['_TOKENMASKS']._serialized_start=2178
+  _globals['_TOKENMASKS']._serialized_end=2246
+  _globals['_TOKENLOGPROB']._serialized_start=2248
+  _globals['_TOKENLOGPROB']._serialized_end=2297
+  _globals['_SAMPLEDTOKEN']._serialized_start=2300
+  _globals['_SAMPLEDTOKEN']._serialized_end=2481
+  _globals['_PROMPTLOGPROBS']._serialized_start=2483
+  _globals['_PROMPTLOGPROBS']._serialized_end=2598
+  _globals['_PROMPTTOKENLOGPROB']._serialized_start=2600
+  _globals['_PROMPTTOKENLOGPROB']._serialized_end=2695
+  _globals['_EXECUTEMODELRESPONSE']._serialized_start=2698
+  _globals['_EXECUTEMODELRESPONSE']._serialized_end=2999
+  _globals['_POOLEDOUTPUT']._serialized_start=3001
+  _globals['_POOLEDOUTPUT']._serialized_end=3045
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=3047
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=3068
+  _globals['_TOKENIZERFILE']._serialized_start=3070
+  _globals['_TOKENIZERFILE']._serialized_end=3116
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=3118
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=3217
+  _globals['_RESETREQUEST']._serialized_start=3219
+  _globals['_RESETREQUEST']._serialized_end=3255
+  _globals['_RESETRESPONSE']._serialized_start=3257
+  _globals['_RESETRESPONSE']._serialized_end=3293
+  _globals['_EXECUTOR']._serialized_start=3387
+  _globals['_EXECUTOR']._serialized_end=3776
 # @@protoc_insertion_point(module_scope)

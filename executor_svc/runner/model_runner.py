@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from executor_svc.attention import AttentionMetadata, get_attention_backend
+from executor_svc.runner import spec_verify
 from executor_svc.runner.batch import BatchInputs
 from executor_svc.runner.kv_cache import (
     GIB,
@@ -54,6 +55,9 @@ class ScheduledSequence:
     # Structured output: this step's allowed tokens as packed uint32 words (runner/token_mask.py),
     # None when unconstrained.
     token_mask: np.ndarray | None = None
+    # Speculative decoding: the proposals at the end of token_ids, verified this step
+    # (runner/spec_verify.py); empty otherwise.
+    spec_token_ids: list[int] | tuple[()] = ()
     # A token is sampled iff num_computed_tokens + num_scheduled_tokens == len(token_ids), and
     # never for a prompt-only sequence (sampling_params.prompt_only).
 
@@ -64,6 +68,8 @@ class SampleResult:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]]  # most likely first, len == num_logprobs
+    # Speculative decoding: the draw after each proposal (runner/spec_verify.py), else None.
+    spec: list[SampleResult] | None = None
 
 
 @dataclass(slots=True)
@@ -199,7 +205,11 @@ class ModelRunner:
         phases["forward"] += t2 - t1
         if not sample_idx:
             return []
-        results = self._sample([seqs[i] for i in sample_idx], logits)
+        if any(s.spec_token_ids for s in seqs):  # every position of a proposal run samples
+            rows = self._sample(spec_verify.row_views(seqs, sample_idx), logits)
+            results = spec_verify.group_results(rows, sample_idx)
+        else:
+            results = self._sample([seqs[i] for i in sample_idx], logits)
         phases["sampling"] += time.perf_counter() - t2
         return results
 
@@ -348,6 +358,10 @@ class ModelRunner:
             and not (s.sampling_params is not None and s.sampling_params.prompt_only)
         ]
         sample_rows = query_start_loc[1:].long()[sample_seq_indices] - 1
+        if any(s.spec_token_ids for s in seqs):
+            sample_seq_indices, sample_rows = spec_verify.sample_rows(
+                seqs, sample_seq_indices, query_start_loc
+            )
 
         dev = self.device if device is None else device
         md = AttentionMetadata(

@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.core.spec_decode import SpeculativeConfig
 
 __all__ = [
     "MAX_REQUEST_ID_LEN",
@@ -67,6 +68,9 @@ class EngineConfig:
     # Plan and send the next decode step while the executor runs the current one (see
     # core/ahead.py): the executor never waits for the scheduler between decode steps.
     async_scheduling: bool = True
+    # Speculative decoding (core/spec_decode.py: n-gram proposals verified in one step; output
+    # unchanged); None: off. Planning ahead is skipped while a request may speculate.
+    speculative: SpeculativeConfig | None = None
     # An executor unreachable this long hands its requests to the live ones (recomputed there).
     executor_failover_s: float = 10.0
     # Also serve executors that register themselves in Redis (llmserve-executor --redis-url),
