@@ -266,6 +266,9 @@ class ServerInfo:
     routing: str = ""
     tasks: list[str] = field(default_factory=list)  # "generate", "embed"
     hidden_size: int = 0  # an embedding's length without `dimensions`
+    # Speculative decoding: accepted / proposed tokens so far, and k (0: off).
+    spec_decode_acceptance_rate: float = 0.0
+    num_speculative_tokens: int = 0
 
     @classmethod
     def from_proto(cls, msg: pb.GetServerInfoResponse) -> ServerInfo:
@@ -298,6 +301,8 @@ class ServerInfo:
             ],
             routing=msg.routing,
             tasks=list(msg.tasks),
+            spec_decode_acceptance_rate=msg.spec_decode_acceptance_rate,
+            num_speculative_tokens=msg.num_speculative_tokens,
             hidden_size=msg.hidden_size,
         )
 

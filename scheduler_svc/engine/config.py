@@ -160,3 +160,8 @@ class ServerInfo:
     # into embeddings (as vLLM's pooling runner does for decoder checkpoints).
     tasks: list[str] = field(default_factory=lambda: ["generate", "embed"])
     hidden_size: int = 0  # the size of an embedding (engine/embeds.py)
+    # Speculative decoding (core/spec_decode.py), summed over executors; zeros when off.
+    spec_decode_acceptance_rate: float = 0.0
+    num_speculative_tokens: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0

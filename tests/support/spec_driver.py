@@ -7,6 +7,7 @@ after every step, and at the end every block must be free.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from executor_svc.api.service import ExecutorServicer
@@ -27,6 +28,10 @@ class Run:
     accepted: int = 0  # proposals accepted
     proposed: int = 0
     preemptions: int = 0
+    # Steps in which every scheduled sequence decodes (plus proposals): their wall time and the
+    # tokens they produced (what ms/token of a benchmark counts).
+    decode_s: float = 0.0
+    decode_tokens: int = 0
 
 
 def run_requests(
@@ -41,6 +46,7 @@ def run_requests(
     enable_prefix_caching: bool = True,
     preemption_mode: str = "recompute",
     num_cpu_blocks: int = 0,
+    check: bool = True,
 ) -> Run:
     servicer = ExecutorServicer(runner)
     sched = Scheduler(
@@ -64,7 +70,12 @@ def run_requests(
     run = Run({})
     logprobs: dict[str, list[float]] = {r: [] for r in reqs}
     while sched.num_unfinished:
+        t0 = time.perf_counter()
         out = sched.schedule()
+        decoding = (
+            all(n - len(out.spec_token_ids.get(seq.seq_id, ())) == 1 for seq, n in out.scheduled)
+            and not out.new_seqs
+        )
         assert not out.is_empty, "a step with unfinished requests scheduled nothing"
         resp = servicer._execute(execute_request(out, out.step_id))
         run.steps += 1
@@ -72,7 +83,9 @@ def run_requests(
         tokens.update({s.seq_id: s.token_id for s in resp.sampled})
         by_id = {s.seq_id: s for s in resp.sampled}
         drawn = {s.seq_id: [x.token_id for x in s.spec_sampled] for s in resp.sampled}
+        produced = 0
         for seq in sched.update_from_output(out, tokens, drawn):
+            produced += out.spec_num_accepted.get(seq.seq_id, 0) + 1
             req = reqs[seq.req_id]
             p = req.sampling_params
             n = out.spec_num_accepted.get(seq.seq_id, 0) + 1
@@ -94,7 +107,11 @@ def run_requests(
                     del seq.token_ids[start + j + 1 :]
                     sched.finish_sequence(seq.seq_id, status)
                     break
-        sched.check_invariants()
+        if decoding:
+            run.decode_s += time.perf_counter() - t0
+            run.decode_tokens += produced
+        if check:
+            sched.check_invariants()
     run.preemptions = sched.num_preemptions
     for req in reqs.values():
         run.outputs[req.req_id] = [list(s.output_token_ids) for s in req.seqs]
