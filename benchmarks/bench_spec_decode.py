@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from executor_svc.config.logs import configure_logging  # noqa: E402
 from executor_svc.runner.model_runner import ModelRunner  # noqa: E402
 from scheduler_svc.core.sampling_params import SamplingParams  # noqa: E402
 from scheduler_svc.core.spec_decode import SpeculativeConfig  # noqa: E402
@@ -145,6 +146,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="grounded,random")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    configure_logging("warning")
     from transformers import AutoTokenizer
 
     model_dir = ensure_smollm2()

@@ -143,7 +143,7 @@ class SpecDecoder:
         room = min(
             self.config.num_speculative_tokens,
             req.sampling_params.max_tokens - seq.num_output_tokens - 1,
-            max_len - len(tokens),
+            max_len - len(tokens) - 1,  # the accepted run never passes max_model_len
             budget - 1,
         )
         if room <= 0:
