@@ -15,13 +15,16 @@ The runner calls ``sample_rows`` (which rows of the forward are sampled) and ``r
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from executor_svc.runner.model_runner import SampleResult, ScheduledSequence
+# model_runner's ScheduledSequence and SampleResult (it imports this module, so they are not
+# named here: no import circle, even for type checkers).
+ScheduledSequence = Any
+SampleResult = Any
 
 __all__ = ["accept", "blocks_to_keep", "group_results", "row_views", "sample_rows"]
 
@@ -47,8 +50,6 @@ def row_views(
     """One sequence per sampled row, seen as the non-speculative path sees it at that row: the
     known tokens and the proposals before the row (the sampler reads the output's length as
     the seeded position and, for penalties, the output itself)."""
-    from executor_svc.runner.model_runner import ScheduledSequence
-
     views: list[ScheduledSequence] = []
     prev = -1
     j = 0
@@ -62,14 +63,8 @@ def row_views(
             continue
         # s.token_ids holds the known tokens and then the k proposals.
         views.append(
-            ScheduledSequence(
-                seq_id=s.seq_id,
-                token_ids=s.token_ids[: len(s.token_ids) - k + j],
-                num_prompt_tokens=s.num_prompt_tokens,
-                block_table=s.block_table,
-                num_computed_tokens=s.num_computed_tokens,
-                num_scheduled_tokens=s.num_scheduled_tokens,
-                sampling_params=s.sampling_params,
+            dataclasses.replace(
+                s, token_ids=s.token_ids[: len(s.token_ids) - k + j], spec_token_ids=()
             )
         )
     return views

