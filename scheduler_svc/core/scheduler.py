@@ -98,7 +98,8 @@ class Scheduler(SchedulerState):
         if len(self._in_flight) != 1 or len(self._swapped):
             return None
         spec = self.spec
-        if spec is not None and any(spec.eligible(r) for r in self._running):
+        running = self._running
+        if spec is not None and spec.active(len(running)) and any(map(spec.eligible, running)):
             return None  # a speculating sequence's next step depends on what is accepted
         out = plan_ahead(
             self._in_flight[0],
@@ -130,6 +131,7 @@ class Scheduler(SchedulerState):
         max_len = self.config.max_model_len
         tokens, num_seqs = step.tokens, step.num_seqs
         i, end = 0, len(running)
+        spec = self.spec if self.spec is not None and self.spec.active(end) else None
         while i < end:
             req = running[i]
             i += 1
@@ -141,7 +143,7 @@ class Scheduler(SchedulerState):
                     num_seqs += 1
                     continue
                 if (
-                    self.spec is not None
+                    spec is not None
                     and seq.sent
                     and (k := self._schedule_spec(req, seq, tokens, out))
                 ):

@@ -43,6 +43,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # k: proposals verified per step at most
     prompt_lookup_min: int = 1  # shortest suffix n-gram matched
     prompt_lookup_max: int = 4  # longest suffix n-gram matched (tried first)
+    # No proposals in a step that runs more requests than this (vLLM's name): on a CPU every
+    # extra query row costs compute (the LM head alone is vocab x hidden per row), so beyond a
+    # few sequences the verified rows cost more than the steps they save. 0: no limit.
+    disable_by_batch_size: int = 2
 
     def __post_init__(self) -> None:
         if self.method not in _METHODS:
@@ -51,6 +55,8 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be in [1, 64]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.disable_by_batch_size < 0:
+            raise ValueError("disable_by_batch_size must be >= 0")
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -125,6 +131,11 @@ class SpecDecoder:
         # (known tokens, at most k) -> proposals: the seam a draft-model proposer plugs into
         # (tests plug in an oracle to force acceptance patterns).
         self.proposer: Callable[[list[int], int], list[int]] = self._ngram
+
+    def active(self, num_running: int) -> bool:
+        """Whether a step running this many requests speculates at all."""
+        limit = self.config.disable_by_batch_size
+        return not limit or num_running <= limit
 
     def eligible(self, req: Request) -> bool:
         p = req.sampling_params

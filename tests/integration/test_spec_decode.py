@@ -25,7 +25,14 @@ from tests.support.stack import make_stack
 
 pytestmark = pytest.mark.integration
 
-SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+SPEC = json.dumps(
+    {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 3,
+        "disable_by_batch_size": 0,
+    }
+)
 MOTIF = [11, 42, 7, 99, 23, 5]
 PROMPTS = [MOTIF * 3, [5 + 3 * j for j in range(14)], MOTIF * 2 + [1, 2, 3] * 3, [8, 9] * 6]
 

@@ -21,7 +21,7 @@ from tests.support.spec_driver import Run, run_requests
 
 pytestmark = pytest.mark.unit
 
-SPEC = SpeculativeConfig(num_speculative_tokens=4)
+SPEC = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=0)
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +194,20 @@ def test_config_json() -> None:
     for bad in ('{"method": "eagle"}', '{"num_speculative_tokens": 0}', '{"k": 1}', "[1]", "x"):
         with pytest.raises(ValueError):
             SpeculativeConfig.from_json(bad)
+
+
+def test_disable_by_batch_size(runner: ModelRunner) -> None:
+    """Above the limit nothing is proposed; once few enough requests run, proposals resume."""
+    prompts = _prompts(runner.info.vocab_size)
+    reqs = [
+        (p, SamplingParams(temperature=0.0, max_tokens=6 + 10 * i)) for i, p in enumerate(prompts)
+    ]
+    off = run_requests(runner, reqs, None)
+    proposer = _oracle(off, prompts, 0.0, seed=0)
+    many = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=1)
+    alone = _with_proposer(lambda: run_requests(runner, reqs[:1], many), proposer)
+    assert alone.proposed > 0
+    together = _with_proposer(lambda: run_requests(runner, reqs, many), proposer)
+    assert together.outputs == off.outputs
+    # Only the last request, once the other two ended, speculated.
+    assert 0 < together.proposed <= 26 - 16

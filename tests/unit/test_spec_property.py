@@ -65,11 +65,14 @@ class SpecFakeExecutor(FakeExecutor):
 def run(cfg: dict, requests: list[dict], corrupt: float, seed: int, spec_on: bool) -> dict:
     cfg = dict(cfg)
     k = cfg.pop("k")
+    limit = cfg.pop("disable_by_batch_size")
     sched = Scheduler(
         SchedulerConfig(
             max_waiting=100,
             max_num_batched_tokens=cfg["max_num_seqs"] + 16,
-            speculative=SpeculativeConfig(num_speculative_tokens=k) if spec_on else None,
+            speculative=SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=limit)
+            if spec_on
+            else None,
             **cfg,
         )
     )
@@ -110,7 +113,10 @@ def run(cfg: dict, requests: list[dict], corrupt: float, seed: int, spec_on: boo
         raise AssertionError("livelock")
     sched.check_invariants()
     assert sched.num_free_blocks == cfg["num_device_blocks"]
-    return {rid: [s.output_token_ids for s in r.seqs] for rid, r in reqs.items()}
+    return {
+        rid: (r.status == RequestStatus.FINISHED_ERROR, [s.output_token_ids for s in r.seqs])
+        for rid, r in reqs.items()
+    }
 
 
 config_st = st.fixed_dictionaries(
@@ -123,6 +129,7 @@ config_st = st.fixed_dictionaries(
         "enable_prefix_caching": st.booleans(),
         "max_model_len": st.sampled_from([40, 16]),
         "k": st.integers(1, 5),
+        "disable_by_batch_size": st.sampled_from([0, 0, 2]),
     }
 )
 request_st = st.fixed_dictionaries(
@@ -145,4 +152,13 @@ def test_random_acceptance_patterns_keep_slots_consistent_and_outputs_unchanged(
     cfg, requests, corrupt, seed
 ):
     expected = run(cfg, requests, corrupt, seed, spec_on=False)
-    assert run(cfg, requests, corrupt, seed, spec_on=True) == expected
+    got = run(cfg, requests, corrupt, seed, spec_on=True)
+    for rid, (failed, outputs) in got.items():
+        failed_before, outputs_before = expected[rid]
+        if not (failed or failed_before):
+            assert outputs == outputs_before, rid
+        else:
+            # Ended for lack of room (that depends on timing): still never another token.
+            for a, b in zip(outputs, outputs_before, strict=True):
+                n = min(len(a), len(b))
+                assert a[:n] == b[:n], rid
