@@ -211,3 +211,31 @@ def test_disable_by_batch_size(runner: ModelRunner) -> None:
     assert together.outputs == off.outputs
     # Only the last request, once the other two ended, speculated.
     assert 0 < together.proposed <= 26 - 16
+
+
+def test_executor_refuses_malformed_proposals(runner: ModelRunner) -> None:
+    from executor_svc.api.service import ExecutorServicer
+    from executor_svc.api.validation import InvalidStep
+    from protos import executor_pb2 as epb
+
+    servicer = ExecutorServicer(runner)
+    new = epb.NewSequence(
+        seq_id="s", token_ids=[1, 2, 3], num_prompt_tokens=3, block_table=[0, 1],
+        num_computed_tokens=0, num_scheduled_tokens=3,
+    )  # fmt: skip
+    servicer._execute(epb.ExecuteModelRequest(step_id=1, new_sequences=[new]))
+    bad = {
+        "num_scheduled_tokens": dict(num_scheduled_tokens=2, spec_token_ids=[5, 6]),
+        "past the vocabulary": dict(num_scheduled_tokens=2, spec_token_ids=[100000]),
+        "block table": dict(num_scheduled_tokens=6, spec_token_ids=[5, 6, 7, 8, 9]),
+    }
+    for what, fields in bad.items():
+        c = epb.CachedSequence(seq_id="s", num_computed_tokens=3, **fields)
+        with pytest.raises(InvalidStep, match="spec_token_ids|block table"):
+            servicer._execute(epb.ExecuteModelRequest(step_id=2, cached_sequences=[c]))
+        assert servicer._seqs["s"].num_computed_tokens == 3, what  # nothing applied
+    # A well-formed one verifies and keeps the executor's state consistent.
+    c = epb.CachedSequence(seq_id="s", num_computed_tokens=3, num_scheduled_tokens=3,
+                           spec_token_ids=[5, 6])  # fmt: skip
+    resp = servicer._execute(epb.ExecuteModelRequest(step_id=3, cached_sequences=[c]))
+    assert len(resp.sampled) == 1 and len(resp.sampled[0].spec_sampled) == 2
