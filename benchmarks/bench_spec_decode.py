@@ -12,6 +12,8 @@ Workloads:
   edit it, summarise it), chat template applied; up to --max-tokens output tokens.
 * random: random token ids of the same length (n-gram proposals rarely match).
 
+cpu_* is the same with the process's CPU time instead of wall time: on a machine shared with other
+work (whose load moves the wall time by several times within minutes) it is the steadier figure.
 ms/token (per stream) is the wall time of the steps in which every sequence decodes (prefill
 steps left out: speculation does not touch them) times the streams, over the output tokens those
 steps produced; tokens/s is those tokens over that time, all streams together.
@@ -111,6 +113,7 @@ def timed(runner, prompts, max_tokens, spec, eos):
 def compare(runner, prompts, args, eos, spec) -> dict:
     """Alternate off/on; returns medians and the acceptance of 'on'."""
     res: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
     acc = [0, 0]
     num_out = 0
     for _ in range(args.repeats):
@@ -123,9 +126,14 @@ def compare(runner, prompts, args, eos, spec) -> dict:
                 acc[0] += run.accepted
                 acc[1] += run.proposed
             res[name].append(run.decode_s / max(run.decode_tokens, 1))
+            cpu[name].append(run.decode_cpu_s / max(run.decode_tokens, 1))
     off, on = statistics.median(res["off"]), statistics.median(res["on"])
+    cpu_off, cpu_on = statistics.median(cpu["off"]), statistics.median(cpu["on"])
     n = len(prompts)
     return {
+        "cpu_ms_per_token_off": round(cpu_off * 1e3 * n, 3),
+        "cpu_ms_per_token_on": round(cpu_on * 1e3 * n, 3),
+        "cpu_speedup": round(cpu_off / cpu_on, 3),
         "ms_per_token_off": round(off * 1e3 * n, 3),  # per stream
         "ms_per_token_on": round(on * 1e3 * n, 3),
         "tok_s_off": round(1 / off, 1),
