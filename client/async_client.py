@@ -17,7 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client import envs
 from client.embeddings import EmbeddingOutput, build_embed_request, embeddings_from_proto
 from client.errors import LLMServeError
-from client.outputs import RequestOutput, RequestState, ServerInfo, StreamDelta
+from client.outputs import (
+    LoraAdapterInfo,
+    RequestOutput,
+    RequestState,
+    ServerInfo,
+    StreamDelta,
+)
 from client.params import SamplingParams
 from client.progress import GenerateProgress
 from client.prompts import (
@@ -185,6 +191,15 @@ class AsyncLLMClient:
     async def server_info(self) -> ServerInfo:
         return ServerInfo.from_proto(await self._unary("GetServerInfo", pb.GetServerInfoRequest()))
 
+    async def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        """Register a LoRA adapter (a PEFT directory the executors can read) under `name`."""
+        req = pb.LoadLoraAdapterRequest(name=name, path=path)
+        a = (await self._unary("LoadLoraAdapter", req)).adapter
+        return LoraAdapterInfo(a.name, a.path, a.rank)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._unary("UnloadLoraAdapter", pb.UnloadLoraAdapterRequest(name=name))
+
     async def tokenize(self, prompt: Any) -> tuple[list[int], int]:
         """Token ids of a text or chat prompt as Generate would compute them, and the model's
         maximum length."""
@@ -274,10 +289,12 @@ class AsyncLLMClient:
         request_id: str | None = None,
         detached: bool = False,
         priority: int = 0,
+        lora_adapter: str = "",
     ) -> AsyncIterator[StreamDelta]:
         """Start (or attach to, when `request_id` is active) a request and yield its deltas.
 
         Leaving the iteration early aborts the request unless `detached` is set.
+        `lora_adapter`: the name of a loaded LoRA adapter ("" = the base model).
         """
         req = build_request(
             to_prompt(prompt),
@@ -285,6 +302,7 @@ class AsyncLLMClient:
             request_id=request_id,
             priority=priority,
             detached=detached,
+            lora_adapter=lora_adapter,
         )
         call = self._get_stub().Generate(req, timeout=self.stream_timeout)
         return self._iterate(call, request_id)
@@ -314,6 +332,7 @@ class AsyncLLMClient:
         use_tqdm: bool = True,
         request_id_prefix: str | None = None,
         priority: int | Sequence[int] = 0,
+        lora_adapter: str = "",
     ) -> list[RequestOutput]:
         """Submit every prompt at once (the server batches them continuously) and return one
         finished RequestOutput per prompt, in prompt order.
@@ -333,7 +352,11 @@ class AsyncLLMClient:
             request_id = f"{request_id_prefix}-{i}" if request_id_prefix else None
             out = RequestOutput.start(request_id or "", prompt_list[i], params_list[i].n)
             stream = self.stream(
-                prompt_list[i], params_list[i], request_id=request_id, priority=priorities[i]
+                prompt_list[i],
+                params_list[i],
+                request_id=request_id,
+                priority=priorities[i],
+                lora_adapter=lora_adapter,
             )
             async for delta in stream:
                 out.add(delta)

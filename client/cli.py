@@ -95,6 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 request_id=args.request_id,
                 detached=args.detached,
                 priority=args.priority,
+                lora_adapter=args.lora_adapter,
             )
             return _print_stream(deltas, params.n)
         if len(prompts) == 1:
@@ -102,7 +103,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             # it as a prefix, "<id>-<i>", which is what several prompts get).
             out = RequestOutput.start(args.request_id or "", prompts[0], params.n)
             for delta in client.stream(
-                prompts[0], params, request_id=args.request_id, priority=args.priority
+                prompts[0],
+                params,
+                request_id=args.request_id,
+                priority=args.priority,
+                lora_adapter=args.lora_adapter,
             ):
                 out.add(delta)
             outputs = [out]
@@ -113,6 +118,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 use_tqdm=not args.no_progress,
                 request_id_prefix=args.request_id,
                 priority=args.priority,
+                lora_adapter=args.lora_adapter,
             )
     if args.json:
         print(json.dumps([o.to_dict() for o in outputs], indent=2))
@@ -155,6 +161,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"executor {e.address} ({state}, instance {e.instance_id}): "
             f"{e.num_free_blocks}/{e.num_device_blocks} device blocks free, "
             f"{e.num_cpu_blocks} cpu blocks, prefix-cache hit rate {hits}"
+            + (f", {e.dtype}" if e.dtype else "")
+            + (f", cpu kernels {e.cpu_kernel_isa}" if e.cpu_kernel_isa else "")
         )
     return 0
 
@@ -215,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--choice", action="append", help="an allowed output (repeat for more)")
     gen.add_argument("--grammar", metavar="FILE", help="constrain to a Lark/GBNF grammar")
     gen.add_argument("--priority", type=int, default=0)
+    gen.add_argument("--lora-adapter", default="", help="a loaded LoRA adapter's name")
     gen.add_argument("--chat", action="store_true", help="send each prompt as a user message")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--request-id", default=None)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from client.embeddings import EmbeddingOutput
-from client.outputs import RequestOutput
+from client.outputs import LoraAdapterInfo, RequestOutput
 from client.params import SamplingParams
 from client.prompts import ChatPrompt
 from client.sync_client import LLMClient
@@ -132,10 +132,25 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: int | Sequence[int] = 0,
+        lora_adapter: str = "",
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order (strings, token-id lists or dicts as
-        vLLM takes them), with a progress bar of the batch's token rates."""
-        return self._client.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+        vLLM takes them), with a progress bar of the batch's token rates. `lora_adapter`: a
+        loaded LoRA adapter's name (``load_lora_adapter``, or the ``lora_modules`` the server
+        was started with); "" = the base model."""
+        return self._client.generate(
+            prompts,
+            sampling_params,
+            use_tqdm=use_tqdm,
+            priority=priority,
+            lora_adapter=lora_adapter,
+        )
+
+    def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        return self._client.load_lora_adapter(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._client.unload_lora_adapter(name)
 
     def chat(
         self,

@@ -246,6 +246,17 @@ class ExecutorInfo:
     prefix_cache_queries: int = 0  # prompt tokens looked up in its prefix cache
     prefix_cache_hits: int = 0  # of which found there
     draining: bool = False
+    dtype: str = ""  # its compute dtype ("float32", "bfloat16", ...)
+    cpu_kernel_isa: str = ""  # its CPU kernel variant ("avx512bf16", "avx512", "avx2"; "" = none)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapterInfo:
+    """A loaded LoRA adapter: the name requests select it by, its PEFT directory, its rank."""
+
+    name: str
+    path: str
+    rank: int
 
 
 @dataclass(slots=True)
@@ -269,6 +280,8 @@ class ServerInfo:
     # Speculative decoding: accepted / proposed tokens so far, and k (0: off).
     spec_decode_acceptance_rate: float = 0.0
     num_speculative_tokens: int = 0
+    lora_adapters: list[LoraAdapterInfo] = field(default_factory=list)
+    max_loras: int = 0  # distinct adapters per step; 0: the server serves no LoRA
 
     @classmethod
     def from_proto(cls, msg: pb.GetServerInfoResponse) -> ServerInfo:
@@ -296,6 +309,8 @@ class ServerInfo:
                     prefix_cache_queries=e.prefix_cache_queries,
                     prefix_cache_hits=e.prefix_cache_hits,
                     draining=e.draining,
+                    dtype=e.dtype,
+                    cpu_kernel_isa=e.cpu_kernel_isa,
                 )
                 for e in msg.executors
             ],
@@ -303,6 +318,8 @@ class ServerInfo:
             tasks=list(msg.tasks),
             spec_decode_acceptance_rate=msg.spec_decode_acceptance_rate,
             num_speculative_tokens=msg.num_speculative_tokens,
+            lora_adapters=[LoraAdapterInfo(a.name, a.path, a.rank) for a in msg.lora_adapters],
+            max_loras=msg.max_loras,
             hidden_size=msg.hidden_size,
         )
 

@@ -139,12 +139,14 @@ def build_request(
     request_id: str | None = None,
     priority: int = 0,
     detached: bool = False,
+    lora_adapter: str = "",
 ) -> pb.GenerateRequest:
     req = pb.GenerateRequest(
         request_id=request_id or "",
         params=params.to_proto(),
         priority=priority,
         detached=detached,
+        lora_adapter=lora_adapter,
     )
     if isinstance(prompt, str):
         req.text = prompt

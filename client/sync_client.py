@@ -14,7 +14,13 @@ from typing import Any, TypeVar
 
 from client.async_client import AsyncLLMClient
 from client.embeddings import EmbeddingOutput
-from client.outputs import RequestOutput, RequestState, ServerInfo, StreamDelta
+from client.outputs import (
+    LoraAdapterInfo,
+    RequestOutput,
+    RequestState,
+    ServerInfo,
+    StreamDelta,
+)
 from client.params import SamplingParams
 
 T = TypeVar("T")
@@ -87,6 +93,7 @@ class LLMClient:
         use_tqdm: bool = True,
         request_id_prefix: str | None = None,
         priority: int | Sequence[int] = 0,
+        lora_adapter: str = "",
     ) -> list[RequestOutput]:
         return self._run(
             self._async.generate(
@@ -95,8 +102,15 @@ class LLMClient:
                 use_tqdm=use_tqdm,
                 request_id_prefix=request_id_prefix,
                 priority=priority,
+                lora_adapter=lora_adapter,
             )
         )
+
+    def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        return self._run(self._async.load_lora_adapter(name, path))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._run(self._async.unload_lora_adapter(name))
 
     def embed(self, inputs: Any, **kwargs: Any) -> list[EmbeddingOutput]:
         """As AsyncLLMClient.embed (pooling, normalize, dimensions, priority)."""
@@ -123,11 +137,17 @@ class LLMClient:
         request_id: str | None = None,
         detached: bool = False,
         priority: int = 0,
+        lora_adapter: str = "",
     ) -> Iterator[StreamDelta]:
         async def start() -> AsyncIterator[StreamDelta]:
             # The gRPC call must be created on the client's loop.
             return self._async.stream(
-                prompt, params, request_id=request_id, detached=detached, priority=priority
+                prompt,
+                params,
+                request_id=request_id,
+                detached=detached,
+                priority=priority,
+                lora_adapter=lora_adapter,
             )
 
         return self._iterate(self._run(start()))

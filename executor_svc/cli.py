@@ -65,6 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"]
     )
     p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: seeded random weights of the checkpoint's shape, read from config.json "
+        "alone (benchmarks of model shapes without their weights)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run every step eagerly (no CUDA graphs for decode batches)",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -128,12 +140,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept only clients (schedulers) with a certificate this CA signed (mutual TLS)",
     )
     p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (the scheduler names each sequence's PEFT directory)",
+    )
+    p.add_argument("--max-loras", type=int, default=4, help="distinct adapters in one step")
+    p.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank")
+    p.add_argument(
+        "--max-cpu-loras", type=int, default=16, help="adapters kept loaded on the host (LRU)"
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         help="serve Prometheus metrics over HTTP at /metrics on this port (0: any free port; "
         "default: off)",
     )
     return p
+
+
+def _lora_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    if not args.enable_lora:
+        return {}
+    from executor_svc.lora.manager import LoraConfig
+
+    try:
+        return {"lora": LoraConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)}
+    except ValueError as e:
+        parser.error(f"--max-loras/--max-lora-rank/--max-cpu-loras: {e}")
 
 
 def _write_port_file(path: Path, port: int) -> None:
@@ -178,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:  # a container's cpuset without those cores
             parser.error(f"--cpu-cores: cannot run on {format_cpu_list(cores)}: {e}")
     configure_logging(args.log_level)
+    # Read by the runner through config.envs, as tensor-parallel workers (processes of their
+    # own) read them from the environment they inherit.
+    os.environ["LLMSERVE_LOAD_FORMAT"] = args.load_format
+    if args.enforce_eager:
+        os.environ["LLMSERVE_ENFORCE_EAGER"] = "1"
     if args.deterministic is not None:
         numerics.set_deterministic(args.deterministic)
         # Tensor-parallel workers are processes of their own: they read the environment.
@@ -202,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         tls=tls,
         tensor_parallel_size=args.tensor_parallel_size,
         log_level=args.log_level,
+        **_lora_kwargs(args, parser),
     )
     server.install_signal_handlers(args.grace, args.drain_timeout)
     if args.metrics_port is not None:
@@ -224,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmserve-executor: could not load {args.model}: {e}", file=sys.stderr)
         server.stop(0)
         return 1
-    log_numerics()
+    runner = server.servicer.loaded_runner
+    log_numerics(runner.device.type if runner is not None else "cpu")
     registration = None
     if args.redis_url:
         from executor_svc.api.registry import ExecutorRegistration
@@ -243,12 +283,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def log_numerics() -> None:
+def log_numerics(device_type: str = "cpu") -> None:
     """Say at start-up whether outputs are step-invariant here, and why not when they are not."""
     from executor_svc.kernels import library
 
     if not numerics.deterministic():
         log.info("executor.numerics", deterministic=False, note="--no-deterministic")
+    elif device_type == "cuda":
+        log.warning(
+            "executor.numerics",
+            deterministic=True,
+            step_invariant=False,
+            reason="CUDA: cuBLAS and the Triton attention's context split choose their "
+            "reduction order by the step's shape (measured: logits differ by ~1e-5 between "
+            "groupings); step invariance holds on the CPU executor only so far",
+        )
     elif not library.available():
         log.warning(
             "executor.numerics",

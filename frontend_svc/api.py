@@ -28,21 +28,27 @@ def _state(request: Request) -> FrontendState:
 async def models(request: Request):
     state = _state(request)
     name = await state.model_name()
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": name,
-                "object": "model",
-                "created": state.started,
-                "owned_by": "llmserve",
-                "root": name,
-                "max_model_len": await state.max_model_len(),
-                # What the model serves: "generate" and "embed" (/v1/embeddings).
-                "supported_tasks": (await state.info()).tasks or ["generate"],
-            }
-        ],
+    base = {
+        "id": name,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "llmserve",
+        "root": name,
+        "parent": None,
+        "max_model_len": await state.max_model_len(),
+        # What the model serves: "generate" and "embed" (/v1/embeddings).
+        "supported_tasks": (await state.info()).tasks or ["generate"],
     }
+    # LoRA adapters, as vLLM lists them: root = the adapter's directory, parent = the base.
+    try:
+        adapters = (await state.client.server_info()).lora_adapters
+    except LLMServeError as e:
+        raise APIError.from_llmserve(e) from None
+    loras = [
+        {**base, "id": a.name, "root": a.path, "parent": name, "supported_tasks": ["generate"]}
+        for a in adapters
+    ]
+    return {"object": "list", "data": [base, *loras]}
 
 
 @router.post("/tokenize")

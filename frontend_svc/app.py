@@ -18,6 +18,7 @@ from frontend_svc.chat_api import router as chat_router
 from frontend_svc.completions_api import router as completions_router
 from frontend_svc.embeddings import router as embeddings_router
 from frontend_svc.errors import APIError
+from frontend_svc.lora_api import router as lora_router
 from frontend_svc.metrics import HTTPMetrics
 from frontend_svc.responses_api import router as responses_router
 from frontend_svc.serving import ClientGone
@@ -80,6 +81,7 @@ def create_app(
     for r in (completions_router, chat_router, responses_router, router):
         app.include_router(r)
     app.include_router(embeddings_router)  # /v1/embeddings (frontend_svc/embeddings.py)
+    app.include_router(lora_router)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     # Starlette runs the middleware added last first: metrics see the 401s too.
     app.add_middleware(_ASGIMiddleware, wrap=api_key_asgi(keys))
     app.add_middleware(_ASGIMiddleware, wrap=metrics.asgi)

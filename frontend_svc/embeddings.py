@@ -66,7 +66,10 @@ def _encode(vec: list[float], encoding_format: str) -> list[float] | str:
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request):
     state: FrontendState = request.app.state.frontend
-    await state.check_model(body.model)
+    if await state.check_model(body.model):
+        raise bad_request(
+            "embeddings of a LoRA adapter are not supported; use the base model", "model"
+        )
     inputs = body.inputs()
     if body.dimensions is not None and body.dimensions < 1:
         raise bad_request(f"dimensions must be >= 1, got {body.dimensions}", "dimensions")

@@ -71,8 +71,10 @@ class ResilientStream:
         *,
         priority: int = 0,
         resume_timeout_s: float = 60.0,
+        lora_adapter: str = "",
     ) -> None:
         self.client = client
+        self.lora_adapter = lora_adapter
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -99,6 +101,7 @@ class ResilientStream:
                     request_id=self.request_id,
                     priority=self.priority,
                     detached=True,
+                    lora_adapter=self.lora_adapter,
                 )
             try:
                 async for delta in source:

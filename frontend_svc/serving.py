@@ -55,12 +55,19 @@ class Run:
         *,
         priority: int,
         resume_timeout_s: float,
+        lora_adapter: str = "",
     ) -> Run:
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         streams = [
             ResilientStream(
-                client, rid, p, params, priority=priority, resume_timeout_s=resume_timeout_s
-            )
+                client,
+                rid,
+                p,
+                params,
+                priority=priority,
+                resume_timeout_s=resume_timeout_s,
+                lora_adapter=lora_adapter,
+            )  # fmt: skip
             for rid, p in zip(ids, prompts, strict=True)
         ]
         return cls(client, streams)

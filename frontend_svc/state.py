@@ -76,10 +76,14 @@ class FrontendState:
     async def max_model_len(self) -> int:
         return (await self.info()).max_model_len
 
-    async def check_model(self, model: str | None) -> None:
+    async def check_model(self, model: str | None) -> str:
+        """The LoRA adapter a request's ``model`` names ("" for the base model); 404 for a
+        name that is neither."""
         info = await self.info()
         if model is None or model in (self.served_model_name, info.model):
-            return
+            return ""
+        if model in await self.lora_adapter_names():
+            return model
         raise APIError(
             404,
             f"The model `{model}` does not exist.",
@@ -87,6 +91,14 @@ class FrontendState:
             param="model",
             code="model_not_found",
         )
+
+    async def lora_adapter_names(self) -> set[str]:
+        """Adapters loaded now (read again each time: they are loaded and unloaded live)."""
+        try:
+            info = await retrying(self.client.server_info)
+        except LLMServeError as e:
+            raise APIError.from_llmserve(e) from None
+        return {a.name for a in info.lora_adapters}
 
     async def prompt_text(self, prompt: PromptInput) -> str:
         if isinstance(prompt, str):
@@ -129,6 +141,7 @@ class FrontendState:
         params: SamplingParams,
         priority: int,
         api_key: str | None = None,
+        lora_adapter: str = "",
     ) -> Run:
         return Run.start(
             self.client_for(api_key),
@@ -137,6 +150,7 @@ class FrontendState:
             params,
             priority=priority,
             resume_timeout_s=self.resume_timeout_s,
+            lora_adapter=lora_adapter,
         )
 
     async def close(self) -> None:

@@ -16,12 +16,26 @@ POOLING_TYPE_UNSPECIFIED: PoolingType
 POOLING_TYPE_LAST: PoolingType
 POOLING_TYPE_MEAN: PoolingType
 
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("rank",)
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    def __init__(self, rank: _Optional[int] = ...) -> None: ...
+
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("instance_id", "model_name", "architecture", "dtype", "device", "block_size", "num_device_blocks", "num_cpu_blocks", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "max_logprobs", "tensor_parallel_size", "draining", "hidden_size")
+    __slots__ = ("instance_id", "model_name", "architecture", "dtype", "device", "block_size", "num_device_blocks", "num_cpu_blocks", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "max_logprobs", "tensor_parallel_size", "draining", "hidden_size", "cpu_kernel_isa", "max_loras", "max_lora_rank")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +52,9 @@ class DescribeResponse(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CPU_KERNEL_ISA_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_name: str
     architecture: str
@@ -54,7 +71,10 @@ class DescribeResponse(_message.Message):
     tensor_parallel_size: int
     draining: bool
     hidden_size: int
-    def __init__(self, instance_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., draining: _Optional[bool] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    cpu_kernel_isa: str
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, instance_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., draining: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., cpu_kernel_isa: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "num_logprobs", "min_tokens", "min_tokens_suppressed_ids", "logit_bias", "num_prompt_logprobs", "prompt_only", "pooling")
@@ -108,7 +128,7 @@ class PoolingParams(_message.Message):
     def __init__(self, type: _Optional[_Union[PoolingType, str]] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "sampling_params", "block_table", "num_computed_tokens", "num_scheduled_tokens")
+    __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "sampling_params", "block_table", "num_computed_tokens", "num_scheduled_tokens", "lora_name", "lora_path")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +136,8 @@ class NewSequence(_message.Message):
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -123,7 +145,9 @@ class NewSequence(_message.Message):
     block_table: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    lora_path: str
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
 
 class BlockReplacement(_message.Message):
     __slots__ = ("logical_index", "block_id")

@@ -54,6 +54,11 @@ class ExecutorStub:
                 request_serializer=protos_dot_executor__pb2.ResetRequest.SerializeToString,
                 response_deserializer=protos_dot_executor__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/llmserve.executor.v1.Executor/LoadLoraAdapter',
+                request_serializer=protos_dot_executor__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_executor__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -87,6 +92,15 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Reads a LoRA adapter into the adapter cache and checks it against the model (shapes,
+        rank): INVALID_ARGUMENT or NOT_FOUND saying why not. Steps load adapters they name anyway;
+        this lets a scheduler refuse a bad adapter when it is registered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +123,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=protos_dot_executor__pb2.ResetRequest.FromString,
                     response_serializer=protos_dot_executor__pb2.ResetResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_executor__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_executor__pb2.LoadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +238,33 @@ class Executor:
             '/llmserve.executor.v1.Executor/Reset',
             protos_dot_executor__pb2.ResetRequest.SerializeToString,
             protos_dot_executor__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.executor.v1.Executor/LoadLoraAdapter',
+            protos_dot_executor__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_executor__pb2.LoadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

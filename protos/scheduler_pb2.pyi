@@ -156,7 +156,7 @@ class ChatPrompt(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "infill", "params", "priority", "detached")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "infill", "params", "priority", "detached", "lora_adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class GenerateRequest(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DETACHED_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -173,7 +174,8 @@ class GenerateRequest(_message.Message):
     params: SamplingParams
     priority: int
     detached: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., infill: _Optional[_Union[InfillPrompt, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., detached: _Optional[bool] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., infill: _Optional[_Union[InfillPrompt, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., detached: _Optional[bool] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
@@ -358,7 +360,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("address", "instance_id", "num_device_blocks", "num_free_blocks", "num_cpu_blocks", "healthy", "prefix_cache_queries", "prefix_cache_hits", "draining")
+    __slots__ = ("address", "instance_id", "num_device_blocks", "num_free_blocks", "num_cpu_blocks", "healthy", "prefix_cache_queries", "prefix_cache_hits", "draining", "dtype", "cpu_kernel_isa")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -368,6 +370,8 @@ class ExecutorInfo(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CPU_KERNEL_ISA_FIELD_NUMBER: _ClassVar[int]
     address: str
     instance_id: str
     num_device_blocks: int
@@ -377,10 +381,12 @@ class ExecutorInfo(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     draining: bool
-    def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_device_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., healthy: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    dtype: str
+    cpu_kernel_isa: str
+    def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_device_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., healthy: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., draining: _Optional[bool] = ..., dtype: _Optional[str] = ..., cpu_kernel_isa: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "block_size", "num_waiting", "num_running", "num_swapped", "kv_cache_usage", "executors", "version", "max_logprobs", "vocab_size", "policy", "preemption_mode", "num_preemptions", "prefix_cache_hit_rate", "routing", "tasks", "hidden_size", "spec_decode_acceptance_rate", "num_speculative_tokens", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    __slots__ = ("model", "max_model_len", "block_size", "num_waiting", "num_running", "num_swapped", "kv_cache_usage", "executors", "version", "max_logprobs", "vocab_size", "policy", "preemption_mode", "num_preemptions", "prefix_cache_hit_rate", "routing", "tasks", "hidden_size", "spec_decode_acceptance_rate", "num_speculative_tokens", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "lora_adapters", "max_loras")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +409,8 @@ class GetServerInfoResponse(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     block_size: int
@@ -425,4 +433,40 @@ class GetServerInfoResponse(_message.Message):
     num_speculative_tokens: int
     spec_decode_num_draft_tokens: int
     spec_decode_num_accepted_tokens: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., version: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., policy: _Optional[str] = ..., preemption_mode: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., routing: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., hidden_size: _Optional[int] = ..., spec_decode_acceptance_rate: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    max_loras: int
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., version: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., policy: _Optional[str] = ..., preemption_mode: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., routing: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., hidden_size: _Optional[int] = ..., spec_decode_acceptance_rate: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "rank")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapter
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

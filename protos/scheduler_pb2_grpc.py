@@ -74,6 +74,16 @@ class SchedulerStub:
                 request_serializer=protos_dot_scheduler__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=protos_dot_scheduler__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/llmserve.v1.Scheduler/LoadLoraAdapter',
+                request_serializer=protos_dot_scheduler__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/llmserve.v1.Scheduler/UnloadLoraAdapter',
+                request_serializer=protos_dot_scheduler__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -146,6 +156,22 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Registers a LoRA adapter (a PEFT directory the executors can read) under a name that
+        GenerateRequest.lora_adapter then selects. INVALID_ARGUMENT for a malformed adapter or a
+        name taken by another directory; loading the same name and directory again is a no-op.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Removes a LoRA adapter's name (NOT_FOUND if unknown). Requests already running keep it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +214,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=protos_dot_scheduler__pb2.EmbedRequest.FromString,
                     response_serializer=protos_dot_scheduler__pb2.EmbedResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_scheduler__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_scheduler__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -406,6 +442,60 @@ class Scheduler:
             '/llmserve.v1.Scheduler/Embed',
             protos_dot_scheduler__pb2.EmbedRequest.SerializeToString,
             protos_dot_scheduler__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Scheduler/LoadLoraAdapter',
+            protos_dot_scheduler__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_scheduler__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Scheduler/UnloadLoraAdapter',
+            protos_dot_scheduler__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_scheduler__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

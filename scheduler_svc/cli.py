@@ -21,6 +21,7 @@ from scheduler_svc.engine import EngineConfig
 from scheduler_svc.engine.metrics import serve_metrics
 from scheduler_svc.engine.routing import ROUTING_POLICIES
 from scheduler_svc.logging import configure_logging
+from scheduler_svc.lora.registry import parse_lora_modules
 
 log = structlog.get_logger(__name__)
 
@@ -159,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics over HTTP at /metrics on this port (0: any free port; "
         "default: off)",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories the executors can read) served under these names",
+    )
     p.add_argument("--log-json", action="store_true")
     return p
 
@@ -208,6 +216,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         ),
         executor_tls_server_name=args.executor_tls_server_name,
         leader_election=args.leader_election,
+        lora_modules=parse_lora_modules(args.lora_modules),
     )
 
 

@@ -17,6 +17,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # lm-eval loads its tasks through `datasets`: the tests' tasks are local files, nothing is fetched.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite's HF-equality tolerances are fp32's: `--dtype auto` stays fp32 on CPUs that would
+# pick bf16 (AVX512-BF16 / AMX) unless a test asks for bf16 itself (tests/unit/test_cpu_dtype.py).
+os.environ.setdefault("LLMSERVE_AUTO_CPU_DTYPE", "float32")
 
 import pytest  # noqa: E402
 

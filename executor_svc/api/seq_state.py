@@ -87,3 +87,5 @@ class SeqState:
     sampling_params: SamplingParams
     block_table: BlockTable  # physical device block ids in logical order
     num_computed_tokens: int  # tokens whose KV is in the cache
+    lora_name: str | None = None  # its LoRA adapter (NewSequence.lora_name); None = base model
+    lora_path: str | None = None

@@ -24,6 +24,8 @@ import structlog
 from executor_svc.api.seq_state import SeqState
 from executor_svc.api.step import StepOutput, StepWork, build_reply, record_samples, run_step
 from executor_svc.api.validation import InvalidStep, StepPlan, validate_step
+from executor_svc.kernels import library
+from executor_svc.lora.peft import LoraError
 from executor_svc.runner.loader import tokenizer_class_name
 from executor_svc.runner.model_runner import ModelRunner
 from protos import executor_pb2 as pb
@@ -73,6 +75,9 @@ def _rpc(method: F) -> F:
         except InvalidStep as e:
             log.warning("rpc.invalid_argument", method=method.__name__, error=str(e))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except LoraError as e:  # LoadLoraAdapter
+            code = grpc.StatusCode.NOT_FOUND if e.not_found else grpc.StatusCode.INVALID_ARGUMENT
+            context.abort(code, str(e))
         except _NotReady:
             context.abort(grpc.StatusCode.UNAVAILABLE, "executor is still loading its model")
         except (_WrongInstance, _Fenced, _OutOfOrder) as e:
@@ -211,6 +216,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             tensor_parallel_size=getattr(info, "tensor_parallel_size", 1),
             draining=self.draining,
             hidden_size=getattr(info, "hidden_size", 0),
+            cpu_kernel_isa=library.variant() if runner.device.type == "cpu" else "",
+            max_loras=runner.lora.config.max_loras if runner.lora is not None else 0,
+            max_lora_rank=runner.lora.config.max_lora_rank if runner.lora is not None else 0,
         )
 
     @_rpc
@@ -228,6 +236,15 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 has_files = (self._model_dir / "tokenizer.json").is_file()
                 self._tokenizer_class = tokenizer_class_name(self._model_dir) if has_files else ""
         return pb.GetTokenizerResponse(files=files, tokenizer_class=self._tokenizer_class or "")
+
+    @_rpc
+    def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context: Any) -> Any:
+        runner = self.runner
+        if runner.lora is None:
+            raise InvalidStep("this executor serves no LoRA (start it with --enable-lora)")
+        with self._lock:  # the adapter cache is the steps' too
+            adapter = runner.lora.load(request.name, request.path)  # LoraError: see _rpc
+        return pb.LoadLoraAdapterResponse(rank=adapter.rank)
 
     @_rpc
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> Any:

@@ -50,6 +50,8 @@ class StepWork:
                 num_scheduled_tokens=n,
                 sampling_params=s.sampling_params,
                 token_mask=plan.token_masks.get(s.seq_id) if plan.token_masks else None,
+                lora_name=s.lora_name,
+                lora_path=s.lora_path,
             )
             for s, n in plan.scheduled
         ]

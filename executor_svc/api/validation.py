@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from executor_svc.api.lora_check import check_step_loras
 from executor_svc.api.seq_state import BlockTable, SeqState
 from executor_svc.runner.model_runner import ModelRunner
 from executor_svc.runner.pooling import check_pooling
@@ -101,6 +102,9 @@ def validate_step(
     spec = {c.seq_id: list(c.spec_token_ids) for c in request.cached_sequences if c.spec_token_ids}
     if spec and masks and not spec.keys().isdisjoint(masks):
         raise InvalidStep("token_masks: a constrained sequence cannot verify spec_token_ids")
+    lora_error = check_step_loras((s for s, _ in scheduled), getattr(runner, "lora", None))
+    if lora_error is not None:
+        raise InvalidStep(lora_error)
     return StepPlan(new_states, scheduled, states, lane, masks, spec, limits.block_size)
 
 
@@ -176,6 +180,8 @@ def _new_state(
         sampling_params=params,
         block_table=BlockTable(n.block_table),
         num_computed_tokens=n.num_computed_tokens,
+        lora_name=n.lora_name or None,
+        lora_path=n.lora_path or None,
     )
 
 

@@ -6,7 +6,12 @@ sequence's context into a padded copy per layer. The kernel is built and loaded 
 of the kernel library (``kernels/library.py``: at first use, cached, called through ctypes; or a
 library built ahead of time). No library: ``available()`` is False and
 ``get_attention_backend("auto", "cpu")`` takes the torch backend. Anything the kernel does not
-cover (a dtype other than fp32) goes to the torch ops, which stay the reference in tests.
+cover goes to the torch ops, which stay the reference in tests.
+
+bf16 models keep a bf16 cache: the kernel's bf16-K/V build (``csrc/paged_attention_bf16kv.cpp``)
+reads it, widening each key and value exactly, with the fp32 kernel's arithmetic and order. The
+step's bf16 q/k/v rows are widened before the call (new keys are rotated in fp32, then rounded
+once into the cache) and the output is rounded back to bf16.
 """
 
 from __future__ import annotations
@@ -30,10 +35,22 @@ def available() -> bool:
 def _supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     return (
         query.device.type == "cpu"
-        and query.dtype == key_cache.dtype == torch.float32
+        and query.dtype in (torch.float32, torch.bfloat16)
+        and key_cache.dtype in _ENTRY
         and key_cache.is_contiguous()
         and library.load() is not None
     )
+
+
+# The kernel's entry point per cache dtype.
+_ENTRY = {
+    torch.float32: "llmserve_paged_attention_f32",
+    torch.bfloat16: "llmserve_paged_attention_bf16kv",
+}
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def write_kv(
@@ -67,13 +84,15 @@ def paged_attention(
         return torch_ops.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
         )
+    out_dtype = query.dtype
+    query = _f32(query)
     if query.stride(2) != 1:
         query = query.contiguous()
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
     if num_tokens:
         meta = _Meta(block_tables, seq_lens, query_start_loc, None)
         _run(query, key_cache, value_cache, meta, scale, out)
-    return out
+    return out.to(out_dtype)
 
 
 class _Meta:
@@ -103,7 +122,7 @@ def _run(query, key_cache, value_cache, meta: _Meta, scale, out, new=None, rope=
     block_size, num_kv_heads = key_cache.shape[1:3]
     key, value = new if new is not None else (None, None)
     cos, sin = rope if rope is not None else (None, None)
-    rc = library.load().llmserve_paged_attention_f32(  # type: ignore[union-attr]
+    rc = getattr(library.load(), _ENTRY[key_cache.dtype])(  # type: ignore[union-attr]
         query.data_ptr(), query.stride(0), query.stride(1),
         key_cache.data_ptr(), value_cache.data_ptr(),
         meta.tables.data_ptr(), meta.tables.stride(0),
@@ -122,19 +141,25 @@ def _run(query, key_cache, value_cache, meta: _Meta, scale, out, new=None, rope=
 def _fused(query, key, value, rope, key_cache, value_cache, md, scale) -> torch.Tensor | None:
     """K/V write (rope on q and k when given) and attention in one kernel call; None when the
     kernel does not take these inputs."""
-    d = query.shape[2]
-    rows_ok = all(t.stride(2) == 1 and t.stride(1) == d for t in (query, key, value))
+    d, out_dtype = query.shape[2], query.dtype
     if not (
-        rows_ok
-        and _supported(query, key_cache)
-        and key.dtype == value.dtype == torch.float32
+        _supported(query, key_cache)
+        and key.dtype == value.dtype == query.dtype
         and value_cache.is_contiguous()
-        and (rope is None or all(t.dtype == torch.float32 and t.is_contiguous() for t in rope))
+        and (rope is None or all(t.dtype == query.dtype and t.is_contiguous() for t in rope))
     ):
+        return None
+    if out_dtype != torch.float32:  # bf16 rows widened; the rope tables once per forward
+        query, key, value = _f32(query), _f32(key), _f32(value)
+        if rope is not None:
+            rope = md.scratch.get("cpu.rope_f32") or md.scratch.setdefault(
+                "cpu.rope_f32", tuple(t.float() for t in rope)
+            )
+    if not all(t.stride(2) == 1 and t.stride(1) == d for t in (query, key, value)):
         return None
     out = torch.empty(query.shape, dtype=torch.float32)
     _run(query, key_cache, value_cache, _Meta.of(md), scale, out, (key, value), rope)
-    return out
+    return out.to(out_dtype)
 
 
 def attend(

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.attention.triton_write_kv import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -20,8 +21,9 @@ from executor_svc.attention.triton_write_kv import (
     interpreting,
     write_kv,
 )
+from executor_svc.config import envs, numerics
 
-__all__ = ["write_kv", "paged_attention"]
+__all__ = ["write_kv", "paged_attention", "attend"]
 
 _LOG2E = 1.4426950408889634
 
@@ -337,8 +339,15 @@ def paged_attention(
         return out
 
     group = num_heads // num_kv_heads
-    head_pad, group_pad, block_q, block_n = _attention_config(head_dim, group, max_query_len)
-    num_splits = _num_kv_splits(num_seqs, num_kv_heads, max_query_len, query.device)
+    # Experimental step-invariant mode (LLMSERVE_CUDA_INVARIANT=1, config/envs.py): one tile
+    # height and no context split whatever the step holds,
+    # so a position's attention is summed over the same KV tiles in the same order in a
+    # decode, a chunk or a whole prefill (extra query rows only cost compute).
+    fixed = query.is_cuda and numerics.deterministic() and envs.cuda_invariant()
+    head_pad, group_pad, block_q, block_n = _attention_config(
+        head_dim, group, 1 << 20 if fixed else max_query_len
+    )
+    num_splits = 1 if fixed else _num_kv_splits(num_seqs, num_kv_heads, max_query_len, query.device)
     partial_acc = partial_ml = out  # unused placeholders when the context is not split
     if num_splits > 1:
         partial_acc = torch.empty(
@@ -390,3 +399,28 @@ def paged_attention(
             NUM_SPLITS=num_splits,
         )
     return out
+
+
+def attend(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """One layer: K/V write, then attention sized by the host's ``md.max_query_len``. Without
+    it ``paged_attention`` reads the longest query off the device: one sync per layer, and no
+    CUDA graph could be captured around it."""
+    write_kv(key, value, key_cache, value_cache, md.slot_mapping)
+    return paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        md.block_tables,
+        md.seq_lens,
+        md.query_start_loc,
+        scale,
+        max_query_len=md.max_query_len,
+    )

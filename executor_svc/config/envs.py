@@ -12,7 +12,14 @@ variable (``config.numerics``).
 | ``LLMSERVE_KERNEL_DIR`` | ``$XDG_CACHE_HOME/llmserve/kernels`` or ``~/.cache/llmserve/kernels`` | ``kernels.library``: the build cache |
 | ``LLMSERVE_KERNEL_LIB`` | unset | ``kernels.library``: a library built ahead of time, used when there is no compiler |
 | ``CXX`` | ``g++``, else ``c++`` on PATH | ``kernels.library``: the compiler |
+| ``LLMSERVE_CPU_ISA`` | ``auto`` | ``kernels.library``: force a kernel variant (``avx2``, ``avx512``, ``avx512bf16``) |
+| ``LLMSERVE_AUTO_CPU_DTYPE`` | unset | ``kernels.cpu_dtype``: ``float32``/``bfloat16`` fixes what ``--dtype auto`` is on a CPU (the test suite sets ``float32``) |
 | ``LLMSERVE_PREPACK`` | on | ``kernels.gemm``: ``0`` keeps plain weight matrices |
+| ``LLMSERVE_LOAD_FORMAT`` | ``auto`` | ``runner.loader``: ``dummy`` fills the weights with seeded random values instead of reading a checkpoint (benchmarks of model shapes one has no weights for; vLLM's ``--load-format dummy``) |
+| ``LLMSERVE_ENFORCE_EAGER`` | off | ``runner.cuda_graphs``: ``1`` never captures CUDA graphs (vLLM's ``--enforce-eager``) |
+| ``LLMSERVE_MAX_GRAPH_BATCH`` | ``256`` | ``runner.cuda_graphs``: the largest decode batch replayed from a CUDA graph |
+| ``LLMSERVE_CUDA_FUSED`` | on | ``models.llama``: ``0`` runs RMSNorm, SiLU-and-multiply and rope as plain torch ops on CUDA instead of the fused Triton kernels (``kernels.triton_elementwise``) |
+| ``LLMSERVE_CUDA_INVARIANT`` | off | ``models.llama``, ``attention.triton_ops``: ``1`` (with step-invariant numerics) runs CUDA linears through ``kernels.triton_gemm`` and the Triton attention with fixed tiles and no context split. Experimental: an H100 run found it 2.3x slower on prefill and still not step-invariant (docs/benchmarks.md, "CUDA") |
 | ``LLMSERVE_CACHE`` | ``~/.cache/llmserve`` | ``tools.demo_model``: where the demo checkpoint is built |
 """
 
@@ -54,6 +61,18 @@ def kernel_lib() -> str | None:
     return os.environ.get("LLMSERVE_KERNEL_LIB") or None
 
 
+def cpu_isa() -> str | None:
+    """``LLMSERVE_CPU_ISA``: the kernel library variant to load (``kernels.library.VARIANTS``);
+    unset or ``auto``: the best one the CPU runs."""
+    return os.environ.get("LLMSERVE_CPU_ISA", "").strip().lower() or None
+
+
+def auto_cpu_dtype() -> str | None:
+    """``LLMSERVE_AUTO_CPU_DTYPE``: what ``--dtype auto`` means on a CPU (``float32`` or
+    ``bfloat16``); unset: by the CPU's instruction sets (``kernels.cpu_dtype``)."""
+    return os.environ.get("LLMSERVE_AUTO_CPU_DTYPE", "").strip().lower() or None
+
+
 def cxx() -> str | None:
     """``CXX``: the C++ compiler to build the kernels with (None: look for g++, c++)."""
     return os.environ.get("CXX") or None
@@ -67,3 +86,28 @@ def prepack() -> bool:
 def cache_dir() -> Path:
     """``LLMSERVE_CACHE``: the root of llmserve's own cache (the demo checkpoint)."""
     return Path(os.environ.get("LLMSERVE_CACHE") or Path.home() / ".cache/llmserve")
+
+
+def load_format() -> str:
+    """``LLMSERVE_LOAD_FORMAT``: ``auto`` (read the checkpoint) or ``dummy`` (random weights)."""
+    return os.environ.get("LLMSERVE_LOAD_FORMAT", "auto").strip().lower() or "auto"
+
+
+def enforce_eager() -> bool:
+    """``LLMSERVE_ENFORCE_EAGER``: on (1/true/yes/on) means no CUDA graphs."""
+    return os.environ.get("LLMSERVE_ENFORCE_EAGER", "0").strip().lower() not in (*_FALSE, "")
+
+
+def max_graph_batch() -> int:
+    """``LLMSERVE_MAX_GRAPH_BATCH``: the largest decode batch captured as a CUDA graph."""
+    return int(os.environ.get("LLMSERVE_MAX_GRAPH_BATCH", "256"))
+
+
+def cuda_fused() -> bool:
+    """``LLMSERVE_CUDA_FUSED``: ``0`` turns the fused Triton elementwise kernels off."""
+    return os.environ.get("LLMSERVE_CUDA_FUSED", "1").strip().lower() not in _FALSE
+
+
+def cuda_invariant() -> bool:
+    """``LLMSERVE_CUDA_INVARIANT``: ``1`` tries the step-invariant CUDA kernels (experimental)."""
+    return os.environ.get("LLMSERVE_CUDA_INVARIANT", "0").strip().lower() not in (*_FALSE, "")

@@ -1,6 +1,8 @@
-"""The model's fused elementwise ops over ``csrc/elementwise.cpp``: SiLU-and-multiply (the MLP)
-and residual add + RMSNorm. Each returns None for inputs it does not take (not fp32 CPU rows
-with unit column stride, or no library), and the caller keeps its torch path."""
+"""The model's fused elementwise ops over ``csrc/elementwise.cpp`` (fp32) and
+``csrc/elementwise_bf16.cpp`` (bf16 rows, fp32 inside, rounded where the bf16 reference rounds):
+SiLU-and-multiply (the MLP) and residual add + RMSNorm. Each returns None for inputs it does
+not take (not fp32 / bf16 CPU rows with unit column stride, or no library), and the caller
+keeps its torch path."""
 
 from __future__ import annotations
 
@@ -8,13 +10,15 @@ import torch
 
 from executor_svc.kernels import library
 
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
 
 def _rows_ok(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
+    return t.device.type == "cpu" and t.dtype in _SUFFIX and t.dim() == 2 and t.stride(1) == 1
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up for fp32 CPU rows [gate | up] ([n, 2 * i] -> [n, i]) in one pass (torch
+    """silu(gate) * up for fp32 or bf16 CPU rows [gate | up] ([n, 2 * i] -> [n, i]) in one pass (torch
     takes three: silu, then the product); None when the library cannot take the input."""
     if not (_rows_ok(gate_up) and gate_up.shape[1] % 2 == 0):
         return None
@@ -22,8 +26,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     if lib is None:
         return None
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, inter, dtype=torch.float32)
-    rc = lib.llmserve_silu_mul_f32(
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    rc = getattr(lib, f"llmserve_silu_mul_{_SUFFIX[gate_up.dtype]}")(
         gate_up.data_ptr(), rows, inter, gate_up.stride(0), out.data_ptr(), torch.get_num_threads()
     )
     return out if rc == 0 else None
@@ -32,13 +36,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """RMSNorm of ``x + delta`` (of ``x`` when delta is None) over fp32 CPU rows [n, dim], in one
-    pass: returns (x + delta, normed), the sum being x itself when delta is None; None when the
+    """RMSNorm of ``x + delta`` (of ``x`` when delta is None) over fp32 or bf16 CPU rows
+    [n, dim], in one pass: returns (x + delta, normed), the sum being x itself when delta is None; None when the
     library cannot take the inputs (then the caller uses torch)."""
     if not (
         _rows_ok(x)
         and (delta is None or (_rows_ok(delta) and delta.shape == x.shape))
-        and weight.dtype == torch.float32
+        and (delta is None or delta.dtype == x.dtype)
+        and weight.dtype == x.dtype
         and weight.is_contiguous()
         and weight.shape == (x.shape[1],)
     ):
@@ -47,9 +52,9 @@ def add_rms_norm(
     if lib is None:
         return None
     rows, dim = x.shape
-    out = torch.empty(rows, dim, dtype=torch.float32)
-    total = x if delta is None else torch.empty(rows, dim, dtype=torch.float32)
-    rc = lib.llmserve_add_rms_norm_f32(
+    out = torch.empty(rows, dim, dtype=x.dtype)
+    total = x if delta is None else torch.empty(rows, dim, dtype=x.dtype)
+    rc = getattr(lib, f"llmserve_add_rms_norm_{_SUFFIX[x.dtype]}")(
         x.data_ptr(), x.stride(0), None if delta is None else delta.data_ptr(),
         0 if delta is None else delta.stride(0), weight.data_ptr(), rows, dim, eps,
         None if delta is None else total.data_ptr(), out.data_ptr(), torch.get_num_threads(),

@@ -16,8 +16,9 @@ model; ``OneDnnWeight``), which saves the reorder oneDNN does on every call give
 matrix; unpacked matrices keep ``models.llama.matmul_io``'s MKL / oneDNN choice.
 
 A packed ``Linear`` gives up its plain weight (one copy in memory); a tied lm_head keeps the
-embedding it shares and gets a packed copy. CUDA, fp16 / bf16 and a missing compiler keep the
-torch paths. ``LLMSERVE_PREPACK=0`` turns packing off.
+embedding it shares and gets a packed copy. bf16 CPU matrices go to ``gemm_bf16`` (its own
+step-invariant kernel); CUDA, fp16 and a missing compiler keep the torch paths.
+``LLMSERVE_PREPACK=0`` turns packing off.
 """
 
 from __future__ import annotations
@@ -29,26 +30,25 @@ import structlog
 import torch
 
 from executor_svc.config import envs, numerics
-from executor_svc.kernels import library
+from executor_svc.kernels import gemm_bf16, library
 
 log = structlog.get_logger(__name__)
-_lib: Any = None  # the library, once it is known to have the GEMM
-_tried = False
+_warned = False
 
 
 def _load() -> Any:
     """The kernel library when it has the GEMM, or None (no compiler, turned off, or a library
-    built ahead of time from sources without it)."""
-    global _lib, _tried
-    if not _tried:
-        _tried = True
-        lib = library.load()
-        if lib is not None and hasattr(lib, "llmserve_gemm_f32"):
-            _lib = lib
-        elif numerics.deterministic():
-            # fp32 CPU matmuls then take oneDNN / MKL, whose bits depend on the batch's rows.
-            log.warning("cpu_gemm.unavailable", hint="matmuls are not step-invariant")
-    return _lib
+    built ahead of time from sources without it). Asked of ``library`` on every call (a cached
+    attribute lookup), so a test switching variants (``library.reset``) reaches this one too."""
+    global _warned
+    lib = library.load()
+    if lib is not None and hasattr(lib, "llmserve_gemm_f32"):
+        return lib
+    if numerics.deterministic() and not _warned:
+        _warned = True
+        # fp32 CPU matmuls then take oneDNN / MKL, whose bits depend on the batch's rows.
+        log.warning("cpu_gemm.unavailable", hint="matmuls are not step-invariant")
+    return None
 
 
 def available() -> bool:
@@ -75,7 +75,7 @@ def _run(x: torch.Tensor, w: torch.Tensor, n: int, ldw: int, bias: torch.Tensor 
         x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    rc = _lib.llmserve_gemm_f32(
+    rc = _load().llmserve_gemm_f32(
         x.data_ptr(), m, k, max(x.stride(0), k), w.data_ptr(), n, ldw,
         None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads(),
     )  # fmt: skip
@@ -136,6 +136,8 @@ class OneDnnWeight:
 def pack(w_io: torch.Tensor) -> PackedWeight | None:
     """The packed form of an ``[in, out]`` fp32 CPU matrix for this process's numerics mode
     (module doc); None where packing does not apply (then the caller keeps the plain matrix)."""
+    if envs.prepack() and w_io.dim() == 2 and w_io.is_cpu and w_io.dtype == torch.bfloat16:
+        return gemm_bf16.pack(w_io)
     if not envs.prepack() or not _is_cpu_f32(w_io) or w_io.dim() != 2:
         return None
     if numerics.deterministic():

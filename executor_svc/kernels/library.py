@@ -7,14 +7,21 @@ headers, the flags, the compiler and the CPU's features; Python calls it through
 and not ``torch.utils.cpp_extension`` or a build at install time: docs/internals.md, "The
 kernels' build".
 
+Kernels per instruction set: the same sources are built in variants (``VARIANTS``: avx512bf16,
+avx512, avx2, best first), each its own cached library, and ``load()`` takes the best one this
+CPU runs (``cpu_kernel.variant`` in the log, ``variant()`` for GetServerInfo).
+``$LLMSERVE_CPU_ISA`` forces one (tests run the avx2 variant on an AVX-512 machine that way); a
+variant the CPU lacks is refused with a warning and the best one is used.
+
 Without a compiler, ``$LLMSERVE_KERNEL_LIB`` may name a library built ahead of time for
-x86-64-v3 (AVX2 + FMA; the Docker image carries one): it is used when this CPU has those
-features. No library at all, a failed build, or ``LLMSERVE_CPU_KERNEL=0``: ``load()`` is None and
-every caller keeps its torch path (attention backend ``torch``, torch's matmuls and reductions).
+x86-64-v3 (AVX2 + FMA), used as the avx2 variant when this CPU has those features, or a folder
+holding ``<variant>.so`` files (the best one this CPU runs is loaded). No library at all, a
+failed build, or ``LLMSERVE_CPU_KERNEL=0``: ``load()`` is None and every caller keeps its torch
+path (attention backend ``torch``, torch's matmuls and reductions).
 
 A new kernel is a ``csrc/*.cpp`` file exporting ``extern "C"`` functions, a line for each in
 ``_SIGNATURES``, and a thin wrapper module that checks shapes, dtypes and strides before the call
-(``gemm``, ``sampling``, ``elementwise``; attention's is ``attention/cpu_ops.py``).
+(``gemm``, ``gemm_bf16``, ``sampling``, ``elementwise``; attention's is ``attention/cpu_ops.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +55,17 @@ FLAGS = [
 # loaded on a CPU with these features.
 PORTABLE_MARCH = "-march=x86-64-v3"
 PORTABLE_FEATURES = ("avx2", "fma", "bmi2", "f16c")
+_AVX512 = (*PORTABLE_FEATURES, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+# name -> (compiler flags, /proc/cpuinfo flags it needs), best first. No AMX variant yet: nothing
+# in csrc/ uses tile instructions, so it would be the avx512bf16 build under another name.
+VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512bf16": (
+        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+        (*_AVX512, "avx512_bf16", "avx512_vnni"),
+    ),
+    "avx512": (("-march=x86-64-v4",), _AVX512),
+    "avx2": ((PORTABLE_MARCH,), PORTABLE_FEATURES),
+}
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _PAGED_ATTENTION_ARGS = [_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32,
@@ -56,6 +74,8 @@ _PAGED_ATTENTION_ARGS = [_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _i32, _i32, _
 _SIGNATURES: dict[str, tuple[list, type]] = {
     # csrc/paged_attention.cpp (attention/cpu_ops.py)
     "llmserve_paged_attention_f32": (_PAGED_ATTENTION_ARGS, ctypes.c_int),
+    # csrc/paged_attention_bf16kv.cpp: the same arguments, the caches bf16
+    "llmserve_paged_attention_bf16kv": (_PAGED_ATTENTION_ARGS, ctypes.c_int),
     # csrc/sampling.cpp (sampling.py)
     "llmserve_argmax_logsumexp_f32": ([_p, _i64, _i64, _i64, _p, _p, _i32], ctypes.c_int),
     # csrc/elementwise.cpp (elementwise.py)
@@ -70,9 +90,26 @@ _OPTIONAL_SIGNATURES: dict[str, tuple[list, type]] = {
     # csrc/gemm.cpp (gemm.py): x, M, K, ldx, w, N, ldw, bias, y, ldy, num_threads
     "llmserve_gemm_f32": ([_p, _i64, _i64, _i64, _p, _i64, _i64, _p, _p, _i64, _i32], ctypes.c_int),
     "llmserve_gemm_nr": ([], ctypes.c_int),
+    # csrc/gemm_bf16.cpp (gemm_bf16.py): x, M, K, ldx, w, N, bias, y_f32, y_bf16, ldy, threads
+    "llmserve_gemm_bf16": ([_p, _i64, _i64, _i64, _p, _i64, _p, _p, _p, _i64, _i32], ctypes.c_int),
+    "llmserve_gemm_bf16_nr": ([], ctypes.c_int),
+    "llmserve_gemm_bf16_path": ([], ctypes.c_char_p),
+    # csrc/elementwise_bf16.cpp (elementwise.py), the fp32 functions' arguments on bf16 rows
+    "llmserve_silu_mul_bf16": ([_p, _i64, _i64, _i64, _p, _i32], ctypes.c_int),
+    "llmserve_add_rms_norm_bf16": (
+        [_p, _i64, _p, _i64, _p, _i64, _i64, _f32, _p, _p, _i32],
+        ctypes.c_int,
+    ),
+    # csrc/lora.cpp (lora.py): x, ldx, k, rows, num_rows, a, ra, r, num_shards, shard_start,
+    # shard_size, b_ptrs, y, ldy, num_threads
+    "llmserve_lora_f32": (
+        [_p, _i64, _i64, _p, _i64, _p, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _i32],
+        ctypes.c_int,
+    ),
 }
 
 _lib: ctypes.CDLL | None = None
+_variant = ""  # the loaded library's variant ("" while none is loaded)
 _tried = False
 
 
@@ -86,55 +123,75 @@ def _cpu_features() -> str:
     return ""
 
 
-def _prebuilt() -> Path | None:
-    """$LLMSERVE_KERNEL_LIB, when it exists and this CPU can run it."""
-    path = envs.kernel_lib()
-    if not path or not Path(path).is_file():
-        return None
+def supported_variants() -> list[str]:
+    """The variants this CPU can run, best first."""
     flags = set(_cpu_features().split())
-    missing = [f for f in PORTABLE_FEATURES if f not in flags]
-    if missing:
-        log.info("cpu_kernel.prebuilt_unsupported", missing=missing)
+    return [name for name, (_, need) in VARIANTS.items() if set(need) <= flags]
+
+
+def _pick() -> tuple[str | None, bool]:
+    """(the variant to load, whether ``$LLMSERVE_CPU_ISA`` forced it); None: the CPU runs none."""
+    runnable = supported_variants()
+    forced = envs.cpu_isa()
+    if forced and forced != "auto":
+        if forced in runnable:
+            return forced, True
+        log.warning(
+            "cpu_kernel.variant_refused",
+            requested=forced,
+            runnable=runnable,
+            hint=f"known variants: {', '.join(VARIANTS)}",
+        )
+    return (runnable[0] if runnable else None), False
+
+
+def _prebuilt(name: str) -> Path | None:
+    """$LLMSERVE_KERNEL_LIB's library for this variant, when there is one."""
+    path = envs.kernel_lib()
+    if not path:
         return None
-    return Path(path)
+    if Path(path).is_dir():
+        candidate = Path(path) / f"{name}.so"
+        return candidate if candidate.is_file() else None
+    # A single file is the x86-64-v3 build.
+    return Path(path) if name == "avx2" and Path(path).is_file() else None
 
 
-def _build() -> Path | None:
+def _build(name: str) -> tuple[Path | None, str]:
+    """(the library's path, its variant): ``name`` built here, or without a compiler the best
+    prebuilt variant not above it."""
     cxx = envs.cxx() or shutil.which("g++") or shutil.which("c++")
     if not cxx or not shutil.which(cxx):
-        prebuilt = _prebuilt()
-        if prebuilt is not None:
-            return prebuilt
+        runnable = supported_variants()
+        for candidate in runnable[runnable.index(name) :]:
+            prebuilt = _prebuilt(candidate)
+            if prebuilt is not None:
+                return prebuilt, candidate
         log.info("cpu_kernel.no_compiler", hint="the torch attention backend is used instead")
-        return None
+        return None, name
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
-        return None
+        return None, name
     source = b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))
-    for flags in ([*FLAGS, "-march=native"], FLAGS):  # -march=native may be refused
-        key = hashlib.sha256(
-            source + " ".join(flags).encode() + version.stdout.encode() + _cpu_features().encode()
-        ).hexdigest()[:16]
-        target = envs.kernel_dir() / f"paged_attention-{key}.so"
-        if target.exists():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Built under a temporary name and renamed: concurrent executors never load half a file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        result = subprocess.run(
-            [cxx, *flags, *map(str, SOURCES), "-o", tmp],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if result.returncode == 0:
-            os.replace(tmp, target)
-            return target
-        os.unlink(tmp)
-        log.warning("cpu_kernel.build_failed", flags=" ".join(flags), stderr=result.stderr[-2000:])
-    return None
+    flags = [*FLAGS, *VARIANTS[name][0]]
+    key = hashlib.sha256(source + " ".join(flags).encode() + version.stdout.encode()).hexdigest()
+    target = envs.kernel_dir() / f"kernels-{name}-{key[:16]}.so"
+    if target.exists():
+        return target, name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: concurrent executors never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    result = subprocess.run(
+        [cxx, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=300
+    )
+    if result.returncode == 0:
+        os.replace(tmp, target)
+        return target, name
+    os.unlink(tmp)
+    log.warning("cpu_kernel.build_failed", flags=" ".join(flags), stderr=result.stderr[-2000:])
+    return None, name
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -148,15 +205,20 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 def load() -> ctypes.CDLL | None:
-    """The kernel library, built on first use; None when it cannot be had (see module doc)."""
-    global _lib, _tried
+    """The kernel library of this CPU's variant, built on first use; None when it cannot be had
+    (see module doc)."""
+    global _lib, _tried, _variant
     if _tried:
         return _lib
     _tried = True
     if not envs.cpu_kernel_enabled():
         return None
+    name, forced = _pick()
+    if name is None:
+        log.info("cpu_kernel.no_variant", hint="this CPU lacks AVX2/FMA: torch paths are used")
+        return None
     try:
-        path = _build()
+        path, name = _build(name)
         if path is None:
             return None
         lib = ctypes.CDLL(str(path))
@@ -164,8 +226,22 @@ def load() -> ctypes.CDLL | None:
         log.warning("cpu_kernel.unavailable", error=str(err))
         return None
     _bind(lib)
-    _lib = lib
+    _lib, _variant = lib, name
+    log.info("cpu_kernel.variant", variant=name, forced=forced, runnable=supported_variants())
     return lib
+
+
+def variant() -> str:
+    """The loaded library's instruction-set variant (``VARIANTS``), "" when none is loaded."""
+    load()
+    return _variant
+
+
+def reset() -> None:
+    """Forget the loaded library, so that the next ``load()`` picks again (tests switch variants
+    with ``$LLMSERVE_CPU_ISA``); the wrappers hold no library of their own."""
+    global _lib, _tried, _variant
+    _lib, _tried, _variant = None, False, ""
 
 
 def available() -> bool:

@@ -14,9 +14,11 @@ for why and how they are applied.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
+from executor_svc.config import envs, numerics
 from executor_svc.kernels import elementwise, gemm
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
@@ -108,6 +111,24 @@ def _find_onednn_linear() -> Callable[..., torch.Tensor] | None:
 _ONEDNN_LINEAR = _find_onednn_linear()
 
 
+@functools.cache
+def _cuda_elementwise() -> ModuleType | None:
+    """The fused Triton elementwise kernels for CUDA tensors (None when turned off)."""
+    if not envs.cuda_fused():
+        return None
+    from executor_svc.kernels import triton_elementwise
+
+    return triton_elementwise
+
+
+@functools.cache
+def _cuda_gemm() -> ModuleType:
+    """The step-invariant Triton GEMM (imported on first CUDA use: it needs triton)."""
+    from executor_svc.kernels import triton_gemm
+
+    return triton_gemm
+
+
 def matmul_io(x: torch.Tensor, w_io: torch.Tensor, bias: torch.Tensor | None = None):
     """``x [num_tokens, in] @ w_io [in, out] (+ bias)``.
 
@@ -119,12 +140,16 @@ def matmul_io(x: torch.Tensor, w_io: torch.Tensor, bias: torch.Tensor | None = N
     it takes the plain matmul; so do CPU fp16/bf16, which oneDNN supports only on CPUs with the
     matching instructions.
 
-    With step-invariant numerics (the default) fp32 CPU goes to ``gemm.matmul`` instead:
-    MKL and oneDNN give a row other bits depending on how many rows come with it.
+    With step-invariant numerics (the default) fp32 CPU goes to ``gemm.matmul`` instead: MKL
+    and oneDNN give a row other bits depending on how many rows come with it. On CUDA cuBLAS
+    does the same; ``LLMSERVE_CUDA_INVARIANT=1`` tries ``kernels.triton_gemm`` (experimental,
+    see config/envs.py).
     """
     y = gemm.matmul(x, w_io, bias)  # None: not fp32 CPU, or numerics not step-invariant
     if y is not None:
         return y
+    if x.is_cuda and numerics.deterministic() and envs.cuda_invariant():
+        return _cuda_gemm().matmul(x, w_io, bias)  # cuBLAS picks its kernel by the row count
     use_onednn = x.shape[0] > 1 or torch.get_num_threads() > 1
     if use_onednn and x.is_cpu and x.dtype == torch.float32 and _ONEDNN_LINEAR is not None:
         return _ONEDNN_LINEAR(x.contiguous(), w_io.t(), bias, "none", [], "")
@@ -149,6 +174,7 @@ class Linear(nn.Module):
         self.weight = _set_loader(nn.Parameter(torch.empty(in_features, offset)), self._load)
         self.bias = _set_loader(nn.Parameter(torch.empty(offset)), self._load) if bias else None
         self.packed: gemm.PackedWeight | None = None  # set by prepack(); weight is emptied
+        self.lora: Any = None  # lora.layers.LoraSlot when LoRA is on: adds adapter deltas
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
         start, size = self.shard_offsets[shard_id]
@@ -169,8 +195,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return self.packed.linear(x, self.bias)
-        return matmul_io(x, self.weight, self.bias)
+            y = self.packed.linear(x, self.bias)
+        else:
+            y = matmul_io(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 class RMSNorm(nn.Module):
@@ -180,10 +208,12 @@ class RMSNorm(nn.Module):
         self.weight = _set_loader(nn.Parameter(torch.empty(dim)), default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2 and (ops := _cuda_elementwise()) is not None:
+            return ops.add_rms_norm(x, None, self.weight, self.eps)[1]
+        fused = elementwise.add_rms_norm(x, None, self.weight, self.eps)  # fp32 / bf16 CPU rows
+        if fused is not None:
+            return fused[1]
         if x.dtype == torch.float32:
-            fused = elementwise.add_rms_norm(x, None, self.weight, self.eps)  # fp32 CPU rows
-            if fused is not None:
-                return fused[1]
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Statistics in fp32 whatever the compute dtype, as the reference implementation does.
         xf = x.float()
@@ -191,7 +221,9 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(x + delta, norm(x + delta)): one compiled pass for fp32 CPU rows."""
+        """(x + delta, norm(x + delta)): one compiled pass for fp32 CPU rows and on CUDA."""
+        if x.is_cuda and (ops := _cuda_elementwise()) is not None:
+            return ops.add_rms_norm(x, delta, self.weight, self.eps)
         fused = elementwise.add_rms_norm(x, delta, self.weight, self.eps)
         if fused is not None:
             return fused
@@ -250,6 +282,8 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, num_heads, head_dim]
+        if x.is_cuda and x.stride(-1) == 1 and (ops := _cuda_elementwise()) is not None:
+            return ops.rope(x, cos, sin)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -316,7 +350,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        act = elementwise.silu_mul(gate_up)  # fp32 CPU: one pass; None for anything else
+        act = elementwise.silu_mul(gate_up)  # fp32 / bf16 CPU: one pass; None for anything else
+        if act is None and gate_up.is_cuda and (ops := _cuda_elementwise()) is not None:
+            act = ops.silu_mul(gate_up)
         if act is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = F.silu(gate) * up

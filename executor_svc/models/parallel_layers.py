@@ -56,6 +56,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.first = first
         self.tp = tp
+        self.lora: Any = None  # lora.layers.LoraSlot: this rank's partial delta, before the sum
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.weight.weight_loader = self._load  # type: ignore[attr-defined]
         _mark_slice_loader(self.weight)
@@ -72,7 +73,10 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded[:, self.first : self.first + n].t())  # [out, in_r] -> [in_r, out]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(matmul_io(x, self.weight))
+        y = matmul_io(x, self.weight)
+        if self.lora is not None:  # (x_rank @ A_rank) @ B: the all-reduce sums them to x @ A @ B
+            y = self.lora.apply(x, y)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

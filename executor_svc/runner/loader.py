@@ -18,6 +18,8 @@ import torch
 from safetensors import safe_open
 
 from executor_svc.attention import AttentionBackend
+from executor_svc.config import envs
+from executor_svc.kernels import cpu_dtype
 from executor_svc.models import MODEL_REGISTRY, LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -69,11 +71,12 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """ "auto" is bf16 on CUDA (halves memory traffic) and fp32 on CPU (fast fp32 GEMMs)."""
+    """ "auto" is bf16 on CUDA (halves memory traffic); on CPU bf16 where it has AMX or
+    AVX512-BF16, fp32 elsewhere (``kernels.cpu_dtype``)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else cpu_dtype.auto_cpu_dtype()
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -156,6 +159,19 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
         raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}")
 
 
+def fill_dummy_weights(model: torch.nn.Module, std: float, seed: int = 0) -> None:
+    """Seeded random weights in place, on the parameters' device (``--load-format dummy``):
+    norms near 1, biases near 0, matrices N(0, std). For benchmarks only: outputs are noise."""
+    for i, (name, param) in enumerate(model.named_parameters()):
+        gen = torch.Generator(device=param.device).manual_seed(seed * 100_003 + i)
+        if name.endswith("norm.weight"):
+            param.uniform_(0.9, 1.1, generator=gen)
+        elif name.endswith("bias"):
+            param.normal_(0.0, 0.1 * std, generator=gen)
+        else:
+            param.normal_(0.0, std, generator=gen)
+
+
 def load_model(
     model_dir: str | Path,
     backend: AttentionBackend,
@@ -196,11 +212,14 @@ def load_model(
     finally:
         torch.set_default_dtype(old_dtype)
     with torch.no_grad():
-        load_weights(model, _weight_files(model_dir))
+        if envs.load_format() == "dummy":
+            fill_dummy_weights(model, float(config.get("initializer_range", 0.02)))
+        else:
+            load_weights(model, _weight_files(model_dir))
     model.eval().requires_grad_(False)
     # Not under tensor parallelism yet: its layers and lm_head use matmul_io on the plain
     # weights, which with step-invariant numerics runs the same kernel unpacked (same bits).
-    if tp is None and dev.type == "cpu" and torch_dtype == torch.float32:
+    if tp is None and dev.type == "cpu" and torch_dtype in (torch.float32, torch.bfloat16):
         model.prepack_weights()
 
     info = ModelInfo(

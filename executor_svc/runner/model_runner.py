@@ -18,8 +18,10 @@ import numpy as np
 import torch
 
 from executor_svc.attention import AttentionMetadata, get_attention_backend
+from executor_svc.lora.manager import LoraConfig, LoraManager, no_lora_error, row_groups
 from executor_svc.runner import spec_verify
 from executor_svc.runner.batch import BatchInputs
+from executor_svc.runner.cuda_graphs import DecodeGraphs, build_decode_graphs
 from executor_svc.runner.kv_cache import (
     GIB,
     PROFILE_NUM_TOKENS,
@@ -58,6 +60,9 @@ class ScheduledSequence:
     # Speculative decoding: the proposals at the end of token_ids, verified this step
     # (runner/spec_verify.py); empty otherwise.
     spec_token_ids: list[int] | tuple[()] = ()
+    # LoRA: the adapter's name and directory (executor_svc/lora); None = the base model.
+    lora_name: str | None = None
+    lora_path: str | None = None
     # A token is sampled iff num_computed_tokens + num_scheduled_tokens == len(token_ids), and
     # never for a prompt-only sequence (sampling_params.prompt_only).
 
@@ -96,6 +101,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         attention_backend: str = "auto",
         tp: TPGroup | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         """``tp``: this process's rank of a tensor-parallel group (every rank builds its own
         runner, in the same order, since loading and profiling involve collectives)."""
@@ -113,6 +119,8 @@ class ModelRunner:
             tp=tp,
         )
         info: ModelInfo = self.info
+        # The adapter table (executor_svc/lora): slots on the model's projections, LRU caches.
+        self.lora = LoraManager(self.model, lora, self.device, info.dtype) if lora else None
         self.block_size = block_size
         bytes_per_block = block_bytes(
             info.num_layers, block_size, info.num_kv_heads, info.head_dim, info.dtype
@@ -146,6 +154,17 @@ class ModelRunner:
             dtype=info.dtype,
             device=self.device,
         )
+        # CUDA: decode steps replay captured graphs (runner/cuda_graphs.py); None elsewhere.
+        self.graphs: DecodeGraphs | None = None
+        if tp is None:
+            self.graphs = build_decode_graphs(
+                self.model,
+                self.kv_cache.layers,
+                device=self.device,
+                max_model_len=info.max_model_len,
+                block_size=block_size,
+                num_device_blocks=self.num_device_blocks,
+            )
         self._sampler: Sampler | None = None
         # Seconds per phase of execute(), for metrics (plain floats: one add per phase a step).
         self.phase_seconds = {"cache_ops": 0.0, "forward": 0.0, "sampling": 0.0}
@@ -190,9 +209,7 @@ class ModelRunner:
             return []
         if batch is None:
             batch = self.prepare_inputs(seqs)
-        hidden = self.model(
-            batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
-        )
+        hidden = self._forward(seqs, batch)
         # Almost no step has a sequence asking: one generator pass, no per-row bookkeeping.
         if prompt_logprobs is not None and any(
             s.sampling_params.num_prompt_logprobs is not None for s in seqs
@@ -232,7 +249,10 @@ class ModelRunner:
             s.sampling_params.num_prompt_logprobs is not None for s in seqs
         ):
             ranges = [(r, r + b - a) for _, _, a, b, r in self._prompt_logprob_chunks(seqs)]
-        msg = StepMessage(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, host, ranges)
+        lora_rows = row_groups(seqs) if self.lora is not None and seqs else {}
+        msg = StepMessage(
+            blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, host, ranges, lora_rows
+        )
         self._send_step(msg)
         self.phase_seconds["broadcast"] += time.perf_counter() - t0
         return host.to(self.device) if host is not None else None
@@ -244,10 +264,27 @@ class ModelRunner:
         if self._send_step is not None:
             raise RuntimeError("forward_logits is not available with tensor parallelism")
         batch = self.prepare_inputs(seqs)
-        hidden = self.model(
+        return self._sample_logits(batch, self._forward(seqs, batch))
+
+    def _forward(self, seqs: list[ScheduledSequence], batch: BatchInputs) -> torch.Tensor:
+        """Hidden states of the step's tokens: with each sequence's LoRA adapter when any has
+        one (never from a CUDA graph: the adapter groups change from step to step), else from a
+        CUDA graph for decode batches it holds."""
+        if self.lora is None:
+            no_lora_error(seqs)
+        elif any(s.lora_name for s in seqs):
+            self.lora.begin_step(seqs)
+            try:
+                return self.model(
+                    batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
+                )
+            finally:
+                self.lora.end_step()
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        return self.model(
             batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
         )
-        return self._sample_logits(batch, hidden)
 
     def _sample_logits(
         self, batch: BatchInputs, hidden: torch.Tensor

@@ -10,6 +10,7 @@ the requests as for any dead executor. ``stop`` sends the shutdown message and r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -92,7 +93,8 @@ class TPWorkers:
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")])
         )
-        kwargs = json.dumps(self.runner_kwargs)
+        # A LoRA config goes as its fields (tp_worker builds it again).
+        kwargs = json.dumps(self.runner_kwargs, default=dataclasses.asdict)
         for rank in range(1, self.world_size):
             cmd = [
                 sys.executable, "-m", "executor_svc.runner.tp_worker",

@@ -66,7 +66,13 @@ def run_steps(runner: Any, tp: Any) -> int:
         kv.copy(msg.blocks_to_copy)
         if msg.batch is not None:
             b = msg.batch.to(runner.device)
-            hidden = model(b.input_ids, b.positions, kv.layers, b.attn_metadata)
+            if runner.lora is not None:
+                runner.lora.begin_groups(msg.lora_rows)  # rank 0 checked and named them
+            try:
+                hidden = model(b.input_ids, b.positions, kv.layers, b.attn_metadata)
+            finally:
+                if runner.lora is not None:
+                    runner.lora.end_step()
             for first, end in msg.logit_row_ranges:
                 model.compute_logits(hidden[first:end])
             if b.sample_rows.numel():
@@ -107,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     from executor_svc.runner.tp_launcher import worker_device
 
     kwargs = json.loads(args.runner_kwargs)
+    if kwargs.get("lora") is not None:
+        from executor_svc.lora.manager import LoraConfig
+
+        kwargs["lora"] = LoraConfig(**kwargs["lora"])
     device = worker_device(kwargs.get("device", "auto"), args.rank)
     kwargs["device"] = str(device)
     store = dist.TCPStore("127.0.0.1", args.store_port, args.world_size, is_master=False)

@@ -127,13 +127,16 @@ def build_demo_model(
     *,
     seed: int = 0,
     size: str = "demo",
+    weights: bool = True,
     **overrides: Any,
 ) -> Path:
     """Write the demo checkpoint of ``size`` ("demo" or "tiny") for ``seed`` into ``out_dir``.
 
     ``overrides`` replace any config field, e.g. the SmolLM-135M shape:
     ``hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True``. Returns the directory.
+    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True``. ``weights=False`` writes
+    the config and tokenizer alone, for the executor's ``--load-format dummy`` (a model shape too
+    large to write out, e.g. Llama-3-8B's for a GPU benchmark). Returns the directory.
     """
     if size not in SIZES:
         raise ValueError(f"unknown demo model size {size!r}; expected one of {sorted(SIZES)}")
@@ -150,6 +153,8 @@ def build_demo_model(
     _write_config(out, config)
     _write_tokenizer(out, tokenizer, config)
     weights_path = out / "model.safetensors"
+    if not weights:
+        return out
     save_file(make_weights(config, seed=seed), str(weights_path), {"format": "pt"})
     # safetensors creates the file owner-only; a shared cache (one volume, several users) needs
     # it readable like the other files.
@@ -448,8 +453,19 @@ def main(argv: list[str] | None = None) -> None:
         default=[],
         help="override a config field (JSON value), e.g. --set hidden_size=576",
     )
+    parser.add_argument(
+        "--no-weights",
+        action="store_true",
+        help="config and tokenizer only (serve with the executor's --load-format dummy)",
+    )
     args = parser.parse_args(argv)
-    out = build_demo_model(args.out_dir, seed=args.seed, size=args.size, **dict(args.overrides))
+    out = build_demo_model(
+        args.out_dir,
+        seed=args.seed,
+        size=args.size,
+        weights=not args.no_weights,
+        **dict(args.overrides),
+    )
     print(out)
 
 

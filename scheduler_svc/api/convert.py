@@ -79,7 +79,9 @@ def generate_input_from_proto(r: pb.GenerateRequest) -> GenerateInput:
     kind = r.WhichOneof("prompt")
     if kind is None:
         raise ValidationError("prompt must be set (text, token_ids or chat)")
-    inp = GenerateInput(req_id=r.request_id, params=params, priority=r.priority)
+    inp = GenerateInput(
+        req_id=r.request_id, params=params, priority=r.priority, lora_adapter=r.lora_adapter
+    )
     if kind == "text":
         inp.text = r.text
     elif kind == "token_ids":
@@ -199,4 +201,7 @@ def server_info_to_proto(info: ServerInfo) -> pb.GetServerInfoResponse:
 
     fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
     fields["executors"] = [pb.ExecutorInfo(**dataclasses.asdict(e)) for e in info.executors]
+    fields["lora_adapters"] = [
+        pb.LoraAdapter(name=n, path=p, rank=r) for n, p, r in info.lora_adapters
+    ]
     return pb.GetServerInfoResponse(version=__version__, **fields)

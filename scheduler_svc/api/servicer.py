@@ -208,6 +208,20 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> pb.GetServerInfoResponse:
         return convert.server_info_to_proto(self.engine.server_info())
 
+    @_rpc(pb.LoadLoraAdapterResponse)
+    async def LoadLoraAdapter(
+        self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadLoraAdapterResponse:
+        name, path, rank = await self.engine.load_lora_adapter(request.name, request.path)
+        return pb.LoadLoraAdapterResponse(adapter=pb.LoraAdapter(name=name, path=path, rank=rank))
+
+    @_rpc(pb.UnloadLoraAdapterResponse)
+    async def UnloadLoraAdapter(
+        self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnloadLoraAdapterResponse:
+        self.engine.unload_lora_adapter(request.name)
+        return pb.UnloadLoraAdapterResponse()
+
     @_rpc(pb.EmbedResponse)
     async def Embed(
         self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext

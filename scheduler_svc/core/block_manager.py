@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from scheduler_svc.core.block_pool import Block, BlockPool, hash_block_tokens
+from scheduler_svc.core.lora import lora_root_hash
 from scheduler_svc.core.request import Sequence
 
 
@@ -104,9 +105,8 @@ class BlockManager:
         bs = self.block_size
         tokens = seq.token_ids
         for i in range(len(hashes), min(num_blocks, len(tokens) // bs)):
-            hashes.append(
-                hash_block_tokens(hashes[-1] if i else None, tokens[i * bs : (i + 1) * bs])
-            )
+            parent = hashes[-1] if i else lora_root_hash(seq.lora)
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
 
     def allocate(self, seq: Sequence, hits: list[Block], num_tokens: int) -> None:
         """Give seq a table for its first `num_tokens` tokens: the hit blocks, then fresh ones.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.sampling_params import SamplingParams
 
 _SEED_MASK = (1 << 63) - 1
@@ -107,6 +108,8 @@ class Sequence:
     use_prefix_cache: bool = True
     # max_tokens is 0: the executor samples nothing for it; it ends once its prompt is computed.
     prompt_only: bool = False
+    # Its LoRA adapter (None: the base model); roots its prefix-cache hash chain.
+    lora: LoraRef | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -149,6 +152,8 @@ class Request:
     forked: bool = True
     # Queue order under the scheduler's policy; set by the scheduler on add_request.
     sort_key: tuple = ()
+    # The LoRA adapter every sequence runs with (None: the base model).
+    lora: LoraRef | None = None
     # Its plain decode steps may use the step message's packed decode lane (which carries no
     # top logprobs, so only requests that ask for none).
     decode_lane: bool = field(init=False, default=True)
@@ -180,6 +185,7 @@ class Request:
             seed=sequence_seed(self.sampling_params.seed, index),
             use_prefix_cache=self.sampling_params.prompt_logprobs is None,
             prompt_only=self.sampling_params.max_tokens == 0,
+            lora=self.lora,
         )
 
     def fork(self) -> list[Sequence]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from scheduler_svc.core.ahead import plan_ahead
 from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.lora import LoraBudget
 from scheduler_svc.core.pooling import swappable
 from scheduler_svc.core.request import Request, RequestStatus, Sequence
 from scheduler_svc.core.scheduler_output import CachedSeqData, NewSeqData, SchedulerOutput
@@ -39,6 +40,8 @@ class _StepBudget:
     num_seqs: int = 0  # sequences running after this step so far (max_num_seqs caps it)
     prefills: list[tuple[Request, Sequence]] = field(default_factory=list)  # for phase 2
     added: list[Request] = field(default_factory=list)  # swapped in or admitted this step
+    # Distinct LoRA adapters in the step (max_loras); set once the running requests are known.
+    loras: LoraBudget = field(default_factory=lambda: LoraBudget(0, ()))
 
 
 class _Admit(enum.Enum):
@@ -68,6 +71,7 @@ class Scheduler(SchedulerState):
         out = SchedulerOutput(self._step_id)
         step = _StepBudget(self.config.max_num_batched_tokens)
         running = self._schedule_running(step, out)
+        step.loras = LoraBudget(self.config.max_loras, (r.lora for r in running))
         self._schedule_prefill_chunks(step, out)
         if not out.preempted_req_ids:
             # New work only when nothing was just pushed out (it would be pushed out again).
@@ -271,12 +275,15 @@ class Scheduler(SchedulerState):
             n = req.num_seqs_when_running
             if step.num_seqs + n > self.config.max_num_seqs or step.tokens < len(live):
                 break
+            if not step.loras.fits(req.lora):
+                break  # its adapter waits for a step with a free adapter slot
             need = bm.num_blocks_to_swap_in(live) + self._blocks_to_resume(req, live)
             if not self._can_take(need, req, "swap it back in"):
                 if req.is_finished:
                     continue
                 break
             self._swapped.pop()
+            step.loras.add(req.lora)
             out.blocks_to_swap_in.extend(bm.swap_in(live))
             self._set_status(req, live, _RUNNING)
             if not req.forked and live[0].num_computed_tokens == req.num_prompt_tokens - 1:
@@ -301,6 +308,8 @@ class Scheduler(SchedulerState):
             n = req.num_seqs_when_running
             if step.num_seqs + n > self.config.max_num_seqs:
                 break
+            if not step.loras.fits(req.lora):
+                break  # in policy order: it waits for a step with a free adapter slot
             if self.block_manager.enable_prefix_caching:
                 if inflight is None:
                     inflight = self._prefix_blocks_in_flight()
@@ -313,6 +322,7 @@ class Scheduler(SchedulerState):
                 break
             step.num_seqs += n
             step.added.append(req)
+            step.loras.add(req.lora)
             if inflight is not None:
                 inflight.update(self._uncomputed_prompt_hashes(req))
 
@@ -476,6 +486,7 @@ class Scheduler(SchedulerState):
                     list(seq.block_table),
                     seq.num_computed_tokens,
                     num_tokens,
+                    req.lora,
                 )
             )
             seq.sent = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.request import Sequence
 from scheduler_svc.core.sampling_params import SamplingParams
 
@@ -22,6 +23,7 @@ class NewSeqData:
     block_table: list[int]  # snapshot of the full device block table
     num_computed_tokens: int  # leading tokens already in the cache (prefix hit, fork, swap-in)
     num_scheduled_tokens: int
+    lora: LoraRef | None = None  # the adapter it runs with; None = the base model
 
 
 @dataclass(slots=True)

@@ -42,6 +42,14 @@ class EngineClient(Protocol):
         self, token_ids: list[int], skip_special_tokens: bool
     ) -> tuple[str, list[str]]: ...
 
+    async def load_lora_adapter(self, name: str, path: str) -> tuple[str, str, int]:
+        """Register a LoRA adapter: (name, resolved path, rank); ValidationError/NotFound."""
+        ...
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Forget a LoRA adapter's name (NotFound if unknown)."""
+        ...
+
     async def embed(self, inp: EmbedInput) -> EmbedResult:
         """Every input's vector; raises ValidationError, QueueFull or Unavailable."""
         ...

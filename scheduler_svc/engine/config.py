@@ -97,6 +97,8 @@ class EngineConfig:
     # renewal.
     leader_election: bool = False
     lease_ttl_s: float = 2.0
+    # LoRA adapters registered at start (--lora-modules name=path): (name, PEFT directory).
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
 
 
 class AbortOutcome(enum.Enum):
@@ -120,6 +122,7 @@ class GenerateInput:
     add_generation_prompt: bool = True
     priority: int = 0
     owner: str = ""  # the API key's name when keys are on: ids are scoped to it (scoped_id)
+    lora_adapter: str = ""  # a loaded LoRA adapter's name; "" = the base model
 
 
 @dataclass(slots=True)
@@ -135,6 +138,8 @@ class ExecutorInfo:
     prefix_cache_queries: int = 0  # prompt tokens looked up in its prefix cache
     prefix_cache_hits: int = 0  # of which found there
     draining: bool = False
+    dtype: str = ""  # its weights' and KV cache's dtype, as it described itself
+    cpu_kernel_isa: str = ""  # its CPU kernel library's instruction-set variant ("" = none)
 
 
 @dataclass(slots=True)
@@ -165,3 +170,5 @@ class ServerInfo:
     num_speculative_tokens: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    lora_adapters: list[tuple[str, str, int]] = field(default_factory=list)  # name, path, rank
+    max_loras: int = 0  # distinct adapters per step (the executors'); 0: no LoRA

@@ -40,6 +40,7 @@ from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.requests import RequestFront
 from scheduler_svc.engine.step_loop import StepLoop
 from scheduler_svc.grammar.structured import StructuredOutputs
+from scheduler_svc.lora.registry import LoraRegistry
 from scheduler_svc.state.leader import LeaderLease
 from scheduler_svc.state.persister import Persister
 from scheduler_svc.state.store import RequestStore
@@ -82,7 +83,7 @@ class Engine:
                         config.abort_ahead_ttl_s)  # fmt: skip
         self.client = RequestFront(  # what the API layer talks to (client.EngineClient)
             config, self.lifecycle, self.table, self.pool, self.store, self.persister, aborts,
-            self.model, structured,
+            self.model, structured, LoraRegistry.of(config.lora_modules),
         )  # fmt: skip
         self.persister.on_write = self.metrics.redis_write.observe
         self.steps.on_pooled = self.client.embeds.on_pooled

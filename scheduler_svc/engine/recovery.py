@@ -19,6 +19,7 @@ import asyncio
 
 import structlog
 
+from scheduler_svc.core.lora import stored_lora
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.engine.executor_handle import ExecutorHandle
@@ -44,6 +45,7 @@ def resumed_request(handle: RequestHandle, outputs: list[list[int]]) -> Request:
         priority=handle.priority,
         arrival_time=handle.arrival_time,
         output_token_ids=[list(o) for o in outputs],
+        lora=handle.lora,
     )
     for seq, state in zip(req.seqs, handle.states, strict=True):
         if state.finished:  # n > 1: this one had finished already
@@ -161,6 +163,7 @@ class Recovery:
                 priority=handle.priority,
                 arrival_time=handle.arrival_time,
                 n=handle.n,
+                lora=stored_lora(handle.lora),
             )
             await self.store.create(rec, honour_abort=False)  # it runs: no abort may end it
             await self.store.rewrite_outputs(handle.req_id, handle.acked_outputs())

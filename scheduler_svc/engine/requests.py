@@ -14,6 +14,7 @@ import uuid
 import structlog
 
 from scheduler_svc.core.errors import NotFound, QueueFull, Unavailable, ValidationError
+from scheduler_svc.core.lora import stored_lora
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.engine.aborts import Aborts
@@ -34,6 +35,7 @@ from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.server_info import server_info
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
 from scheduler_svc.grammar.structured import StructuredOutputs
+from scheduler_svc.lora.registry import LoraRegistry, load_on_executors
 from scheduler_svc.output.tokenizer import encode_chat, encode_infill, encode_prompt
 from scheduler_svc.state.persister import Persister
 from scheduler_svc.state.store import (
@@ -61,6 +63,7 @@ class RequestFront:
         aborts: Aborts,
         model: ModelInfo,
         structured: StructuredOutputs | None = None,
+        loras: LoraRegistry | None = None,
     ) -> None:
         self.config = config
         self.lifecycle = lifecycle
@@ -71,6 +74,7 @@ class RequestFront:
         self.aborts = aborts
         self.model = model
         self.structured = structured  # checks a constraint compiles (scheduler_svc/grammar)
+        self.loras = loras if loras is not None else LoraRegistry()  # adapter names
         # Embed calls in flight (engine/embeds.py); the step loop hands it pooled vectors.
         self.embeds = EmbedRequests(
             config, lifecycle, pool, model, table.usage, self._check_available
@@ -96,7 +100,12 @@ class RequestFront:
             raise QueueFull(f"waiting queue is full ({self.config.max_waiting} requests)")
         if inp.owner:
             self.table.usage.check(inp.owner, len(prompt))
-        handle = RequestHandle(req_id, prompt, inp.params, inp.priority, arrival_time=time.time())
+        lora = self.loras.resolve(inp.lora_adapter) if inp.lora_adapter else None
+        if lora is not None:
+            self._max_lora_rank()
+        handle = RequestHandle(
+            req_id, prompt, inp.params, inp.priority, arrival_time=time.time(), lora=lora
+        )
         # Held until the handle is registered: an abort of this id waits for that rather than
         # finding neither a handle nor a stored request (engine/aborts.py).
         with self.aborts.creating.hold(req_id):
@@ -123,6 +132,7 @@ class RequestFront:
             priority=handle.priority,
             arrival_time=handle.arrival_time,
             n=handle.params.n,
+            lora=stored_lora(handle.lora),
         )
         try:
             return await self.store.create(record)
@@ -143,6 +153,7 @@ class RequestFront:
             handle.params,
             priority=handle.priority,
             arrival_time=handle.arrival_time,
+            lora=handle.lora,
         )
         handle.executor = self.pool.place(req)
 
@@ -257,9 +268,33 @@ class RequestFront:
         m = self.model
         return RequestView.from_stored(rec, params, m.tokenizer, m.eos_token_ids, m.max_model_len)
 
+    async def load_lora_adapter(self, name: str, path: str) -> tuple[str, str, int]:
+        """Register an adapter (ValidationError / NotFound saying why not): name, path, rank.
+        Every executor reads it and checks it against the model first."""
+        self._check_available()
+        self.loras.max_rank = self._max_lora_rank()
+        self.loras.base_model_names = tuple({ex.describe.model_name for ex in self.pool.executors})
+        ref = self.loras.check(name, path).ref
+        await load_on_executors(self.pool.executors, ref.name, ref.path)
+        info = self.loras.load(name, path)
+        log.info("lora.loaded", name=name, path=info.ref.path, rank=info.rank)
+        return info.ref.name, info.ref.path, info.rank
+
+    def _max_lora_rank(self) -> int:
+        rank = max((ex.describe.max_lora_rank for ex in self.pool.executors), default=0)
+        if not rank:
+            raise ValidationError("the executors serve no LoRA (start them with --enable-lora)")
+        return rank
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.loras.unload(name)
+        log.info("lora.unloaded", name=name)
+
     def server_info(self) -> ServerInfo:
         self.lifecycle.check()
-        return server_info(self.pool.executors, self.config, self.model)
+        info = server_info(self.pool.executors, self.config, self.model)
+        info.lora_adapters = [(a.ref.name, a.ref.path, a.rank) for a in self.loras.adapters()]
+        return info
 
 
 def _given_id(inp: GenerateInput) -> str:

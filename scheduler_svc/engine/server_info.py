@@ -39,6 +39,7 @@ def server_info(
         prefix_cache_hit_rate=hits / queries if queries else 0.0,
         hidden_size=d.hidden_size,
         **_spec_fields(cores, config),
+        max_loras=d.max_loras,
     )
 
 
@@ -66,4 +67,6 @@ def _executor_info(ex: ExecutorHandle) -> ExecutorInfo:
         prefix_cache_queries=ex.sched.block_manager.prefix_cache_queries,
         prefix_cache_hits=ex.sched.block_manager.prefix_cache_hits,
         draining=ex.draining,
+        dtype=ex.describe.dtype,
+        cpu_kernel_isa=ex.describe.cpu_kernel_isa,
     )

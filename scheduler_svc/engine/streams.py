@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler_svc.core.errors import Unavailable
+from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.request import FinishReason, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.output.processor import OutputDelta, SequenceOutputState
@@ -133,8 +134,10 @@ class RequestHandle:
         params: SamplingParams,
         priority: int,
         arrival_time: float,
+        lora: LoraRef | None = None,
     ) -> None:
         self.req_id = req_id
+        self.lora = lora  # its LoRA adapter (stored with it); None: the base model
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.priority = priority
@@ -163,7 +166,8 @@ class RequestHandle:
 
     @classmethod
     def from_stored(cls, rec: StoredRequest, params: SamplingParams) -> RequestHandle:
-        return cls(rec.req_id, rec.prompt_token_ids, params, rec.priority, rec.arrival_time)
+        lora = LoraRef(*rec.lora) if rec.lora else None
+        return cls(rec.req_id, rec.prompt_token_ids, params, rec.priority, rec.arrival_time, lora)
 
     def init_outputs(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int) -> None:
         self.states = [

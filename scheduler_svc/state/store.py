@@ -83,6 +83,7 @@ class StoredRequest:
     stop_reasons: list[str | None] = field(default_factory=list)
     error: str = ""
     prompt_logprobs: list[Any] | None = None  # JSON entries, prompt positions 1.. (if asked)
+    lora: list[str] | None = None  # [name, path] of its LoRA adapter; None: the base model
 
 
 @dataclass(slots=True)
@@ -249,6 +250,8 @@ class RequestStore:
             "stop_reasons": json.dumps([None] * rec.n),
             "error": "",
         }
+        if rec.lora is not None:
+            mapping["lora"] = json.dumps(rec.lora)
         args: list[Any] = [
             self.epoch,
             rec.req_id,
@@ -496,4 +499,5 @@ def _decode_record(req_id: str, fields: dict[bytes, bytes]) -> StoredRequest:
         stop_reasons=json.loads(f.get("stop_reasons", "[]")),
         error=f.get("error", ""),
         prompt_logprobs=json.loads(f["prompt_logprobs"]) if "prompt_logprobs" in f else None,
+        lora=json.loads(f["lora"]) if "lora" in f else None,
     )

@@ -219,7 +219,9 @@ def test_dockerfile_shape() -> None:
 
     text = (ROOT / "Dockerfile").read_text()
     compile_line = text[text.index("g++ -O3") : text.index("/src/*.cpp -o")]
-    assert compile_line.replace("\\", " ").split()[1:] == [*library.FLAGS, library.PORTABLE_MARCH]
+    assert compile_line.replace("\\", " ").split()[1:] == [*library.FLAGS, "$march"]
+    for name, (march, _) in library.VARIANTS.items():  # every variant, with its own flags
+        assert f'"{name}:{" ".join(march)}"' in text, name
     assert "ENV LLMSERVE_KERNEL_LIB=" in text
     # The image installs the runtime dependencies only: no CUDA-only triton (a CUDA torch
     # brings its own) and nothing only tests or `make run` use.

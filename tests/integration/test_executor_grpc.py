@@ -18,6 +18,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from executor_svc.kernels import library
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 from tests.support.executor_driver import (
@@ -226,6 +227,7 @@ def test_describe(served: Served, driver: ExecutorDriver) -> None:
     assert info.model_name == served.model_dir.name
     assert info.architecture.endswith("ForCausalLM")
     assert (info.dtype, info.device, info.attention_backend) == ("float32", "cpu", "torch")
+    assert info.cpu_kernel_isa == library.variant()  # "" where no kernel library loads
     assert (info.block_size, info.num_device_blocks) == (BLOCK_SIZE, 192)
     assert info.num_cpu_blocks > 0
     assert (info.vocab_size, info.max_model_len) == (VOCAB, 512)

@@ -56,6 +56,7 @@ def test_requests_follow_their_cached_prefix(tmp_path, policy: str, hits: int) -
         )
         assert cli.returncode == 0, cli.stderr
         assert cli.stdout.count("prefix-cache hit rate") == 2
+        assert cli.stdout.count(", float32") == 2  # each executor's dtype (auto: fp32 in tests)
         assert "routing: " + policy in cli.stdout
         if policy == "round-robin":  # both executors served requests
             assert all(e.prefix_cache_queries > 0 for e in info.executors)

@@ -10,6 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from executor_svc.kernels import library
 from protos import scheduler_pb2 as pb
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import (
@@ -155,6 +156,10 @@ def test_server_info_and_health(llmserve_stack, api):
     info = api.GetServerInfo(pb.GetServerInfoRequest())
     assert info.model and info.max_model_len > 0 and info.block_size > 0
     assert len(info.executors) == 1 and info.executors[0].healthy
+    # The suite pins `--dtype auto` to fp32 (tests/conftest.py); the kernel variant is the best
+    # one this CPU runs, as the executor process logged it (cpu_kernel.variant).
+    assert info.executors[0].dtype == "float32"
+    assert info.executors[0].cpu_kernel_isa in ("", *library.supported_variants()[:1])
     with grpc.insecure_channel(llmserve_stack.address) as ch:
         r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
         assert r.status == health_pb2.HealthCheckResponse.SERVING

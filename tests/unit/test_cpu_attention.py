@@ -181,7 +181,8 @@ def test_rope_write_and_attention_in_one_call_match_the_separate_ops(head_dim, b
     assert cpu_ops.attend_rope(qk.bfloat16(), v, cos, sin, h, kc, vc, metadata(), 0.1) is None
 
 
-def test_bfloat16_goes_to_the_torch_ops():
+def test_bfloat16_cache_and_rows_go_through_the_kernel():
+    """bf16 rows over a bf16 cache: the kernel's bf16-K/V build (fp32 inside), a bf16 result."""
     query, kc, vc, bt, sl, qsl, dense = make_batch([1, 3], [20, 3], dtype=torch.bfloat16)
     out = cpu_ops.paged_attention(query, kc, vc, bt, sl, qsl, 0.25)
     assert out.dtype == torch.bfloat16

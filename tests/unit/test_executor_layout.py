@@ -17,6 +17,7 @@ FLOORS = {
     "attention": 2,
     "parallel": 2,
     "models": 3,
+    "lora": 3,  # the adapter table and batched apply; installs itself on models' layers by duck type
     "runner": 4,
     "api": 5,
     "tools": 1,  # the demo builder: imports config only; api and cli import it lazily

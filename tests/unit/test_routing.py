@@ -148,3 +148,38 @@ def test_a_burst_with_a_new_prefix_follows_the_first_request() -> None:
     first.step_id += 1000
     assert cached_prefix_blocks(first, request("x", PREFIX_B, own=9), {}, {}) == 0
     assert router.choose([a, b], request("late", PREFIX_B, own=8)) is not first
+
+
+def test_lora_requests_prefer_the_executor_holding_their_adapter() -> None:
+    from scheduler_svc.core.lora import LoraRef
+
+    a, b = executor("a"), executor("b")
+    router = Router("kv")
+    lora = LoraRef("ad", "/adapters/ad")
+
+    def lora_request(rid: str, own: int) -> Request:
+        prompt = [9000 + own * 10 + j for j in range(7)]
+        return Request(rid, prompt, SamplingParams(max_tokens=2), lora=lora)
+
+    first = router.choose([a, b], lora_request("r0", 0))
+    other = b if first is a else a
+    # Load on the holder short of the adapter miss cost keeps the adapter's requests there.
+    for i in range(3):
+        first.sched.add_request(request(f"busy{i}", [], own=i + 1))
+    assert router.choose([a, b], lora_request("r1", 1)) is first
+    assert router.holds_adapter(first, lora_request("r2", 2))
+    assert not router.holds_adapter(other, lora_request("r2", 2))
+    # A base-model request sees no adapter term: it goes to the idle executor.
+    assert router.choose([a, b], request("base", [], own=5)) is other
+
+
+def test_a_lora_prefix_is_not_a_base_model_hit() -> None:
+    from scheduler_svc.core.lora import LoraRef
+
+    a = executor("a")
+    warm(a, PREFIX_A, "w")
+    lora_req = Request(
+        "l", [*PREFIX_A, 1, 2, 3], SamplingParams(max_tokens=2), lora=LoraRef("x", "/x")
+    )
+    assert cached_prefix_blocks(a, lora_req, {}) == 0
+    assert cached_prefix_blocks(a, request("r", PREFIX_A, own=1), {}) == len(PREFIX_A) // BS

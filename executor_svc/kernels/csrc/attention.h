@@ -6,9 +6,55 @@
 #include <cstdint>
 #include <vector>
 
+#include <cstring>
+
 #include "simd.h"
 
+// The cache's element type: fp32, or bf16 when csrc/paged_attention_bf16kv.cpp compiles these
+// sources a second time with LLMSERVE_KV_BF16 (everything then lands in namespace
+// llmserve_kvbf16, which sees llmserve's vector helpers, and the entry point gets its own name).
+// Scores, softmax and accumulators are fp32 either way; a bf16 key or value widens exactly.
+#if defined(LLMSERVE_KV_BF16)
+namespace llmserve_kvbf16 {
+using namespace llmserve;
+}
+#define llmserve llmserve_kvbf16
+#define LLMSERVE_PAGED_ATTENTION llmserve_paged_attention_bf16kv
+#else
+#define LLMSERVE_PAGED_ATTENTION llmserve_paged_attention_f32
+#endif
+
 namespace llmserve {
+
+#if defined(LLMSERVE_KV_BF16)
+typedef uint16_t kv_t;
+typedef uint32_t kv_u32x16 __attribute__((vector_size(64)));
+typedef uint16_t kv_u16x16 __attribute__((vector_size(32)));
+inline v16 load_kv16(const kv_t* p) {
+  kv_u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const kv_u32x16 bits = __builtin_convertvector(h, kv_u32x16) << 16;
+  v16 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+inline float kv_get(kv_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline kv_t kv_from(float f) {  // round to nearest even (finite values)
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return (kv_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+#else
+typedef float kv_t;
+inline v16 load_kv16(const kv_t* p) { return load16(p); }
+inline float kv_get(kv_t v) { return v; }
+inline kv_t kv_from(float f) { return f; }
+#endif
 
 constexpr int TILE = 16;          // query tokens per work item
 // Keys per softmax chunk of the vectorised path. Chunks start at multiples of it, whatever the
@@ -25,7 +71,7 @@ struct Item {
 
 struct Args {
   const float* q; int64_t q_stride_t, q_stride_h;  // query [num_tokens, H, D], any row strides
-  const float* k_cache; const float* v_cache;
+  const kv_t* k_cache; const kv_t* v_cache;
   const int32_t* block_tables; int64_t bt_stride;
   const int32_t* seq_lens; const int32_t* qsl;
   int H, KVH, D, BS;

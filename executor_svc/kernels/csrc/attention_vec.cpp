@@ -26,27 +26,27 @@ namespace {
 // Scores of n <= 16 keys for few rows (decodes): one dot product per (row, key), the 16 keys'
 // partial sums reduced together. s has row stride ss.
 template <int DV>
-void scores_dot(const float* q, int rows, const float* kb, int64_t ts, int n, float* s, int ss,
-                const float* next) {
+void scores_dot(const float* q, int rows, const kv_t* kb, int64_t ts, int n, float* s, int ss,
+                const kv_t* next) {
   for (int i = 0; i < rows; ++i, q += 16 * DV, s += ss) {
     v16 qv[DV];
     for (int v = 0; v < DV; ++v) qv[v] = load16(q + 16 * v);
     if (n == 16) {
       v16 acc[16];
       for (int u = 0; u < 16; ++u) {
-        const float* k = kb + u * ts;
+        const kv_t* k = kb + u * ts;
         if (next && i == 0)
           for (int v = 0; v < DV; ++v) __builtin_prefetch(next + u * ts + 16 * v);
-        acc[u] = qv[0] * load16(k);
-        for (int v = 1; v < DV; ++v) acc[u] += qv[v] * load16(k + 16 * v);
+        acc[u] = qv[0] * load_kv16(k);
+        for (int v = 1; v < DV; ++v) acc[u] += qv[v] * load_kv16(k + 16 * v);
       }
       store16(s, reduce16(acc));
       continue;
     }
     for (int u = 0; u < n; ++u) {
-      const float* k = kb + u * ts;
-      v16 acc = qv[0] * load16(k);
-      for (int v = 1; v < DV; ++v) acc += qv[v] * load16(k + 16 * v);
+      const kv_t* k = kb + u * ts;
+      v16 acc = qv[0] * load_kv16(k);
+      for (int v = 1; v < DV; ++v) acc += qv[v] * load_kv16(k + 16 * v);
       s[u] = hsum(acc);
     }
   }
@@ -55,8 +55,8 @@ void scores_dot(const float* q, int rows, const float* kb, int64_t ts, int n, fl
 // acc[r] += sum over keys j < n of s[r][j] * V[j], RB rows at a time with their accumulators
 // in registers (RB * DV <= 16 vectors).
 template <int DV, int RB>
-void weighted_v(const float* s, int rows, int ss, const float* vb, int64_t ts, int n, float* acc,
-                const float* next) {
+void weighted_v(const float* s, int rows, int ss, const kv_t* vb, int64_t ts, int n, float* acc,
+                const kv_t* next) {
   int i = 0;
   for (; i + RB <= rows; i += RB, next = nullptr) {
     v16 o[RB][DV];
@@ -66,7 +66,7 @@ void weighted_v(const float* s, int rows, int ss, const float* vb, int64_t ts, i
     const float* si = s + (size_t)i * ss;
     for (int j = 0; j < n; ++j) {
       v16 vv[DV];
-      for (int v = 0; v < DV; ++v) vv[v] = load16(vb + j * ts + 16 * v);
+      for (int v = 0; v < DV; ++v) vv[v] = load_kv16(vb + j * ts + 16 * v);
       if (next)
         for (int v = 0; v < DV; ++v) __builtin_prefetch(next + j * ts + 16 * v);
       for (int r = 0; r < RB; ++r) {
@@ -126,10 +126,10 @@ void attend_rows(const Args& a, const Rows& w, std::vector<float>& buf) {
     const int nk = std::min(c1 * BS, w.key_end) - key0;
     for (int b = c0; b < c1; ++b) {
       const int keys = std::min(BS, w.key_end - b * BS);
-      const float* kb = a.k_cache + (int64_t)w.table[b] * BS * ts + head0;
+      const kv_t* kb = a.k_cache + (int64_t)w.table[b] * BS * ts + head0;
       // What this block's reads prefetch, a head slice per key: the next K block, and after
       // the chunk's last one the chunk's first V block (where the weighted sum starts).
-      const float* kn = (b + 1 < c1 ? a.k_cache + (int64_t)w.table[b + 1] * BS * ts
+      const kv_t* kn = (b + 1 < c1 ? a.k_cache + (int64_t)w.table[b + 1] * BS * ts
                                     : a.v_cache + (int64_t)w.table[c0] * BS * ts) + head0;
       for (int hl = 0; hl < w.heads; ++hl)
         for (int k0 = 0; k0 < keys; k0 += 16) {  // 16 keys at a time (block_size may be 32)
@@ -152,8 +152,8 @@ void attend_rows(const Args& a, const Rows& w, std::vector<float>& buf) {
     }
     for (int b = c0; b < c1; ++b) {
       const int keys = std::min(BS, w.key_end - b * BS);
-      const float* vb = a.v_cache + (int64_t)w.table[b] * BS * ts + head0;
-      const float* vn = b + 1 < c1 ? a.v_cache + (int64_t)w.table[b + 1] * BS * ts + head0
+      const kv_t* vb = a.v_cache + (int64_t)w.table[b] * BS * ts + head0;
+      const kv_t* vn = b + 1 < c1 ? a.v_cache + (int64_t)w.table[b + 1] * BS * ts + head0
                         : c1 < w.b1 ? a.k_cache + (int64_t)w.table[c1] * BS * ts + head0
                                     : nullptr;
       for (int hl = 0; hl < w.heads; ++hl, vb += D)

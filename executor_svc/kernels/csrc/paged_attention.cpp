@@ -1,5 +1,6 @@
 // Paged attention for the CPU: one call per layer for the whole flattened batch (decodes and
-// prefill chunks alike), reading K/V in place through the block table. fp32 only.
+// prefill chunks alike), reading K/V in place through the block table. fp32 K/V, or bf16 K/V
+// (csrc/paged_attention_bf16kv.cpp; attention.h, kv_t) with fp32 arithmetic.
 //
 // Built by executor_svc/kernels/library.py with the system C++ compiler into a plain shared
 // library (no torch headers: it compiles in about a second) and called through ctypes.
@@ -34,16 +35,16 @@ namespace llmserve {
 namespace {
 
 // Softmax update and V accumulation of one row for n scores already in s (generic head_dim).
-void row_update(float* s, int n, const float* vb, int64_t tok_stride, int D, float& m, float& l,
+void row_update(float* s, int n, const kv_t* vb, int64_t tok_stride, int D, float& m, float& l,
                 float* o) {
   const float corr = softmax_update(s, n, m, l);
 #pragma omp simd
   for (int d = 0; d < D; ++d) o[d] *= corr;
   for (int j = 0; j < n; ++j) {
     const float p = s[j];
-    const float* v = vb + j * tok_stride;
+    const kv_t* v = vb + j * tok_stride;
 #pragma omp simd
-    for (int d = 0; d < D; ++d) o[d] += p * v[d];
+    for (int d = 0; d < D; ++d) o[d] += p * kv_get(v[d]);
   }
 }
 
@@ -82,8 +83,8 @@ void run_item(const Args& a, const Item& it, std::vector<float>& buf) {
     const int64_t block_base = (int64_t)table[b] * BS * tok_stride + (int64_t)it.g0 * D;
     const int keys = std::min(BS, last + 1 - b * BS);
     for (int g = it.g0; g < it.g1; ++g) {
-      const float* kb = a.k_cache + block_base + (int64_t)(g - it.g0) * D;
-      const float* vb = a.v_cache + block_base + (int64_t)(g - it.g0) * D;
+      const kv_t* kb = a.k_cache + block_base + (int64_t)(g - it.g0) * D;
+      const kv_t* vb = a.v_cache + block_base + (int64_t)(g - it.g0) * D;
       for (int t = 0; t < ntok; ++t) {
         const int n = std::min(keys, pos0 + t + 1 - b * BS);  // causal: keys up to its position
         if (n <= 0) continue;
@@ -93,10 +94,10 @@ void run_item(const Args& a, const Item& it, std::vector<float>& buf) {
           float* s = sc + (size_t)r * BS;
           float* o = acc + (size_t)r * D;
           for (int k = 0; k < n; ++k) {
-            const float* kk = kb + k * tok_stride;
+            const kv_t* kk = kb + k * tok_stride;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < D; ++d) dot += q[d] * kk[d];
+            for (int d = 0; d < D; ++d) dot += q[d] * kv_get(kk[d]);
             s[k] = dot;
           }
           row_update(s, n, vb, tok_stride, D, m[r], l[r], o);
@@ -134,9 +135,9 @@ using namespace llmserve;
 // new K/V rows (k_new, v_new: [num_new, KVH, D], row strides given, heads contiguous) at their
 // slots (-1 = skip), K rotated by cos/sin when those are given; the query is rotated by the
 // same rows, so a layer's rope, K/V write and attention are this one call.
-extern "C" int llmserve_paged_attention_f32(
+extern "C" int LLMSERVE_PAGED_ATTENTION(
     const float* q, int64_t q_stride_t, int64_t q_stride_h,
-    float* k_cache, float* v_cache,
+    kv_t* k_cache, kv_t* v_cache,
     const int32_t* block_tables, int64_t bt_stride,
     const int32_t* seq_lens, const int32_t* query_start_loc, int num_seqs,
     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
@@ -152,14 +153,23 @@ extern "C" int llmserve_paged_attention_f32(
 #pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && num_new > 256)
   for (int t = 0; t < num_new; ++t) {
     if (slots[t] < 0) continue;
-    float* kd = k_cache + slots[t] * kv_row;
-    float* vd = v_cache + slots[t] * kv_row;
+    kv_t* kd = k_cache + slots[t] * kv_row;
+    kv_t* vd = v_cache + slots[t] * kv_row;
     const float* cs = cos ? cos + (int64_t)t * (head_dim / 2) : nullptr;
     const float* sn = sin ? sin + (int64_t)t * (head_dim / 2) : nullptr;
+#if defined(LLMSERVE_KV_BF16)
+    std::vector<float> row(head_dim);  // the rotated key in fp32, then rounded once
+    for (int g = 0; g < num_kv_heads; ++g) {
+      load_row(k_new + t * k_stride_t + (int64_t)g * head_dim, cs, sn, head_dim, 1.0f, row.data());
+      for (int d = 0; d < head_dim; ++d) kd[(int64_t)g * head_dim + d] = kv_from(row[d]);
+    }
+    for (int64_t i = 0; i < kv_row; ++i) vd[i] = kv_from(v_new[t * v_stride_t + i]);
+#else
     for (int g = 0; g < num_kv_heads; ++g)
       load_row(k_new + t * k_stride_t + (int64_t)g * head_dim, cs, sn, head_dim, 1.0f,
                kd + (int64_t)g * head_dim);
     __builtin_memcpy(vd, v_new + t * v_stride_t, sizeof(float) * kv_row);
+#endif
   }
   // One item per (sequence, tile) reads whole blocks; with threads to spare and few such items,
   // KV heads get items of their own so every thread has work.

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# One GPU session's checks and benchmarks, in the order a lent GPU's time is best spent:
+#   tests   the GPU tests (pytest -m gpu: Triton kernels compiled for real, the runner against
+#           HF in fp32/bf16/fp16, CUDA-graph replay against eager, step invariance on CUDA)
+#   decode  benchmarks/bench_decode.py --device cuda (SmolLM-135M shape, fp32)
+#   serve   a Llama-3-8B-shaped bf16 model (random weights, --load-format dummy) served by the
+#           real stack (executor + scheduler + Redis), driven by the benchmark harness with
+#           NUM_PROMPTS sharegpt-like prompts, all at once (offline throughput)
+# Usage: benchmarks/gpu_session.sh [tests] [decode] [serve] [serve-eager]   (default: all)
+# Logs go to $OUT (the device tool's folder) or ./gpu-out. Wheels the image lacks are installed
+# from .whl/ when present (see docs/benchmarks.md, "CUDA").
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+NUM_PROMPTS=${NUM_PROMPTS:-1000}
+MAX_SEQS=${MAX_SEQS:-512}
+DEVICE=${DEVICE:-cuda}
+# The served shape: Llama-3-8B's (SHAPE overrides it, e.g. for a dry run on a CPU).
+SHAPE=${SHAPE:-"--set hidden_size=4096 --set num_hidden_layers=32 --set num_attention_heads=32
+ --set num_key_value_heads=8 --set intermediate_size=14336 --set vocab_size=128256
+ --set max_position_embeddings=8192 --set rope_theta=500000.0 --set tie_word_embeddings=false"}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+export PATH=/tmp/site/bin:$PATH
+steps=${*:-tests decode serve}
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton',
+triton.__version__, 'transformers', transformers.__version__)"
+  lscpu | grep -E 'Model name|^CPU\(s\)'
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+for step in $steps; do
+  case $step in
+  tests)
+    timeout "${TESTS_TIMEOUT:-330}" $PY -m pytest -p no:cacheprovider -m gpu -s -q -rs --timeout 300 \
+      tests/unit/test_cuda_runner.py tests/unit/test_triton_kernels.py \
+      tests/unit/test_sampler.py tests/unit/test_step_invariance.py \
+      >"$OUT/tests.log" 2>&1
+    echo "tests rc=$?"; tail -25 "$OUT/tests.log"
+    ;;
+  decode)
+    timeout 150 $PY benchmarks/bench_decode.py --device cuda --batches 1,8,32,64,256 \
+      --repeats 3 --iters 20 >"$OUT/decode.log" 2>&1
+    echo "decode rc=$?"; tail -15 "$OUT/decode.log"
+    ;;
+  serve | serve-eager)
+    extra=()
+    [ "$step" = serve-eager ] && extra=(--enforce-eager)
+    work=$(mktemp -d)
+    # shellcheck disable=SC2086 # SHAPE is a list of options
+    $PY -m executor_svc.tools.demo_model "$work/llama3-8b-shape" --no-weights $SHAPE \
+      --set initializer_range=0.02 >/dev/null
+    log="$OUT/$step.log"
+    $PY -m executor_svc --model "$work/llama3-8b-shape" --device "$DEVICE" --dtype bfloat16 \
+      --load-format dummy --port 0 --port-file "$work/executor.port" --log-level info \
+      --metrics-port 9464 \
+      "${extra[@]}" ${EXECUTOR_ARGS:-} >"$log" 2>&1 &
+    epid=$!
+    for _ in $(seq 600); do [ -s "$work/executor.port" ] && break; sleep 0.5; done
+    $PY -m scheduler_svc --executor "127.0.0.1:$(cat "$work/executor.port")" \
+      --redis-dir "$work/redis" --port 0 --port-file "$work/scheduler.port" \
+      --max-num-seqs "$MAX_SEQS" --max-num-batched-tokens 8192 --log-level warning \
+      --metrics-port 9465 \
+      >>"$log" 2>&1 &
+    spid=$!
+    for _ in $(seq 240); do [ -s "$work/scheduler.port" ] && break; sleep 0.5; done
+    if [ -n "${PROFILE:-}" ] && command -v py-spy >/dev/null; then
+      # Where the two processes' CPU time goes, as collapsed stacks (one line per stack).
+      (sleep "${PROFILE_DELAY:-12}"
+       py-spy record --format raw -r 40 -d 15 -o "$OUT/prof-executor.txt" --pid "$epid" &
+       py-spy record --format raw -r 40 -d 15 -o "$OUT/prof-scheduler.txt" --pid "$spid" &
+       nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader -l 1 >"$OUT/gpu-util.txt" &
+       sleep 16; kill %3) >/dev/null 2>&1 &
+    fi
+    timeout "${SERVE_TIMEOUT:-300}" $PY -m client.bench throughput --backend llmserve \
+      --address "127.0.0.1:$(cat "$work/scheduler.port")" --workload sharegpt-like \
+      --num-prompts "$NUM_PROMPTS" --no-progress --output "$OUT/$step.json" >>"$log" 2>&1
+    echo "$step rc=$?"
+    $PY -c "import urllib.request as u
+for p in (9464, 9465): print(u.urlopen(f'http://127.0.0.1:{p}/metrics').read().decode())" \
+      | grep -E "^llmserve:(executor_phase|executor_step|redis_write|num_steps|executor_steps)" \
+      >"$OUT/$step-metrics.txt"
+    cat "$OUT/$step-metrics.txt"
+    kill "$spid" 2>/dev/null; sleep 2; kill "$epid" 2>/dev/null; wait 2>/dev/null
+    grep -E "cuda_graphs|num_device_blocks|kv_cache|error|Error" "$log" | head -8
+    cat "$OUT/$step.md" 2>/dev/null || tail -20 "$log"
+    ;;
+  esac
+done

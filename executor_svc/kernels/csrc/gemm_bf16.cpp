@@ -1,0 +1,290 @@
+// Step-invariant bf16 GEMM: y[M, N] = x[M, K] @ w[K, N] (+ bias[N]) with x and w in bf16, fp32
+// accumulation, y in fp32 or rounded to bf16. Part of the CPU kernel library
+// (executor_svc/kernels/library.py); called from executor_svc/kernels/gemm_bf16.py.
+//
+// The order, by construction: one fp32 register accumulator per output element, acc = 0, then
+// for each pair of k (k = 2i, 2i + 1; i ascending): acc += x[2i+1] * w[2i+1], then
+// acc += x[2i] * w[2i], each a single rounding; then bias, then the optional bf16 rounding (to
+// nearest even). That is what AVX512-BF16's vdpbf16ps does per lane (odd element first, products
+// of two bf16 exact in fp32, round to nearest even, denormals flushed). Tiles of several rows
+// widen bf16 by a 16-bit shift and issue those two FMAs in that order under MXCSR flush-to-zero
+// + denormals-are-zero, the same bits; on this project's AVX512-BF16 CPU an FMA pair is ~2x the
+// multiply-adds per second of one vdpbf16ps. A single row (decode, memory-bound) takes
+// vdpbf16ps where the variant has it, the widening FMAs elsewhere. Tests check every variant and
+// both paths give the same bits (tests/unit/test_gemm_bf16.py). No K split, no partial sums;
+// threads split panels and row blocks: a row computed alone and the same row in a 512-row
+// prefill give the same bits (step invariance, config/numerics.py).
+//
+// Weights, packed once at load: [ceil(N / kNR)][K / 2][kNR][2] (panels of kNR columns; for each
+// pair of k, the kNR columns' two values side by side, the operand layout of vdpbf16ps; the last
+// panel zero-padded). K must be even (the wrapper pads).
+
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+
+using namespace llmserve;
+
+namespace {
+
+constexpr int kNR = 48;  // panel width: 3 vectors of 16 fp32 accumulators (32 bf16 per load)
+constexpr int kVecs = kNR / 16;
+constexpr int kMR = 8;      // rows per tile: 8 x 3 = 24 accumulators
+constexpr int kGemvP = 4;   // panels in flight for one row (memory-bound decode)
+constexpr int64_t kABytes = 256 * 1024;  // a row block of x kept in L2 across the panels
+
+#if defined(__AVX512BF16__)
+constexpr const char* kPath = "avx512bf16";
+#elif defined(__AVX512F__)
+constexpr const char* kPath = "avx512f";
+#elif defined(__AVX2__)
+constexpr const char* kPath = "avx2";
+#else
+constexpr const char* kPath = "generic";
+#endif
+
+typedef uint32_t u16x __attribute__((vector_size(64)));  // 16 bf16 pairs
+
+inline v16 splat(float s) { return v16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+
+// acc + a * b with one rounding, as an explicit instruction where there is one (so contraction
+// choices of the compiler cannot differ between tile shapes).
+inline v16 fma_v(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  typedef float v8 __attribute__((vector_size(32)));
+  const v8 lo = (v8)_mm256_fmadd_ps((__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+                                    (__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+                                    (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+  const v8 hi = (v8)_mm256_fmadd_ps(
+      (__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+      (__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+      (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return a * b + c;  // no FMA (below x86-64-v3): not a variant the library dispatches to
+#endif
+}
+
+// The two halves of 16 packed pairs as fp32: element 2i + 1 (high 16 bits) and 2i (low).
+inline void widen(const uint16_t* w, v16* hi, v16* lo) {
+  u16x wv;
+  std::memcpy(&wv, w, sizeof wv);
+  const u16x h = wv & 0xFFFF0000u, l = wv << 16;
+  std::memcpy(hi, &h, sizeof h);
+  std::memcpy(lo, &l, sizeof l);
+}
+
+// MXCSR for the duration of a thread's share: round to nearest, exceptions masked, and flush-
+// to-zero + denormals-are-zero, which vdpbf16ps applies whatever MXCSR says: the widening
+// variants then match it bit for bit.
+struct BfMode {
+#if defined(__SSE__)
+  unsigned saved = _mm_getcsr();
+  BfMode() { _mm_setcsr(0x9FC0); }
+  ~BfMode() { _mm_setcsr(saved); }
+#endif
+};
+
+inline uint16_t to_bf16(float f) {  // round to nearest even (finite values)
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+struct Out {
+  float* f32;      // fp32 output, or null
+  uint16_t* bf16;  // bf16 output, or null
+  int64_t ld;
+
+  void put(int64_t r, int64_t c, float v) const {
+    if (f32)
+      f32[r * ld + c] = v;
+    else
+      bf16[r * ld + c] = to_bf16(v);
+  }
+};
+
+// Bias, then the store (fp32, or rounded to bf16) of a tile's accumulators.
+template <int R, int P>
+inline void finish(const v16 (&acc)[R][P][kVecs], const float* bias, const Out& y, int64_t row0,
+                   int64_t col0, int64_t ncols) {
+  for (int r = 0; r < R; ++r) {
+    float buf[P * kNR];
+    for (int p = 0; p < P; ++p)
+      for (int j = 0; j < kVecs; ++j) store16(buf + p * kNR + 16 * j, acc[r][p][j]);
+    for (int64_t c = 0; c < ncols; ++c) y.put(row0 + r, col0 + c, bias ? buf[c] + bias[c] : buf[c]);
+  }
+}
+
+// R rows x P consecutive panels of y, from row `row0` and column `col0`; ncols valid columns.
+// xf: the rows widened to fp32. Weights widened by shift and mask, two FMAs per pair (the
+// rows share each widened weight vector); this is the compute-bound shape (several rows), where
+// FMAs outrun vdpbf16ps on the CPUs measured (docs/benchmarks.md).
+template <int R, int P>
+void tile(const float* xf, int64_t ldx, int64_t K2, const uint16_t* w, const float* bias,
+          const Out& y, int64_t row0, int64_t col0, int64_t ncols) {
+  const int64_t pstride = K2 * kNR * 2;  // uint16 per panel
+  v16 acc[R][P][kVecs];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+      for (int j = 0; j < kVecs; ++j) acc[r][p][j] = v16{};
+  for (int64_t i = 0; i < K2; ++i) {
+    v16 hi[P][kVecs], lo[P][kVecs];
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+      for (int j = 0; j < kVecs; ++j)
+        widen(w + p * pstride + i * (kNR * 2) + 32 * j, &hi[p][j], &lo[p][j]);
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      const v16 xh = splat(xf[r * ldx + 2 * i + 1]), xl = splat(xf[r * ldx + 2 * i]);
+#pragma GCC unroll 32
+      for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+        for (int j = 0; j < kVecs; ++j)
+          acc[r][p][j] = fma_v(xl, lo[p][j], fma_v(xh, hi[p][j], acc[r][p][j]));
+    }
+  }
+  finish<R, P>(acc, bias, y, row0, col0, ncols);
+}
+
+#if defined(__AVX512BF16__)
+// One row (a decode) with vdpbf16ps, one instruction per pair and 16 columns: the same chain as
+// `tile` (module comment), from the bf16 row itself.
+template <int P>
+void tile_dp(const uint16_t* x, int64_t K2, const uint16_t* w, const float* bias, const Out& y,
+             int64_t col0, int64_t ncols) {
+  const int64_t pstride = K2 * kNR * 2;
+  v16 acc[1][P][kVecs];
+#pragma GCC unroll 32
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+    for (int j = 0; j < kVecs; ++j) acc[0][p][j] = v16{};
+  for (int64_t i = 0; i < K2; ++i) {
+    uint32_t pair;
+    std::memcpy(&pair, x + 2 * i, 4);
+    const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+      for (int j = 0; j < kVecs; ++j)
+        acc[0][p][j] = (v16)_mm512_dpbf16_ps(
+            (__m512)acc[0][p][j], a,
+            (__m512bh)_mm512_loadu_si512(w + p * pstride + i * (kNR * 2) + 32 * j));
+  }
+  finish<1, P>(acc, bias, y, 0, col0, ncols);
+}
+#endif
+
+using TileFn = void (*)(const float*, int64_t, int64_t, const uint16_t*, const float*,
+                        const Out&, int64_t, int64_t, int64_t);
+constexpr TileFn kRowTiles[kMR + 1] = {nullptr,    tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>,
+                                       tile<5, 1>, tile<6, 1>, tile<7, 1>, tile<kMR, 1>};
+
+struct Gemm {
+  const uint16_t* x;  // [M, ldx] bf16
+  const float* xf;    // the same rows widened to fp32, [M, 2 * K2]
+  int64_t M, K2, ldx;
+  const uint16_t* w;
+  int64_t N, P;
+  const float* bias;
+  Out y;
+
+  int64_t cols(int64_t p) const { return p == P - 1 ? N - p * kNR : kNR; }
+
+  void rows_of_panel(int64_t p, int64_t m0, int64_t m1) const {
+    const uint16_t* wp = w + p * K2 * kNR * 2;
+    const float* bp = bias ? bias + p * kNR : nullptr;
+    for (int64_t m = m0; m < m1; m += kMR) {
+      const int64_t r = m1 - m < kMR ? m1 - m : kMR;
+      kRowTiles[r](xf + m * 2 * K2, 2 * K2, K2, wp, bp, y, m, p * kNR, cols(p));
+    }
+  }
+
+  // One row: kGemvP panels per pass keep enough loads and independent chains in flight.
+  void gemv(int64_t p0, int64_t p1) const {
+    int64_t p = p0;
+    for (; p + kGemvP <= p1; p += kGemvP) {
+      const int64_t ncols = (p + kGemvP == P) ? N - p * kNR : kGemvP * kNR;
+      const float* bp = bias ? bias + p * kNR : nullptr;
+#if defined(__AVX512BF16__)
+      tile_dp<kGemvP>(x, K2, w + p * K2 * kNR * 2, bp, y, p * kNR, ncols);
+#else
+      tile<1, kGemvP>(xf, 2 * K2, K2, w + p * K2 * kNR * 2, bp, y, 0, p * kNR, ncols);
+#endif
+    }
+    for (; p < p1; ++p) rows_of_panel(p, 0, 1);
+  }
+};
+
+inline void share(int64_t total, int t, int nt, int64_t* begin, int64_t* end) {
+  *begin = total * t / nt;
+  *end = total * (t + 1) / nt;
+}
+
+}  // namespace
+
+// Panel width of the packed layout, and which instruction path this build runs.
+extern "C" int llmserve_gemm_bf16_nr() { return kNR; }
+extern "C" const char* llmserve_gemm_bf16_path() { return kPath; }
+
+// y = x [M, K] bf16 (row stride ldx) @ w (packed, see top) (+ bias [N] fp32 when not null); y
+// fp32 [M, N] (y_f32) or bf16 (y_bf16; exactly one is given) with row stride ldy. Returns 0, or
+// 1 for arguments it rejects (K odd, strides too small, no or two outputs).
+extern "C" int llmserve_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t ldx,
+                                  const uint16_t* w, int64_t N, const float* bias, float* y_f32,
+                                  uint16_t* y_bf16, int64_t ldy, int num_threads) {
+  if (M < 0 || K <= 0 || K % 2 || N <= 0 || ldx < K || ldx % 2 || ldy < N ||
+      (y_f32 == nullptr) == (y_bf16 == nullptr))
+    return 1;
+  if (M == 0) return 0;
+  if (num_threads < 1) num_threads = 1;
+  // The rows widened once (M x K floats, against M x K x N multiply-adds).
+  std::vector<float> xf((size_t)M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      const uint32_t bits = (uint32_t)x[m * ldx + k] << 16;
+      std::memcpy(&xf[(size_t)m * K + k], &bits, 4);
+    }
+  const Gemm g{x, xf.data(), M, K / 2, ldx, w, N, (N + kNR - 1) / kNR, bias,
+               Out{y_f32, y_bf16, ldy}};
+  int64_t mc = kABytes / (K * 2) / kMR * kMR;
+  if (mc < kMR) mc = kMR;
+  const int64_t blocks = (M + mc - 1) / mc;
+  mc = ((M + blocks - 1) / blocks + kMR - 1) / kMR * kMR;
+  const bool parallel = num_threads > 1 && M * K * N >= (1 << 17) && g.P * blocks > 1;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+  {
+    BfMode mode;
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t i0, i1;
+    if (M == 1) {
+      share(g.P, t, nt, &i0, &i1);
+      g.gemv(i0, i1);
+    } else if (g.P >= 2 * nt) {
+      share(g.P, t, nt, &i0, &i1);
+      for (int64_t m0 = 0; m0 < M; m0 += mc)
+        for (int64_t p = i0; p < i1; ++p) g.rows_of_panel(p, m0, m0 + mc < M ? m0 + mc : M);
+    } else {
+      share(blocks * g.P, t, nt, &i0, &i1);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t m0 = i / g.P * mc;
+        g.rows_of_panel(i % g.P, m0, m0 + mc < M ? m0 + mc : M);
+      }
+    }
+  }
+  return 0;
+}

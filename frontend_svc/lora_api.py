@@ -1,0 +1,52 @@
+"""vLLM's LoRA routes: ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``
+(behind the API key like every route but health and metrics), over the scheduler's
+LoadLoraAdapter / UnloadLoraAdapter. Requests then select an adapter by ``model``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+
+from client.errors import LLMServeError
+from frontend_svc.errors import APIError, bad_request
+from frontend_svc.state import FrontendState
+
+router = APIRouter()
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM accepts it; names are what count here
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request):
+    state: FrontendState = request.app.state.frontend
+    if not body.lora_name:
+        raise bad_request("lora_name must not be empty", "lora_name")
+    if body.lora_name in (state.served_model_name, (await state.info()).model):
+        raise bad_request(f"{body.lora_name!r} is the base model's name", "lora_name")
+    try:
+        info = await state.client.load_lora_adapter(body.lora_name, body.lora_path)
+    except LLMServeError as e:
+        raise APIError.from_llmserve(e) from None
+    return PlainTextResponse(f"Success: LoRA adapter '{info.name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request):
+    state: FrontendState = request.app.state.frontend
+    try:
+        await state.client.unload_lora_adapter(body.lora_name)
+    except LLMServeError as e:
+        raise APIError.from_llmserve(e) from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

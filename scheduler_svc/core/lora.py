@@ -1,0 +1,55 @@
+"""LoRA in the scheduling core: which adapter a request runs with, the root of its prefix-cache
+hash chain (a hit never crosses adapters), and the per-step cap on distinct adapters.
+
+An adapter is (name, path): the registry (scheduler_svc/lora) resolves a name to its directory
+when a request arrives, and the pair travels with the request (Redis, the step message), so an
+adapter unloaded and loaded again from another directory is another adapter everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from hashlib import blake2b
+
+
+@dataclass(frozen=True, slots=True)
+class LoraRef:
+    name: str
+    path: str
+
+
+def lora_root_hash(lora: LoraRef | None) -> bytes | None:
+    """Parent hash of a sequence's first block: None for the base model, else the adapter's
+    (its KV differs from the base model's from the first layer's k/v projections on)."""
+    if lora is None:
+        return None
+    h = blake2b(b"llmserve-lora\0", digest_size=16)
+    h.update(lora.name.encode() + b"\0" + lora.path.encode())
+    return h.digest()
+
+
+class LoraBudget:
+    """The distinct adapters of one step: those of the requests already running, plus the ones
+    resumed or admitted while the step is planned; never more than ``max_loras`` (0: no cap)."""
+
+    def __init__(self, max_loras: int, running: Iterable[LoraRef | None]) -> None:
+        self.max_loras = max_loras
+        self.loras = {lora for lora in running if lora is not None}
+
+    def fits(self, lora: LoraRef | None) -> bool:
+        return (
+            lora is None
+            or self.max_loras <= 0
+            or lora in self.loras
+            or len(self.loras) < self.max_loras
+        )
+
+    def add(self, lora: LoraRef | None) -> None:
+        if lora is not None:
+            self.loras.add(lora)
+
+
+def stored_lora(lora: LoraRef | None) -> list[str] | None:
+    """How a request's adapter is stored with it (Redis): [name, path], or None."""
+    return None if lora is None else [lora.name, lora.path]

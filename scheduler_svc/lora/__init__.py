@@ -1,0 +1,1 @@
+"""LoRA adapters on the scheduler: the registry of adapter names (``registry``)."""

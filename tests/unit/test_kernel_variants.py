@@ -1,0 +1,155 @@
+"""Kernels per instruction set: every library variant this CPU runs against the torch reference,
+the dispatch, and ``$LLMSERVE_CPU_ISA``.
+
+Each variant is the same sources built with other ``-march`` flags (kernels/library.py); they run
+here one after the other by forcing ``$LLMSERVE_CPU_ISA`` and reloading the library. Variants
+the CPU lacks skip.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from executor_svc.attention import cpu_ops
+from executor_svc.kernels import elementwise, gemm, gemm_bf16, library, sampling
+from tests.unit.test_torch_attention import dense_reference, make_batch
+
+RUNNABLE = library.supported_variants()
+needs_kernel = pytest.mark.skipif(not library.available(), reason="no C++ compiler here")
+
+
+@pytest.fixture
+def use_variant(monkeypatch):
+    """Load the library's ``name`` variant for this test (and the default one after it)."""
+
+    def use(name: str) -> None:
+        if name not in RUNNABLE:
+            pytest.skip(f"this CPU cannot run the {name} variant")
+        monkeypatch.setenv("LLMSERVE_CPU_ISA", name)
+        library.reset()
+        assert library.variant() == name
+
+    yield use
+    monkeypatch.delenv("LLMSERVE_CPU_ISA", raising=False)
+    library.reset()
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(library.VARIANTS))
+def test_each_variant_matches_the_torch_reference(use_variant, name):
+    use_variant(name)
+    g = torch.Generator().manual_seed(1)
+    # fp32 GEMM, packed and plain.
+    x, w, b = (
+        torch.randn(11, 200, generator=g),
+        torch.randn(200, 100, generator=g),
+        torch.randn(100),
+    )
+    ref = x @ w + b
+    torch.testing.assert_close(gemm.PanelWeight.pack(w).linear(x, b), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(gemm.matmul(x, w, b), ref, atol=1e-4, rtol=1e-4)
+    # bf16 GEMM (fp32 accumulation of bf16 products).
+    xb, wb = x.bfloat16(), w.bfloat16()
+    got = gemm_bf16.pack(wb).linear(xb.float(), b)
+    torch.testing.assert_close(got, xb.float() @ wb.float() + b, atol=1e-4, rtol=1e-4)
+    # Paged attention (decodes and prefill chunks, GQA).
+    query, kc, vc, bt, sl, qsl, dense = make_batch([1, 7, 1], [30, 7, 140], num_heads=6,
+                                                   num_kv_heads=2, head_dim=64)  # fmt: skip
+    out = cpu_ops.paged_attention(query, kc, vc, bt, sl, qsl, 0.125)
+    torch.testing.assert_close(out, dense_reference(query, qsl, dense, 0.125), atol=2e-5, rtol=1e-4)
+    # Fused elementwise and the sampler's reduction.
+    gate_up = torch.randn(5, 2 * 40, generator=g)
+    torch.testing.assert_close(
+        elementwise.silu_mul(gate_up),
+        F.silu(gate_up[:, :40]) * gate_up[:, 40:],
+        atol=1e-6,
+        rtol=1e-5,
+    )
+    h, d, nw = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.rand(96)
+    total, normed = elementwise.add_rms_norm(h, d, nw, 1e-6)
+    torch.testing.assert_close(total, h + d)
+    torch.testing.assert_close(normed, F.rms_norm(h + d, (96,), nw, 1e-6), atol=1e-5, rtol=1e-5)
+    logits = torch.randn(4, 1000, generator=g)
+    ids, lse = sampling.argmax_logsumexp(logits)
+    assert torch.equal(ids, logits.argmax(-1))
+    torch.testing.assert_close(lse, logits.logsumexp(-1))
+
+
+@needs_kernel
+def test_the_best_variant_is_picked_and_a_missing_one_is_refused(use_variant, monkeypatch):
+    library.reset()
+    assert library.variant() == RUNNABLE[0]
+    flags = set(library._cpu_features().split())
+    expected = "avx512bf16" if {"avx512_bf16", "avx512bw"} <= flags else RUNNABLE[0]
+    assert RUNNABLE[0] == expected
+    monkeypatch.setenv("LLMSERVE_CPU_ISA", "no-such-isa")
+    library.reset()
+    assert library.variant() == RUNNABLE[0]  # refused with a warning, the best one is used
+
+
+@needs_kernel
+def test_variants_give_the_same_bf16_bits(use_variant):
+    """The bf16 GEMM's chain is fixed by the module, not by the instruction set: vdpbf16ps (one
+    row, avx512bf16) and the widening FMAs (every other tile, every other variant) agree."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(19, 320, generator=g).bfloat16()
+    w = (torch.randn(320, 150, generator=g) * 0.05).bfloat16()
+    results = {}
+    for name in RUNNABLE:
+        use_variant(name)
+        packed = gemm_bf16.pack(w)
+        batch = packed.linear(x, None)
+        alone = torch.cat([packed.linear(x[i : i + 1], None) for i in range(x.shape[0])])
+        assert torch.equal(batch, alone), name
+        results[name] = batch
+    first = next(iter(results.values()))
+    assert all(torch.equal(first, r) for r in results.values()), list(results)
+
+
+@needs_kernel
+def test_a_folder_of_prebuilt_variants_serves_without_a_compiler(tmp_path):
+    """The Docker image's layout: $LLMSERVE_KERNEL_LIB a folder of <variant>.so files, no
+    compiler. With only the avx2 one there, a CPU that would take a better one falls back to it."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if "avx2" not in RUNNABLE:
+        pytest.skip("needs an x86-64-v3 CPU")
+    built, name = library._build("avx2")
+    assert built is not None and name == "avx2"
+    shutil.copy(built, tmp_path / "avx2.so")
+    code = (
+        "from executor_svc.kernels import gemm_bf16, library\n"
+        "assert library.variant() == 'avx2', library.variant()\n"
+        "assert gemm_bf16.isa_path() == 'avx2'\n"
+        "print('folder ok')\n"
+    )
+    env = dict(
+        os.environ, PATH=str(tmp_path), CXX="", LLMSERVE_KERNEL_DIR=str(tmp_path / "cache"),
+        LLMSERVE_KERNEL_LIB=str(tmp_path),
+    )  # fmt: skip
+    env.pop("LLMSERVE_CPU_ISA", None)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "folder ok" in result.stdout
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(library.VARIANTS))
+def test_bf16_kv_cache_attention_matches_the_reference(use_variant, name):
+    """The kernel's bf16-K/V build against the dense reference over the same (bf16) cache."""
+    use_variant(name)
+    query, kc, vc, bt, sl, qsl, dense = make_batch(
+        [1, 9, 1], [70, 9, 150], num_heads=6, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16
+    )
+    query = query.float()
+    out = cpu_ops.paged_attention(query, kc, vc, bt, sl, qsl, 0.125)
+    assert out.dtype == torch.float32
+    dense = [tuple(t.float() for t in d) for d in dense]
+    torch.testing.assert_close(out, dense_reference(query, qsl, dense, 0.125), atol=2e-5, rtol=1e-4)

@@ -1,0 +1,55 @@
+"""LoRA in the scheduling core: at most max_loras distinct adapters per step (later requests
+wait for a slot, in policy order), the adapter goes out with each new sequence, and prefix-cache
+hits never cross adapters."""
+
+from __future__ import annotations
+
+from scheduler_svc.core.lora import LoraRef
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.sampling_params import SamplingParams
+from tests.unit.test_scheduler import add, make_scheduler, step
+
+A, B, C = (LoraRef(n, f"/adapters/{n}") for n in "abc")
+
+
+def _req(i: int, lora: LoraRef | None, prompt: list[int] | None = None, max_tokens=3) -> Request:
+    prompt = prompt or [100 * (i + 1) + j for j in range(5)]
+    params = SamplingParams(max_tokens=max_tokens)
+    return Request(f"r{i}", prompt, params, arrival_time=float(i), lora=lora)
+
+
+def _loras_of(out) -> set:
+    return {s.lora for s in out.new_seqs}
+
+
+def test_more_adapters_than_max_loras_are_split_over_steps():
+    reqs = [_req(0, A), _req(1, None), _req(2, B), _req(3, C), _req(4, A), _req(5, None)]
+    sched = make_scheduler(max_loras=2, num_device_blocks=64)
+    add(sched, reqs)
+    out = step(sched)
+    # C would be a third adapter: it waits, and (policy order) so does everything behind it.
+    assert sorted(out.num_scheduled_tokens) == ["r0/0", "r1/0", "r2/0"]
+    assert _loras_of(out) == {A, None, B}
+    out = step(sched)
+    assert sorted(out.num_scheduled_tokens) == ["r0/0", "r1/0", "r2/0"] and not out.new_seqs
+    sched.abort_request("r2")  # B's last request ends: C gets its slot, then A and the base
+    out = step(sched)
+    assert sorted(out.num_scheduled_tokens) == ["r0/0", "r1/0", "r3/0", "r4/0", "r5/0"]
+    assert _loras_of(out) == {C, A, None}
+
+
+def test_no_cap_without_max_loras():
+    sched = make_scheduler()
+    add(sched, [_req(0, A), _req(1, B), _req(2, C)])
+    assert _loras_of(step(sched)) == {A, B, C}
+
+
+def test_prefix_cache_hits_stay_within_one_adapter():
+    prompt = list(range(1, 14))  # 3 full blocks of 4
+    sched = make_scheduler(enable_prefix_caching=True)
+    add(sched, [_req(0, A, prompt)])
+    step(sched)
+    add(sched, [_req(1, B, prompt), _req(2, None, prompt), _req(3, A, prompt)])
+    out = step(sched)
+    computed = {s.seq_id: s.num_computed_tokens for s in out.new_seqs}
+    assert computed == {"r1/0": 0, "r2/0": 0, "r3/0": 12}
