@@ -277,6 +277,9 @@ class ServerInfo:
     routing: str = ""
     tasks: list[str] = field(default_factory=list)  # "generate", "embed"
     hidden_size: int = 0  # an embedding's length without `dimensions`
+    # Speculative decoding: accepted / proposed tokens so far, and k (0: off).
+    spec_decode_acceptance_rate: float = 0.0
+    num_speculative_tokens: int = 0
     lora_adapters: list[LoraAdapterInfo] = field(default_factory=list)
     max_loras: int = 0  # distinct adapters per step; 0: the server serves no LoRA
 
@@ -313,6 +316,8 @@ class ServerInfo:
             ],
             routing=msg.routing,
             tasks=list(msg.tasks),
+            spec_decode_acceptance_rate=msg.spec_decode_acceptance_rate,
+            num_speculative_tokens=msg.num_speculative_tokens,
             lora_adapters=[LoraAdapterInfo(a.name, a.path, a.rank) for a in msg.lora_adapters],
             max_loras=msg.max_loras,
             hidden_size=msg.hidden_size,

@@ -37,6 +37,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token; None = none
     # Constrains the output (client/structured.py: json_schema, regex, choice, grammar, ...).
     structured_output: StructuredOutput | None = None
+    # Opt out of the server's speculative decoding (same tokens either way, only the speed).
+    disable_speculation: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +63,7 @@ class SamplingParams:
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
+            disable_speculation=self.disable_speculation,
         )
         if self.max_tokens is not None:
             msg.max_tokens = self.max_tokens

@@ -158,20 +158,22 @@ class BlockReplacement(_message.Message):
     def __init__(self, logical_index: _Optional[int] = ..., block_id: _Optional[int] = ...) -> None: ...
 
 class CachedSequence(_message.Message):
-    __slots__ = ("seq_id", "new_block_ids", "new_token_ids", "num_scheduled_tokens", "num_computed_tokens", "replaced_blocks")
+    __slots__ = ("seq_id", "new_block_ids", "new_token_ids", "num_scheduled_tokens", "num_computed_tokens", "replaced_blocks", "spec_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPLACED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_scheduled_tokens: int
     num_computed_tokens: int
     replaced_blocks: _containers.RepeatedCompositeFieldContainer[BlockReplacement]
-    def __init__(self, seq_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., replaced_blocks: _Optional[_Iterable[_Union[BlockReplacement, _Mapping]]] = ...) -> None: ...
+    spec_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., replaced_blocks: _Optional[_Iterable[_Union[BlockReplacement, _Mapping]]] = ..., spec_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockMapping(_message.Message):
     __slots__ = ("src", "dst")
@@ -230,16 +232,18 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "spec_sampled")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    spec_sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., spec_sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("seq_id", "first_position", "entries")

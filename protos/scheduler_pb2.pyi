@@ -43,7 +43,7 @@ POOLING_TYPE_LAST: PoolingType
 POOLING_TYPE_MEAN: PoolingType
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "skip_special_tokens", "logit_bias", "prompt_logprobs", "structured_output")
+    __slots__ = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "skip_special_tokens", "logit_bias", "prompt_logprobs", "structured_output", "disable_speculation")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     n: int
     max_tokens: int
     min_tokens: int
@@ -91,7 +92,8 @@ class SamplingParams(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     prompt_logprobs: int
     structured_output: StructuredOutput
-    def __init__(self, n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    disable_speculation: bool
+    def __init__(self, n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., disable_speculation: _Optional[bool] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -384,7 +386,7 @@ class ExecutorInfo(_message.Message):
     def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_device_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., healthy: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., draining: _Optional[bool] = ..., dtype: _Optional[str] = ..., cpu_kernel_isa: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "block_size", "num_waiting", "num_running", "num_swapped", "kv_cache_usage", "executors", "version", "max_logprobs", "vocab_size", "policy", "preemption_mode", "num_preemptions", "prefix_cache_hit_rate", "routing", "tasks", "hidden_size", "lora_adapters", "max_loras")
+    __slots__ = ("model", "max_model_len", "block_size", "num_waiting", "num_running", "num_swapped", "kv_cache_usage", "executors", "version", "max_logprobs", "vocab_size", "policy", "preemption_mode", "num_preemptions", "prefix_cache_hit_rate", "routing", "tasks", "hidden_size", "spec_decode_acceptance_rate", "num_speculative_tokens", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "lora_adapters", "max_loras")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +405,10 @@ class GetServerInfoResponse(_message.Message):
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     model: str
@@ -423,9 +429,13 @@ class GetServerInfoResponse(_message.Message):
     routing: str
     tasks: _containers.RepeatedScalarFieldContainer[str]
     hidden_size: int
+    spec_decode_acceptance_rate: float
+    num_speculative_tokens: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
     max_loras: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., version: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., policy: _Optional[str] = ..., preemption_mode: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., routing: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., hidden_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., executors: _Optional[_Iterable[_Union[ExecutorInfo, _Mapping]]] = ..., version: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., vocab_size: _Optional[int] = ..., policy: _Optional[str] = ..., preemption_mode: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., routing: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., hidden_size: _Optional[int] = ..., spec_decode_acceptance_rate: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "path", "rank")

@@ -16,6 +16,7 @@ from scheduler_svc import envs
 from scheduler_svc.api.auth import load_api_keys
 from scheduler_svc.api.server import SchedulerServer
 from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.spec_decode import SpeculativeConfig
 from scheduler_svc.engine import EngineConfig
 from scheduler_svc.engine.metrics import serve_metrics
 from scheduler_svc.engine.routing import ROUTING_POLICIES
@@ -55,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        help='speculative decoding, off by default; JSON like {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}. '
+        "Outputs (greedy and seeded) are unchanged; only the speed changes",
+    )
     p.add_argument(
         "--no-async-scheduling",
         action="store_true",
@@ -162,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
     return EngineConfig(
         executor_addresses=[] if args.discover_executors else args.executor or ["127.0.0.1:50061"],
@@ -178,6 +194,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         preemption_mode=args.preemption_mode,
         enable_prefix_caching=not args.no_prefix_caching,
         async_scheduling=not args.no_async_scheduling,
+        speculative=args.speculative_config,
         watermark=args.watermark,
         max_logprobs=args.max_logprobs,
         finished_ttl_s=args.finished_ttl,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from executor_svc.api.seq_state import SeqState
 from executor_svc.api.validation import StepPlan
 from executor_svc.runner.model_runner import (
     ModelRunner,
@@ -22,6 +23,7 @@ from executor_svc.runner.model_runner import (
     ScheduledSequence,
 )
 from executor_svc.runner.pooling import PooledResult, pooled_to_proto
+from executor_svc.runner.spec_verify import accept, blocks_to_keep
 from protos import executor_pb2 as pb
 
 BlockPairs = list[tuple[int, int]]
@@ -53,6 +55,12 @@ class StepWork:
             )
             for s, n in plan.scheduled
         ]
+        if plan.spec:  # proposals ride after the known tokens (runner/spec_verify.py)
+            for seq in seqs:
+                spec = plan.spec.get(seq.seq_id)
+                if spec:
+                    seq.token_ids = seq.token_ids + spec
+                    seq.spec_token_ids = spec
         return cls(
             seqs,
             [(m.src, m.dst) for m in request.blocks_to_swap_out],
@@ -119,15 +127,13 @@ def record_samples(plan: StepPlan, by_id: dict[str, SampleResult]) -> Samples:
         r = by_id.get(s.seq_id)
         if r is None:
             continue
-        s.token_ids.append(r.token_id)
-        sampled.append(
-            pb.SampledToken(
-                seq_id=r.seq_id,
-                token_id=r.token_id,
-                logprob=r.logprob,
-                top_logprobs=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in r.top_logprobs],
-            )
-        )
+        if r.spec is not None:
+            record_verified(s, plan.spec[s.seq_id], r, plan.block_size)
+        else:
+            s.token_ids.append(r.token_id)
+        sampled.append(_sampled_pb(r))
+        if r.spec:
+            sampled[-1].spec_sampled.extend(_sampled_pb(x) for x in r.spec)
     lane_tokens: list[int] = []
     lane_logprobs: list[float] = []
     for s in plan.lane:
@@ -137,6 +143,29 @@ def record_samples(plan: StepPlan, by_id: dict[str, SampleResult]) -> Samples:
         lane_tokens.append(r.token_id)
         lane_logprobs.append(r.logprob)
     return Samples(sampled, lane_tokens, lane_logprobs)
+
+
+def _sampled_pb(r: SampleResult) -> pb.SampledToken:
+    return pb.SampledToken(
+        seq_id=r.seq_id,
+        token_id=r.token_id,
+        logprob=r.logprob,
+        top_logprobs=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in r.top_logprobs],
+    )
+
+
+def record_verified(s: SeqState, proposed: list[int], r: SampleResult, block_size: int) -> None:
+    """A verifying sequence keeps the draws up to the first rejected proposal; the KV of the
+    rejected positions is left behind (overwritten later) and the blocks past what its known
+    tokens need go back to the scheduler, which drops the same ones."""
+    assert r.spec is not None
+    drawn = [r.token_id, *(x.token_id for x in r.spec)]
+    accepted = accept(proposed, drawn)
+    s.num_computed_tokens -= len(proposed) - accepted
+    s.token_ids.extend(drawn[: accepted + 1])
+    keep = blocks_to_keep(len(s.block_table), len(s.token_ids), block_size)
+    if keep < len(s.block_table):
+        s.block_table[:] = s.block_table.tolist()[:keep]
 
 
 def build_reply(

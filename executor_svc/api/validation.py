@@ -40,6 +40,9 @@ class StepPlan:
     lane: list[SeqState] = field(default_factory=list)
     # Structured output: seq_id -> this step's allowed tokens as packed words (TokenMask).
     token_masks: dict[str, np.ndarray] = field(default_factory=dict)
+    # Speculative decoding: seq_id -> the proposals it verifies this step (CachedSequence).
+    spec: dict[str, list[int]] = field(default_factory=dict)
+    block_size: int = 0  # what a verifying sequence's kept blocks are counted in
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +99,13 @@ def validate_step(
     scheduled.extend((s, 1) for s in lane)
     states = {s.seq_id: s for s, _ in scheduled}
     masks = _check_token_masks(request.token_masks, scheduled, limits.vocab_size)
+    spec = {c.seq_id: list(c.spec_token_ids) for c in request.cached_sequences if c.spec_token_ids}
+    if spec and masks and not spec.keys().isdisjoint(masks):
+        raise InvalidStep("token_masks: a constrained sequence cannot verify spec_token_ids")
     lora_error = check_step_loras((s for s, _ in scheduled), getattr(runner, "lora", None))
     if lora_error is not None:
         raise InvalidStep(lora_error)
-    return StepPlan(new_states, scheduled, states, lane, masks)
+    return StepPlan(new_states, scheduled, states, lane, masks, spec, limits.block_size)
 
 
 def _check_token_masks(
@@ -223,11 +229,30 @@ def _cached_state(
     num_tokens = len(s.token_ids) + len(c.new_token_ids)
     _check_len(f"{field}.new_token_ids", num_tokens, limits.max_model_len)
     _check_tokens(f"{field}.new_token_ids", c.new_token_ids, limits.vocab_size)
+    if c.spec_token_ids:
+        num_tokens = _check_spec(field, c, s.num_computed_tokens, num_tokens, limits)
     _check_schedule(
         field, s.num_computed_tokens, c.num_scheduled_tokens, num_tokens, num_blocks,
         limits.block_size,
     )  # fmt: skip
     return s
+
+
+def _check_spec(
+    field: str, c: pb.CachedSequence, num_computed: int, num_tokens: int, limits: _Limits
+) -> int:
+    """A verifying sequence decodes its last known token plus every proposal; returns the
+    tokens the step then covers."""
+    k = len(c.spec_token_ids)
+    if num_computed + 1 != num_tokens or c.num_scheduled_tokens != 1 + k:
+        raise InvalidStep(
+            f"{field}.spec_token_ids: a verifying sequence computes its last known token and "
+            f"the {k} proposals ({1 + k} tokens); got {c.num_scheduled_tokens} scheduled with "
+            f"{num_computed} of {num_tokens} computed"
+        )
+    _check_tokens(f"{field}.spec_token_ids", c.spec_token_ids, limits.vocab_size)
+    _check_len(f"{field}.spec_token_ids", num_tokens + k, limits.max_model_len)
+    return num_tokens + k
 
 
 def _check_replaced(field: str, c: pb.CachedSequence, num_blocks: int, num_device: int) -> None:

@@ -18,8 +18,10 @@ class BatchInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: AttentionMetadata
-    sample_seq_indices: list[int]  # which of the step's sequences sample
-    sample_rows: torch.Tensor  # [num_samples] int64: their last token's row in the batch
+    # Which of the step's sequences sample, and their last token's row in the batch; a
+    # speculating sequence samples its last 1 + k rows (runner/spec_verify.py), listed 1 + k times.
+    sample_seq_indices: list[int]
+    sample_rows: torch.Tensor  # [num_samples] int64
 
     def to(self, device: torch.device) -> BatchInputs:
         """The same inputs on ``device`` (self when they are there already)."""

@@ -19,6 +19,7 @@ import torch
 
 from executor_svc.attention import AttentionMetadata, get_attention_backend
 from executor_svc.lora.manager import LoraConfig, LoraManager, no_lora_error, row_groups
+from executor_svc.runner import spec_verify
 from executor_svc.runner.batch import BatchInputs
 from executor_svc.runner.cuda_graphs import DecodeGraphs, build_decode_graphs
 from executor_svc.runner.kv_cache import (
@@ -56,6 +57,9 @@ class ScheduledSequence:
     # Structured output: this step's allowed tokens as packed uint32 words (runner/token_mask.py),
     # None when unconstrained.
     token_mask: np.ndarray | None = None
+    # Speculative decoding: the proposals at the end of token_ids, verified this step
+    # (runner/spec_verify.py); empty otherwise.
+    spec_token_ids: list[int] | tuple[()] = ()
     # LoRA: the adapter's name and directory (executor_svc/lora); None = the base model.
     lora_name: str | None = None
     lora_path: str | None = None
@@ -69,6 +73,8 @@ class SampleResult:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]]  # most likely first, len == num_logprobs
+    # Speculative decoding: the draw after each proposal (runner/spec_verify.py), else None.
+    spec: list[SampleResult] | None = None
 
 
 @dataclass(slots=True)
@@ -218,7 +224,11 @@ class ModelRunner:
         phases["forward"] += t2 - t1
         if not sample_idx:
             return []
-        results = self._sample([seqs[i] for i in sample_idx], logits)
+        if any(s.spec_token_ids for s in seqs):  # every position of a proposal run samples
+            rows = self._sample(spec_verify.row_views(seqs, sample_idx), logits)
+            results = spec_verify.group_results(rows, sample_idx)
+        else:
+            results = self._sample([seqs[i] for i in sample_idx], logits)
         phases["sampling"] += time.perf_counter() - t2
         return results
 
@@ -387,6 +397,10 @@ class ModelRunner:
             and not (s.sampling_params is not None and s.sampling_params.prompt_only)
         ]
         sample_rows = query_start_loc[1:].long()[sample_seq_indices] - 1
+        if any(s.spec_token_ids for s in seqs):
+            sample_seq_indices, sample_rows = spec_verify.sample_rows(
+                seqs, sample_seq_indices, query_start_loc
+            )
 
         dev = self.device if device is None else device
         md = AttentionMetadata(

@@ -53,6 +53,7 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
     out.stop_token_ids = list(p.stop_token_ids)
     out.include_stop_str_in_output = p.include_stop_str_in_output
     out.ignore_eos = p.ignore_eos
+    out.disable_speculation = p.disable_speculation
     out.logprobs = p.logprobs if p.HasField("logprobs") else None
     if p.HasField("skip_special_tokens"):
         out.skip_special_tokens = p.skip_special_tokens

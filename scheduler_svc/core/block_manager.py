@@ -241,6 +241,21 @@ class BlockManager:
 
     # ------------------------------------------------------------------ release
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past those its first `num_tokens` tokens need (speculative
+        slots of rejected proposals). Only blocks no token of seq is computed in go: they are
+        neither cached nor shared (grow() made them seq's own), so they return to the free list."""
+        keep = self.num_blocks_for(num_tokens)
+        table = seq.block_table
+        if keep >= len(table):
+            return
+        assert keep * self.block_size >= seq.num_computed_tokens, "truncating computed slots"
+        blocks = self.pool.blocks
+        for bid in reversed(table[keep:]):
+            self.pool.release(blocks[bid])
+        del table[keep:]
+        seq.exclusive_until = min(seq.exclusive_until, keep * self.block_size)
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's device and CPU blocks. Its hashed blocks stay in the prefix cache."""
         blocks = self.pool.blocks

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler_svc.core.request import Request, Sequence
+from scheduler_svc.core.spec_decode import SpeculativeConfig
 
 
 @dataclass(slots=True)
@@ -21,6 +22,7 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of device blocks kept free from admissions
     max_waiting: int = 1024  # add_request raises QueueFull beyond this many waiting requests
     long_prefill_token_threshold: int | None = None  # max prefill tokens per sequence per step
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     max_loras: int = 0  # distinct LoRA adapters in one step (the executor's --max-loras); 0: no cap
 
     def __post_init__(self) -> None:

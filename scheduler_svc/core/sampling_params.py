@@ -43,6 +43,8 @@ class SamplingParams:
     # One-key dict mirroring the public StructuredOutput oneof, e.g. {"regex": "[0-9]+"};
     # compiled and enforced by scheduler_svc/grammar. None = unconstrained.
     structured_output: dict[str, Any] | None = None
+    # Opt out of speculative decoding (--speculative-config); outputs are the same either way.
+    disable_speculation: bool = False
 
     def validate(self, *, max_logprobs: int, vocab_size: int | None = None) -> None:
         """Raise ValidationError naming the first field out of range."""

@@ -101,6 +101,10 @@ class Scheduler(SchedulerState):
         """
         if len(self._in_flight) != 1 or len(self._swapped):
             return None
+        spec = self.spec
+        running = self._running
+        if spec is not None and spec.active(len(running)) and any(map(spec.eligible, running)):
+            return None  # a speculating sequence's next step depends on what is accepted
         out = plan_ahead(
             self._in_flight[0],
             self._running,
@@ -131,6 +135,7 @@ class Scheduler(SchedulerState):
         max_len = self.config.max_model_len
         tokens, num_seqs = step.tokens, step.num_seqs
         i, end = 0, len(running)
+        spec = self.spec if self.spec is not None and self.spec.active(end) else None
         while i < end:
             req = running[i]
             i += 1
@@ -140,6 +145,14 @@ class Scheduler(SchedulerState):
                 if len(seq.token_ids) - nc > 1:
                     step.prefills.append((req, seq))
                     num_seqs += 1
+                    continue
+                if (
+                    spec is not None
+                    and seq.sent
+                    and (k := self._schedule_spec(req, seq, tokens, out))
+                ):
+                    num_seqs += 1
+                    tokens -= 1 + k
                     continue
                 if nc < seq.exclusive_until and seq.sent and req.decode_lane:
                     lane_ids.append(seq.seq_id)
@@ -163,6 +176,30 @@ class Scheduler(SchedulerState):
             # Prefill entries of a request that preempted itself are stale.
             step.prefills = [(r, s) for r, s in step.prefills if s.status == _RUNNING]
         return [r for r in running[:end] if r.status == _RUNNING]
+
+    def _schedule_spec(self, req: Request, seq: Sequence, budget: int, out) -> int:
+        """A decode with proposals verified after it (core/spec_decode.py), when the proposer
+        has some and the blocks for their slots are free; returns how many (0: decode plainly)."""
+        assert self.spec is not None
+        proposed = self.spec.propose(req, seq, self.config.max_model_len, budget)
+        if not proposed:
+            return 0
+        k = len(proposed)
+        growth = self.block_manager.grow(seq, 1 + k, out.blocks_to_copy)
+        if growth is None:
+            return 0
+        new_ids, replaced = growth
+        sid = seq.seq_id
+        out.cached_seqs.append(
+            CachedSeqData(
+                sid, new_ids, [replaced] if replaced else [], 1 + k, seq.num_computed_tokens,
+                proposed,
+            )
+        )  # fmt: skip
+        out.spec_token_ids[sid] = proposed
+        out.num_scheduled_tokens[sid] = 1 + k
+        out.scheduled.append((seq, 1 + k))
+        return k
 
     def _decode_one(
         self, req: Request, seq: Sequence, running: list[Request], i: int, end: int, out

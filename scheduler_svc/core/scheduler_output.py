@@ -39,6 +39,8 @@ class CachedSeqData:
     replaced_blocks: list[tuple[int, int]]  # (logical_index, new block id), copy-on-write
     num_scheduled_tokens: int
     num_computed_tokens: int  # consistency check on the executor side
+    # Speculative decoding: proposals verified after the decode token (core/spec_decode.py).
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -62,6 +64,10 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # (sequence, tokens scheduled) in batch order; read back by update_from_output.
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list, repr=False)
+    # Speculative decoding: seq_id -> proposals verified this step; update_from_output fills
+    # spec_num_accepted (seq_id -> proposals accepted) when the result is back.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_num_accepted: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -11,6 +11,7 @@ from scheduler_svc.core.errors import QueueFull
 from scheduler_svc.core.request import Request, RequestStatus, Sequence
 from scheduler_svc.core.request_queue import RequestQueue
 from scheduler_svc.core.scheduler_output import SchedulerOutput, SchedulerStats
+from scheduler_svc.core.spec_decode import SpecDecoder
 
 __all__ = ["SchedulerState"]
 
@@ -42,6 +43,8 @@ class SchedulerState:
         # or two when schedule_ahead() planned the next while the first was running.
         self._in_flight: list[SchedulerOutput] = []
         self.num_preemptions = 0
+        # Speculative decoding (core/spec_decode.py); None when off.
+        self.spec = SpecDecoder(config.speculative) if config.speculative is not None else None
 
     # ------------------------------------------------------------------ requests
 
@@ -133,9 +136,16 @@ class SchedulerState:
         self._finished.append(req)
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, int]
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, int],
+        spec_drawn: dict[str, list[int]] | None = None,
     ) -> list[Sequence]:
         """Apply a step's results: advance computed counts, append sampled tokens.
+
+        A speculating sequence (output.spec_token_ids) gets the accepted run: its draw in
+        `sampled`, then the draws after each proposal in `spec_drawn`; the count of accepted
+        proposals goes to output.spec_num_accepted.
 
         Returns the sequences that got a token (or, prompt-only, completed their prompt), in
         batch order. Sequences that ended while the
@@ -154,7 +164,13 @@ class SchedulerState:
             nc = seq.num_computed_tokens + num
             seq.num_computed_tokens = nc
             tokens = seq.token_ids
-            if nc == len(tokens):
+            proposed = output.spec_token_ids.get(seq.seq_id) if output.spec_token_ids else None
+            if proposed is not None and self.spec is not None and spec_drawn is not None:
+                drawn = [sampled[seq.seq_id], *spec_drawn.get(seq.seq_id, ())]
+                output.spec_num_accepted[seq.seq_id] = self.spec.verified(seq, proposed, drawn, bm)
+                nc = seq.num_computed_tokens
+                got.append(seq)
+            elif nc == len(tokens):
                 token = sampled.get(seq.seq_id)
                 if token is not None:
                     tokens.append(token)

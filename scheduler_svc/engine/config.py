@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.core.spec_decode import SpeculativeConfig
 
 __all__ = [
     "MAX_REQUEST_ID_LEN",
@@ -67,6 +68,9 @@ class EngineConfig:
     # Plan and send the next decode step while the executor runs the current one (see
     # core/ahead.py): the executor never waits for the scheduler between decode steps.
     async_scheduling: bool = True
+    # Speculative decoding (core/spec_decode.py: n-gram proposals verified in one step; output
+    # unchanged); None: off. Planning ahead is skipped while a request may speculate.
+    speculative: SpeculativeConfig | None = None
     # An executor unreachable this long hands its requests to the live ones (recomputed there).
     executor_failover_s: float = 10.0
     # Also serve executors that register themselves in Redis (llmserve-executor --redis-url),
@@ -161,5 +165,10 @@ class ServerInfo:
     # into embeddings (as vLLM's pooling runner does for decoder checkpoints).
     tasks: list[str] = field(default_factory=lambda: ["generate", "embed"])
     hidden_size: int = 0  # the size of an embedding (engine/embeds.py)
+    # Speculative decoding (core/spec_decode.py), summed over executors; zeros when off.
+    spec_decode_acceptance_rate: float = 0.0
+    num_speculative_tokens: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
     lora_adapters: list[tuple[str, str, int]] = field(default_factory=list)  # name, path, rank
     max_loras: int = 0  # distinct adapters per step (the executors'); 0: no LoRA

@@ -205,6 +205,7 @@ class ExecutorPool:
                 preemption_mode=c.preemption_mode,
                 enable_prefix_caching=c.enable_prefix_caching,
                 watermark=c.watermark,
+                speculative=c.speculative,
                 max_loras=d.max_loras,
                 # The engine enforces the queue cap across executors; never refuse here.
                 max_waiting=1 << 30,

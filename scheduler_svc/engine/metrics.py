@@ -157,6 +157,7 @@ class EngineMetrics:
         preemptions.add_metric([model, self.preemption_mode],
                                sum(s.num_preemptions for s in stats))  # fmt: skip
         yield preemptions
+        yield from _spec_families(model, [c.spec.stats for c in cores if c.spec is not None])
 
     def _request_families(self, model: str) -> Iterator[Metric]:
         """The engine's own counters and histograms."""
@@ -218,6 +219,28 @@ class EngineMetrics:
             for ex in executors:
                 family.add_metric([model, ex.address], value(ex))
             yield family
+
+
+def _spec_families(model: str, stats: list) -> Iterator[Metric]:
+    """Speculative decoding's counters under vLLM's names (only when it is on)."""
+    if not stats:
+        return
+    for name, doc, attr in (
+        ("llmserve:spec_decode_num_drafts", "Verifying steps of a sequence.", "num_drafts"),
+        ("llmserve:spec_decode_num_draft_tokens", "Tokens proposed.", "num_draft_tokens"),
+        ("llmserve:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+         "num_accepted_tokens"),
+    ):  # fmt: skip
+        yield _counter(model, name, doc, sum(getattr(s, attr) for s in stats))
+    per_pos = CounterMetricFamily(
+        "llmserve:spec_decode_num_accepted_tokens_per_pos",
+        "Proposed tokens accepted, by position in the proposal.",
+        labels=["model_name", "position"],
+    )
+    for pos in range(max(len(s.accepted_per_pos) for s in stats)):
+        count = sum(s.accepted_per_pos[pos] for s in stats if pos < len(s.accepted_per_pos))
+        per_pos.add_metric([model, str(pos)], count)
+    yield per_pos
 
 
 def _gauge(model: str, name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -11,6 +11,7 @@ for every running sequence, so it is kept to plain loops over plain data.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Sequence_
 from typing import Any
 
 from protos import executor_pb2 as epb
@@ -38,15 +39,16 @@ def process_step_outputs(
     sampled = resp.sampled
     # The decode lane's tokens come back as one packed list in the lane's order.
     tokens = dict(zip(out.decode_seq_ids, resp.decode_token_ids, strict=True))
-    if sampled:
-        tokens.update({s.seq_id: s.token_id for s in sampled})
+    tokens.update({s.seq_id: s.token_id for s in sampled})
     by_id = None  # the full SampledToken, only needed for logprobs
-    get = requests.get
-    for seq in sched.update_from_output(out, tokens):
-        handle = get(seq.req_id)
+    drawn = _spec_drawn(sampled) if out.spec_token_ids else None  # speculative decoding
+    for seq in sched.update_from_output(out, tokens, drawn):
+        handle = requests.get(seq.req_id)
         if handle is None or handle.finished_in_engine:
             continue
-        if not handle.params.max_tokens:
+        if drawn is not None and seq.seq_id in out.spec_token_ids:
+            status = _process_verified(handle, seq, sampled, out, record)
+        elif not handle.params.max_tokens:
             # A prompt-only request (max_tokens 0): the executor sampled nothing for it; it
             # ends with the step that completed its prompt, its prompt logprobs (above) in hand.
             status = RequestStatus.FINISHED_LENGTH
@@ -61,6 +63,39 @@ def process_step_outputs(
             status = _grammar_complete(handle, seq, grammar_done, record)
         if status is not None:
             sched.finish_sequence(seq.seq_id, status, handle.states[seq.index].stop_reason)
+
+
+def _spec_drawn(sampled: Sequence_[epb.SampledToken]) -> dict[str, list[int]]:
+    return {s.seq_id: [x.token_id for x in s.spec_sampled] for s in sampled if s.spec_sampled}
+
+
+def _process_verified(
+    handle: RequestHandle,
+    seq: Sequence,
+    sampled: Sequence_[epb.SampledToken],
+    out: SchedulerOutput,
+    record: EngineStep,
+) -> RequestStatus | None:
+    """A speculating sequence's accepted run, token by token through the stop checks; tokens
+    after one that ends it are dropped from the core's copy too (they never reach a client)."""
+    s = next(x for x in sampled if x.seq_id == seq.seq_id)
+    n = out.spec_num_accepted[seq.seq_id] + 1
+    tokens = seq.token_ids
+    start = len(tokens) - n
+    entries = [s, *s.spec_sampled[: n - 1]]
+    with_logprobs = handle.params.logprobs is not None
+    for j in range(n):
+        e = entries[j]
+        if with_logprobs:
+            status = handle.process_token(
+                seq.index, tokens[start + j], e.logprob, e.top_logprobs, record
+            )
+        else:
+            status = handle.process_token(seq.index, tokens[start + j], 0.0, (), record)
+        if status is not None:
+            del tokens[start + j + 1 :]
+            return status
+    return None
 
 
 def _grammar_complete(

@@ -117,7 +117,12 @@ def test_every_numeric_field_has_an_invalid_case():
         "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
         "stop_token_ids", "logprobs", "logit_bias", "prompt_logprobs", "structured_output",
     }  # fmt: skip
-    flags = {"include_stop_str_in_output", "ignore_eos", "skip_special_tokens"}
+    flags = {
+        "include_stop_str_in_output",
+        "ignore_eos",
+        "skip_special_tokens",
+        "disable_speculation",
+    }
     assert {f.name for f in dataclasses.fields(SamplingParams)} == covered | flags
 
 

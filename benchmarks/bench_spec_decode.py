@@ -1,0 +1,178 @@
+"""Speculative decoding (n-gram prompt lookup) on the real SmolLM2-135M-Instruct: ms per output
+token at batch 1, with and without, and the throughput curve over concurrent streams.
+
+What runs: the scheduler core and the executor servicer in one process
+(tests/support/spec_driver.py: step message, validation, runner, sampler, acceptance, the
+block manager; no gRPC, no Redis), greedy, one torch thread by default. Each configuration is
+run alternately, off then on, `--repeats` times; medians are shown, so load from other processes
+hits both alike. Outputs of "on" are checked equal to "off" in every run.
+
+Workloads:
+* grounded: a ~500-token passage with an instruction that makes the answer reuse it (quote it,
+  edit it, summarise it), chat template applied; up to --max-tokens output tokens.
+* random: random token ids of the same length (n-gram proposals rarely match).
+
+cpu_* is the same with the process's CPU time instead of wall time: on a machine shared with other
+work (whose load moves the wall time by several times within minutes) it is the steadier figure.
+ms/token (per stream) is the wall time of the steps in which every sequence decodes (prefill
+steps left out: speculation does not touch them) times the streams, over the output tokens those
+steps produced; tokens/s is those tokens over that time, all streams together.
+
+    HF_HUB_OFFLINE=1 taskset -c 1 .venv/bin/python benchmarks/bench_spec_decode.py --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from executor_svc.config.logs import configure_logging  # noqa: E402
+from executor_svc.runner.model_runner import ModelRunner  # noqa: E402
+from scheduler_svc.core.sampling_params import SamplingParams  # noqa: E402
+from scheduler_svc.core.spec_decode import SpeculativeConfig  # noqa: E402
+from tests.support.smollm2 import ensure_smollm2  # noqa: E402
+from tests.support.spec_driver import run_requests  # noqa: E402
+
+PASSAGE = (
+    "The lighthouse at Kerrow Point was built in 1871 from granite quarried on the island "
+    "itself. For ninety years three keepers lived in the cottages beside it, taking turns to "
+    "watch the lamp through the night, wind the clockwork that turned the lens, and record the "
+    "weather every four hours in a leather-bound log. The lens, made in Paris, weighed nearly "
+    "four tonnes and floated on a bath of mercury so that a single keeper could turn it by hand "
+    "if the clockwork failed. In the winter of 1894 a storm tore the roof from the oil store and "
+    "the keepers kept the light burning for six days with paraffin carried up the tower in "
+    "buckets. Supply boats came from the mainland once a fortnight when the sea allowed, "
+    "bringing flour, coal, letters and newspapers that were often a month old by the time they "
+    "were read. The children of the keepers were taught at a small school on the mainland and "
+    "crossed the sound on Monday mornings, returning on Friday afternoons if the weather was "
+    "calm. In 1962 the light was converted to electricity and the keepers were reduced to two. "
+    "Automation followed in 1988, and the last keeper, a man named Alasdair Munro, locked the "
+    "door of the tower for the final time on the first of April that year. Today the cottages "
+    "are a small museum run by volunteers, who show visitors the log books, the brass fittings "
+    "of the old lamp and the narrow beds where the keepers slept between watches. The light "
+    "itself still flashes white twice every fifteen seconds and can be seen from twenty-two "
+    "nautical miles away on a clear night. Seabirds nest on the cliffs below the tower from "
+    "April to August, and the island is now a nature reserve where puffins, razorbills and "
+    "guillemots can be watched from a hide built into the old boat shed. Grey seals haul out "
+    "on the rocks at the north end of the island in autumn, and in a good year more than forty "
+    "pups are born there. The volunteers count them every October and send the figures to the "
+    "marine research station at Oban, which has kept records since 1975. A ferry now runs from "
+    "the mainland three times a week between May and September, and the crossing takes about "
+    "forty minutes when the tide is favourable."
+)
+TASKS = [
+    "Repeat the following passage word for word.",
+    "Rewrite the following passage, changing every date to the year 2000 and keeping "
+    "everything else the same.",
+    "Quote the sentences of the following passage that mention the keepers.",
+    "Summarise the following passage, quoting its key facts.",
+]
+
+
+def grounded_prompts(tokenizer, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        msg = f"{TASKS[i % len(TASKS)]}\n\n{PASSAGE}"
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": msg}], add_generation_prompt=True, tokenize=False
+        )
+        out.append(tokenizer.encode(text, add_special_tokens=False))
+    return out
+
+
+def random_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def timed(runner, prompts, max_tokens, spec, eos):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    t0 = time.perf_counter()
+    run = run_requests(
+        runner,
+        [(p, params) for p in prompts],
+        spec,
+        eos_token_ids=eos,
+        num_device_blocks=runner.num_device_blocks,
+        max_num_batched_tokens=4096,
+        max_num_seqs=64,
+        check=False,
+    )
+    return time.perf_counter() - t0, run
+
+
+def compare(runner, prompts, args, eos, spec) -> dict:
+    """Alternate off/on; returns medians and the acceptance of 'on'."""
+    res: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
+    acc = [0, 0]
+    num_out = 0
+    for _ in range(args.repeats):
+        for name, cfg in (("off", None), ("on", spec)):
+            _, run = timed(runner, prompts, args.max_tokens, cfg, eos)
+            if name == "off":
+                ref, num_out = run.outputs, sum(len(o[0]) for o in run.outputs.values())
+            else:
+                assert run.outputs == ref, "speculation changed an output"
+                acc[0] += run.accepted
+                acc[1] += run.proposed
+            res[name].append(run.decode_s / max(run.decode_tokens, 1))
+            cpu[name].append(run.decode_cpu_s / max(run.decode_tokens, 1))
+    off, on = statistics.median(res["off"]), statistics.median(res["on"])
+    cpu_off, cpu_on = statistics.median(cpu["off"]), statistics.median(cpu["on"])
+    n = len(prompts)
+    return {
+        "cpu_ms_per_token_off": round(cpu_off * 1e3 * n, 3),
+        "cpu_ms_per_token_on": round(cpu_on * 1e3 * n, 3),
+        "cpu_speedup": round(cpu_off / cpu_on, 3),
+        "ms_per_token_off": round(off * 1e3 * n, 3),  # per stream
+        "ms_per_token_on": round(on * 1e3 * n, 3),
+        "tok_s_off": round(1 / off, 1),
+        "tok_s_on": round(1 / on, 1),
+        "speedup": round(off / on, 3),
+        "acceptance": round(acc[0] / acc[1], 3) if acc[1] else 0.0,
+        "output_tokens": num_out,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--streams", default="1", help="comma-separated concurrency levels")
+    ap.add_argument("--workloads", default="grounded,random")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    configure_logging("warning")
+    from transformers import AutoTokenizer
+
+    model_dir = ensure_smollm2()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    runner = ModelRunner(model_dir, block_size=16, num_device_blocks=64 * 48)
+    eos = tuple(runner.info.eos_token_ids)
+    spec = SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_max=4)
+    length = len(grounded_prompts(tok, 1)[0])
+    for workload in args.workloads.split(","):
+        for streams in (int(s) for s in args.streams.split(",")):
+            if workload == "grounded":
+                prompts = grounded_prompts(tok, streams)
+            else:
+                prompts = random_prompts(runner.info.vocab_size, streams, length)
+            row = compare(runner, prompts, args, eos, spec)
+            row.update(workload=workload, streams=streams, prompt_tokens=length)
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
