@@ -109,6 +109,28 @@ def test_variants_give_the_same_bf16_bits(use_variant):
 
 
 @needs_kernel
+def test_variants_give_the_same_fp32_gemm_bits(use_variant):
+    """The fp32 GEMM's tiles differ per instruction set (zmm tiles for AVX-512, smaller ymm
+    micro-tiles for AVX2) but each element's chain does not: every row count (each remainder
+    tile, the one-row path), packed or plain, with a partial last panel, gives the same bits."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(21, 328, generator=g)
+    w, b = torch.randn(328, 250, generator=g), torch.randn(250, generator=g)
+    results = {}
+    for name in RUNNABLE:
+        use_variant(name)
+        packed = gemm.PanelWeight.pack(w)
+        outs = [packed.linear(x, b), gemm.matmul(x, w, b), packed.linear(x[:7], None)]
+        outs += [packed.linear(x[i : i + 1], b) for i in range(x.shape[0])]
+        assert torch.equal(outs[0], torch.cat(outs[3:])), name
+        assert torch.equal(outs[0], outs[1]), name
+        results[name] = outs
+    first = next(iter(results.values()))
+    for name, outs in results.items():
+        assert all(torch.equal(a, o) for a, o in zip(first, outs, strict=True)), name
+
+
+@needs_kernel
 def test_a_folder_of_prebuilt_variants_serves_without_a_compiler(tmp_path):
     """The Docker image's layout: $LLMSERVE_KERNEL_LIB a folder of <variant>.so files, no
     compiler. With only the avx2 one there, a CPU that would take a better one falls back to it."""

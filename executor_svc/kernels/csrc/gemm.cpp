@@ -35,7 +35,11 @@ namespace {
 constexpr int kNR = 48;  // panel width: 3 vectors; 576, 960, 1536, 3072, 49152 are multiples
 constexpr int kVecs = kNR / 16;
 constexpr int kMR = 8;      // rows per tile: 8 x 3 = 24 accumulators of the 32 zmm registers
+#if defined(__AVX512F__) || !defined(__FMA__)
 constexpr int kGemvP = 4;   // panels in flight for one row: 12 independent chains hide latency
+#else
+constexpr int kGemvP = 2;   // AVX2: 2 panels x 6 ymm = 12 chains, within the 16 ymm registers
+#endif
 constexpr int64_t kABytes = 256 * 1024;  // a row block of x kept in L2 across the panels
 
 inline v16 fma16(v16 a, v16 b, v16 c) {
@@ -83,10 +87,91 @@ struct Panels {
   int64_t cols(int64_t p) const { return p == num - 1 ? n - p * kNR : kNR; }
 };
 
+#if !defined(__AVX512F__) && defined(__FMA__)
+// AVX2 (16 ymm registers): a v16 tile would be twice its registers and spill on every k, so
+// tiles run as micro-tiles of R rows x P panels x CV ymm vectors (columns C0 * 8 ..
+// (C0 + CV) * 8 - 1 of each panel) with R * P * CV <= 12 accumulators. Each element still gets
+// the one chain acc = fma(x[m, k], w[k, n], acc), k = 0..K-1, then bias + acc: the same bits as
+// the AVX-512 build, lane by lane (an FMA rounds once whatever its vector width).
+template <int R, int P, int C0, int CV>
+inline void micro(const float* x, int64_t ldx, int64_t K, const float* b, int64_t stride,
+                  int64_t ldb, const float* bias, float* y, int64_t ldy, int64_t ncols) {
+  static_assert(R * P * CV <= 12, "accumulators must fit the 16 ymm registers");
+  __m256 acc[R][P][CV];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+      for (int j = 0; j < CV; ++j) acc[r][p][j] = _mm256_setzero_ps();
+  const float* b0 = b + 8 * C0;
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 bv[P][CV];
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+      for (int j = 0; j < CV; ++j) bv[p][j] = _mm256_loadu_ps(b0 + p * stride + k * ldb + 8 * j);
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 32
+      for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+        for (int j = 0; j < CV; ++j) acc[r][p][j] = _mm256_fmadd_ps(a, bv[p][j], acc[r][p][j]);
+    }
+  }
+  // The bias comes last, after the whole chain: bias + (sum over k), one rounding.
+  // (Unrolled, so that acc stays in registers: an indexed loop here would keep it in memory.)
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r) {
+    float* yr = y + r * ldy;
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+      for (int j = 0; j < CV; ++j) {
+        const int64_t c = p * kNR + 8 * (C0 + j);
+        __m256 v = acc[r][p][j];
+        if (c + 8 <= ncols) {
+          if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + c));
+          _mm256_storeu_ps(yr + c, v);
+        } else if (c < ncols) {
+          float buf[8];
+          _mm256_storeu_ps(buf, v);
+          for (int64_t i = 0; i < ncols - c; ++i) yr[c + i] = bias ? buf[i] + bias[c + i] : buf[i];
+        }
+      }
+  }
+}
+
+// Rows [0, R) of one panel: two half panels (3 ymm) of up to 4 rows at a time.
+template <int R>
+inline void panel_rows(const float* x, int64_t ldx, int64_t K, const float* b, int64_t ldb,
+                       const float* bias, float* y, int64_t ldy, int64_t ncols) {
+  if constexpr (R >= 4) {
+    micro<4, 1, 0, 3>(x, ldx, K, b, 0, ldb, bias, y, ldy, ncols);
+    if (ncols > 24) micro<4, 1, 3, 3>(x, ldx, K, b, 0, ldb, bias, y, ldy, ncols);
+    panel_rows<R - 4>(x + 4 * ldx, ldx, K, b, ldb, bias, y + 4 * ldy, ldy, ncols);
+  } else if constexpr (R == 2 || R == 1) {
+    micro<R, 1, 0, 6>(x, ldx, K, b, 0, ldb, bias, y, ldy, ncols);
+  } else if constexpr (R == 3) {
+    micro<3, 1, 0, 3>(x, ldx, K, b, 0, ldb, bias, y, ldy, ncols);
+    if (ncols > 24) micro<3, 1, 3, 3>(x, ldx, K, b, 0, ldb, bias, y, ldy, ncols);
+  }
+}
+#endif
+
 // R rows x P panels (consecutive, sharing ld and stride) of y; ncols valid columns from col 0.
 template <int R, int P>
 inline void tile(const float* x, int64_t ldx, int64_t K, const float* b, int64_t stride,
                  int64_t ldb, const float* bias, float* y, int64_t ldy, int64_t ncols) {
+#if !defined(__AVX512F__) && defined(__FMA__)
+  if constexpr (P == 1) {
+    panel_rows<R>(x, ldx, K, b, ldb, bias, y, ldy, ncols);
+  } else {
+    micro<R, P, 0, kVecs * 2>(x, ldx, K, b, stride, ldb, bias, y, ldy, ncols);
+  }
+  return;
+#endif
   v16 acc[R][P][kVecs];
 #pragma GCC unroll 32
   for (int r = 0; r < R; ++r)
