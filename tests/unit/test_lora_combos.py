@@ -146,7 +146,7 @@ def _spec_prompts(seed: int) -> list[list[int]]:
     ]
 
 
-def _oracle(reference, prompts: list[list[int]], loras, rate: float, seed: int):
+def _oracle(reference, prompts: list[list[int]], rate: float, seed: int):
     """Proposes the reference continuation of the (prompt, adapter) being decoded, corrupted at
     ``rate``: forces long accepted runs, rejections and prefixes whatever the model does."""
     rng = random.Random(seed)
@@ -205,7 +205,7 @@ def test_speculation_with_adapters_changes_no_token(base_and_adapters, fp32_runn
     assert ngram.outputs == off.outputs
     assert ngram.proposed > 0
     for rate in (0.0, 0.3):
-        oracle = _oracle(off, prompts, loras, rate, seed=4)
+        oracle = _oracle(off, prompts, rate, seed=4)
         on = _with_proposer(lambda: run_requests(fp32_runner, reqs, SPEC, loras=loras), oracle)
         assert on.outputs == off.outputs, f"rate {rate}"
         assert on.proposed > 0
@@ -223,7 +223,7 @@ def test_speculation_with_adapters_on_an_int8_base(base_and_adapters):
     params = SamplingParams(temperature=0.0, max_tokens=16)
     reqs = [(p, params) for p in prompts]
     off = run_requests(runner, reqs, None, loras=loras)
-    oracle = _oracle(off, prompts, loras, 0.2, seed=6)
+    oracle = _oracle(off, prompts, 0.2, seed=6)
     on = _with_proposer(lambda: run_requests(runner, reqs, SPEC, loras=loras), oracle)
     assert on.outputs == off.outputs
     assert on.accepted > 0
