@@ -1,7 +1,7 @@
 """Multi-LoRA combined with the other ways of running a model (issue 31):
 
-* a quantized base (``--quantization int8``): the adapters' deltas are added to the quantized
-  kernels' outputs (``models.llama.Linear`` runs its ``QuantWeight`` then its ``LoraSlot``). The
+* a quantized base (``--quantization int8`` and ``int4``): the adapters' deltas are added to the
+  quantized kernels' outputs (``models.llama.Linear`` runs its ``QuantWeight``, then its slot). The
   reference is HF + PEFT on the *de-quantized* base weights, the very matrices the runner holds
   (``QuantWeight.dequantize``): greedy outputs equal, mixed in one batch and alone, and a row's
   logits are bitwise those of the row alone whatever adapters ride along;
@@ -87,9 +87,12 @@ def _peft_on(hf: torch.nn.Module, adapter_dir: str) -> torch.nn.Module:
     return PeftModel.from_pretrained(hf, adapter_dir).eval()
 
 
-def test_int8_base_with_adapters_matches_peft_on_dequantized_weights(base_and_adapters):
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_base_with_adapters_matches_peft_on_dequantized_weights(
+    base_and_adapters, scheme: str
+):
     base, adapters = base_and_adapters
-    runner = _runner(base, "int8")
+    runner = _runner(base, scheme)
     assert runner.model.layers[0].self_attn.qkv_proj.lora is not None
     names = [None, *adapters]
     prompts = _prompts(len(names), seed=3)
@@ -105,7 +108,7 @@ def test_int8_base_with_adapters_matches_peft_on_dequantized_weights(base_and_ad
         got = mixed.tokens[i][len(prompts[i]) :]
         assert got == want, f"adapter {name}"
         assert len(got) == NUM_NEW
-        alone = Driver(_runner(base, "int8"), [prompts[i]], [loras[i]])
+        alone = Driver(_runner(base, scheme), [prompts[i]], [loras[i]])
         alone.run()
         assert alone.tokens[0] == mixed.tokens[i], f"adapter {name} alone vs mixed"
         outs.append(tuple(got))
