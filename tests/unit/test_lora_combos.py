@@ -230,3 +230,28 @@ def test_speculation_with_adapters_on_an_int8_base(base_and_adapters):
     on = _with_proposer(lambda: run_requests(runner, reqs, SPEC, loras=loras), oracle)
     assert on.outputs == off.outputs
     assert on.accepted > 0
+
+
+def test_speculation_with_adapters_under_preemption_and_prefix_cache(
+    base_and_adapters, fp32_runner
+):
+    """Few blocks: sequences of different adapters preempt each other (recompute and swap) while
+    speculating; they share a prompt prefix, which the prefix cache must not share across
+    adapters. Outputs equal those of a run without speculation nor prefix caching."""
+    _, adapters = base_and_adapters
+    rng = random.Random(8)
+    motif = [rng.randrange(3, 500) for _ in range(16)]
+    prompts = [motif + [rng.randrange(3, 500) for _ in range(3)] for _ in range(5)]
+    names = ["all64", "qv8", None, "all64", "mlp8"]
+    loras = [LoraRef(n, adapters[n]) if n else None for n in names]
+    params = SamplingParams(temperature=0.8, seed=9, max_tokens=32)
+    reqs = [(p, params) for p in prompts]
+    plain = run_requests(fp32_runner, reqs, None, loras=loras, enable_prefix_caching=False)
+    for mode, cpu in (("recompute", 0), ("swap", 64)):
+        kw = dict(num_device_blocks=36, preemption_mode=mode, num_cpu_blocks=cpu, loras=loras)
+        on = _with_proposer(
+            lambda kw=kw: run_requests(fp32_runner, reqs, SPEC, **kw),
+            _oracle(plain, prompts, 0.1, seed=4),
+        )
+        assert on.outputs == plain.outputs, mode
+        assert on.preemptions > 0 and on.accepted > 0, mode
