@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from executor_svc.api.service import ExecutorServicer
 from executor_svc.runner.model_runner import ModelRunner
 from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler
@@ -48,6 +49,7 @@ def run_requests(
     preemption_mode: str = "recompute",
     num_cpu_blocks: int = 0,
     check: bool = True,
+    loras: list[LoraRef | None] | None = None,
 ) -> Run:
     servicer = ExecutorServicer(runner)
     sched = Scheduler(
@@ -65,7 +67,8 @@ def run_requests(
     )
     reqs = {}
     for i, (prompt, params) in enumerate(requests):
-        req = Request(f"r{i}", list(prompt), params, arrival_time=float(i))
+        lora = loras[i] if loras is not None else None
+        req = Request(f"r{i}", list(prompt), params, arrival_time=float(i), lora=lora)
         reqs[req.req_id] = req
         sched.add_request(req)
     run = Run({})
