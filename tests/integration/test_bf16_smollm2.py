@@ -1,8 +1,9 @@
 """bf16 greedy decoding of the real SmolLM2-135M-Instruct against Hugging Face's bf16 `generate`.
 
-Measured (docs/internals.md, "bf16 on the CPU"): over these 6 prompts and 32 tokens, 5 are
-identical and one diverges after 17 tokens (a near-tie in bf16; HF bf16 and HF fp32 agree on 4 of
-6). The test holds every prompt to its first 12 tokens and at least 4 of 6 to all 24.
+Measured (docs/internals.md, "bf16 on the CPU"): over 6 prompts and 32 tokens, 5 are identical
+and one diverges after 17 tokens (a near-tie in bf16; HF bf16 and HF fp32 agree on 4 of 6). To
+keep the suite's time (HF's bf16 generate is slow on a CPU without AMX), the test runs 4 of those
+prompts for 16 tokens and holds every prompt to its first 12 tokens and at least 3 of 4 to all 16.
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ TEXTS = [
     "def fibonacci(n):",
     "Once upon a time, in a small village,",
     "The three laws of thermodynamics are",
-    "Water boils at",
-    "List of prime numbers: 2, 3, 5,",
 ]
-NUM_NEW = 24
+NUM_NEW = 16
 
 
 @pytest.mark.skipif(not gemm_bf16.available(), reason="no C++ compiler here")
@@ -50,4 +49,4 @@ def test_bf16_greedy_follows_hf_bf16(smollm2_dir):
         got = d.tokens[i][len(p) : len(p) + len(want)]
         assert got[:12] == want[:12], TEXTS[i]
         identical += got == want
-    assert identical >= 4
+    assert identical >= 3
