@@ -302,14 +302,30 @@ class Scheduler(SchedulerState):
         request (one admitted this step included) waits for it: a step later that block is in
         the prefix cache and the request skips it, instead of computing the same prefix again
         beside it (a burst of requests with one long system prompt computes it once).
+
+        A request whose adapter would be one too many for the step (max_loras) is skipped for
+        this step, keeping its place in the queue (vLLM does the same).
         """
+        skipped: list[Request] = []
+        try:
+            self._admit_waiting(step, out, skipped)
+        finally:
+            for req in skipped:  # back in their places: first in line once their adapter fits
+                self._waiting.push(req)
+
+    def _admit_waiting(
+        self, step: _StepBudget, out: SchedulerOutput, skipped: list[Request]
+    ) -> None:
         inflight: set[bytes] | None = None
         while step.tokens > 0 and (req := self._waiting.peek()) is not None:
             n = req.num_seqs_when_running
             if step.num_seqs + n > self.config.max_num_seqs:
                 break
             if not step.loras.fits(req.lora):
-                break  # in policy order: it waits for a step with a free adapter slot
+                # One adapter too many for this step: skip it (no head-of-line blocking);
+                # requests behind it whose adapter is in the step, or the base model, go on.
+                skipped.append(self._waiting.pop())
+                continue
             if self.block_manager.enable_prefix_caching:
                 if inflight is None:
                     inflight = self._prefix_blocks_in_flight()

@@ -1,5 +1,5 @@
-"""LoRA in the scheduling core: at most max_loras distinct adapters per step (later requests
-wait for a slot, in policy order), the adapter goes out with each new sequence, and prefix-cache
+"""LoRA in the scheduling core: at most max_loras distinct adapters per step (a request one
+adapter too many is skipped for the step, keeping its place), the adapter goes out with each new sequence, and prefix-cache
 hits never cross adapters."""
 
 from __future__ import annotations
@@ -27,15 +27,42 @@ def test_more_adapters_than_max_loras_are_split_over_steps():
     sched = make_scheduler(max_loras=2, num_device_blocks=64)
     add(sched, reqs)
     out = step(sched)
-    # C would be a third adapter: it waits, and (policy order) so does everything behind it.
-    assert sorted(out.num_scheduled_tokens) == ["r0/0", "r1/0", "r2/0"]
+    # C would be a third adapter: it is skipped for this step; A and the base behind it go on.
+    assert sorted(out.num_scheduled_tokens) == ["r0/0", "r1/0", "r2/0", "r4/0", "r5/0"]
     assert _loras_of(out) == {A, None, B}
+    assert sched.waiting_request_ids() == ["r3"]
     out = step(sched)
-    assert sorted(out.num_scheduled_tokens) == ["r0/0", "r1/0", "r2/0"] and not out.new_seqs
-    sched.abort_request("r2")  # B's last request ends: C gets its slot, then A and the base
+    assert "r3/0" not in out.num_scheduled_tokens and not out.new_seqs
+    sched.abort_request("r2")  # B's last request ends: C gets its slot
     out = step(sched)
-    assert sorted(out.num_scheduled_tokens) == ["r0/0", "r1/0", "r3/0", "r4/0", "r5/0"]
-    assert _loras_of(out) == {C, A, None}
+    assert "r3/0" in out.num_scheduled_tokens
+    assert _loras_of(out) == {C}
+
+
+def test_a_request_one_adapter_too_many_does_not_block_the_line():
+    sched = make_scheduler(max_loras=1, num_device_blocks=64)
+    add(sched, [_req(0, A), _req(1, B), _req(2, A), _req(3, None)])
+    out = step(sched)
+    assert sorted(out.num_scheduled_tokens) == ["r0/0", "r2/0", "r3/0"]
+    assert _loras_of(out) == {A, None}
+    # B kept its place: it is first in line, and goes as soon as A's requests are done.
+    assert sched.waiting_request_ids() == ["r1"]
+    sched.abort_request("r0")
+    assert not step(sched).new_seqs  # r2 still runs on A
+    sched.abort_request("r2")
+    out = step(sched)
+    assert [s.seq_id for s in out.new_seqs] == ["r1/0"] and _loras_of(out) == {B}
+
+
+def test_a_skipped_request_goes_before_later_ones_once_its_adapter_fits():
+    sched = make_scheduler(max_loras=1, num_device_blocks=64)
+    add(sched, [_req(0, A), _req(1, B)])
+    step(sched)  # r1 (B) is skipped
+    add(sched, [_req(2, A)])  # would fit beside r0 (A)...
+    sched.abort_request("r0")  # ...but r0 ends: the slot is free, and B was first
+    out = step(sched)
+    assert [s.seq_id for s in out.new_seqs] == ["r1/0"]  # B first, then A waits its turn
+    assert sched.waiting_request_ids() == ["r2"]
 
 
 def test_no_cap_without_max_loras():
