@@ -90,7 +90,14 @@ class Scheduler(SchedulerState):
         # send it for its drops and copies) without calling update_from_output().
         if out.scheduled:
             self._in_flight.append(out)
+            self._count_lora_loads(step.loras)
         return out
+
+    def _count_lora_loads(self, loras: LoraBudget) -> None:
+        """The step's adapters against those the executor's device slots hold (core/lora.py)."""
+        self.num_loras_in_step = len(loras.loras)
+        if loras.loras:
+            self.num_lora_loads += self.lora_slots.use(loras.loras)
 
     def schedule_ahead(self) -> SchedulerOutput | None:
         """Async scheduling: the decode step after the one in flight, planned before its

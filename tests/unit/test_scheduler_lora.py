@@ -80,3 +80,23 @@ def test_prefix_cache_hits_stay_within_one_adapter():
     out = step(sched)
     computed = {s.seq_id: s.num_computed_tokens for s in out.new_seqs}
     assert computed == {"r1/0": 0, "r2/0": 0, "r3/0": 12}
+
+
+def test_adapter_loads_are_counted_against_the_executors_device_slots():
+    sched = make_scheduler(max_loras=2, num_device_blocks=64)
+    add(sched, [_req(0, A), _req(1, B), _req(2, None)])
+    step(sched)
+    stats = sched.get_stats()
+    assert (stats.num_lora_loads, stats.num_loras_in_step) == (2, 2)
+    step(sched)  # A and B are still on the device: no new load
+    assert sched.get_stats().num_lora_loads == 2
+    sched.abort_request("r1")
+    add(sched, [_req(3, C)])
+    step(sched)  # C takes B's slot
+    stats = sched.get_stats()
+    assert (stats.num_lora_loads, stats.num_loras_in_step) == (3, 2)
+    assert set(sched.lora_slots.held()) == {A, C}
+    sched.abort_request("r3")
+    add(sched, [_req(4, B)])
+    step(sched)  # B was evicted (slots: A, C): loaded again
+    assert sched.get_stats().num_lora_loads == 4
