@@ -53,6 +53,10 @@ class _Admit(enum.Enum):
 class Scheduler(SchedulerState):
     """Plans each step for one executor (the policy); its state lives in SchedulerState."""
 
+    # A waiting request skipped this many steps for its adapter (max_loras) starts a drain: no
+    # request on an adapter is admitted behind it until it is, so the step's adapters run out.
+    lora_starvation_steps = 32
+
     # ------------------------------------------------------------------ step
 
     def schedule(self) -> SchedulerOutput:
@@ -319,11 +323,15 @@ class Scheduler(SchedulerState):
         finally:
             for req in skipped:  # back in their places: first in line once their adapter fits
                 self._waiting.push(req)
+        if self._lora_skipped:  # forget the ones admitted, aborted or ended meanwhile
+            for req_id in [r for r in self._lora_skipped if r not in self._waiting]:
+                del self._lora_skipped[req_id]
 
     def _admit_waiting(
         self, step: _StepBudget, out: SchedulerOutput, skipped: list[Request]
     ) -> None:
         inflight: set[bytes] | None = None
+        drain = False  # a request starves for an adapter slot: adapters stop coming in
         while step.tokens > 0 and (req := self._waiting.peek()) is not None:
             n = req.num_seqs_when_running
             if step.num_seqs + n > self.config.max_num_seqs:
@@ -331,6 +339,11 @@ class Scheduler(SchedulerState):
             if not step.loras.fits(req.lora):
                 # One adapter too many for this step: skip it (no head-of-line blocking);
                 # requests behind it whose adapter is in the step, or the base model, go on.
+                since = self._lora_skipped.setdefault(req.req_id, self._step_id)
+                drain = drain or self._step_id - since >= self.lora_starvation_steps
+                skipped.append(self._waiting.pop())
+                continue
+            if drain and req.lora is not None:
                 skipped.append(self._waiting.pop())
                 continue
             if self.block_manager.enable_prefix_caching:

@@ -49,6 +49,8 @@ class SchedulerState:
         self.lora_slots = LoraSlots(config.max_loras)
         self.num_lora_loads = 0
         self.num_loras_in_step = 0
+        # Waiting requests skipped for their adapter: req_id -> step of the first skip.
+        self._lora_skipped: dict[str, int] = {}
         # Speculative decoding (core/spec_decode.py); None when off.
         self.spec = SpecDecoder(config.speculative) if config.speculative is not None else None
 

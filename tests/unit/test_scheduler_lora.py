@@ -100,3 +100,25 @@ def test_adapter_loads_are_counted_against_the_executors_device_slots():
     add(sched, [_req(4, B)])
     step(sched)  # B was evicted (slots: A, C): loaded again
     assert sched.get_stats().num_lora_loads == 4
+
+
+def test_a_request_skipped_too_long_drains_the_adapters_ahead_of_it():
+    sched = make_scheduler(max_loras=1, num_device_blocks=64)
+    sched.lora_starvation_steps = 3
+    add(sched, [_req(0, A), _req(1, B)])
+    step(sched)  # B skipped
+    add(sched, [_req(2, A), _req(3, None)])
+    out = step(sched)  # A's slot is taken anyway: a second A request and the base go in
+    assert {s.seq_id for s in out.new_seqs} == {"r2/0", "r3/0"}
+    step(sched)
+    step(sched)
+    add(sched, [_req(4, A), _req(5, None)])
+    out = step(sched)  # B has been skipped 3 steps: no more A requests in; the base goes
+    assert [s.seq_id for s in out.new_seqs] == ["r5/0"]
+    assert sched.waiting_request_ids() == ["r1", "r4"]
+    sched.abort_request("r0")
+    sched.abort_request("r2")
+    out = step(sched)  # A drained: B is in, r4 waits for A to get a slot again
+    assert [s.seq_id for s in out.new_seqs] == ["r1/0"]
+    assert sched.waiting_request_ids() == ["r4"]
+    assert list(sched._lora_skipped) == ["r4"]  # r1 forgotten; r4 now waits for B
