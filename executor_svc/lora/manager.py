@@ -95,7 +95,7 @@ def _module_shape(linear: Any, full_in: int, full_sizes: dict | None) -> ModuleS
     no ``shard_offsets``) projection of models/."""
     offsets = getattr(linear, "shard_offsets", None)
     if offsets is None:  # row-parallel: this rank's input rows, the whole output
-        rows, out = linear.weight.shape
+        rows, out = linear.in_features, linear.out_features  # weight is empty once prepacked
         return ModuleShape(rows, {None: (0, out)}, in_first=linear.first, full_in=full_in)
     sources = getattr(linear, "source_offsets", None)
     return ModuleShape(

@@ -57,6 +57,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.first = first
         self.tp = tp
+        self.in_features, self.out_features = in_features, out_features  # this rank's shard
         self.lora: Any = None  # lora.layers.LoraSlot: this rank's partial delta, before the sum
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.weight.weight_loader = self._load  # type: ignore[attr-defined]

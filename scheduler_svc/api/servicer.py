@@ -219,7 +219,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def UnloadLoraAdapter(
         self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnloadLoraAdapterResponse:
-        self.engine.unload_lora_adapter(request.name)
+        await self.engine.unload_lora_adapter(request.name)
         return pb.UnloadLoraAdapterResponse()
 
     @_rpc(pb.EmbedResponse)

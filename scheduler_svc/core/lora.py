@@ -8,6 +8,7 @@ adapter unloaded and loaded again from another directory is another adapter ever
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from hashlib import blake2b
@@ -48,6 +49,32 @@ class LoraBudget:
     def add(self, lora: LoraRef | None) -> None:
         if lora is not None:
             self.loras.add(lora)
+
+
+class LoraSlots:
+    """The adapters the executor holds in its device slots, as the scheduler sees them: the
+    ones the latest steps used, least recently used first, at most ``capacity`` (the executor's
+    device cache is an LRU of ``max_loras``, executor_svc/lora/manager.py). ``use`` counts the
+    adapters a step must newly load onto the device (from its host cache or from disk)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._held: OrderedDict[LoraRef, None] = OrderedDict()
+
+    def use(self, loras: Iterable[LoraRef]) -> int:
+        loads = 0
+        for lora in sorted(loras, key=lambda r: (r.name, r.path)):
+            if lora in self._held:
+                self._held.move_to_end(lora)
+            else:
+                self._held[lora] = None
+                loads += 1
+        while self.capacity > 0 and len(self._held) > self.capacity:
+            self._held.popitem(last=False)
+        return loads
+
+    def held(self) -> list[LoraRef]:
+        return list(self._held)
 
 
 def stored_lora(lora: LoraRef | None) -> list[str] | None:

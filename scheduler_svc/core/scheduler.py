@@ -53,6 +53,10 @@ class _Admit(enum.Enum):
 class Scheduler(SchedulerState):
     """Plans each step for one executor (the policy); its state lives in SchedulerState."""
 
+    # A waiting request skipped this many steps for its adapter (max_loras) starts a drain: no
+    # request on an adapter is admitted behind it until it is, so the step's adapters run out.
+    lora_starvation_steps = 32
+
     # ------------------------------------------------------------------ step
 
     def schedule(self) -> SchedulerOutput:
@@ -90,7 +94,14 @@ class Scheduler(SchedulerState):
         # send it for its drops and copies) without calling update_from_output().
         if out.scheduled:
             self._in_flight.append(out)
+            self._count_lora_loads(step.loras)
         return out
+
+    def _count_lora_loads(self, loras: LoraBudget) -> None:
+        """The step's adapters against those the executor's device slots hold (core/lora.py)."""
+        self.num_loras_in_step = len(loras.loras)
+        if loras.loras:
+            self.num_lora_loads += self.lora_slots.use(loras.loras)
 
     def schedule_ahead(self) -> SchedulerOutput | None:
         """Async scheduling: the decode step after the one in flight, planned before its
@@ -302,14 +313,39 @@ class Scheduler(SchedulerState):
         request (one admitted this step included) waits for it: a step later that block is in
         the prefix cache and the request skips it, instead of computing the same prefix again
         beside it (a burst of requests with one long system prompt computes it once).
+
+        A request whose adapter would be one too many for the step (max_loras) is skipped for
+        this step, keeping its place in the queue (vLLM does the same).
         """
+        skipped: list[Request] = []
+        try:
+            self._admit_waiting(step, out, skipped)
+        finally:
+            for req in skipped:  # back in their places: first in line once their adapter fits
+                self._waiting.push(req)
+        if self._lora_skipped:  # forget the ones admitted, aborted or ended meanwhile
+            for req_id in [r for r in self._lora_skipped if r not in self._waiting]:
+                del self._lora_skipped[req_id]
+
+    def _admit_waiting(
+        self, step: _StepBudget, out: SchedulerOutput, skipped: list[Request]
+    ) -> None:
         inflight: set[bytes] | None = None
+        drain = False  # a request starves for an adapter slot: adapters stop coming in
         while step.tokens > 0 and (req := self._waiting.peek()) is not None:
             n = req.num_seqs_when_running
             if step.num_seqs + n > self.config.max_num_seqs:
                 break
             if not step.loras.fits(req.lora):
-                break  # in policy order: it waits for a step with a free adapter slot
+                # One adapter too many for this step: skip it (no head-of-line blocking);
+                # requests behind it whose adapter is in the step, or the base model, go on.
+                since = self._lora_skipped.setdefault(req.req_id, self._step_id)
+                drain = drain or self._step_id - since >= self.lora_starvation_steps
+                skipped.append(self._waiting.pop())
+                continue
+            if drain and req.lora is not None:
+                skipped.append(self._waiting.pop())
+                continue
             if self.block_manager.enable_prefix_caching:
                 if inflight is None:
                     inflight = self._prefix_blocks_in_flight()

@@ -97,3 +97,5 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     num_preemptions: int
+    num_lora_loads: int = 0  # adapters the steps had to load onto the executor's device
+    num_loras_in_step: int = 0  # distinct adapters in the latest step

@@ -46,8 +46,8 @@ class EngineClient(Protocol):
         """Register a LoRA adapter: (name, resolved path, rank); ValidationError/NotFound."""
         ...
 
-    def unload_lora_adapter(self, name: str) -> None:
-        """Forget a LoRA adapter's name (NotFound if unknown)."""
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Forget a LoRA adapter's name (NotFound if unknown), in Redis too."""
         ...
 
     async def embed(self, inp: EmbedInput) -> EmbedResult:

@@ -40,6 +40,7 @@ from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.requests import RequestFront
 from scheduler_svc.engine.step_loop import StepLoop
 from scheduler_svc.grammar.structured import StructuredOutputs
+from scheduler_svc.lora.durable import restore_live_adapters
 from scheduler_svc.lora.registry import LoraRegistry
 from scheduler_svc.state.leader import LeaderLease
 from scheduler_svc.state.persister import Persister
@@ -146,6 +147,8 @@ class Engine:
             if self.model.tokenizer is None:
                 await self.model.load_tokenizer(handle)
         self.model.set_limits(self.pool.executors[0].describe, self.config.max_model_len)
+        # Adapters loaded live before a restart (lora/durable.py), before anything is served.
+        await restore_live_adapters(self.client.lora_store, self.client.loras)
         await self.recovery.recover()
         # Start-up built long-lived objects (tokenizer, tables, recovered requests): move them out
         # of the collector's way so the steps' young-object collections do not rescan them.

@@ -157,6 +157,11 @@ class EngineMetrics:
         preemptions.add_metric([model, self.preemption_mode],
                                sum(s.num_preemptions for s in stats))  # fmt: skip
         yield preemptions
+        yield _counter(model, "llmserve:lora_loads", "LoRA adapters the steps had to load onto "
+                       "an executor's device slots.", sum(s.num_lora_loads for s in stats))  # fmt: skip
+        yield _gauge(model, "llmserve:lora_adapters_in_step", "Distinct LoRA adapters in the "
+                     "latest step (summed over executors).",
+                     sum(s.num_loras_in_step for s in stats))  # fmt: skip
         yield from _spec_families(model, [c.spec.stats for c in cores if c.spec is not None])
 
     def _request_families(self, model: str) -> Iterator[Metric]:

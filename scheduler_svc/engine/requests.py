@@ -35,6 +35,7 @@ from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.server_info import server_info
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
 from scheduler_svc.grammar.structured import StructuredOutputs
+from scheduler_svc.lora.durable import LoraAdapterStore
 from scheduler_svc.lora.registry import LoraRegistry, load_on_executors
 from scheduler_svc.output.tokenizer import encode_chat, encode_infill, encode_prompt
 from scheduler_svc.state.persister import Persister
@@ -75,6 +76,7 @@ class RequestFront:
         self.model = model
         self.structured = structured  # checks a constraint compiles (scheduler_svc/grammar)
         self.loras = loras if loras is not None else LoraRegistry()  # adapter names
+        self.lora_store = LoraAdapterStore(store)  # live-loaded ones, kept in Redis
         # Embed calls in flight (engine/embeds.py); the step loop hands it pooled vectors.
         self.embeds = EmbedRequests(
             config, lifecycle, pool, model, table.usage, self._check_available
@@ -276,6 +278,12 @@ class RequestFront:
         self.loras.base_model_names = tuple({ex.describe.model_name for ex in self.pool.executors})
         ref = self.loras.check(name, path).ref
         await load_on_executors(self.pool.executors, ref.name, ref.path)
+        try:  # durable before it is served: a restarted scheduler serves it too
+            await self.lora_store.save(ref.name, ref.path)
+        except StoreUnavailable as e:
+            raise Unavailable(
+                "request store (Redis) is unavailable; the adapter was not loaded"
+            ) from e
         info = self.loras.load(name, path)
         log.info("lora.loaded", name=name, path=info.ref.path, rank=info.rank)
         return info.ref.name, info.ref.path, info.rank
@@ -286,7 +294,12 @@ class RequestFront:
             raise ValidationError("the executors serve no LoRA (start them with --enable-lora)")
         return rank
 
-    def unload_lora_adapter(self, name: str) -> None:
+    async def unload_lora_adapter(self, name: str) -> None:
+        self.loras.resolve(name)  # NotFound when it is not loaded
+        try:
+            await self.lora_store.delete(name)
+        except StoreUnavailable as e:
+            raise Unavailable("request store (Redis) is unavailable; the adapter stays") from e
         self.loras.unload(name)
         log.info("lora.unloaded", name=name)
 

@@ -97,6 +97,9 @@ class LoraRegistry:
     def __len__(self) -> int:
         return len(self._adapters)
 
+    def has(self, name: str) -> bool:
+        return name in self._adapters
+
     def adapters(self) -> list[LoraAdapterInfo]:
         return list(self._adapters.values())
 

@@ -215,6 +215,11 @@ class RequestStore:
         # nothing is fenced and writes go out exactly as before.
         self.epoch = 0
 
+    @property
+    def redis(self) -> Any:
+        """The connection, for small keyspaces kept beside the requests (lora/durable.py)."""
+        return self._redis
+
     async def close(self) -> None:
         await self._redis.aclose()
 

@@ -4,7 +4,8 @@ PEFT adapters of ranks 8 to 64 on different target modules: each request's greed
 HF + PEFT generate for its adapter, whether it runs alone or among the base model and the other
 adapters (more adapters than --max-loras: split over steps); adapters load and unload live while
 other requests run; unknown and malformed adapters get NOT_FOUND / INVALID_ARGUMENT; a request on
-a live-loaded adapter survives a scheduler kill -9 and resumes on the same adapter, identically.
+a live-loaded adapter survives a scheduler kill -9 and resumes on the same adapter, identically,
+and the restarted scheduler still serves the adapter's name (kept in Redis) until it is unloaded.
 """
 
 from __future__ import annotations
@@ -195,15 +196,29 @@ def test_adapter_request_survives_scheduler_kill_9(lora_stack):
     channel.close()
     stack.kill_scheduler()
     time.sleep(0.2)
-    # The restarted scheduler does not know "durable" (loaded live): the request resumes on
-    # the adapter stored with it.
+    # The request resumes on the adapter stored with it; and the restarted scheduler still
+    # serves "durable" (loaded live: kept in Redis) to new requests.
     stack.start_scheduler()
     channel, stub = stub_for(stack.address)
     resumed = collect(stub.Resume(pb.ResumeRequest(request_id="lora-kill9")))
     assert resumed.error is None, resumed.error
     assert resumed.tokens[0] == want.tokens[0]
     names = [a.name for a in stub.GetServerInfo(pb.GetServerInfoRequest()).lora_adapters]
-    assert "durable" not in names
+    assert "durable" in names
+    again = collect(stub.Generate(_request(prompt, "durable", max_tokens=n)))
+    assert again.error is None and again.tokens[0] == want.tokens[0]
+    # Unloaded, it stays unloaded across the next restart.
+    stub.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(name="durable"))
+    channel.close()
+    stack.kill_scheduler()
+    time.sleep(0.2)
+    stack.start_scheduler()
+    channel, stub = stub_for(stack.address)
+    names = [a.name for a in stub.GetServerInfo(pb.GetServerInfoRequest()).lora_adapters]
+    assert "durable" not in names and "qv8" in names  # --lora-modules still loaded
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(_request(prompt, "durable")))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
     channel.close()
 
 

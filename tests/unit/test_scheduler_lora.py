@@ -1,5 +1,5 @@
-"""LoRA in the scheduling core: at most max_loras distinct adapters per step (later requests
-wait for a slot, in policy order), the adapter goes out with each new sequence, and prefix-cache
+"""LoRA in the scheduling core: at most max_loras distinct adapters per step (a request one
+adapter too many is skipped for the step, keeping its place), the adapter goes out with each new sequence, and prefix-cache
 hits never cross adapters."""
 
 from __future__ import annotations
@@ -27,15 +27,42 @@ def test_more_adapters_than_max_loras_are_split_over_steps():
     sched = make_scheduler(max_loras=2, num_device_blocks=64)
     add(sched, reqs)
     out = step(sched)
-    # C would be a third adapter: it waits, and (policy order) so does everything behind it.
-    assert sorted(out.num_scheduled_tokens) == ["r0/0", "r1/0", "r2/0"]
+    # C would be a third adapter: it is skipped for this step; A and the base behind it go on.
+    assert sorted(out.num_scheduled_tokens) == ["r0/0", "r1/0", "r2/0", "r4/0", "r5/0"]
     assert _loras_of(out) == {A, None, B}
+    assert sched.waiting_request_ids() == ["r3"]
     out = step(sched)
-    assert sorted(out.num_scheduled_tokens) == ["r0/0", "r1/0", "r2/0"] and not out.new_seqs
-    sched.abort_request("r2")  # B's last request ends: C gets its slot, then A and the base
+    assert "r3/0" not in out.num_scheduled_tokens and not out.new_seqs
+    sched.abort_request("r2")  # B's last request ends: C gets its slot
     out = step(sched)
-    assert sorted(out.num_scheduled_tokens) == ["r0/0", "r1/0", "r3/0", "r4/0", "r5/0"]
-    assert _loras_of(out) == {C, A, None}
+    assert "r3/0" in out.num_scheduled_tokens
+    assert _loras_of(out) == {C}
+
+
+def test_a_request_one_adapter_too_many_does_not_block_the_line():
+    sched = make_scheduler(max_loras=1, num_device_blocks=64)
+    add(sched, [_req(0, A), _req(1, B), _req(2, A), _req(3, None)])
+    out = step(sched)
+    assert sorted(out.num_scheduled_tokens) == ["r0/0", "r2/0", "r3/0"]
+    assert _loras_of(out) == {A, None}
+    # B kept its place: it is first in line, and goes as soon as A's requests are done.
+    assert sched.waiting_request_ids() == ["r1"]
+    sched.abort_request("r0")
+    assert not step(sched).new_seqs  # r2 still runs on A
+    sched.abort_request("r2")
+    out = step(sched)
+    assert [s.seq_id for s in out.new_seqs] == ["r1/0"] and _loras_of(out) == {B}
+
+
+def test_a_skipped_request_goes_before_later_ones_once_its_adapter_fits():
+    sched = make_scheduler(max_loras=1, num_device_blocks=64)
+    add(sched, [_req(0, A), _req(1, B)])
+    step(sched)  # r1 (B) is skipped
+    add(sched, [_req(2, A)])  # would fit beside r0 (A)...
+    sched.abort_request("r0")  # ...but r0 ends: the slot is free, and B was first
+    out = step(sched)
+    assert [s.seq_id for s in out.new_seqs] == ["r1/0"]  # B first, then A waits its turn
+    assert sched.waiting_request_ids() == ["r2"]
 
 
 def test_no_cap_without_max_loras():
@@ -53,3 +80,45 @@ def test_prefix_cache_hits_stay_within_one_adapter():
     out = step(sched)
     computed = {s.seq_id: s.num_computed_tokens for s in out.new_seqs}
     assert computed == {"r1/0": 0, "r2/0": 0, "r3/0": 12}
+
+
+def test_adapter_loads_are_counted_against_the_executors_device_slots():
+    sched = make_scheduler(max_loras=2, num_device_blocks=64)
+    add(sched, [_req(0, A), _req(1, B), _req(2, None)])
+    step(sched)
+    stats = sched.get_stats()
+    assert (stats.num_lora_loads, stats.num_loras_in_step) == (2, 2)
+    step(sched)  # A and B are still on the device: no new load
+    assert sched.get_stats().num_lora_loads == 2
+    sched.abort_request("r1")
+    add(sched, [_req(3, C)])
+    step(sched)  # C takes B's slot
+    stats = sched.get_stats()
+    assert (stats.num_lora_loads, stats.num_loras_in_step) == (3, 2)
+    assert set(sched.lora_slots.held()) == {A, C}
+    sched.abort_request("r3")
+    add(sched, [_req(4, B)])
+    step(sched)  # B was evicted (slots: A, C): loaded again
+    assert sched.get_stats().num_lora_loads == 4
+
+
+def test_a_request_skipped_too_long_drains_the_adapters_ahead_of_it():
+    sched = make_scheduler(max_loras=1, num_device_blocks=64)
+    sched.lora_starvation_steps = 3
+    add(sched, [_req(0, A), _req(1, B)])
+    step(sched)  # B skipped
+    add(sched, [_req(2, A), _req(3, None)])
+    out = step(sched)  # A's slot is taken anyway: a second A request and the base go in
+    assert {s.seq_id for s in out.new_seqs} == {"r2/0", "r3/0"}
+    step(sched)
+    step(sched)
+    add(sched, [_req(4, A), _req(5, None)])
+    out = step(sched)  # B has been skipped 3 steps: no more A requests in; the base goes
+    assert [s.seq_id for s in out.new_seqs] == ["r5/0"]
+    assert sched.waiting_request_ids() == ["r1", "r4"]
+    sched.abort_request("r0")
+    sched.abort_request("r2")
+    out = step(sched)  # A drained: B is in, r4 waits for A to get a slot again
+    assert [s.seq_id for s in out.new_seqs] == ["r1/0"]
+    assert sched.waiting_request_ids() == ["r4"]
+    assert list(sched._lora_skipped) == ["r4"]  # r1 forgotten; r4 now waits for B
