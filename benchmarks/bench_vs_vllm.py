@@ -109,6 +109,12 @@ def main() -> None:
     p.add_argument("--num-device-blocks", type=int, default=4096)
     p.add_argument("--only", nargs="*", help="subset of: random sharegpt prefix prefix-off b1")
     p.add_argument("--backends", default="llmserve,vllm")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="both engines' dtype (llmserve --dtype, vLLM --dtype)",
+    )
     p.add_argument("--executor-args", default="", help="extra executor flags, space separated")
     p.add_argument(
         "--pin",
@@ -140,7 +146,9 @@ def main() -> None:
     rates = all_rates["packed"] if packed_ok else all_rates["mm"]
     work = Path(tempfile.mkdtemp(prefix="bench-vs-vllm-"))
     stack = Stack(model, work, args.max_num_seqs, args.num_device_blocks)
-    bench_vs_hf.EXECUTOR_EXTRA = ["--cpu-threads", "1", *args.executor_args.split()]
+    bench_vs_hf.EXECUTOR_EXTRA = [
+        "--cpu-threads", "1", "--dtype", args.dtype, *args.executor_args.split()
+    ]  # fmt: skip
     if args.pin:
         from executor_svc.cli import format_cpu_list, parse_cpu_list
 
@@ -157,6 +165,7 @@ def main() -> None:
         "--model-dir", str(model), "--max-batch-size", str(args.max_num_seqs),
         "--vllm-python", args.vllm_python, "--vllm-cpu-cores", args.vllm_cpu_cores,
         "--vllm-kv-cache-gib", str(args.vllm_kv_cache_gib), "--no-progress",
+        "--vllm-dtype", args.dtype,
     ]  # fmt: skip
     workloads = {
         "random": (["--workload", "random", "--num-prompts", "64", "--input-len", "128",
