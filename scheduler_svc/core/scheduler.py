@@ -16,38 +16,24 @@ blocks and only decodes (and the fork of n > 1) can run out; that is where preem
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
-
 from scheduler_svc.core.ahead import plan_ahead
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.lora import LoraBudget
 from scheduler_svc.core.pooling import swappable
+from scheduler_svc.core.prefix_wait import (
+    prefix_blocks_in_flight,
+    uncomputed_prompt_hashes,
+    waits_for_prefix,
+)
 from scheduler_svc.core.request import Request, RequestStatus, Sequence
 from scheduler_svc.core.scheduler_output import CachedSeqData, NewSeqData, SchedulerOutput
 from scheduler_svc.core.scheduler_state import SchedulerState
+from scheduler_svc.core.spec_decode import schedule_spec
+from scheduler_svc.core.step_budget import Admit, StepBudget
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
 _RUNNING = RequestStatus.RUNNING
-
-
-@dataclass(slots=True)
-class _StepBudget:
-    """What one schedule() call has left to give, shared by its phases."""
-
-    tokens: int  # of max_num_batched_tokens
-    num_seqs: int = 0  # sequences running after this step so far (max_num_seqs caps it)
-    prefills: list[tuple[Request, Sequence]] = field(default_factory=list)  # for phase 2
-    added: list[Request] = field(default_factory=list)  # swapped in or admitted this step
-    # Distinct LoRA adapters in the step (max_loras); set once the running requests are known.
-    loras: LoraBudget = field(default_factory=lambda: LoraBudget(0, ()))
-
-
-class _Admit(enum.Enum):
-    ADMITTED = enum.auto()
-    WAIT = enum.auto()  # head of the line: nothing behind it goes first
-    ENDED = enum.auto()  # could never fit; ended with an error
 
 
 class Scheduler(SchedulerState):
@@ -73,7 +59,7 @@ class Scheduler(SchedulerState):
             )
         self._step_id += 1
         out = SchedulerOutput(self._step_id)
-        step = _StepBudget(self.config.max_num_batched_tokens)
+        step = StepBudget(self.config.max_num_batched_tokens)
         running = self._schedule_running(step, out)
         step.loras = LoraBudget(self.config.max_loras, (r.lora for r in running))
         self._schedule_prefill_chunks(step, out)
@@ -133,7 +119,7 @@ class Scheduler(SchedulerState):
         self._in_flight.append(out)
         return out
 
-    def _schedule_running(self, step: _StepBudget, out: SchedulerOutput) -> list[Request]:
+    def _schedule_running(self, step: StepBudget, out: SchedulerOutput) -> list[Request]:
         """Phase 1: decodes of running requests, best first; victims come off the tail.
 
         Prefill chunks are only noted here (phase 2 schedules them). Returns the requests
@@ -160,7 +146,17 @@ class Scheduler(SchedulerState):
                 if (
                     spec is not None
                     and seq.sent
-                    and (k := self._schedule_spec(req, seq, tokens, out))
+                    and (
+                        k := schedule_spec(
+                            spec,
+                            self.block_manager,
+                            req,
+                            seq,
+                            tokens,
+                            self.config.max_model_len,
+                            out,
+                        )
+                    )
                 ):
                     num_seqs += 1
                     tokens -= 1 + k
@@ -188,30 +184,6 @@ class Scheduler(SchedulerState):
             step.prefills = [(r, s) for r, s in step.prefills if s.status == _RUNNING]
         return [r for r in running[:end] if r.status == _RUNNING]
 
-    def _schedule_spec(self, req: Request, seq: Sequence, budget: int, out) -> int:
-        """A decode with proposals verified after it (core/spec_decode.py), when the proposer
-        has some and the blocks for their slots are free; returns how many (0: decode plainly)."""
-        assert self.spec is not None
-        proposed = self.spec.propose(req, seq, self.config.max_model_len, budget)
-        if not proposed:
-            return 0
-        k = len(proposed)
-        growth = self.block_manager.grow(seq, 1 + k, out.blocks_to_copy)
-        if growth is None:
-            return 0
-        new_ids, replaced = growth
-        sid = seq.seq_id
-        out.cached_seqs.append(
-            CachedSeqData(
-                sid, new_ids, [replaced] if replaced else [], 1 + k, seq.num_computed_tokens,
-                proposed,
-            )
-        )  # fmt: skip
-        out.spec_token_ids[sid] = proposed
-        out.num_scheduled_tokens[sid] = 1 + k
-        out.scheduled.append((seq, 1 + k))
-        return k
-
     def _decode_one(
         self, req: Request, seq: Sequence, running: list[Request], i: int, end: int, out
     ) -> int:
@@ -232,7 +204,7 @@ class Scheduler(SchedulerState):
         running: list[Request],
         i: int,
         end: int,
-        step: _StepBudget,
+        step: StepBudget,
         out: SchedulerOutput,
     ) -> tuple[int, int, int]:
         """Decodes of a request with several sequences (or one about to fork), as one unit:
@@ -271,14 +243,14 @@ class Scheduler(SchedulerState):
             self._schedule_seq(seq, 1, out)
         return end, num_seqs, len(req.seqs if decode_seqs is None else decode_seqs)
 
-    def _schedule_prefill_chunks(self, step: _StepBudget, out: SchedulerOutput) -> None:
+    def _schedule_prefill_chunks(self, step: StepBudget, out: SchedulerOutput) -> None:
         """Phase 2: prefill chunks of running requests (their blocks came on admission)."""
         for req, seq in step.prefills:
             if step.tokens <= 0:
                 break
             step.tokens -= self._schedule_chunk(req, seq, step.tokens, out)
 
-    def _schedule_swapped(self, step: _StepBudget, out: SchedulerOutput) -> None:
+    def _schedule_swapped(self, step: StepBudget, out: SchedulerOutput) -> None:
         """Phase 3: swapped requests come back, oldest first, before any new work."""
         bm = self.block_manager
         while step.tokens > 0 and (req := self._swapped.peek()) is not None:
@@ -306,7 +278,7 @@ class Scheduler(SchedulerState):
             step.num_seqs += n
             step.added.append(req)
 
-    def _schedule_waiting(self, step: _StepBudget, out: SchedulerOutput) -> None:
+    def _schedule_waiting(self, step: StepBudget, out: SchedulerOutput) -> None:
         """Phase 4: new (or recomputed) requests in policy order, while they fit.
 
         A request whose next uncached prompt block is being computed right now by a running
@@ -328,7 +300,7 @@ class Scheduler(SchedulerState):
                 del self._lora_skipped[req_id]
 
     def _admit_waiting(
-        self, step: _StepBudget, out: SchedulerOutput, skipped: list[Request]
+        self, step: StepBudget, out: SchedulerOutput, skipped: list[Request]
     ) -> None:
         inflight: set[bytes] | None = None
         drain = False  # a request starves for an adapter slot: adapters stop coming in
@@ -348,50 +320,19 @@ class Scheduler(SchedulerState):
                 continue
             if self.block_manager.enable_prefix_caching:
                 if inflight is None:
-                    inflight = self._prefix_blocks_in_flight()
-                if self._waits_for_prefix(req, inflight):
+                    inflight = prefix_blocks_in_flight(self.block_manager, self._running)
+                if waits_for_prefix(self.block_manager, req, inflight):
                     break
             admitted = self._admit(req, step, out)
-            if admitted is _Admit.ENDED:  # it could never fit and has been ended
+            if admitted is Admit.ENDED:  # it could never fit and has been ended
                 continue
-            if admitted is _Admit.WAIT:
+            if admitted is Admit.WAIT:
                 break
             step.num_seqs += n
             step.added.append(req)
             step.loras.add(req.lora)
             if inflight is not None:
-                inflight.update(self._uncomputed_prompt_hashes(req))
-
-    def _uncomputed_prompt_hashes(self, req: Request) -> list[bytes]:
-        """Hashes of the full prompt blocks `req` has still to compute (to be cached)."""
-        seq = req.seqs[0]
-        if not seq.use_prefix_cache or seq.num_computed_tokens >= seq.num_prompt_tokens:
-            return []
-        bm = self.block_manager
-        num_full = seq.num_prompt_tokens // bm.block_size
-        bm.ensure_hashes(seq, num_full)
-        return seq.block_hashes[seq.num_computed_tokens // bm.block_size : num_full]
-
-    def _prefix_blocks_in_flight(self) -> set[bytes]:
-        inflight: set[bytes] = set()
-        for req in self._running:
-            if req.status == _RUNNING:
-                inflight.update(self._uncomputed_prompt_hashes(req))
-        return inflight
-
-    def _waits_for_prefix(self, req: Request, inflight: set[bytes]) -> bool:
-        if not inflight:
-            return False
-        seq = req.seqs[0]
-        if not seq.use_prefix_cache:
-            return False
-        bm = self.block_manager
-        hits = len(bm.find_cached_prefix(seq, len(seq.token_ids) - 1))
-        max_blocks = (len(seq.token_ids) - 1) // bm.block_size
-        if hits >= max_blocks:
-            return False
-        bm.ensure_hashes(seq, hits + 1)
-        return seq.block_hashes[hits] in inflight
+                inflight.update(uncomputed_prompt_hashes(self.block_manager, req))
 
     def _make_room(
         self,
@@ -432,13 +373,13 @@ class Scheduler(SchedulerState):
             return False
         return free - need >= bm.watermark_blocks
 
-    def _admit(self, req: Request, step: _StepBudget, out: SchedulerOutput) -> _Admit:
+    def _admit(self, req: Request, step: StepBudget, out: SchedulerOutput) -> Admit:
         """Give a waiting request its blocks and first chunks (charged to `step`)."""
         bm = self.block_manager
         live = req.live_seqs
         hits, need = bm.plan_admission(live)
         if not self._can_take(need, req, "compute its prompt"):
-            return _Admit.ENDED if req.is_finished else _Admit.WAIT
+            return Admit.ENDED if req.is_finished else Admit.WAIT
         self._waiting.pop()
         bm.allocate_group(live, hits, [len(s.token_ids) for s in live])
         self._set_status(req, live, _RUNNING)
@@ -446,7 +387,7 @@ class Scheduler(SchedulerState):
             if step.tokens <= 0:
                 break
             step.tokens -= self._schedule_chunk(req, seq, step.tokens, out)
-        return _Admit.ADMITTED
+        return Admit.ADMITTED
 
     def _blocks_to_resume(self, req: Request, live: list[Sequence]) -> int:
         """Blocks a swapped request needs, beyond its own, to run right after swap-in."""

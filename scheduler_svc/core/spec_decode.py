@@ -22,11 +22,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from scheduler_svc.core.scheduler_output import CachedSeqData
+
 if TYPE_CHECKING:
     from scheduler_svc.core.block_manager import BlockManager
     from scheduler_svc.core.request import Request, Sequence
+    from scheduler_svc.core.scheduler_output import SchedulerOutput
 
-__all__ = ["SpecDecoder", "SpecStats", "SpeculativeConfig", "accept", "propose_ngram"]
+__all__ = [
+    "SpecDecoder",
+    "SpecStats",
+    "SpeculativeConfig",
+    "accept",
+    "propose_ngram",
+    "schedule_spec",
+]
 
 _METHODS = ("ngram",)
 # A sequence whose proposals keep failing skips proposing for up to this many steps (a miss
@@ -197,3 +207,34 @@ class SpecDecoder:
             b = self._backoff[seq_id] = _Backoff()
         b.pause = min(max(1, 2 * b.pause), _MAX_BACKOFF)
         b.skip = b.pause
+
+
+def schedule_spec(
+    spec: SpecDecoder,
+    bm: BlockManager,
+    req: Request,
+    seq: Sequence,
+    budget: int,
+    max_model_len: int,
+    out: SchedulerOutput,
+) -> int:
+    """A decode with proposals verified after it, when the proposer has some and the blocks for
+    their slots are free; returns how many (0: decode plainly)."""
+    proposed = spec.propose(req, seq, max_model_len, budget)
+    if not proposed:
+        return 0
+    k = len(proposed)
+    growth = bm.grow(seq, 1 + k, out.blocks_to_copy)
+    if growth is None:
+        return 0
+    new_ids, replaced = growth
+    sid = seq.seq_id
+    out.cached_seqs.append(
+        CachedSeqData(
+            sid, new_ids, [replaced] if replaced else [], 1 + k, seq.num_computed_tokens, proposed
+        )
+    )
+    out.spec_token_ids[sid] = proposed
+    out.num_scheduled_tokens[sid] = 1 + k
+    out.scheduled.append((seq, 1 + k))
+    return k

@@ -26,9 +26,7 @@ what is missing, so a write retried after a lost reply never duplicates a token.
 
 from __future__ import annotations
 
-import enum
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -36,9 +34,31 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from scheduler_svc.core.request import FinishReason
 from scheduler_svc.state.leader import EPOCH_KEY
+from scheduler_svc.state.records import (
+    FORMAT_VERSION,
+    Created,
+    FinishRecord,
+    StoredRequest,
+    StoreFormatError,
+    TokenAppend,
+    decode_record,
+)
 from scheduler_svc.state.scripts import ABORT_AHEAD_LUA, APPEND_LUA, BATCH_LUA, CREATE_LUA
 
-FORMAT_VERSION = 1
+# The records live in state/records.py; importers take them from here with the store.
+__all__ = [
+    "FORMAT_VERSION",
+    "Created",
+    "FinishRecord",
+    "RequestStore",
+    "StoreFenced",
+    "StoreFormatError",
+    "StoreGapError",
+    "StoreUnavailable",
+    "StoredRequest",
+    "TokenAppend",
+    "tokens_key_bulk",
+]
 UNFINISHED_KEY = "llmserve:index:unfinished"
 EXECUTORS_KEY = "llmserve:index:executors"
 HEALTH_PROBE_KEY = "llmserve:health:probe"
@@ -48,64 +68,12 @@ class StoreUnavailable(RuntimeError):
     """Redis cannot be reached; the caller buffers or refuses work until it returns."""
 
 
-class StoreFormatError(RuntimeError):
-    """A stored record was written by a newer, incompatible scheduler."""
-
-
 class StoreFenced(RuntimeError):
     """A write was refused: another scheduler holds the leader lease (a newer epoch)."""
 
 
 class StoreGapError(RuntimeError):
     """Stored tokens are fewer than an append's offset (Redis lost data); resynchronise."""
-
-
-class Created(enum.IntEnum):
-    """What `RequestStore.create` did with an id."""
-
-    EXISTS = 0  # stored already (nothing written)
-    NEW = 1  # stored as active, listed as unfinished
-    ABORTED = 2  # an abort came first: stored already finished as aborted
-
-
-@dataclass(slots=True)
-class StoredRequest:
-    req_id: str
-    prompt_token_ids: list[int]
-    params: dict[str, Any]
-    priority: int = 0
-    arrival_time: float = 0.0
-    n: int = 1
-    finished: bool = False
-    outputs: list[list[int]] = field(default_factory=list)  # per sequence
-    logprobs: list[list[Any]] = field(default_factory=list)  # per sequence, JSON entries
-    finish_reasons: list[str | None] = field(default_factory=list)
-    stop_reasons: list[str | None] = field(default_factory=list)
-    error: str = ""
-    prompt_logprobs: list[Any] | None = None  # JSON entries, prompt positions 1.. (if asked)
-    lora: list[str] | None = None  # [name, path] of its LoRA adapter; None: the base model
-
-
-@dataclass(slots=True)
-class TokenAppend:
-    """Tokens of one sequence produced in one step, starting at output position `offset`."""
-
-    req_id: str
-    index: int
-    offset: int
-    token_ids: list[int]
-    logprobs: list[Any] | None = None  # JSON-able entries, one per token, when requested
-    # tokens_key_bulk(req_id, index) when the caller keeps it (saves building it every step).
-    key_bulk: bytes = b""
-
-
-@dataclass(slots=True)
-class FinishRecord:
-    req_id: str
-    n: int
-    finish_reasons: list[str | None]
-    stop_reasons: list[str | None]
-    error: str = ""
 
 
 def _bulk(data: bytes) -> bytes:
@@ -394,7 +362,7 @@ class RequestStore:
             fields = await self._redis.hgetall(_request_key(req_id))
             if not fields:
                 return None
-            rec = _decode_record(req_id, fields)
+            rec = decode_record(req_id, fields)
             async with self._redis.pipeline(transaction=False) as pipe:
                 for i in range(rec.n):
                     pipe.lrange(_tokens_key(req_id, i), from_index, -1)
@@ -480,29 +448,3 @@ def _unavailable(e: BaseException) -> Exception:
     if isinstance(e, ResponseError) and str(e).startswith("FENCED"):
         return StoreFenced(str(e))
     return StoreUnavailable(f"redis unavailable: {e}")
-
-
-def _decode_record(req_id: str, fields: dict[bytes, bytes]) -> StoredRequest:
-    f = {k.decode(): v.decode() for k, v in fields.items()}
-    version = int(f.get("v", "0"))
-    if version > FORMAT_VERSION:
-        raise StoreFormatError(
-            f"request {req_id} was stored in format v{version}; this scheduler reads up to "
-            f"v{FORMAT_VERSION}: upgrade llmserve"
-        )
-    if version < 1:
-        raise StoreFormatError(f"request {req_id} has no readable format version")
-    return StoredRequest(
-        req_id=req_id,
-        prompt_token_ids=json.loads(f["prompt"]),
-        params=json.loads(f["params"]),
-        priority=int(f.get("priority", 0)),
-        arrival_time=float(f.get("arrival_time", 0.0)),
-        n=int(f.get("n", 1)),
-        finished=f.get("status") == "finished",
-        finish_reasons=json.loads(f.get("finish_reasons", "[]")),
-        stop_reasons=json.loads(f.get("stop_reasons", "[]")),
-        error=f.get("error", ""),
-        prompt_logprobs=json.loads(f["prompt_logprobs"]) if "prompt_logprobs" in f else None,
-        lora=json.loads(f["lora"]) if "lora" in f else None,
-    )

@@ -1,0 +1,99 @@
+"""What a stored request is (format version 1 of ``state/store.py``'s layout): the records the
+store reads and writes, and the decoding of a request's hash."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Created",
+    "FinishRecord",
+    "StoreFormatError",
+    "StoredRequest",
+    "TokenAppend",
+    "decode_record",
+]
+
+FORMAT_VERSION = 1
+
+
+class StoreFormatError(RuntimeError):
+    """A stored record was written by a newer, incompatible scheduler."""
+
+
+class Created(enum.IntEnum):
+    """What `RequestStore.create` did with an id."""
+
+    EXISTS = 0  # stored already (nothing written)
+    NEW = 1  # stored as active, listed as unfinished
+    ABORTED = 2  # an abort came first: stored already finished as aborted
+
+
+@dataclass(slots=True)
+class StoredRequest:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+    priority: int = 0
+    arrival_time: float = 0.0
+    n: int = 1
+    finished: bool = False
+    outputs: list[list[int]] = field(default_factory=list)  # per sequence
+    logprobs: list[list[Any]] = field(default_factory=list)  # per sequence, JSON entries
+    finish_reasons: list[str | None] = field(default_factory=list)
+    stop_reasons: list[str | None] = field(default_factory=list)
+    error: str = ""
+    prompt_logprobs: list[Any] | None = None  # JSON entries, prompt positions 1.. (if asked)
+    lora: list[str] | None = None  # [name, path] of its LoRA adapter; None: the base model
+
+
+@dataclass(slots=True)
+class TokenAppend:
+    """Tokens of one sequence produced in one step, starting at output position `offset`."""
+
+    req_id: str
+    index: int
+    offset: int
+    token_ids: list[int]
+    logprobs: list[Any] | None = None  # JSON-able entries, one per token, when requested
+    # tokens_key_bulk(req_id, index) when the caller keeps it (saves building it every step).
+    key_bulk: bytes = b""
+
+
+@dataclass(slots=True)
+class FinishRecord:
+    req_id: str
+    n: int
+    finish_reasons: list[str | None]
+    stop_reasons: list[str | None]
+    error: str = ""
+
+
+def decode_record(req_id: str, fields: dict[bytes, bytes]) -> StoredRequest:
+    f = {k.decode(): v.decode() for k, v in fields.items()}
+    version = int(f.get("v", "0"))
+    if version > FORMAT_VERSION:
+        raise StoreFormatError(
+            f"request {req_id} was stored in format v{version}; this scheduler reads up to "
+            f"v{FORMAT_VERSION}: upgrade llmserve"
+        )
+    if version < 1:
+        raise StoreFormatError(f"request {req_id} has no readable format version")
+    return StoredRequest(
+        req_id=req_id,
+        prompt_token_ids=json.loads(f["prompt"]),
+        params=json.loads(f["params"]),
+        priority=int(f.get("priority", 0)),
+        arrival_time=float(f.get("arrival_time", 0.0)),
+        n=int(f.get("n", 1)),
+        finished=f.get("status") == "finished",
+        finish_reasons=json.loads(f.get("finish_reasons", "[]")),
+        stop_reasons=json.loads(f.get("stop_reasons", "[]")),
+        error=f.get("error", ""),
+        prompt_logprobs=json.loads(f["prompt_logprobs"]) if "prompt_logprobs" in f else None,
+        lora=json.loads(f["lora"]) if "lora" in f else None,
+    )
