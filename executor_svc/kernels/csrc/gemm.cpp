@@ -42,25 +42,6 @@ constexpr int kGemvP = 2;   // AVX2: 2 panels x 6 ymm = 12 chains, within the 16
 #endif
 constexpr int64_t kABytes = 256 * 1024;  // a row block of x kept in L2 across the panels
 
-inline v16 fma16(v16 a, v16 b, v16 c) {
-#if defined(__AVX512F__)
-  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-  typedef float v8 __attribute__((vector_size(32)));
-  const v8 lo = (v8)_mm256_fmadd_ps(
-      (__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
-      (__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
-      (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
-  const v8 hi = (v8)_mm256_fmadd_ps(
-      (__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
-      (__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
-      (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  return a * b + c;  // no FMA instruction: a product and a sum, the same in every tile
-#endif
-}
-
 inline v16 splat16(float s) { return v16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 
 // MXCSR for the duration of a thread's share: round to nearest, all exceptions masked, no FTZ /

@@ -48,25 +48,6 @@ constexpr int kRows = 4;
 #endif
 
 
-inline v16 fma16(v16 a, v16 b, v16 c) {
-#if defined(__AVX512F__)
-  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-  typedef float v8 __attribute__((vector_size(32)));
-  const v8 lo = (v8)_mm256_fmadd_ps(
-      (__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
-      (__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
-      (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
-  const v8 hi = (v8)_mm256_fmadd_ps(
-      (__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
-      (__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
-      (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  return a * b + c;
-#endif
-}
-
 inline v16 splat(float s) { return v16{} + s; }
 
 // A product rounded on its own (numpy's order), never fused into a following sum.
