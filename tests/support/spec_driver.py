@@ -7,8 +7,11 @@ after every step, and at the end every block must be free.
 
 from __future__ import annotations
 
+import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from executor_svc.api.service import ExecutorServicer
 from executor_svc.runner.model_runner import ModelRunner
@@ -122,3 +125,37 @@ def run_requests(
         run.outputs[req.req_id] = [list(s.output_token_ids) for s in req.seqs]
     run.logprobs = logprobs
     return run
+
+
+def oracle(reference: Any, prompts: list[list[int]], rate: float, seed: int):
+    """A proposer of the reference run's continuation of the prompt being decoded, each token
+    corrupted at ``rate``: forces long accepted runs, rejections and prefixes whatever the model
+    does (prompts are distinct, so the prefix names the request)."""
+    rng = random.Random(seed)
+    refs = [p + reference.outputs[f"r{i}"][0] for i, p in enumerate(prompts)]
+
+    def propose(tokens: list[int], k: int) -> list[int]:
+        for ref in refs:
+            if ref[: len(tokens)] == tokens:
+                out = ref[len(tokens) : len(tokens) + k]
+                return [t if rng.random() >= rate else (t + 1) % 500 for t in out]
+        return [rng.randrange(500) for _ in range(k)]
+
+    return propose
+
+
+def with_proposer(fn: Callable[[], Any], proposer: Callable[[list[int], int], list[int]]) -> Any:
+    """``fn()`` with every SpecDecoder built meanwhile using ``proposer``."""
+    import scheduler_svc.core.spec_decode as sd
+
+    orig = sd.SpecDecoder.__init__
+
+    def init(self, config):
+        orig(self, config)
+        self.proposer = proposer
+
+    sd.SpecDecoder.__init__ = init
+    try:
+        return fn()
+    finally:
+        sd.SpecDecoder.__init__ = orig

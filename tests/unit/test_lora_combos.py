@@ -25,7 +25,7 @@ from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.spec_decode import SpeculativeConfig
 from tests.support.lora_factory import SPECS, make_adapter
 from tests.support.model_factory import load_hf_model, make_tiny_checkpoint
-from tests.support.spec_driver import run_requests
+from tests.support.spec_driver import oracle, run_requests, with_proposer
 from tests.unit.test_lora import NUM_NEW, Driver, _hf_greedy, _prompts
 
 pytest.importorskip("peft")
@@ -149,39 +149,6 @@ def _spec_prompts(seed: int) -> list[list[int]]:
     ]
 
 
-def _oracle(reference, prompts: list[list[int]], rate: float, seed: int):
-    """Proposes the reference continuation of the (prompt, adapter) being decoded, corrupted at
-    ``rate``: forces long accepted runs, rejections and prefixes whatever the model does."""
-    rng = random.Random(seed)
-    refs = [p + reference.outputs[f"r{i}"][0] for i, p in enumerate(prompts)]
-
-    def propose(tokens: list[int], k: int) -> list[int]:
-        # Prompts are distinct, so the prefix names the request (and its adapter).
-        for ref in refs:
-            if ref[: len(tokens)] == tokens:
-                out = ref[len(tokens) : len(tokens) + k]
-                return [t if rng.random() >= rate else (t + 1) % 500 for t in out]
-        return [rng.randrange(500) for _ in range(k)]
-
-    return propose
-
-
-def _with_proposer(fn, proposer):
-    import scheduler_svc.core.spec_decode as sd
-
-    orig = sd.SpecDecoder.__init__
-
-    def init(self, config):
-        orig(self, config)
-        self.proposer = proposer
-
-    sd.SpecDecoder.__init__ = init
-    try:
-        return fn()
-    finally:
-        sd.SpecDecoder.__init__ = orig
-
-
 @pytest.fixture(scope="module")
 def fp32_runner(base_and_adapters) -> ModelRunner:
     return _runner(base_and_adapters[0])
@@ -208,8 +175,8 @@ def test_speculation_with_adapters_changes_no_token(base_and_adapters, fp32_runn
     assert ngram.outputs == off.outputs
     assert ngram.proposed > 0
     for rate in (0.0, 0.3):
-        oracle = _oracle(off, prompts, rate, seed=4)
-        on = _with_proposer(lambda: run_requests(fp32_runner, reqs, SPEC, loras=loras), oracle)
+        proposer = oracle(off, prompts, rate, seed=4)
+        on = with_proposer(lambda: run_requests(fp32_runner, reqs, SPEC, loras=loras), proposer)
         assert on.outputs == off.outputs, f"rate {rate}"
         assert on.proposed > 0
         if rate == 0.0:
@@ -226,8 +193,8 @@ def test_speculation_with_adapters_on_an_int8_base(base_and_adapters):
     params = SamplingParams(temperature=0.0, max_tokens=16)
     reqs = [(p, params) for p in prompts]
     off = run_requests(runner, reqs, None, loras=loras)
-    oracle = _oracle(off, prompts, 0.2, seed=6)
-    on = _with_proposer(lambda: run_requests(runner, reqs, SPEC, loras=loras), oracle)
+    proposer = oracle(off, prompts, 0.2, seed=6)
+    on = with_proposer(lambda: run_requests(runner, reqs, SPEC, loras=loras), proposer)
     assert on.outputs == off.outputs
     assert on.accepted > 0
 
@@ -249,9 +216,9 @@ def test_speculation_with_adapters_under_preemption_and_prefix_cache(
     plain = run_requests(fp32_runner, reqs, None, loras=loras, enable_prefix_caching=False)
     for mode, cpu in (("recompute", 0), ("swap", 64)):
         kw = dict(num_device_blocks=36, preemption_mode=mode, num_cpu_blocks=cpu, loras=loras)
-        on = _with_proposer(
+        on = with_proposer(
             lambda kw=kw: run_requests(fp32_runner, reqs, SPEC, **kw),
-            _oracle(plain, prompts, 0.1, seed=4),
+            oracle(plain, prompts, 0.1, seed=4),
         )
         assert on.outputs == plain.outputs, mode
         assert on.preemptions > 0 and on.accepted > 0, mode

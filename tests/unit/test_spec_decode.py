@@ -17,7 +17,7 @@ from executor_svc.runner.model_runner import ModelRunner
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.spec_decode import SpeculativeConfig, accept, propose_ngram
 from tests.support.model_factory import make_tiny_checkpoint
-from tests.support.spec_driver import Run, run_requests
+from tests.support.spec_driver import oracle, run_requests, with_proposer
 
 pytestmark = pytest.mark.unit
 
@@ -38,37 +38,6 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
         [rng.randrange(vocab) for _ in range(23)],  # and here mostly none
         list(range(7, 20)) * 2 + [3],
     ]
-
-
-def _oracle(reference: Run, prompts: list[list[int]], rate: float, seed: int):
-    """Proposes the reference continuation with each token corrupted at `rate`."""
-    rng = random.Random(seed)
-    refs = [p + reference.outputs[f"r{i}"][0] for i, p in enumerate(prompts)]
-
-    def propose(tokens: list[int], k: int) -> list[int]:
-        for ref in refs:
-            if ref[: len(tokens)] == tokens:
-                out = ref[len(tokens) : len(tokens) + k]
-                return [t if rng.random() >= rate else (t + 1) % 500 for t in out]
-        return [rng.randrange(500) for _ in range(k)]
-
-    return propose
-
-
-def _with_proposer(spec_run, proposer):
-    import scheduler_svc.core.spec_decode as sd
-
-    orig = sd.SpecDecoder.__init__
-
-    def init(self, config):
-        orig(self, config)
-        self.proposer = proposer
-
-    sd.SpecDecoder.__init__ = init
-    try:
-        return spec_run()
-    finally:
-        sd.SpecDecoder.__init__ = orig
 
 
 PARAMS = {
@@ -96,9 +65,7 @@ def test_oracle_proposals_change_nothing(runner: ModelRunner, name: str, rate: f
     prompts = _prompts(runner.info.vocab_size)
     reqs = [(p, PARAMS[name]) for p in prompts]
     off = run_requests(runner, reqs, None)
-    on = _with_proposer(
-        lambda: run_requests(runner, reqs, SPEC), _oracle(off, prompts, rate, seed=3)
-    )
+    on = with_proposer(lambda: run_requests(runner, reqs, SPEC), oracle(off, prompts, rate, seed=3))
     assert on.outputs == off.outputs
     assert on.proposed > 0
     if rate == 0.0:
@@ -123,8 +90,8 @@ def test_ngram_on_equals_off_with_stops_and_logprobs(runner: ModelRunner) -> Non
     ):
         reqs = [(p, params) for p in prompts]
         a = run_requests(runner, reqs, None)
-        b = _with_proposer(
-            lambda reqs=reqs: run_requests(runner, reqs, SPEC), _oracle(a, prompts, 0.2, 1)
+        b = with_proposer(
+            lambda reqs=reqs: run_requests(runner, reqs, SPEC), oracle(a, prompts, 0.2, 1)
         )
         c = run_requests(runner, reqs, SPEC)  # the n-gram proposer itself
         assert a.outputs == b.outputs == c.outputs
@@ -146,8 +113,8 @@ def test_preemption_and_prefix_cache(runner: ModelRunner) -> None:
     for mode, cpu in (("recompute", 0), ("swap", 64)):
         kw = dict(num_device_blocks=40, preemption_mode=mode, num_cpu_blocks=cpu)
         off = run_requests(runner, reqs, None, **kw)
-        on = _with_proposer(
-            lambda kw=kw: run_requests(runner, reqs, SPEC, **kw), _oracle(off, prompts, 0.1, 4)
+        on = with_proposer(
+            lambda kw=kw: run_requests(runner, reqs, SPEC, **kw), oracle(off, prompts, 0.1, 4)
         )
         assert on.outputs == off.outputs
         assert off.preemptions > 0 and on.preemptions > 0
@@ -203,11 +170,11 @@ def test_disable_by_batch_size(runner: ModelRunner) -> None:
         (p, SamplingParams(temperature=0.0, max_tokens=6 + 10 * i)) for i, p in enumerate(prompts)
     ]
     off = run_requests(runner, reqs, None)
-    proposer = _oracle(off, prompts, 0.0, seed=0)
+    proposer = oracle(off, prompts, 0.0, seed=0)
     many = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=1)
-    alone = _with_proposer(lambda: run_requests(runner, reqs[:1], many), proposer)
+    alone = with_proposer(lambda: run_requests(runner, reqs[:1], many), proposer)
     assert alone.proposed > 0
-    together = _with_proposer(lambda: run_requests(runner, reqs, many), proposer)
+    together = with_proposer(lambda: run_requests(runner, reqs, many), proposer)
     assert together.outputs == off.outputs
     # Only the last request, once the other two ended, speculated.
     assert 0 < together.proposed <= 26 - 16
