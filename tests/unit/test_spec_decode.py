@@ -206,3 +206,29 @@ def test_executor_refuses_malformed_proposals(runner: ModelRunner) -> None:
                            spec_token_ids=[5, 6])  # fmt: skip
     resp = servicer._execute(epb.ExecuteModelRequest(step_id=3, cached_sequences=[c]))
     assert len(resp.sampled) == 1 and len(resp.sampled[0].spec_sampled) == 2
+
+
+def test_rejected_proposals_back_off() -> None:
+    """A sequence whose every proposal is rejected verifies 5 times in 128 steps (pauses 1, 4,
+    16, 64 after each miss) and once every 65 steps after that; an accepted proposal ends the
+    backoff."""
+    from scheduler_svc.core.request import Request
+    from scheduler_svc.core.spec_decode import SpecDecoder
+
+    dec = SpecDecoder(SPEC)
+    dec.proposer = lambda tokens, k: [1] * k  # always proposes (and here always "misses")
+    req = Request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=10_000), 0.0)
+    seq = req.seqs[0]
+    verifying = []
+    for step in range(300):
+        if dec.propose(req, seq, max_len=100_000, budget=64):
+            verifying.append(step)
+            dec._adapt(seq.seq_id, 0)
+    assert verifying[:6] == [0, 2, 7, 24, 89, 154]
+    assert sum(s < 128 for s in verifying) == 5
+    assert all(b - a == 65 for a, b in zip(verifying[4:], verifying[5:], strict=False))
+    dec._adapt(seq.seq_id, 2)
+    assert dec._backoff[seq.seq_id].pause == 0
+    dec._backoff[seq.seq_id].skip = 0
+    dec._adapt(seq.seq_id, 0)  # a miss after a hit pauses one step again
+    assert dec._backoff[seq.seq_id].skip == 1
