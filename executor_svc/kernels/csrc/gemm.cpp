@@ -41,6 +41,7 @@ constexpr int kGemvP = 4;   // panels in flight for one row: 12 independent chai
 constexpr int kGemvP = 2;   // AVX2: 2 panels x 6 ymm = 12 chains, within the 16 ymm registers
 #endif
 constexpr int64_t kABytes = 256 * 1024;  // a row block of x kept in L2 across the panels
+constexpr int64_t kFewRowsMax = 8;  // up to this many rows: few_rows (measured: 16 is slower)
 
 inline v16 splat16(float s) { return v16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 
@@ -227,6 +228,38 @@ void gemv(const float* x, int64_t K, const Panels& w, const float* bias, float* 
   for (; p < p1; ++p) rows_of_panel(x, 0, K, w, p, bias, y, 0, 0, 1);
 }
 
+// A few rows (2..kFewRowsMax: a batch of a few decodes, or one decode with speculative
+// proposals) are still memory-bound: like gemv, keep PP panels in flight (more DRAM streams at
+// once) and run row pairs over them, the first pair streaming the panels from memory, the
+// others finding them in L2 (AVX2: one panel at a time, its 16 ymm registers hold no more).
+// Measured on SmolLM2's matrices, one thread: 5 rows 45 -> 39 ms, 2 rows 36 -> 29 (1 row: 28).
+// Panels [p0, p1); the same chain per element as every other tile shape.
+void few_rows(const float* x, int64_t ldx, int64_t K, const Panels& w, const float* bias,
+              float* y, int64_t ldy, int64_t M, int64_t p0, int64_t p1) {
+#if defined(__AVX512F__) || !defined(__FMA__)
+  constexpr int PP = 4;
+#else
+  constexpr int PP = 1;
+#endif
+  const int64_t full = w.tail ? w.num - 1 : w.num;
+  int64_t p = p0;
+  if constexpr (PP > 1) {
+    for (; p + PP <= p1 && p + PP <= full; p += PP) {
+      const int64_t ncols = (p + PP == w.num) ? w.n - p * kNR : PP * kNR;
+      const float* b = w.base + p * w.stride;
+      const float* bp = bias ? bias + p * kNR : nullptr;
+      int64_t r = 0;
+      for (; r + 2 <= M; r += 2)
+        tile<2, PP>(x + r * ldx, ldx, K, b, w.stride, w.ldb, bp, y + r * ldy + p * kNR, ldy,
+                    ncols);
+      if (r < M)
+        tile<1, PP>(x + r * ldx, ldx, K, b, w.stride, w.ldb, bp, y + r * ldy + p * kNR, ldy,
+                    ncols);
+    }
+  }
+  for (; p < p1; ++p) rows_of_panel(x, ldx, K, w, p, bias, y, ldy, 0, M);
+}
+
 // [begin, end) of `total` items for thread t of nt, contiguous, sizes differing by at most 1.
 inline void share(int64_t total, int t, int nt, int64_t* begin, int64_t* end) {
   *begin = total * t / nt;
@@ -252,6 +285,9 @@ int run(const float* x, int64_t M, int64_t K, int64_t ldx, const Panels& w, cons
     if (M == 1) {
       share(P, t, nt, &i0, &i1);
       gemv(x, K, w, bias, y, i0, i1);
+    } else if (M <= kFewRowsMax && P >= 2 * nt) {
+      share(P, t, nt, &i0, &i1);
+      few_rows(x, ldx, K, w, bias, y, ldy, M, i0, i1);
     } else if (P >= 2 * nt) {
       // Each thread its share of the panels in every block: equal work, same x block.
       share(P, t, nt, &i0, &i1);
