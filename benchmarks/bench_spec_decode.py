@@ -152,6 +152,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--streams", default="1", help="comma-separated concurrency levels")
     ap.add_argument("--workloads", default="grounded,random")
+    ap.add_argument("--dtype", default="float32", help="the model's (auto: bf16 on AVX512-BF16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     configure_logging("warning")
@@ -159,7 +160,7 @@ def main() -> None:
 
     model_dir = ensure_smollm2()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    runner = ModelRunner(model_dir, block_size=16, num_device_blocks=64 * 48)
+    runner = ModelRunner(model_dir, block_size=16, num_device_blocks=64 * 48, dtype=args.dtype)
     eos = tuple(runner.info.eos_token_ids)
     spec = SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_max=4)
     length = len(grounded_prompts(tok, 1)[0])

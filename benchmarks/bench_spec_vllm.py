@@ -43,7 +43,9 @@ from tests.support.smollm2 import ensure_smollm2  # noqa: E402
 RUNNER = Path(__file__).resolve().parent / "spec_vllm_runner.py"
 
 
-def run_vllm(python: str, model: Path, prompts, max_tokens: int, k: int | None, core: str):
+def run_vllm(
+    python: str, model: Path, prompts, max_tokens: int, k: int | None, core: str, dtype: str
+):
     spec = (
         {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
          "prompt_lookup_min": 1}
@@ -55,7 +57,7 @@ def run_vllm(python: str, model: Path, prompts, max_tokens: int, k: int | None, 
         job.write_text(
             json.dumps(
                 {"model": str(model), "prompts": prompts, "max_tokens": max_tokens,
-                 "speculative": spec}
+                 "speculative": spec, "dtype": dtype}
             )
         )  # fmt: skip
         env = dict(os.environ)
@@ -84,6 +86,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     configure_logging("warning")
@@ -93,11 +96,11 @@ def main() -> None:
         set(Path("/proc/cpuinfo").read_text().split())
         & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"}
     )
-    print(json.dumps({"cpu_flags": flags}), flush=True)
+    print(json.dumps({"cpu_flags": flags, "dtype": args.dtype}), flush=True)
     model_dir = ensure_smollm2()
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = grounded_prompts(tok, args.prompts)
-    runner = ModelRunner(model_dir, block_size=16, num_device_blocks=64 * 48)
+    runner = ModelRunner(model_dir, block_size=16, num_device_blocks=64 * 48, dtype=args.dtype)
     eos = tuple(runner.info.eos_token_ids)
     spec = SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_max=4)
     cargs = argparse.Namespace(repeats=1, max_tokens=args.max_tokens)
@@ -115,7 +118,9 @@ def main() -> None:
             print(json.dumps({"round": rnd, "prompt": i, "llmserve": row}), flush=True)
         ref = {}
         for name, k in (("off", None), ("on", args.k)):
-            res = run_vllm(args.vllm_python, model_dir, prompts, args.max_tokens, k, args.core)
+            res = run_vllm(
+                args.vllm_python, model_dir, prompts, args.max_tokens, k, args.core, args.dtype
+            )
             for i, r in enumerate(res["rows"]):
                 n = len(r["output_ids"])
                 if r["decode_s"] and n > 1:
