@@ -18,10 +18,11 @@ from tests.unit.test_model_equivalence import assert_logits_match_hf, make_promp
 
 needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="no C++ compiler here")
 
-ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 13, 64, 65, 300)
+ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 13, 24, 25, 64, 65, 300)
 # (K, N): K not a multiple of 16, N not a multiple of the panel width (48), a single partial
-# panel, and one large enough that two threads split even a single row.
-SHAPES = ((37, 100), (64, 48), (576, 200), (19, 7), (96, 1500))
+# panel, one large enough that two threads split even a single row, and K = 100: chunks of
+# 48, 48 and 4 in few_rows.
+SHAPES = ((37, 100), (64, 48), (576, 200), (19, 7), (96, 1500), (100, 400))
 
 Gemm = Callable[[torch.Tensor], torch.Tensor]  # x [M, K] -> y [M, N]
 
