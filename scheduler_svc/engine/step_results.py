@@ -18,6 +18,7 @@ from protos import executor_pb2 as epb
 from scheduler_svc.core.request import RequestStatus, Sequence, req_id_of
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_output import SchedulerOutput
+from scheduler_svc.core.spec_decode import take_draft_proposals
 from scheduler_svc.engine.streams import EngineStep, RequestHandle
 
 __all__ = ["process_step_outputs"]
@@ -41,7 +42,10 @@ def process_step_outputs(
     tokens = dict(zip(out.decode_seq_ids, resp.decode_token_ids, strict=True))
     tokens.update({s.seq_id: s.token_id for s in sampled})
     by_id = None  # the full SampledToken, only needed for logprobs
-    drawn = _spec_drawn(sampled) if out.spec_token_ids else None  # speculative decoding
+    drawn = None
+    if out.spec_token_ids:  # speculative decoding; a draft model's proposals come back here
+        drawn = _spec_drawn(sampled)
+        take_draft_proposals(out, {s.seq_id: list(s.draft_token_ids) for s in sampled})
     for seq in sched.update_from_output(out, tokens, drawn):
         handle = requests.get(seq.req_id)
         if handle is None or handle.finished_in_engine:
