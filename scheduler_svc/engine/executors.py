@@ -21,6 +21,7 @@ from protos import executor_pb2 as epb
 from protos import executor_pb2_grpc as epb_grpc
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.spec_decode import draft_executor_error
 from scheduler_svc.engine.executor_handle import ExecutorHandle, ExecutorState, Sent
 from scheduler_svc.engine.routing import Router
 from scheduler_svc.state.store import RequestStore, StoreUnavailable
@@ -245,9 +246,11 @@ class ExecutorPool:
             if ex is None:
                 continue
             first = self.executors[0].describe
-            if (ex.describe.model_name, ex.describe.vocab_size) != (
-                first.model_name,
-                first.vocab_size,
+            d = ex.describe
+            if (d.model_name, d.vocab_size) != (first.model_name, first.vocab_size) or (
+                draft_executor_error(
+                    self.config.speculative, d.draft_model_name, d.draft_vocab_size, d.vocab_size
+                )
             ):
                 log.error(
                     "executor.incompatible",
