@@ -26,10 +26,9 @@ from collections.abc import Callable, Coroutine
 
 import structlog
 
-from scheduler_svc.core.spec_decode import draft_executor_error
 from scheduler_svc.engine.aborts import Aborts
 from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.engine.executors import ExecutorPool
+from scheduler_svc.engine.executors import ExecutorPool, IncompatibleExecutor
 from scheduler_svc.engine.faults import Faults
 from scheduler_svc.engine.health import HealthMonitor
 from scheduler_svc.engine.key_usage import KeyUsage
@@ -142,17 +141,13 @@ class Engine:
 
     async def _connect_all(self) -> None:
         for address in await self.pool.initial_addresses():
-            handle = await self.pool.connect(address)
-            assert handle is not None  # connect() keeps trying
-            d = handle.describe
-            error = draft_executor_error(
-                self.config.speculative, d.draft_model_name, d.draft_vocab_size, d.vocab_size
-            )
-            if error is not None:  # refuse to serve, the process exits (cli.py)
-                log.error("engine.executor_incompatible", address=address, reason=error)
-                await handle.channel.close()
-                self.lifecycle.fail(f"executor {address}: {error}")
+            try:
+                handle = await self.pool.connect(address)
+            except IncompatibleExecutor as e:  # refuse to serve: the process exits (cli.py)
+                log.error("engine.executor_incompatible", address=address, reason=str(e))
+                self.lifecycle.fail(f"executor {address}: {e}")
                 return
+            assert handle is not None  # connect() keeps trying
             self.pool.executors.append(handle)
             if self.model.tokenizer is None:
                 await self.model.load_tokenizer(handle)
