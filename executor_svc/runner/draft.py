@@ -28,6 +28,7 @@ tokens up to it (step-invariant kernels), so another sequence writes the same bi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -128,24 +129,13 @@ class DraftModel:
         """Draft proposals for every sequence with ``num_draft_tokens``; each gets its
         proposals appended to ``token_ids`` (a new list) and set as ``spec_token_ids``.
         ``prepare`` flattens sequences into a batch (ModelRunner.prepare_inputs)."""
-        from executor_svc.runner.model_runner import ScheduledSequence as Seq
-
         assert self.kv_cache is not None
         drafting = [s for s in seqs if s.num_draft_tokens]
         known = [list(s.token_ids) for s in drafting]
         proposals: list[list[int]] = [[] for _ in drafting]
         # 1: catch-up over [draft_num_computed, p] and the first proposal.
         batch = [
-            Seq(
-                seq_id=s.seq_id,
-                token_ids=t,
-                num_prompt_tokens=s.num_prompt_tokens,
-                block_table=s.block_table,
-                num_computed_tokens=s.draft_num_computed,
-                num_scheduled_tokens=len(t) - s.draft_num_computed,
-                sampling_params=None,
-            )
-            for s, t in zip(drafting, known, strict=True)
+            _draft_view(s, t, s.draft_num_computed) for s, t in zip(drafting, known, strict=True)
         ]
         active = list(range(len(drafting)))
         for _ in range(max(s.num_draft_tokens for s in drafting)):
@@ -157,18 +147,8 @@ class DraftModel:
                 break
             batch = []
             for j in active:
-                s, t = drafting[j], known[j] + proposals[j]
-                batch.append(
-                    Seq(
-                        seq_id=s.seq_id,
-                        token_ids=t,
-                        num_prompt_tokens=s.num_prompt_tokens,
-                        block_table=s.block_table,
-                        num_computed_tokens=len(t) - 1,
-                        num_scheduled_tokens=1,
-                        sampling_params=None,
-                    )
-                )
+                t = known[j] + proposals[j]
+                batch.append(_draft_view(drafting[j], t, len(t) - 1))
         for s, t, d in zip(drafting, known, proposals, strict=True):
             s.token_ids = t + d
             s.spec_token_ids = d
@@ -182,3 +162,20 @@ class DraftModel:
         )
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
         return logits.float().argmax(dim=-1).tolist()
+
+
+def _draft_view(s: ScheduledSequence, token_ids: list[int], num_computed: int) -> Any:
+    """The sequence as the draft computes it: ``token_ids`` from ``num_computed`` on, forward
+    only (no sampling params, proposals, mask or adapter)."""
+    return dataclasses.replace(
+        s,
+        token_ids=token_ids,
+        num_computed_tokens=num_computed,
+        num_scheduled_tokens=len(token_ids) - num_computed,
+        sampling_params=None,
+        token_mask=None,
+        spec_token_ids=(),
+        num_draft_tokens=0,
+        lora_name=None,
+        lora_path=None,
+    )

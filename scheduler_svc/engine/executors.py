@@ -248,11 +248,7 @@ class ExecutorPool:
             known = {(ex.address, ex.describe.instance_id) for ex in self.executors}
             if any(address == a or instance_id == i for a, i in known):
                 continue
-            try:
-                ex = await self.connect(address, retry=False)
-            except IncompatibleExecutor as e:
-                log.error("executor.incompatible", address=address, reason=str(e))
-                continue
+            ex = await self._connect_discovered(address)
             if ex is None:
                 continue
             first = self.executors[0].describe
@@ -275,6 +271,13 @@ class ExecutorPool:
             added.append(ex)
             log.info("executor.discovered", address=address, instance_id=instance_id)
         return added
+
+    async def _connect_discovered(self, address: str) -> ExecutorHandle | None:
+        try:
+            return await self.connect(address, retry=False)
+        except IncompatibleExecutor as e:
+            log.error("executor.incompatible", address=address, reason=str(e))
+            return None
 
     def retire_gone(self) -> list[ExecutorHandle]:
         """Drop the executors that left the registry for good (a scaled-down replica, or one
