@@ -200,11 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.tls_cert:
         ca = args.tls_ca.read_bytes() if args.tls_ca else None
         tls = (args.tls_cert.read_bytes(), args.tls_key.read_bytes(), ca)
+    if args.speculative_model and args.tensor_parallel_size > 1:
+        parser.error("--speculative-model does not run with --tensor-parallel-size > 1 yet")
     tp_error = _tensor_parallel_error(args)
     if tp_error is not None:
         parser.error(tp_error)
-    if args.speculative_model and args.tensor_parallel_size > 1:
-        parser.error("--speculative-model does not run with --tensor-parallel-size > 1 yet")
     cores = None
     if args.cpu_cores is not None:
         try:

@@ -218,3 +218,23 @@ def test_executor_refuses_malformed_draft_requests(runners: dict[str, ModelRunne
     (s,) = resp.sampled
     assert len(s.draft_token_ids) == 2 and len(s.spec_sampled) == 2
     assert s.draft_token_ids[0] == s.token_id  # the same model proposes the target's argmax
+
+
+def test_launch_hands_the_draft_to_the_executor() -> None:
+    from scheduler_svc.local.launch import speculative_executor_args
+
+    assert speculative_executor_args(None) == []
+    assert speculative_executor_args('{"method": "ngram"}') == []
+    draft = '{"method": "draft_model", "model": "/d"}'
+    assert speculative_executor_args(draft) == ["--speculative-model", "/d"]
+    with pytest.raises(SystemExit, match="model"):
+        speculative_executor_args('{"method": "draft_model"}')
+
+
+def test_executor_cli_refuses_a_draft_with_tensor_parallelism(capsys) -> None:
+    from executor_svc.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--speculative-model", "/d", "--tensor-parallel-size", "2"])
+    assert e.value.code == 2
+    assert "--speculative-model does not run with --tensor-parallel-size" in capsys.readouterr().err
