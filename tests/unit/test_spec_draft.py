@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from executor_svc.runner.draft import draft_computed_after
 from executor_svc.runner.model_runner import ModelRunner
@@ -148,6 +149,63 @@ def test_opt_out_and_n_greater_than_one(runners: dict[str, ModelRunner]) -> None
 
 
 # ---------------------------------------------------------------------- pieces
+
+
+def _draft_kv(runner: ModelRunner, seqs: list, seq_index: int, num_positions: int):
+    """The draft's K and V of seqs[seq_index] at positions [0, num_positions), every layer."""
+    kv = runner.draft.kv_cache
+    bs = runner.block_size
+    table = seqs[seq_index].block_table
+    slots = [table[p // bs] * bs + p % bs for p in range(num_positions)]
+    out = []
+    for k, v in kv.layers:
+        out.append(k.flatten(0, 1)[slots].clone())
+        out.append(v.flatten(0, 1)[slots].clone())
+    return out
+
+
+def test_draft_kv_is_the_same_bits_whatever_the_batch_and_split(
+    runners: dict[str, ModelRunner],
+) -> None:
+    """A position's draft KV depends only on the tokens up to it: alone, beside another
+    sequence, or caught up in two pieces, sequence A's draft cache holds the same bits (what
+    makes rewriting a shared prefix block benign)."""
+    from executor_svc.runner.model_runner import ScheduledSequence
+
+    runner = runners["truncated"]
+    rng = random.Random(5)
+    a_tokens = [rng.randrange(500) for _ in range(21)]
+    b_tokens = [rng.randrange(500) for _ in range(13)]
+
+    def seq(sid: str, tokens: list[int], table: list[int], done: int = 0) -> ScheduledSequence:
+        return ScheduledSequence(
+            seq_id=sid, token_ids=tokens, num_prompt_tokens=len(tokens), block_table=table,
+            num_computed_tokens=len(tokens) - 1, num_scheduled_tokens=1 + K,
+            sampling_params=None, num_draft_tokens=K, draft_num_computed=done,
+        )  # fmt: skip
+
+    a_table, b_table = list(range(10, 17)), list(range(30, 35))
+    n = len(a_tokens)
+    runner.draft.kv_cache.key.zero_()
+    alone = [seq("a", a_tokens, a_table)]
+    runner.draft.propose(alone, runner.prepare_inputs)
+    ref = _draft_kv(runner, alone, 0, n)
+
+    runner.draft.kv_cache.key.fill_(7.0)  # stale bits everywhere
+    batch = [seq("b", b_tokens, b_table), seq("a", a_tokens, a_table)]
+    runner.draft.propose(batch, runner.prepare_inputs)
+    assert batch[1].spec_token_ids == alone[0].spec_token_ids
+    for x, y in zip(_draft_kv(runner, batch, 1, n), ref, strict=True):
+        assert torch.equal(x, y)
+
+    runner.draft.kv_cache.key.fill_(-3.0)
+    first = [seq("a", a_tokens[:9], a_table)]
+    runner.draft.propose(first, runner.prepare_inputs)  # positions 0..8 (+ proposals)
+    second = [seq("b", b_tokens, b_table), seq("a", a_tokens, a_table, done=9)]
+    runner.draft.propose(second, runner.prepare_inputs)  # catches up over 9..20
+    assert second[1].spec_token_ids == alone[0].spec_token_ids
+    for x, y in zip(_draft_kv(runner, second, 1, n), ref, strict=True):
+        assert torch.equal(x, y)
 
 
 def test_draft_computed_after() -> None:
