@@ -296,3 +296,36 @@ def test_executor_cli_refuses_a_draft_with_tensor_parallelism(capsys) -> None:
         main(["--speculative-model", "/d", "--tensor-parallel-size", "2"])
     assert e.value.code == 2
     assert "--speculative-model does not run with --tensor-parallel-size" in capsys.readouterr().err
+
+
+def test_scheduler_asks_the_draft_and_takes_its_proposals() -> None:
+    """The core schedules 1 + k slots and num_draft_tokens = k, no proposal tokens; the reply's
+    proposals are verified as n-gram ones are; a reply with the wrong count is refused."""
+    from scheduler_svc.core.config import SchedulerConfig
+    from scheduler_svc.core.request import Request
+    from scheduler_svc.core.scheduler import Scheduler
+    from scheduler_svc.core.spec_decode import take_draft_proposals
+    from scheduler_svc.engine.step_message import execute_request
+
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=64, max_num_seqs=4, block_size=4, num_device_blocks=32,
+            num_cpu_blocks=0, max_model_len=128, speculative=_spec(3),
+        )
+    )  # fmt: skip
+    sched.add_request(Request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=10), 0.0))
+    out = sched.schedule()  # the prefill: never drafted
+    assert not out.spec_token_ids
+    (seq,) = sched.update_from_output(out, {out.new_seqs[0].seq_id: 40})
+    out = sched.schedule()
+    (c,) = out.cached_seqs
+    assert (c.num_scheduled_tokens, c.num_draft_tokens, c.spec_token_ids) == (4, 3, [])
+    (wire,) = execute_request(out, out.step_id).cached_sequences
+    assert (wire.num_draft_tokens, list(wire.spec_token_ids)) == (3, [])
+    with pytest.raises(ValueError, match="2 draft proposals"):
+        take_draft_proposals(out, {seq.seq_id: [41, 42]})
+    take_draft_proposals(out, {seq.seq_id: [41, 42, 9]})
+    sched.update_from_output(out, {seq.seq_id: 41}, {seq.seq_id: [42, 43, 44]})
+    assert seq.token_ids == [5, 6, 7, 8, 9, 40, 41, 42, 43]  # 41, 42 accepted, then the draw 43
+    assert seq.num_computed_tokens == 8 and out.spec_num_accepted[seq.seq_id] == 2
+    sched.check_invariants()
