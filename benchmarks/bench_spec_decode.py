@@ -1,5 +1,11 @@
-"""Speculative decoding (n-gram prompt lookup) on the real SmolLM2-135M-Instruct: ms per output
-token at batch 1, with and without, and the throughput curve over concurrent streams.
+"""Speculative decoding (n-gram prompt lookup, or a draft model) on the real SmolLM2-135M-Instruct:
+ms per output token at batch 1, with and without, and the throughput curve over concurrent
+streams.
+
+`--method draft_model --draft-layers N`: the draft is SmolLM2 cut to its first N layers (same
+embeddings, final norm and LM head; tests/support/draft_models.py), written to a temporary
+directory and loaded by the runner (`speculative_model`); its catch-up over the prompt runs in
+the first speculating step, which counts as a decode step here.
 
 What runs: the scheduler core and the executor servicer in one process
 (tests/support/spec_driver.py: step message, validation, runner, sampler, acceptance, the
@@ -19,6 +25,8 @@ steps left out: speculation does not touch them) times the streams, over the out
 steps produced; tokens/s is those tokens over that time, all streams together.
 
     HF_HUB_OFFLINE=1 taskset -c 1 .venv/bin/python benchmarks/bench_spec_decode.py --threads 1
+    HF_HUB_OFFLINE=1 taskset -c 1 .venv/bin/python benchmarks/bench_spec_decode.py --threads 1 \
+        --method draft_model --draft-layers 4 --workloads grounded
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +48,7 @@ from executor_svc.config.logs import configure_logging  # noqa: E402
 from executor_svc.runner.model_runner import ModelRunner  # noqa: E402
 from scheduler_svc.core.sampling_params import SamplingParams  # noqa: E402
 from scheduler_svc.core.spec_decode import SpeculativeConfig  # noqa: E402
+from tests.support.draft_models import truncate_checkpoint  # noqa: E402
 from tests.support.smollm2 import ensure_smollm2  # noqa: E402
 from tests.support.spec_driver import run_requests  # noqa: E402
 
@@ -153,6 +163,8 @@ def main() -> None:
     ap.add_argument("--streams", default="1", help="comma-separated concurrency levels")
     ap.add_argument("--workloads", default="grounded,random")
     ap.add_argument("--dtype", default="float32", help="the model's (auto: bf16 on AVX512-BF16)")
+    ap.add_argument("--method", default="ngram", choices=["ngram", "draft_model"])
+    ap.add_argument("--draft-layers", type=int, default=4, help="draft_model: SmolLM2's first N")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     configure_logging("warning")
@@ -160,9 +172,29 @@ def main() -> None:
 
     model_dir = ensure_smollm2()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    runner = ModelRunner(model_dir, block_size=16, num_device_blocks=64 * 48, dtype=args.dtype)
+    with tempfile.TemporaryDirectory(prefix="llmserve-draft-") as tmp:
+        run_all(args, model_dir, tok, Path(tmp))
+
+
+def run_all(args: argparse.Namespace, model_dir: Path, tok, tmp: Path) -> None:
+    if args.method == "draft_model":
+        draft = truncate_checkpoint(
+            model_dir, tmp / f"draft-{args.draft_layers}", args.draft_layers
+        )
+        runner = ModelRunner(
+            model_dir,
+            block_size=16,
+            num_device_blocks=64 * 48,
+            speculative_model=draft,
+            dtype=args.dtype,
+        )
+        spec = SpeculativeConfig(
+            method="draft_model", model=str(draft), num_speculative_tokens=args.k
+        )
+    else:
+        runner = ModelRunner(model_dir, block_size=16, num_device_blocks=64 * 48, dtype=args.dtype)
+        spec = SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_max=4)
     eos = tuple(runner.info.eos_token_ids)
-    spec = SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_max=4)
     length = len(grounded_prompts(tok, 1)[0])
     for workload in args.workloads.split(","):
         for streams in (int(s) for s in args.streams.split(",")):
@@ -172,6 +204,9 @@ def main() -> None:
                 prompts = random_prompts(runner.info.vocab_size, streams, length)
             row = compare(runner, prompts, args, eos, spec)
             row.update(workload=workload, streams=streams, prompt_tokens=length)
+            row.update(method=args.method, dtype=runner.info.dtype_name)
+            if args.method == "draft_model":
+                row.update(draft_layers=args.draft_layers)
             print(json.dumps(row), flush=True)
 
 

@@ -12,6 +12,7 @@ The client never imports the services: they are started as `python -m executor_s
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -70,9 +71,22 @@ class LLM:
         scheduler_args: Sequence[str] = (),
         startup_timeout: float = 600.0,
         log_level: str = "warning",
+        speculative_config: dict | None = None,
     ) -> None:
+        """``speculative_config``: the scheduler's --speculative-config as a dict, e.g.
+        {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (a draft's
+        checkpoint is also handed to the executor as --speculative-model)."""
         self._procs: list[subprocess.Popen] = []
         self._finalizer = None
+        if speculative_config is not None:
+            scheduler_args = [
+                *scheduler_args,
+                "--speculative-config",
+                json.dumps(speculative_config),
+            ]
+            if speculative_config.get("method") == "draft_model":
+                model_arg = ["--speculative-model", str(speculative_config.get("model", ""))]
+                executor_args = [*executor_args, *model_arg]
         if address is None:
             address = self._start_stack(
                 model, list(executor_args), list(scheduler_args), startup_timeout, log_level

@@ -138,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
         "send it nothing new) before stopping; what is left is recomputed elsewhere. 0: stop "
         "at once. A second signal stops at once",
     )
+    p.add_argument(
+        "--speculative-model",
+        default=None,
+        help="a draft checkpoint (same tokenizer, fewer layers) for the scheduler's "
+        '--speculative-config \'{"method": "draft_model", ...}\'; not with TP > 1',
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tls-cert", type=Path, help="serve TLS with this certificate chain (PEM)")
     p.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
@@ -194,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tls_cert:
         ca = args.tls_ca.read_bytes() if args.tls_ca else None
         tls = (args.tls_cert.read_bytes(), args.tls_key.read_bytes(), ca)
+    if args.speculative_model and args.tensor_parallel_size > 1:
+        parser.error("--speculative-model does not run with --tensor-parallel-size > 1 yet")
     tp_error = _tensor_parallel_error(args)
     if tp_error is not None:
         parser.error(tp_error)
@@ -245,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
         **({"quantization": args.quantization} if args.quantization else {}),
+        **({"speculative_model": args.speculative_model} if args.speculative_model else {}),
         tls=tls,
         tensor_parallel_size=args.tensor_parallel_size,
         log_level=args.log_level,

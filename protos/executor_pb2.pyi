@@ -35,7 +35,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("instance_id", "model_name", "architecture", "dtype", "device", "block_size", "num_device_blocks", "num_cpu_blocks", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "max_logprobs", "tensor_parallel_size", "draining", "hidden_size", "cpu_kernel_isa", "max_loras", "max_lora_rank")
+    __slots__ = ("instance_id", "model_name", "architecture", "dtype", "device", "block_size", "num_device_blocks", "num_cpu_blocks", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "max_logprobs", "tensor_parallel_size", "draining", "hidden_size", "cpu_kernel_isa", "max_loras", "max_lora_rank", "draft_model_name", "draft_num_layers", "draft_vocab_size")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,9 @@ class DescribeResponse(_message.Message):
     CPU_KERNEL_ISA_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_name: str
     architecture: str
@@ -74,7 +77,10 @@ class DescribeResponse(_message.Message):
     cpu_kernel_isa: str
     max_loras: int
     max_lora_rank: int
-    def __init__(self, instance_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., draining: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., cpu_kernel_isa: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    draft_model_name: str
+    draft_num_layers: int
+    draft_vocab_size: int
+    def __init__(self, instance_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., draining: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., cpu_kernel_isa: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., draft_model_name: _Optional[str] = ..., draft_num_layers: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "num_logprobs", "min_tokens", "min_tokens_suppressed_ids", "logit_bias", "num_prompt_logprobs", "prompt_only", "pooling")
@@ -158,7 +164,7 @@ class BlockReplacement(_message.Message):
     def __init__(self, logical_index: _Optional[int] = ..., block_id: _Optional[int] = ...) -> None: ...
 
 class CachedSequence(_message.Message):
-    __slots__ = ("seq_id", "new_block_ids", "new_token_ids", "num_scheduled_tokens", "num_computed_tokens", "replaced_blocks", "spec_token_ids")
+    __slots__ = ("seq_id", "new_block_ids", "new_token_ids", "num_scheduled_tokens", "num_computed_tokens", "replaced_blocks", "spec_token_ids", "num_draft_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +172,7 @@ class CachedSequence(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPLACED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SPEC_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -173,7 +180,8 @@ class CachedSequence(_message.Message):
     num_computed_tokens: int
     replaced_blocks: _containers.RepeatedCompositeFieldContainer[BlockReplacement]
     spec_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., replaced_blocks: _Optional[_Iterable[_Union[BlockReplacement, _Mapping]]] = ..., spec_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_draft_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., replaced_blocks: _Optional[_Iterable[_Union[BlockReplacement, _Mapping]]] = ..., spec_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class BlockMapping(_message.Message):
     __slots__ = ("src", "dst")
@@ -232,18 +240,20 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "spec_sampled")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_logprobs", "spec_sampled", "draft_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SPEC_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     spec_sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
-    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., spec_sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ...) -> None: ...
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., spec_sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("seq_id", "first_position", "entries")

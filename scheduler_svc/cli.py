@@ -61,8 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_speculative_config,
         default=None,
         help='speculative decoding, off by default; JSON like {"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}. '
-        "Outputs (greedy and seeded) are unchanged; only the speed changes",
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}, or '
+        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (the executors '
+        "then need --speculative-model PATH). Outputs (greedy and seeded) are unchanged; only "
+        "the speed changes",
     )
     p.add_argument(
         "--no-async-scheduling",
@@ -220,7 +222,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
     )
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace) -> int:
     redis = None
     redis_url = args.redis_url
     if not redis_url:
@@ -255,7 +257,11 @@ async def run(args: argparse.Namespace) -> None:
             args.port_file.write_text(str(port))
         lost = asyncio.create_task(server.engine.lifecycle.leadership_lost.wait())
         stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        failed = asyncio.create_task(server.engine.lifecycle.failed.wait())
+        await asyncio.wait({lost, stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
+        if failed.done():
+            print(f"llmserve-scheduler: error: {server.engine.lifecycle.failure}", file=sys.stderr)
+            return 2
         if lost.done() and not stop.is_set():
             # Another scheduler leads: nothing here may write again. Start over as a standby
             # (a fresh process: no state of this term survives).
@@ -266,6 +272,7 @@ async def run(args: argparse.Namespace) -> None:
         await server.stop()
         if redis is not None:
             redis.close()
+    return 0
 
 
 def restart_as_standby() -> None:
@@ -303,7 +310,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     configure_logging(args.log_level, json=args.log_json)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run(args))
+        code = asyncio.run(run(args))
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -89,3 +89,6 @@ class SeqState:
     num_computed_tokens: int  # tokens whose KV is in the cache
     lora_name: str | None = None  # its LoRA adapter (NewSequence.lora_name); None = base model
     lora_path: str | None = None
+    # Draft-model speculation (runner/draft.py): leading positions whose draft KV is valid; 0
+    # for a state built from a NewSequence (its draft KV may be stale: the draft catches up).
+    draft_num_computed: int = 0

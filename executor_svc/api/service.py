@@ -219,6 +219,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             cpu_kernel_isa=library.variant() if runner.device.type == "cpu" else "",
             max_loras=runner.lora.config.max_loras if runner.lora is not None else 0,
             max_lora_rank=runner.lora.config.max_lora_rank if runner.lora is not None else 0,
+            **_draft_fields(getattr(runner, "draft", None)),
         )
 
     @_rpc
@@ -400,3 +401,15 @@ class _Undo:
 def _dtype_name(dtype: object) -> str:
     # ModelInfo may carry a torch.dtype or a string; the wire wants "float32" etc.
     return str(dtype).removeprefix("torch.")
+
+
+def _draft_fields(draft: Any) -> dict[str, Any]:
+    """DescribeResponse's draft-model fields (runner/draft.py); none without a draft."""
+    if draft is None:
+        return {}
+    i = draft.info
+    return {
+        "draft_model_name": i.model_name,
+        "draft_num_layers": i.num_layers,
+        "draft_vocab_size": i.vocab_size,
+    }

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from executor_svc.api.seq_state import SeqState
 from executor_svc.api.validation import StepPlan
+from executor_svc.runner.draft import draft_computed_after
 from executor_svc.runner.model_runner import (
     ModelRunner,
     PromptLogprobResult,
@@ -55,6 +56,11 @@ class StepWork:
             )
             for s, n in plan.scheduled
         ]
+        if plan.draft:  # the draft proposes in the runner (runner/draft.py)
+            for seq in seqs:
+                if seq.seq_id in plan.draft:
+                    seq.num_draft_tokens = plan.draft[seq.seq_id]
+                    seq.draft_num_computed = plan.states[seq.seq_id].draft_num_computed
         if plan.spec:  # proposals ride after the known tokens (runner/spec_verify.py)
             for seq in seqs:
                 spec = plan.spec.get(seq.seq_id)
@@ -97,6 +103,9 @@ def run_step(runner: ModelRunner, work: StepWork, plan: StepPlan) -> StepOutput:
             out.prompt_logprobs,
             pooled=out.pooled,
         )
+    for s in work.seqs if plan.draft else ():
+        if s.num_draft_tokens:  # verified like the scheduler's proposals from here on
+            plan.spec[s.seq_id] = list(s.spec_token_ids)
     out.by_id = {r.seq_id: r for r in results}
     if len(out.by_id) != len(results) or not out.by_id.keys() <= plan.states.keys():
         raise RuntimeError("model runner returned results for unexpected sequences")
@@ -127,13 +136,19 @@ def record_samples(plan: StepPlan, by_id: dict[str, SampleResult]) -> Samples:
         r = by_id.get(s.seq_id)
         if r is None:
             continue
+        k = plan.draft.get(s.seq_id, 0) if plan.draft else 0
+        num_known = len(s.token_ids)
         if r.spec is not None:
-            record_verified(s, plan.spec[s.seq_id], r, plan.block_size)
+            accepted = record_verified(s, plan.spec[s.seq_id], r, plan.block_size)
+            if k:
+                s.draft_num_computed = draft_computed_after(num_known, k, accepted)
         else:
             s.token_ids.append(r.token_id)
         sampled.append(_sampled_pb(r))
         if r.spec:
             sampled[-1].spec_sampled.extend(_sampled_pb(x) for x in r.spec)
+        if k:
+            sampled[-1].draft_token_ids.extend(plan.spec[s.seq_id])
     lane_tokens: list[int] = []
     lane_logprobs: list[float] = []
     for s in plan.lane:
@@ -154,10 +169,11 @@ def _sampled_pb(r: SampleResult) -> pb.SampledToken:
     )
 
 
-def record_verified(s: SeqState, proposed: list[int], r: SampleResult, block_size: int) -> None:
+def record_verified(s: SeqState, proposed: list[int], r: SampleResult, block_size: int) -> int:
     """A verifying sequence keeps the draws up to the first rejected proposal; the KV of the
     rejected positions is left behind (overwritten later) and the blocks past what its known
-    tokens need go back to the scheduler, which drops the same ones."""
+    tokens need go back to the scheduler, which drops the same ones. Returns the number of
+    proposals accepted."""
     assert r.spec is not None
     drawn = [r.token_id, *(x.token_id for x in r.spec)]
     accepted = accept(proposed, drawn)
@@ -166,6 +182,7 @@ def record_verified(s: SeqState, proposed: list[int], r: SampleResult, block_siz
     keep = blocks_to_keep(len(s.block_table), len(s.token_ids), block_size)
     if keep < len(s.block_table):
         s.block_table[:] = s.block_table.tolist()[:keep]
+    return accepted
 
 
 def build_reply(

@@ -42,6 +42,9 @@ class StepPlan:
     token_masks: dict[str, np.ndarray] = field(default_factory=dict)
     # Speculative decoding: seq_id -> the proposals it verifies this step (CachedSequence).
     spec: dict[str, list[int]] = field(default_factory=dict)
+    # Draft-model speculation: seq_id -> proposals the executor's draft makes this step (their
+    # tokens join `spec` once drafted).
+    draft: dict[str, int] = field(default_factory=dict)
     block_size: int = 0  # what a verifying sequence's kept blocks are counted in
 
 
@@ -102,10 +105,17 @@ def validate_step(
     spec = {c.seq_id: list(c.spec_token_ids) for c in request.cached_sequences if c.spec_token_ids}
     if spec and masks and not spec.keys().isdisjoint(masks):
         raise InvalidStep("token_masks: a constrained sequence cannot verify spec_token_ids")
+    draft = {c.seq_id: c.num_draft_tokens for c in request.cached_sequences if c.num_draft_tokens}
+    if draft and getattr(runner, "draft", None) is None:
+        raise InvalidStep(
+            "num_draft_tokens: this executor has no draft model (--speculative-model)"
+        )
+    if draft and masks and not draft.keys().isdisjoint(masks):
+        raise InvalidStep("token_masks: a constrained sequence cannot verify draft proposals")
     lora_error = check_step_loras((s for s, _ in scheduled), getattr(runner, "lora", None))
     if lora_error is not None:
         raise InvalidStep(lora_error)
-    return StepPlan(new_states, scheduled, states, lane, masks, spec, limits.block_size)
+    return StepPlan(new_states, scheduled, states, lane, masks, spec, draft, limits.block_size)
 
 
 def _check_token_masks(
@@ -229,7 +239,7 @@ def _cached_state(
     num_tokens = len(s.token_ids) + len(c.new_token_ids)
     _check_len(f"{field}.new_token_ids", num_tokens, limits.max_model_len)
     _check_tokens(f"{field}.new_token_ids", c.new_token_ids, limits.vocab_size)
-    if c.spec_token_ids:
+    if c.spec_token_ids or c.num_draft_tokens:
         num_tokens = _check_spec(field, c, s.num_computed_tokens, num_tokens, limits)
     _check_schedule(
         field, s.num_computed_tokens, c.num_scheduled_tokens, num_tokens, num_blocks,
@@ -243,7 +253,9 @@ def _check_spec(
 ) -> int:
     """A verifying sequence decodes its last known token plus every proposal; returns the
     tokens the step then covers."""
-    k = len(c.spec_token_ids)
+    k = len(c.spec_token_ids) or c.num_draft_tokens
+    if c.spec_token_ids and c.num_draft_tokens:
+        raise InvalidStep(f"{field}: spec_token_ids and num_draft_tokens exclude each other")
     if num_computed + 1 != num_tokens or c.num_scheduled_tokens != 1 + k:
         raise InvalidStep(
             f"{field}.spec_token_ids: a verifying sequence computes its last known token and "

@@ -22,6 +22,7 @@ from executor_svc.lora.manager import LoraConfig, LoraManager, no_lora_error, ro
 from executor_svc.runner import spec_verify
 from executor_svc.runner.batch import BatchInputs
 from executor_svc.runner.cuda_graphs import DecodeGraphs, build_decode_graphs
+from executor_svc.runner.draft import load_draft
 from executor_svc.runner.kv_cache import (
     GIB,
     PROFILE_NUM_TOKENS,
@@ -60,6 +61,10 @@ class ScheduledSequence:
     # Speculative decoding: the proposals at the end of token_ids, verified this step
     # (runner/spec_verify.py); empty otherwise.
     spec_token_ids: list[int] | tuple[()] = ()
+    # Draft-model speculation (runner/draft.py): proposals the draft makes before the forward
+    # (it then fills spec_token_ids), and the leading positions whose draft KV is valid.
+    num_draft_tokens: int = 0
+    draft_num_computed: int = 0
     # LoRA: the adapter's name and directory (executor_svc/lora); None = the base model.
     lora_name: str | None = None
     lora_path: str | None = None
@@ -103,9 +108,11 @@ class ModelRunner:
         tp: TPGroup | None = None,
         lora: LoraConfig | None = None,
         quantization: str | None = None,
+        speculative_model: str | Path | None = None,
     ) -> None:
         """``tp``: this process's rank of a tensor-parallel group (every rank builds its own
-        runner, in the same order, since loading and profiling involve collectives)."""
+        runner, in the same order, since loading and profiling involve collectives).
+        ``speculative_model``: a draft checkpoint for speculative decoding (runner/draft.py)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.device = resolve_device(device)
@@ -127,14 +134,17 @@ class ModelRunner:
         bytes_per_block = block_bytes(
             info.num_layers, block_size, info.num_kv_heads, info.head_dim, info.dtype
         )
+        self.draft = load_draft(speculative_model, self.backend, info, tp)
+        # Both caches hold every block: the draft's bytes count when sizing them (not swap).
+        both_bytes = bytes_per_block + (self.draft.block_bytes(block_size) if self.draft else 0)
         cap = max_useful_blocks(info.max_model_len, block_size)
         if num_device_blocks is None:
             if self.device.type == "cuda":
                 num_device_blocks = cuda_num_blocks(
-                    self._profile_run, self.device, gpu_memory_utilization, bytes_per_block
+                    self._profile_run, self.device, gpu_memory_utilization, both_bytes
                 )
             else:
-                num_device_blocks = cpu_num_blocks(bytes_per_block)
+                num_device_blocks = cpu_num_blocks(both_bytes)
             num_device_blocks = min(num_device_blocks, cap)
         if tp is not None:
             # One block table addresses every rank's cache: the smallest one sets the size. Also
@@ -156,6 +166,8 @@ class ModelRunner:
             dtype=info.dtype,
             device=self.device,
         )
+        if self.draft is not None:
+            self.draft.allocate(self.num_device_blocks, block_size)
         # CUDA: decode steps replay captured graphs (runner/cuda_graphs.py); None elsewhere.
         self.graphs: DecodeGraphs | None = None
         if tp is None:
@@ -205,10 +217,14 @@ class ModelRunner:
         self.kv_cache.swap_out(blocks_to_swap_out)
         self.kv_cache.swap_in(blocks_to_swap_in)
         self.kv_cache.copy(blocks_to_copy)
+        if self.draft is not None:
+            self.draft.copy(blocks_to_copy)
         t1 = time.perf_counter()
         phases["cache_ops"] += t1 - t0
         if not seqs:
             return []
+        if self.draft is not None and any(s.num_draft_tokens for s in seqs):
+            self.draft.propose(seqs, self.prepare_inputs)  # fills their spec_token_ids
         if batch is None:
             batch = self.prepare_inputs(seqs)
         hidden = self._forward(seqs, batch)

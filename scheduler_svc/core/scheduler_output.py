@@ -41,6 +41,8 @@ class CachedSeqData:
     num_computed_tokens: int  # consistency check on the executor side
     # Speculative decoding: proposals verified after the decode token (core/spec_decode.py).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Or that many proposals made by the executor's draft model (they come back with the draws).
+    num_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -64,7 +66,8 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # (sequence, tokens scheduled) in batch order; read back by update_from_output.
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list, repr=False)
-    # Speculative decoding: seq_id -> proposals verified this step; update_from_output fills
+    # Speculative decoding: seq_id -> proposals verified this step (with a draft model: empty
+    # until the reply brings them, spec_draft.take_draft_proposals); update_from_output fills
     # spec_num_accepted (seq_id -> proposals accepted) when the result is back.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_num_accepted: dict[str, int] = field(default_factory=dict)

@@ -34,16 +34,18 @@ __all__ = [
     "SpecStats",
     "SpeculativeConfig",
     "accept",
+    "draft_executor_error",
     "propose_ngram",
     "schedule_spec",
+    "take_draft_proposals",
 ]
 
-_METHODS = ("ngram",)
+_METHODS = ("ngram", "draft_model")
 # A sequence whose proposals keep failing pauses proposing: 1 step after a first miss, then 4,
-# 16, up to this many (a miss costs the verified rows' compute, ~0.6 of a decode step at k = 4
-# on a CPU; any accepted proposal ends the pause). A sequence whose every proposal fails thus
-# verifies 5 times in its first 128 steps and then once every 65: ~2 % of the steps' cost, while
-# a copying sequence resumes after one step.
+# 16, up to this many (a miss costs the verified rows' compute, ~0.3-0.6 of a decode step at
+# k = 4 on a CPU; any accepted proposal ends the pause). A sequence whose every proposal fails
+# thus verifies 5 times in its first 128 steps and then once every 65: ~2 % of the steps' cost,
+# while a copying sequence resumes after one step.
 _MAX_BACKOFF = 64
 _BACKOFF_GROWTH = 4
 
@@ -52,7 +54,8 @@ _BACKOFF_GROWTH = 4
 class SpeculativeConfig:
     """``--speculative-config``, in vLLM's spirit."""
 
-    method: str = "ngram"
+    method: str = "ngram"  # or "draft_model": the executor's draft proposes
+    model: str = ""  # draft_model: the draft checkpoint the executors load (--speculative-model)
     num_speculative_tokens: int = 4  # k: proposals verified per step at most
     prompt_lookup_min: int = 1  # shortest suffix n-gram matched
     prompt_lookup_max: int = 4  # longest suffix n-gram matched (tried first)
@@ -70,6 +73,13 @@ class SpeculativeConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.disable_by_batch_size < 0:
             raise ValueError("disable_by_batch_size must be >= 0")
+        if (self.method == "draft_model") != bool(self.model):
+            raise ValueError('"model" (the draft checkpoint) goes with method "draft_model" only')
+
+    @property
+    def uses_draft(self) -> bool:
+        """Proposals come from the executor's draft model, not from the scheduler."""
+        return self.method == "draft_model"
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -101,6 +111,40 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
             if tokens[e] == last and tokens[e - n + 1 : e + 1] == suffix:
                 return tokens[e + 1 : e + 1 + k]
     return []
+
+
+def draft_executor_error(
+    config: SpeculativeConfig | None, draft_model_name: str, draft_vocab_size: int, vocab_size: int
+) -> str | None:
+    """Why an executor (as its Describe reports it) cannot serve ``config`` (None: it can)."""
+    if config is None or not config.uses_draft:
+        return None
+    if not draft_model_name:
+        return (
+            f"--speculative-config asks for draft_model {config.model!r} but the executor has "
+            "no draft model loaded (start it with --speculative-model PATH)"
+        )
+    if draft_vocab_size != vocab_size:
+        return (
+            f"the executor's draft model {draft_model_name!r} has a vocabulary of "
+            f"{draft_vocab_size} tokens, the target {vocab_size}: a draft needs the same tokenizer"
+        )
+    return None
+
+
+def take_draft_proposals(out: SchedulerOutput, proposals: dict[str, list[int]]) -> None:
+    """The executor's draft proposals of a step's drafting sequences (seq_id -> tokens, as
+    the reply brings them) into ``out.spec_token_ids``, before update_from_output verifies
+    them; ValueError when one is missing or of another length than scheduled."""
+    for c in out.cached_seqs:
+        if c.num_draft_tokens:
+            got = proposals.get(c.seq_id, [])
+            if len(got) != c.num_draft_tokens:
+                raise ValueError(
+                    f"the executor returned {len(got)} draft proposals for {c.seq_id!r}, "
+                    f"{c.num_draft_tokens} were scheduled"
+                )
+            out.spec_token_ids[c.seq_id] = got
 
 
 def accept(proposed: list[int], drawn: list[int]) -> int:
@@ -157,22 +201,24 @@ class SpecDecoder:
     def propose(self, req: Request, seq: Sequence, max_len: int, budget: int) -> list[int]:
         """Proposals for seq's next step (a decode), bounded by max_tokens (the last token of
         the output is never proposed), max_model_len and the step's token budget."""
+        room = self.room(req, seq, max_len, budget)
+        return self.proposer(seq.token_ids, room) if room > 0 else []
+
+    def room(self, req: Request, seq: Sequence, max_len: int, budget: int) -> int:
+        """How many tokens seq may have proposed for its next step (0: none)."""
         if not self.eligible(req):
-            return []
+            return 0
         b = self._backoff.get(seq.seq_id)
         if b is not None and b.skip > 0:
             b.skip -= 1
-            return []
+            return 0
         tokens = seq.token_ids
-        room = min(
+        return min(
             self.config.num_speculative_tokens,
             req.sampling_params.max_tokens - seq.num_output_tokens - 1,
             max_len - len(tokens) - 1,  # the accepted run never passes max_model_len
             budget - 1,
         )
-        if room <= 0:
-            return []
-        return self.proposer(tokens, room)
 
     def _ngram(self, tokens: list[int], k: int) -> list[int]:
         c = self.config
@@ -223,10 +269,13 @@ def schedule_spec(
 ) -> int:
     """A decode with proposals verified after it, when the proposer has some and the blocks for
     their slots are free; returns how many (0: decode plainly)."""
-    proposed = spec.propose(req, seq, max_model_len, budget)
-    if not proposed:
+    if spec.config.uses_draft:  # the executor's draft proposes; its tokens come back
+        proposed, k = [], spec.room(req, seq, max_model_len, budget)
+    else:
+        proposed = spec.propose(req, seq, max_model_len, budget)
+        k = len(proposed)
+    if k <= 0:
         return 0
-    k = len(proposed)
     growth = bm.grow(seq, 1 + k, out.blocks_to_copy)
     if growth is None:
         return 0
@@ -237,6 +286,8 @@ def schedule_spec(
             sid, new_ids, [replaced] if replaced else [], 1 + k, seq.num_computed_tokens, proposed
         )
     )
+    if not proposed:
+        out.cached_seqs[-1].num_draft_tokens = k
     out.spec_token_ids[sid] = proposed
     out.num_scheduled_tokens[sid] = 1 + k
     out.scheduled.append((seq, 1 + k))

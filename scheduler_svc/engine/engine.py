@@ -28,7 +28,7 @@ import structlog
 
 from scheduler_svc.engine.aborts import Aborts
 from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.engine.executors import ExecutorPool
+from scheduler_svc.engine.executors import ExecutorPool, IncompatibleExecutor
 from scheduler_svc.engine.faults import Faults
 from scheduler_svc.engine.health import HealthMonitor
 from scheduler_svc.engine.key_usage import KeyUsage
@@ -141,7 +141,12 @@ class Engine:
 
     async def _connect_all(self) -> None:
         for address in await self.pool.initial_addresses():
-            handle = await self.pool.connect(address)
+            try:
+                handle = await self.pool.connect(address)
+            except IncompatibleExecutor as e:  # refuse to serve: the process exits (cli.py)
+                log.error("engine.executor_incompatible", address=address, reason=str(e))
+                self.lifecycle.fail(f"executor {address}: {e}")
+                return
             assert handle is not None  # connect() keeps trying
             self.pool.executors.append(handle)
             if self.model.tokenizer is None:

@@ -21,6 +21,7 @@ from protos import executor_pb2 as epb
 from protos import executor_pb2_grpc as epb_grpc
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.spec_decode import SpeculativeConfig, draft_executor_error
 from scheduler_svc.engine.executor_handle import ExecutorHandle, ExecutorState, Sent
 from scheduler_svc.engine.routing import Router
 from scheduler_svc.state.store import RequestStore, StoreUnavailable
@@ -82,7 +83,10 @@ class ExecutorPool:
             channel = self._channel(address)
             stub = epb_grpc.ExecutorStub(channel)
             try:
-                describe = await _handshake(stub, self.epoch)
+                describe = await _handshake(stub, self.epoch, self.config.speculative)
+            except IncompatibleExecutor:
+                await channel.close()
+                raise
             except grpc.aio.AioRpcError as e:
                 await channel.close()
                 if not retry:
@@ -125,7 +129,10 @@ class ExecutorPool:
         longer fits it). It is not marked healthy here: the caller first fixes the core."""
         await asyncio.sleep(min(0.1 * 2**ex.consecutive_failures, 2.0))
         try:
-            describe = await _handshake(ex.stub, self.epoch)
+            describe = await _handshake(ex.stub, self.epoch, self.config.speculative)
+        except IncompatibleExecutor as e:  # came back without what this scheduler needs
+            log.error("executor.incompatible", address=ex.address, reason=str(e))
+            return None
         except grpc.aio.AioRpcError:
             return None
         if describe.instance_id != ex.describe.instance_id:
@@ -241,7 +248,7 @@ class ExecutorPool:
             known = {(ex.address, ex.describe.instance_id) for ex in self.executors}
             if any(address == a or instance_id == i for a, i in known):
                 continue
-            ex = await self.connect(address, retry=False)
+            ex = await self._connect_discovered(address)
             if ex is None:
                 continue
             first = self.executors[0].describe
@@ -264,6 +271,13 @@ class ExecutorPool:
             added.append(ex)
             log.info("executor.discovered", address=address, instance_id=instance_id)
         return added
+
+    async def _connect_discovered(self, address: str) -> ExecutorHandle | None:
+        try:
+            return await self.connect(address, retry=False)
+        except IncompatibleExecutor as e:
+            log.error("executor.incompatible", address=address, reason=str(e))
+            return None
 
     def retire_gone(self) -> list[ExecutorHandle]:
         """Drop the executors that left the registry for good (a scaled-down replica, or one
@@ -293,10 +307,22 @@ class ExecutorPool:
         return retired
 
 
-async def _handshake(stub: epb_grpc.ExecutorStub, epoch: int) -> epb.DescribeResponse:
+class IncompatibleExecutor(Exception):
+    """An executor that cannot serve this scheduler's configuration (e.g. speculative decoding
+    with a draft model it has not loaded); found before it is reset."""
+
+
+async def _handshake(
+    stub: epb_grpc.ExecutorStub, epoch: int, speculative: SpeculativeConfig | None = None
+) -> epb.DescribeResponse:
     """Describe, then Reset: a scheduler (re)connecting owns no blocks on the executor yet,
-    and the executor must agree before the first step."""
+    and the executor must agree before the first step. An executor that cannot serve the
+    configuration is left untouched (IncompatibleExecutor)."""
     describe = await stub.Describe(epb.DescribeRequest(), timeout=5)
+    d = describe
+    error = draft_executor_error(speculative, d.draft_model_name, d.draft_vocab_size, d.vocab_size)
+    if error is not None:
+        raise IncompatibleExecutor(error)
     await stub.Reset(epb.ResetRequest(leader_epoch=epoch), timeout=5)
     return describe
 

@@ -49,6 +49,10 @@ class Lifecycle:
         self.state = EngineState.STANDBY if leader_election else EngineState.STARTING
         self.lost_reason: str | None = None  # why leadership was lost
         self.leadership_lost = asyncio.Event()  # the CLI restarts the process as a standby
+        # A configuration the executors cannot serve (e.g. a draft model they lack): the CLI
+        # exits with this message, no traceback.
+        self.failure: str | None = None
+        self.failed = asyncio.Event()
         self.watchers: list[Callable[[], None]] = []
 
     @property
@@ -82,6 +86,12 @@ class Lifecycle:
     def stop(self) -> None:
         if self.state is not EngineState.LOST_LEADERSHIP:
             self._become(EngineState.STOPPING)
+
+    def fail(self, reason: str) -> None:
+        """Start-up found a configuration that cannot serve: stop, and say why."""
+        self.failure = reason
+        self.stop()
+        self.failed.set()
 
     def lose_leadership(self, reason: str) -> None:
         """Another scheduler leads now (lease lost, or a write or step was fenced). Once."""

@@ -18,6 +18,7 @@ from protos import executor_pb2 as epb
 from scheduler_svc.core.request import RequestStatus, Sequence, req_id_of
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_output import SchedulerOutput
+from scheduler_svc.core.spec_decode import take_draft_proposals
 from scheduler_svc.engine.streams import EngineStep, RequestHandle
 
 __all__ = ["process_step_outputs"]
@@ -41,7 +42,7 @@ def process_step_outputs(
     tokens = dict(zip(out.decode_seq_ids, resp.decode_token_ids, strict=True))
     tokens.update({s.seq_id: s.token_id for s in sampled})
     by_id = None  # the full SampledToken, only needed for logprobs
-    drawn = _spec_drawn(sampled) if out.spec_token_ids else None  # speculative decoding
+    drawn = _spec_drawn(out, sampled) if out.spec_token_ids else None  # speculative decoding
     for seq in sched.update_from_output(out, tokens, drawn):
         handle = requests.get(seq.req_id)
         if handle is None or handle.finished_in_engine:
@@ -65,7 +66,9 @@ def process_step_outputs(
             sched.finish_sequence(seq.seq_id, status, handle.states[seq.index].stop_reason)
 
 
-def _spec_drawn(sampled: Sequence_[epb.SampledToken]) -> dict[str, list[int]]:
+def _spec_drawn(out: SchedulerOutput, sampled: Sequence_[epb.SampledToken]) -> dict[str, list[int]]:
+    """The target's draws after each proposal; a draft model's proposals come back here too."""
+    take_draft_proposals(out, {s.seq_id: list(s.draft_token_ids) for s in sampled})
     return {s.seq_id: [x.token_id for x in s.spec_sampled] for s in sampled if s.spec_sampled}
 
 

@@ -19,6 +19,7 @@ import structlog
 
 from scheduler_svc import cli as scheduler_cli
 from scheduler_svc import envs
+from scheduler_svc.core.spec_decode import SpeculativeConfig
 from scheduler_svc.logging import configure_logging
 
 log = structlog.get_logger(__name__)
@@ -40,6 +41,17 @@ def start_executor(model: str, host: str, port: int, extra: list[str]) -> subpro
     return proc
 
 
+def speculative_executor_args(speculative_config: str | None) -> list[str]:
+    """The executor's share of a ``--speculative-config``: a draft model's checkpoint."""
+    if not speculative_config:
+        return []
+    try:
+        config = SpeculativeConfig.from_json(speculative_config)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--speculative-config: {e}") from None
+    return ["--speculative-model", config.model] if config.uses_draft else []
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="llmserve-launch", description=__doc__)
     p.add_argument("--model", default=envs.local_model())
@@ -54,10 +66,16 @@ def main(argv: list[str] | None = None) -> None:
         "--metrics-port", type=int, default=0, help="scheduler /metrics; 0 = none (executor: +1)"
     )
     p.add_argument("--executor-arg", action="append", default=[], help="passed to the executor")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help="the scheduler's --speculative-config; a draft_model's checkpoint is also passed to "
+        "the executor (--speculative-model)",
+    )
     args = p.parse_args(argv)
     configure_logging("info")
     log.info("launch.executor_starting", model=args.model)
-    executor_args = list(args.executor_arg)
+    executor_args = list(args.executor_arg) + speculative_executor_args(args.speculative_config)
     if args.metrics_port:
         executor_args += ["--metrics-port", str(args.metrics_port + 1)]
     executor = start_executor(args.model, args.host, args.executor_port, executor_args)
@@ -72,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
             "--redis-dir",
             args.redis_dir,
             *(["--metrics-port", str(args.metrics_port)] if args.metrics_port else []),
+            *(["--speculative-config", args.speculative_config] if args.speculative_config else []),
         ]  # fmt: skip
     )
     frontend = None

@@ -79,3 +79,23 @@ def test_connects_to_a_running_scheduler(llmserve_stack):  # noqa: F811
         out = llm.generate("Hi", SamplingParams(max_tokens=3), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3
     assert llmserve_stack.scheduler_proc.poll() is None  # not ours to stop
+
+
+def test_draft_model_speculation_changes_no_output(model_dir):
+    """``speculative_config`` with a draft model: the scheduler gets --speculative-config and
+    the executor --speculative-model (here the model itself); the output is unchanged."""
+    prompts = ["Hello", [5, 6, 7, 8, 5, 6, 7, 8]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=4, max_tokens=12, ignore_eos=True),
+    ]
+    with LLM(str(model_dir)) as llm:
+        plain = [llm.generate(prompts, p, use_tqdm=False) for p in params]
+    spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3,
+            "disable_by_batch_size": 0}  # fmt: skip
+    with LLM(str(model_dir), speculative_config=spec) as llm:
+        drafted = [llm.generate(prompts, p, use_tqdm=False) for p in params]
+        info = llm._client.server_info()
+    for a, b in zip(plain, drafted, strict=True):
+        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert info.num_speculative_tokens == 3 and info.spec_decode_acceptance_rate > 0

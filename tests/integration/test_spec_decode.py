@@ -1,7 +1,10 @@
 """Speculative decoding end to end: the same requests on a stack with `--speculative-config`
-(n-gram) and on one without give the same tokens, text, finish reasons and logprobs; the
-speculating stack really accepted proposals (metrics, GetServerInfo); a scheduler killed with
--9 mid-generation resumes to exactly the undisturbed output (proposals are never persisted).
+(n-gram, or a draft model: the executor's `--speculative-model`, here the target itself) and on
+one without give the same tokens, text, finish reasons and logprobs; the speculating stacks
+really accepted proposals (metrics, GetServerInfo); a scheduler killed with -9 mid-generation
+resumes to exactly the undisturbed output (proposals are never persisted). A scheduler asked for
+draft-model speculation refuses to start against an executor without a draft, and an executor
+refuses a draft with another vocabulary.
 
 The tiny demo model with random weights soon repeats itself, and prompts made of a repeated
 motif give the n-gram proposer matches from the first step, so proposals are both accepted and
@@ -11,6 +14,8 @@ rejected in every request.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -20,8 +25,9 @@ import pytest
 from protos import scheduler_pb2 as pb
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import Collected, collect, gen_request, run_in_threads, stub_for
+from tests.support.model_factory import make_tiny_checkpoint
 from tests.support.prom import free_port, scrape, total
-from tests.support.stack import make_stack
+from tests.support.stack import make_stack, tiny_model_dir
 
 pytestmark = pytest.mark.integration
 
@@ -33,23 +39,33 @@ SPEC = json.dumps(
         "disable_by_batch_size": 0,
     }
 )
+DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+EXECUTOR_ARGS = ["--num-device-blocks", "512", "--swap-space", "0.05"]
 MOTIF = [11, 42, 7, 99, 23, 5]
 PROMPTS = [MOTIF * 3, [5 + 3 * j for j in range(14)], MOTIF * 2 + [1, 2, 3] * 3, [8, 9] * 6]
 
 
 @pytest.fixture(scope="module")
 def stacks(tmp_path_factory):
-    """{"spec": (stack, stub, metrics port), "plain": ...}."""
+    """{"spec": (stack, stub, metrics port), "draft": ..., "plain": ...}."""
     out, cleanup = {}, []
+    model = str(tiny_model_dir(tmp_path_factory.getbasetemp() / "models"))
+    draft = json.dumps({**DRAFT, "model": model})
     try:
-        for name, extra in (("spec", ["--speculative-config", SPEC]), ("plain", [])):
+        for name, extra, executor_extra in (
+            ("spec", ["--speculative-config", SPEC], []),
+            ("draft", ["--speculative-config", draft], ["--speculative-model", model]),
+            ("plain", [], []),
+        ):
             tmp = tmp_path_factory.mktemp(name)
             redis = RedisServer(data_dir=tmp / "redis")
             redis.start()
             cleanup.append(redis.close)
             port = free_port()
             args = ["--metrics-port", str(port), "--finished-ttl", "600", *extra]
-            stack = make_stack(tmp, redis, scheduler_args=args)
+            stack = make_stack(
+                tmp, redis, scheduler_args=args, executor_args=EXECUTOR_ARGS + executor_extra
+            )
             cleanup.append(stack.stop)
             channel, stub = stub_for(stack.address)
             cleanup.append(channel.close)
@@ -95,9 +111,10 @@ def _run(stub, reqs: list[dict]) -> list[Collected]:
     )
 
 
-def test_outputs_equal_with_and_without_speculation(stacks):
+@pytest.mark.parametrize("method", ["spec", "draft"])
+def test_outputs_equal_with_and_without_speculation(stacks, method):
     _, plain, _ = stacks["plain"]
-    _, spec, port = stacks["spec"]
+    _, spec, port = stacks[method]
     ref = _run(plain, _requests())
     reqs = _requests(ref)
     expected = [_run(plain, [r])[0] for r in reqs]  # one at a time: no batch effects either
@@ -114,18 +131,19 @@ def test_outputs_equal_with_and_without_speculation(stacks):
     drafted = total(samples, "llmserve:spec_decode_num_draft_tokens_total")
     assert 0 < accepted < drafted
     info = spec.GetServerInfo(pb.GetServerInfoRequest())
-    assert info.num_speculative_tokens == 4
+    assert info.num_speculative_tokens == (4 if method == "spec" else 3)
     assert 0 < info.spec_decode_acceptance_rate < 1
     assert plain.GetServerInfo(pb.GetServerInfoRequest()).num_speculative_tokens == 0
 
 
-def test_kill_9_scheduler_while_speculating(stacks):
+@pytest.mark.parametrize("method", ["spec", "draft"])
+def test_kill_9_scheduler_while_speculating(stacks, method):
     _, plain, _ = stacks["plain"]
-    stack, _, _ = stacks["spec"]
+    stack, _, _ = stacks[method]
     reqs = [
         gen_request(
             p,
-            request_id=f"kill-{i}",
+            request_id=f"kill-{method}-{i}",
             max_tokens=300,
             ignore_eos=True,
             detached=True,
@@ -180,3 +198,59 @@ def test_kill_9_scheduler_while_speculating(stacks):
         assert got.error is None, got.error
         assert got.tokens[0] == ref.tokens[0], r.request_id
         assert got.text[0] == ref.text[0]
+
+
+def test_scheduler_refuses_draft_speculation_without_a_draft(stacks, tmp_path):
+    """Against an executor that has no draft, a scheduler asked for draft_model exits at once
+    with a one-line error (no traceback), leaving that executor untouched."""
+    plain_stack, plain, _ = stacks["plain"]
+    config = json.dumps({**DRAFT, "model": "/nowhere"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scheduler_svc",
+            "--executor",
+            plain_stack.executor_address,
+            "--redis-dir",
+            str(tmp_path / "redis"),
+            "--port",
+            "0",
+            "--speculative-config",
+            config,
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "no draft model loaded" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    # The plain stack's executor was not reset under its scheduler: it still serves.
+    out = collect(plain.Generate(gen_request(PROMPTS[0], max_tokens=4), timeout=60))
+    assert out.error is None and len(out.tokens[0]) == 4
+
+
+def test_executor_refuses_a_draft_of_another_vocabulary(stacks, tmp_path):
+    stack, _, _ = stacks["plain"]
+    other = make_tiny_checkpoint(tmp_path / "other", vocab_size=200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "executor_svc",
+            "--model",
+            str(stack.model_dir),
+            "--port",
+            "0",
+            "--speculative-model",
+            str(other),
+            "--log-level",
+            "warning",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "vocabulary" in proc.stdout + proc.stderr

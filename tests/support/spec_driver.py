@@ -20,7 +20,7 @@ from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.core.spec_decode import SpeculativeConfig
+from scheduler_svc.core.spec_decode import SpeculativeConfig, take_draft_proposals
 from scheduler_svc.engine.step_message import execute_request
 
 
@@ -79,8 +79,9 @@ def run_requests(
     while sched.num_unfinished:
         t0, c0 = time.perf_counter(), time.process_time()
         out = sched.schedule()
+        num_spec = {c.seq_id: len(c.spec_token_ids) or c.num_draft_tokens for c in out.cached_seqs}
         decoding = (
-            all(n - len(out.spec_token_ids.get(seq.seq_id, ())) == 1 for seq, n in out.scheduled)
+            all(n - num_spec.get(seq.seq_id, 0) == 1 for seq, n in out.scheduled)
             and not out.new_seqs
         )
         assert not out.is_empty, "a step with unfinished requests scheduled nothing"
@@ -90,6 +91,7 @@ def run_requests(
         tokens.update({s.seq_id: s.token_id for s in resp.sampled})
         by_id = {s.seq_id: s for s in resp.sampled}
         drawn = {s.seq_id: [x.token_id for x in s.spec_sampled] for s in resp.sampled}
+        take_draft_proposals(out, {s.seq_id: list(s.draft_token_ids) for s in resp.sampled})
         produced = 0
         for seq in sched.update_from_output(out, tokens, drawn):
             produced += out.spec_num_accepted.get(seq.seq_id, 0) + 1
