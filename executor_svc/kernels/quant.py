@@ -17,7 +17,7 @@ run by their own kernel, the K-quants as GGUF blocks (``csrc/quant_gemm.cpp``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -114,6 +114,7 @@ class QuantWeight:
     data: torch.Tensor  # [out_features, row_bytes] uint8
     type_id: int
     in_features: int
+    _fn: Any = field(init=False, repr=False)  # the kernel for this layout (ctypes function)
 
     def __post_init__(self) -> None:
         assert self.data.dtype == torch.uint8 and self.data.dim() == 2, self.data.shape
@@ -124,8 +125,11 @@ class QuantWeight:
             self.in_features,
         )
         self.data = self.data.contiguous()
+        lib = _lib()
+        self._fn = lib.llmserve_quant_gemm_f32
         if self.split:
             self.data = relayout(self.type_id, self.data, self.in_features, to_split=True)
+            self._fn = lib.llmserve_quant_gemm_split_f32
 
     @property
     def split(self) -> bool:
@@ -149,22 +153,21 @@ class QuantWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [rows, in] @ W^T (+ bias)``, each element in the kernel's fixed order."""
-        assert x.dim() == 2 and x.shape[1] == self.in_features, (x.shape, self.in_features)
-        assert x.device.type == "cpu" and x.dtype == torch.float32, (x.device, x.dtype)
-        n = self.out_features
-        assert bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)), bias
-        if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
-            x = x.contiguous()
-        if bias is not None:
-            bias = bias.contiguous()
+        # Checked in few operations: a decode step makes four of these calls per layer.
         m, k = x.shape
+        assert k == self.in_features and x.dtype == torch.float32 and x.is_cpu, (x.shape, x.dtype)
+        n = self.data.shape[0]
+        if bias is not None:
+            assert bias.dtype == torch.float32 and bias.shape == (n,), bias
+            bias = bias.contiguous()
+        ldx = x.stride(0)
+        if x.stride(1) != 1 or ldx < k:
+            x = x.contiguous()
+            ldx = k
         y = torch.empty(m, n, dtype=torch.float32)
-        lib = _lib()
-        fn = lib.llmserve_quant_gemm_split_f32 if self.split else lib.llmserve_quant_gemm_f32
-        rc = fn(
-            self.type_id, x.data_ptr(), m, k, max(x.stride(0), k), self.data.data_ptr(), n,
-            self.data.shape[1], None if bias is None else bias.data_ptr(), y.data_ptr(), n,
-            torch.get_num_threads(),
+        rc = self._fn(
+            self.type_id, x.data_ptr(), m, k, ldx, self.data.data_ptr(), n, self.data.shape[1],
+            None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise ValueError(

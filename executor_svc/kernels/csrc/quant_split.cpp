@@ -43,8 +43,10 @@ namespace {
 
 constexpr int64_t kXBytes = 256 * 1024;  // rows of x kept in L2 while the weights pass
 constexpr int64_t kAheadBlocks = 2;      // a decode prefetches this many passes ahead
+constexpr int64_t kChunkG = 256;         // groups whose scales a decode pass converts at once
+constexpr int64_t kLd = kChunkG + 16;    // floats per weight row in a decode pass's scales
 #if defined(__AVX512F__)
-constexpr int kOut = 8;   // weight rows per pass over one x row
+constexpr int kOut = 16;  // weight rows per pass over one x row
 constexpr int kRows = 8;  // x rows per pass over one weight row
 #else
 constexpr int kOut = 4;  // 16 ymm registers: 4 accumulators of two, x, the decoded group
@@ -113,6 +115,13 @@ inline void halves(const uint8_t* p, int64_t n, float* out) {
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 2 * i))));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (i < n) {
+    const __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(out + i, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p + 2 * i)));
+    return;
+  }
+#endif
 #elif defined(__F16C__)
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 2 * i))));
@@ -120,46 +129,68 @@ inline void halves(const uint8_t* p, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = half(p + 2 * i);
 }
 
-// A weight row's scales as fp32 into sb: [d_0 .. d_G-1][m_0 .. m_G-1 (Q4_1)], then zeros that
-// the caller keeps (the offset chunks read up to 16 past the minimums).
+// A weight row's scales as fp32 into sb (G floats).
 template <class D>
 inline void row_scales(const uint8_t* row, int64_t G, float* sb) {
-  halves(row + G * D::kQBytes, D::kMin ? 2 * G : G, sb);
+  halves(row + G * D::kQBytes, G, sb);
 }
 
-// The chain's start: the minimums' terms (Q4_1), else 0.
+// The first n <= 16 fp16 values at p as 16 floats, zeros past n: straight into a register (a
+// store and reload of a masked tail would stall on store forwarding).
+inline v16 halves16(const uint8_t* p, int64_t n) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __mmask16 k = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+  return (v16)_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
+#else
+  alignas(64) float f[16] = {};
+  halves(p, n < 16 ? n : 16, f);
+  return load16(f);
+#endif
+}
+
+// The chain's start: the minimums' terms (Q4_1: m, the row's G fp16 minimums), else 0.
 template <class D>
-inline v16 chain_start(const float* sb, const float* sx, int64_t G) {
+inline v16 chain_start(const uint8_t* m, const float* sx, int64_t G) {
   v16 acc = v16{};
   if (D::kMin)
-    for (int64_t c = 0; c < G; c += 16) acc = fma16(load16(sb + G + c), load16(sx + c), acc);
+    for (int64_t c = 0; c < G; c += 16) acc = fma16(halves16(m + 2 * c, G - c), load16(sx + c), acc);
   return acc;
 }
 
-// One x row against R consecutive weight rows: y[r] for r < R. sb: R buffers of ld floats.
+// One x row against R consecutive weight rows: y[r] for r < R. sb: R * kLd floats, a row's
+// scales (or minimums) of a chunk of groups at a fixed offset, so one pointer reaches all rows.
 template <class D, int R>
 inline void gemv(const float* x, const float* sx, int64_t G, const uint8_t* w, int64_t row_bytes,
-                 const float* bias, float* y, float* sb, int64_t ld) {
+                 const float* bias, float* y, float* sb) {
+  const uint8_t* d = w + G * D::kQBytes;  // row 0's scales, then (Q4_1) its minimums
   v16 acc[R];
-  for (int r = 0; r < R; ++r) {
-    row_scales<D>(w + r * row_bytes, G, sb + r * ld);
-    acc[r] = chain_start<D>(sb + r * ld, sx, G);
-  }
-  // The blocks kAheadBlocks passes ahead, a share per group: the weights stream from DRAM
-  // once per step, and the hardware prefetcher alone left the loop waiting on them.
-  const int64_t span = R * row_bytes, share = (span + G - 1) / G;
-  const char* ahead = (const char*)w + kAheadBlocks * span;
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t b = g * share; b < (g + 1) * share; b += 64) prefetch(ahead + b);
-    const v16 x0 = load16(x + 32 * g), x1 = load16(x + 32 * g + 16);
+  for (int r = 0; r < R; ++r) acc[r] = chain_start<D>(d + r * row_bytes + 2 * G, sx, G);
+  // The pass kAheadBlocks ahead, a share per group: the weights stream from DRAM once per
+  // step, and the hardware prefetcher alone left the loop waiting on them.
+  constexpr int64_t kShare = R * D::kBlockBytes;
+  const char* ahead = (const char*)w + kAheadBlocks * R * row_bytes;
+  for (int64_t g0 = 0; g0 < G; g0 += kChunkG) {
+    const int64_t g1 = g0 + kChunkG < G ? g0 + kChunkG : G;
+    for (int r = 0; r < R; ++r) halves(d + r * row_bytes + 2 * g0, g1 - g0, sb + r * kLd);
+    for (int64_t g = g0; g < g1; ++g) {
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      v16 q0, q1;
-      D::decode(w + r * row_bytes + g * D::kQBytes, q0, q1);
-      acc[r] = fma16(splat(sb[r * ld + g]), fma16(q1, x1, q0 * x0), acc[r]);
+      for (int64_t j = 0; j < kShare; j += 64) prefetch(ahead + g * kShare + j);
+      const v16 x0 = load16(x + 32 * g), x1 = load16(x + 32 * g + 16);
+      const float* s = sb + (g - g0);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        v16 q0, q1;
+        D::decode(w + r * row_bytes + g * D::kQBytes, q0, q1);
+        acc[r] = fma16(splat(s[r * kLd]), fma16(q1, x1, q0 * x0), acc[r]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) y[r] = hsum(acc[r]) + (bias ? bias[r] : 0.0f);
+  if constexpr (R == 16) {  // the 16 sums in one vector, each the same tree as hsum
+    const v16 sums = reduce16(acc);
+    store16(y, bias ? sums + load16(bias) : sums + 0.0f);
+  } else {
+    for (int r = 0; r < R; ++r) y[r] = hsum(acc[r]) + (bias ? bias[r] : 0.0f);
+  }
 }
 
 // kRows x rows (row stride ldx; their group sums at sx, stride ldsx) against one weight row
@@ -168,7 +199,7 @@ template <class D>
 inline void tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t G,
                  const uint8_t* row, const float* sb, float b, float* y, int64_t ldy) {
   v16 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = chain_start<D>(sb, sx + r * ldsx, G);
+  for (int r = 0; r < kRows; ++r) acc[r] = chain_start<D>(row + G * (D::kQBytes + 2), sx + r * ldsx, G);
   for (int64_t g = 0; g < G; ++g) {
     v16 q0, q1;
     D::decode(row + g * D::kQBytes, q0, q1);
@@ -182,10 +213,48 @@ inline void tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int
   for (int r = 0; r < kRows; ++r) y[r * ldy] = hsum(acc[r]) + b;
 }
 
+// What each thread does; its `omp for`s share the weight rows among the team, or run them all
+// when called outside a parallel region (one thread: no team is started).
+template <class D>
+void work(const float* x, int64_t M, int64_t K, int64_t ldx, const float* sx, const uint8_t* w,
+          int64_t N, int64_t row_bytes, const float* bias, float* y, int64_t ldy) {
+  const int64_t G = K / 32, Gp = (G + 15) / 16 * 16;
+  const int64_t tiled = M / kRows * kRows;  // rows in whole tiles; the rest go one by one
+  int64_t mc = kXBytes / (K * (int64_t)sizeof(float)) / kRows * kRows;
+  if (mc < kRows) mc = kRows;
+  // Scales: of one weight row for the tiles, of a decode pass's rows by chunks of groups.
+  std::vector<float> row_sb(tiled ? G : 0), sb(kOut * kLd);
+  for (int64_t m0 = 0; m0 < tiled; m0 += mc) {
+    const int64_t m1 = m0 + mc < tiled ? m0 + mc : tiled;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      row_scales<D>(row, G, row_sb.data());
+      const float b = bias ? bias[n] : 0.0f;
+      for (int64_t m = m0; m < m1; m += kRows)
+        tile<D>(x + m * ldx, ldx, sx + m * Gp, Gp, G, row, row_sb.data(), b, y + m * ldy + n,
+                ldy);
+    }
+  }
+  const int64_t blocks = N / kOut;
+  for (int64_t m = tiled; m < M; ++m) {
+    const float* xm = x + m * ldx;
+    float* ym = y + m * ldy;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < blocks; ++i)
+      gemv<D, kOut>(xm, sx + m * Gp, G, w + i * kOut * row_bytes, row_bytes,
+                    bias ? bias + i * kOut : nullptr, ym + i * kOut, sb.data());
+#pragma omp for schedule(static)
+    for (int64_t n = blocks * kOut; n < N; ++n)
+      gemv<D, 1>(xm, sx + m * Gp, G, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr,
+                 ym + n, sb.data());
+  }
+}
+
 template <class D>
 void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, int64_t N,
          int64_t row_bytes, const float* bias, float* y, int64_t ldy, int num_threads) {
-  const int64_t G = K / 32, Gp = (G + 15) / 16 * 16, ld = 2 * G + 16;
+  const int64_t G = K / 32, Gp = (G + 15) / 16 * 16;
   IeeeMode caller;
   // sx[m][g]: the group sums of x, one fixed tree each, zeros past G (Q4_1 only).
   std::vector<float> sx(D::kMin ? M * Gp : 0, 0.0f);
@@ -193,40 +262,14 @@ void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, in
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < G; ++g)
         sx[m * Gp + g] = hsum(load16(x + m * ldx + 32 * g) + load16(x + m * ldx + 32 * g + 16));
-  const float* sxp = sx.data();
-  const int64_t tiled = M / kRows * kRows;  // rows in whole tiles; the rest go one by one
-  int64_t mc = kXBytes / (K * (int64_t)sizeof(float)) / kRows * kRows;
-  if (mc < kRows) mc = kRows;
-  const bool parallel = num_threads > 1 && M * K * N >= (1 << 17);
-#pragma omp parallel num_threads(num_threads) if (parallel)
-  {
-    IeeeMode ieee;  // per thread: no flush-to-zero, whichever thread computes a row
-    std::vector<float> sb(kOut * ld, 0.0f);
-    float* sbp = sb.data();
-    for (int64_t m0 = 0; m0 < tiled; m0 += mc) {
-      const int64_t m1 = m0 + mc < tiled ? m0 + mc : tiled;
-#pragma omp for schedule(static)
-      for (int64_t n = 0; n < N; ++n) {
-        const uint8_t* row = w + n * row_bytes;
-        row_scales<D>(row, G, sbp);
-        const float b = bias ? bias[n] : 0.0f;
-        for (int64_t m = m0; m < m1; m += kRows)
-          tile<D>(x + m * ldx, ldx, sxp + m * Gp, Gp, G, row, sbp, b, y + m * ldy + n, ldy);
-      }
+  if (num_threads > 1 && M * K * N >= (1 << 17)) {
+#pragma omp parallel num_threads(num_threads)
+    {
+      IeeeMode ieee;  // per thread: no flush-to-zero, whichever thread computes a row
+      work<D>(x, M, K, ldx, sx.data(), w, N, row_bytes, bias, y, ldy);
     }
-    const int64_t blocks = N / kOut;
-    for (int64_t m = tiled; m < M; ++m) {
-      const float* xm = x + m * ldx;
-      float* ym = y + m * ldy;
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < blocks; ++i)
-        gemv<D, kOut>(xm, sxp + m * Gp, G, w + i * kOut * row_bytes, row_bytes,
-                      bias ? bias + i * kOut : nullptr, ym + i * kOut, sbp, ld);
-#pragma omp for schedule(static)
-      for (int64_t n = blocks * kOut; n < N; ++n)
-        gemv<D, 1>(xm, sxp + m * Gp, G, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr,
-                   ym + n, sbp, ld);
-    }
+  } else {
+    work<D>(x, M, K, ldx, sx.data(), w, N, row_bytes, bias, y, ldy);
   }
 }
 
