@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "quant_common.h"
+#include "quant_vec.h"
 
 using namespace llmserve;
 using namespace llmserve::quant;
@@ -61,50 +62,19 @@ inline void prefetch(const char* p) {
 #endif
 }
 
-#if defined(__AVX512F__)
-inline v16 ints_to_v16(__m512i v) { return (v16)_mm512_cvtepi32_ps(v); }
-inline __m512i load_u8x16(const uint8_t* p) {
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-}
-#endif
-
 // Per type: quant bytes per group, whether there is a minimum, and the decoder of one group's
-// quants into q0 (weights 0-15) and q1 (weights 16-31).
+// quants into q0 (weights 0-15) and q1 (weights 16-31) (quant_vec.h, per instruction set).
 struct SQ8_0 {
   static constexpr int kType = kQ8_0, kQBytes = 32, kBlockBytes = 34;
   static constexpr bool kMin = false;
-  static void decode(const uint8_t* q, v16& q0, v16& q1) {
-#if defined(__AVX512F__)
-    q0 = ints_to_v16(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
-    q1 = ints_to_v16(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16))));
-#else
-    q0 = to_v16<true>(load_b16(q));
-    q1 = to_v16<true>(load_b16(q + 16));
-#endif
-  }
+  static void decode(const uint8_t* q, vf& q0, vf& q1) { decode_q8(q, q0, q1); }
 };
 
-// AVX-512: the nibble in the low 4 bits of each 32-bit lane indexes a 16-entry table of floats
-// (vpermps reads only those bits), so the low nibbles need no mask and no conversion.
 template <int kType_, int kBlockBytes_, bool kMin_, int kOffset>
 struct SQ4 {
   static constexpr int kType = kType_, kQBytes = 16, kBlockBytes = kBlockBytes_;
   static constexpr bool kMin = kMin_;
-  static void decode(const uint8_t* q, v16& q0, v16& q1) {
-#if defined(__AVX512F__)
-    const __m512 table = _mm512_setr_ps(kOffset, kOffset + 1, kOffset + 2, kOffset + 3,
-                                        kOffset + 4, kOffset + 5, kOffset + 6, kOffset + 7,
-                                        kOffset + 8, kOffset + 9, kOffset + 10, kOffset + 11,
-                                        kOffset + 12, kOffset + 13, kOffset + 14, kOffset + 15);
-    const __m512i b = load_u8x16(q);
-    q0 = (v16)_mm512_permutexvar_ps(b, table);
-    q1 = (v16)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-#else
-    const b16 v = load_b16(q);
-    q0 = to_v16<false>(low_nibbles(v)) + (float)kOffset;
-    q1 = to_v16<false>(high_nibbles(v)) + (float)kOffset;
-#endif
-  }
+  static void decode(const uint8_t* q, vf& q0, vf& q1) { decode_q4<kOffset>(q, q0, q1); }
 };
 using SQ4_0 = SQ4<kQ4_0, 18, false, -8>;
 using SQ4_1 = SQ4<kQ4_1, 20, true, 0>;
@@ -135,25 +105,12 @@ inline void row_scales(const uint8_t* row, int64_t G, float* sb) {
   halves(row + G * D::kQBytes, G, sb);
 }
 
-// The first n <= 16 fp16 values at p as 16 floats, zeros past n: straight into a register (a
-// store and reload of a masked tail would stall on store forwarding).
-inline v16 halves16(const uint8_t* p, int64_t n) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  const __mmask16 k = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-  return (v16)_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
-#else
-  alignas(64) float f[16] = {};
-  halves(p, n < 16 ? n : 16, f);
-  return load16(f);
-#endif
-}
-
 // The chain's start: the minimums' terms (Q4_1: m, the row's G fp16 minimums), else 0.
 template <class D>
-inline v16 chain_start(const uint8_t* m, const float* sx, int64_t G) {
-  v16 acc = v16{};
+inline vf chain_start(const uint8_t* m, const float* sx, int64_t G) {
+  vf acc = vzero();
   if (D::kMin)
-    for (int64_t c = 0; c < G; c += 16) acc = fma16(halves16(m + 2 * c, G - c), load16(sx + c), acc);
+    for (int64_t c = 0; c < G; c += 16) acc = vfma(vhalves16(m + 2 * c, G - c), vload(sx + c), acc);
   return acc;
 }
 
@@ -163,7 +120,7 @@ template <class D, int R>
 inline void gemv(const float* x, const float* sx, int64_t G, const uint8_t* w, int64_t row_bytes,
                  const float* bias, float* y, float* sb) {
   const uint8_t* d = w + G * D::kQBytes;  // row 0's scales, then (Q4_1) its minimums
-  v16 acc[R];
+  vf acc[R];
   for (int r = 0; r < R; ++r) acc[r] = chain_start<D>(d + r * row_bytes + 2 * G, sx, G);
   // The pass kAheadBlocks ahead, a share per group: the weights stream from DRAM once per
   // step, and the hardware prefetcher alone left the loop waiting on them.
@@ -175,22 +132,26 @@ inline void gemv(const float* x, const float* sx, int64_t G, const uint8_t* w, i
     for (int64_t g = g0; g < g1; ++g) {
 #pragma GCC unroll 8
       for (int64_t j = 0; j < kShare; j += 64) prefetch(ahead + g * kShare + j);
-      const v16 x0 = load16(x + 32 * g), x1 = load16(x + 32 * g + 16);
+      const vf x0 = vload(x + 32 * g), x1 = vload(x + 32 * g + 16);
       const float* s = sb + (g - g0);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        v16 q0, q1;
+        vf q0, q1;
         D::decode(w + r * row_bytes + g * D::kQBytes, q0, q1);
-        acc[r] = fma16(splat(s[r * kLd]), fma16(q1, x1, q0 * x0), acc[r]);
+        acc[r] = vfma(vsplat(s[r * kLd]), vfma(q1, x1, vmul(q0, x0)), acc[r]);
       }
     }
   }
+#if !defined(LLMSERVE_QUANT_VEC_AVX2)
   if constexpr (R == 16) {  // the 16 sums in one vector, each the same tree as hsum
-    const v16 sums = reduce16(acc);
+    v16 a[16];
+    for (int r = 0; r < 16; ++r) a[r] = acc[r].v;
+    const v16 sums = reduce16(a);
     store16(y, bias ? sums + load16(bias) : sums + 0.0f);
-  } else {
-    for (int r = 0; r < R; ++r) y[r] = hsum(acc[r]) + (bias ? bias[r] : 0.0f);
+    return;
   }
+#endif
+  for (int r = 0; r < R; ++r) y[r] = vsum(acc[r]) + (bias ? bias[r] : 0.0f);
 }
 
 // kRows x rows (row stride ldx; their group sums at sx, stride ldsx) against one weight row
@@ -198,19 +159,20 @@ inline void gemv(const float* x, const float* sx, int64_t G, const uint8_t* w, i
 template <class D>
 inline void tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t G,
                  const uint8_t* row, const float* sb, float b, float* y, int64_t ldy) {
-  v16 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = chain_start<D>(row + G * (D::kQBytes + 2), sx + r * ldsx, G);
+  vf acc[kRows];
+  const uint8_t* mins = row + G * (D::kQBytes + 2);
+  for (int r = 0; r < kRows; ++r) acc[r] = chain_start<D>(mins, sx + r * ldsx, G);
   for (int64_t g = 0; g < G; ++g) {
-    v16 q0, q1;
+    vf q0, q1;
     D::decode(row + g * D::kQBytes, q0, q1);
-    const v16 s = splat(sb[g]);
+    const vf s = vsplat(sb[g]);
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
       const float* xr = x + r * ldx + 32 * g;
-      acc[r] = fma16(s, fma16(q1, load16(xr + 16), q0 * load16(xr)), acc[r]);
+      acc[r] = vfma(s, vfma(q1, vload(xr + 16), vmul(q0, vload(xr))), acc[r]);
     }
   }
-  for (int r = 0; r < kRows; ++r) y[r * ldy] = hsum(acc[r]) + b;
+  for (int r = 0; r < kRows; ++r) y[r * ldy] = vsum(acc[r]) + b;
 }
 
 // What each thread does; its `omp for`s share the weight rows among the team, or run them all
@@ -261,7 +223,7 @@ void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, in
   if (D::kMin)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < G; ++g)
-        sx[m * Gp + g] = hsum(load16(x + m * ldx + 32 * g) + load16(x + m * ldx + 32 * g + 16));
+        sx[m * Gp + g] = vsum(vadd(vload(x + m * ldx + 32 * g), vload(x + m * ldx + 32 * g + 16)));
   if (num_threads > 1 && M * K * N >= (1 << 17)) {
 #pragma omp parallel num_threads(num_threads)
     {
