@@ -56,8 +56,9 @@ def _rows_alone_and_together(type_name: str) -> dict[str, torch.Tensor]:
     the same bits and returns the rows' results."""
     tid = quant.TYPE_IDS[type_name]
     out = {}
-    # 61 weight rows: whole passes of kOut plus a tail; k = 608: 19 groups, past one chunk of 16.
-    for n, k in ((61, 608), (16, 1536)):
+    # 61 weight rows: whole passes of kOut plus a tail; k = 608: 19 groups, past one chunk of 16;
+    # k = 8224: 257 groups, past the decode's chunk of 256 groups' scales.
+    for n, k in ((61, 608), (16, 1536), (17, 8224)):
         weight = quant.QuantWeight(torch.from_numpy(random_blocks(type_name, n, k, seed=n)), tid, k)
         g = torch.Generator().manual_seed(k)
         x = torch.randn(64, k, generator=g)
@@ -87,13 +88,14 @@ def test_row_bits_independent_of_rows_threads_and_variant(variants, type_name: s
 
 @pytest.mark.parametrize("type_name", SPLIT)
 def test_split_matmul_close_to_dequantize_then_matmul(type_name: str) -> None:
-    tid, n, k = quant.TYPE_IDS[type_name], 29, 1024
-    raw = random_blocks(type_name, n, k, seed=3)
-    weight = quant.QuantWeight(torch.from_numpy(raw), tid, k)
-    w = weight.dequantize().double()
-    for m in (1, 8, 13):
-        x = torch.randn(m, k)
-        got = weight.linear(x, None).double()
-        want = x.double() @ w.T
-        scale = x.double().abs() @ w.abs().T
-        assert ((got - want).abs() / scale).max() < 1e-5, m
+    tid = quant.TYPE_IDS[type_name]
+    for n, k in ((29, 1024), (18, 8224)):
+        raw = random_blocks(type_name, n, k, seed=3)
+        weight = quant.QuantWeight(torch.from_numpy(raw), tid, k)
+        w = weight.dequantize().double()
+        for m in (1, 8, 13):
+            x = torch.randn(m, k)
+            got = weight.linear(x, None).double()
+            want = x.double() @ w.T
+            scale = x.double().abs() @ w.abs().T
+            assert ((got - want).abs() / scale).max() < 1e-5, (n, k, m)
