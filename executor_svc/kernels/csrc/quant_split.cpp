@@ -2,7 +2,7 @@
 // layout: y[M, N] = x[M, K] @ W^T (+ bias[N]), fp32 activations and accumulation. Part of the
 // CPU kernel library (kernels/library.py); called from kernels/quant.py.
 //
-// The split layout (made at load by llmserve_quant_to_split, same bytes per row as the GGUF
+// The split layout (made at load by llmserve_quant_relayout, same bytes per row as the GGUF
 // blocks): a row's G = K / 32 groups of quants first (Q8_0: 32 int8 each; Q4_x: 16 bytes each,
 // byte i holding weight i in its low nibble and weight i + 16 in its high one, as in GGUF), then
 // its G fp16 scales d, then (Q4_1) its G fp16 minimums m. So the hot loop reads quants alone, and
@@ -21,8 +21,10 @@
 //
 // One x row (a decode, and the rows past the last whole tile): kOut weight rows per pass, so
 // each x load serves kOut rows and kOut chains are in flight (a chain has one dependent fma per
-// group). Many rows: a group of one weight row is decoded once and applied to kRows rows of x
-// kept in L2 (kXBytes), as in quant_gemm.cpp.
+// group); the pass kAheadBlocks ahead is prefetched; the minimums' terms come straight from
+// registers (a masked store and reload of them stalled on store forwarding). Many rows: a group
+// of one weight row is decoded once and applied to kRows rows of x kept in L2 (kXBytes), as in
+// quant_gemm.cpp. Measured: docs/benchmarks.md, issue 29 second pass.
 
 #include <omp.h>
 
