@@ -54,7 +54,7 @@ def row_bytes(type_id: int, k: int) -> int:
 
 def _lib() -> Any:
     lib = library.load()
-    if lib is None or not hasattr(lib, "llmserve_quant_gemm_f32"):
+    if lib is None or not available():  # a library built from older sources lacks the split kernel
         raise RuntimeError(
             "quantized weights need the CPU kernel library (a C++ compiler, or "
             "LLMSERVE_KERNEL_LIB built from these sources); none could be loaded"
