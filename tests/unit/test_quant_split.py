@@ -2,7 +2,8 @@
 relayout round-trips, de-quantizing it equals de-quantizing the GGUF blocks bit for bit, and a
 row's matmul result has the same bits whatever the number of rows in the call (one row = the
 decode path, whole tiles = the prefill path, the rest), the weight rows' tails and the library
-variant (avx2 and the AVX-512 builds) — the step-invariance promise on the fast paths."""
+variant (avx2 and the AVX-512 builds) — the step-invariance promise on the fast paths; the
+K-quants' GGUF-layout kernel likewise across variants."""
 
 from __future__ import annotations
 
@@ -51,14 +52,17 @@ def test_relayout_round_trips_and_dequantizes_like_the_blocks(type_name: str) ->
     assert torch.equal(weight.rows(rows), want[rows])
 
 
-def _rows_alone_and_together(type_name: str) -> dict[str, torch.Tensor]:
+# 61 weight rows: whole passes of kOut plus a tail; k = 608: 19 groups, past one chunk of 16;
+# k = 8224: 257 groups, past the decode's chunk of 256 groups' scales.
+SHAPES = ((61, 608), (16, 1536), (17, 8224))
+
+
+def _rows_alone_and_together(type_name: str, shapes=SHAPES) -> dict[str, torch.Tensor]:
     """Each x row alone and inside calls of 7 and 64 rows (threads 1 and 2); asserts they are
     the same bits and returns the rows' results."""
     tid = quant.TYPE_IDS[type_name]
     out = {}
-    # 61 weight rows: whole passes of kOut plus a tail; k = 608: 19 groups, past one chunk of 16;
-    # k = 8224: 257 groups, past the decode's chunk of 256 groups' scales.
-    for n, k in ((61, 608), (16, 1536), (17, 8224)):
+    for n, k in shapes:
         weight = quant.QuantWeight(torch.from_numpy(random_blocks(type_name, n, k, seed=n)), tid, k)
         g = torch.Generator().manual_seed(k)
         x = torch.randn(64, k, generator=g)
@@ -80,6 +84,16 @@ def _rows_alone_and_together(type_name: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("type_name", SPLIT)
 def test_row_bits_independent_of_rows_threads_and_variant(variants, type_name: str) -> None:
     results = variants(lambda: _rows_alone_and_together(type_name))
+    first = next(iter(results.values()))
+    for name, got in results.items():
+        for case, y in got.items():
+            assert torch.equal(y, first[case]), (name, case)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_k_quants_row_bits_independent_of_rows_threads_and_variant(variants, type_name: str):
+    """The GGUF-layout kernel (csrc/quant_gemm.cpp) shares quant_vec.h's per-ISA vector."""
+    results = variants(lambda: _rows_alone_and_together(type_name, ((13, 512), (5, 768))))
     first = next(iter(results.values()))
     for name, got in results.items():
         for case, y in got.items():

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "quant_common.h"
+#include "quant_vec.h"
 
 using namespace llmserve;
 using namespace llmserve::quant;
@@ -46,7 +47,7 @@ constexpr int kRows = 4;
 
 // One group of 32 weights: q[0:16], q[16:32], scale s and offset t (w = s * q + t).
 struct Group {
-  v16 q0, q1;
+  vf q0, q1;
   float s, t;
 };
 
@@ -73,8 +74,8 @@ struct Q4_K {
     q4k_scale_min(b + 4, j, &sc, &m);
     const uint8_t* qs = b + 16 + 32 * (j / 2);
     const int shift = 4 * (j % 2);
-    const v16 q0 = to_v16<false>(and_bytes(shift_right(load_b16(qs), shift), 0x0F));
-    const v16 q1 = to_v16<false>(and_bytes(shift_right(load_b16(qs + 16), shift), 0x0F));
+    const vf q0 = to_vf<false>(and_bytes(shift_right(load_b16(qs), shift), 0x0F));
+    const vf q1 = to_vf<false>(and_bytes(shift_right(load_b16(qs + 16), shift), 0x0F));
     return {q0, q1, half(b) * (float)sc, -(half(b + 2) * (float)m)};
   }
 };
@@ -88,12 +89,13 @@ struct Q6_K {
     const uint8_t* ql = b + h * 64 + e;
     const uint8_t* qh = b + 128 + h * 32;
     const int8_t* scales = (const int8_t*)(b + 192) + 2 * j;
-    v16 q[2];
+    vf q[2];
     for (int half_i = 0; half_i < 2; ++half_i) {
       const b16 lo = and_bytes(shift_right(load_b16(ql + 16 * half_i), 4 * s), 0x0F);
       const b16 hi = and_bytes(shift_right(load_b16(qh + 16 * half_i), 2 * (j % 4)), 0x03);
       // (q - 32) * scale: integers below 2^13, exact in fp32.
-      q[half_i] = (to_v16<false>(or_shifted4(lo, hi)) - 32.0f) * (float)scales[half_i];
+      q[half_i] = vmul(vadd(to_vf<false>(or_shifted4(lo, hi)), vsplat(-32.0f)),
+                       vsplat((float)scales[half_i]));
     }
     return {q[0], q[1], half(b + 208), 0.0f};
   }
@@ -103,21 +105,21 @@ struct Q6_K {
 template <class D, int kR>
 inline void rows_dot(const float* x, int64_t ldx, const float* sx, int64_t groups,
                      const uint8_t* row, float bias, float* y, int64_t ldy) {
-  v16 acc[kR];
+  vf acc[kR];
   float tacc[kR];
-  for (int r = 0; r < kR; ++r) acc[r] = v16{}, tacc[r] = 0.0f;
+  for (int r = 0; r < kR; ++r) acc[r] = vzero(), tacc[r] = 0.0f;
   for (int64_t g = 0; g < groups; ++g) {
     const Group q = D::group(row, g);
-    const v16 s = splat(q.s);
+    const vf s = vsplat(q.s);
 #pragma GCC unroll 8
     for (int r = 0; r < kR; ++r) {
       const float* xr = x + r * ldx + 32 * g;
-      const v16 p = fma16(q.q1, load16(xr + 16), q.q0 * load16(xr));
-      acc[r] = fma16(s, p, acc[r]);
+      const vf p = vfma(q.q1, vload(xr + 16), vmul(q.q0, vload(xr)));
+      acc[r] = vfma(s, p, acc[r]);
       if (D::kMin) tacc[r] = mul_rounded(q.t, sx[r * groups + g]) + tacc[r];
     }
   }
-  for (int r = 0; r < kR; ++r) y[r * ldy] = (hsum(acc[r]) + tacc[r]) + bias;
+  for (int r = 0; r < kR; ++r) y[r * ldy] = (vsum(acc[r]) + tacc[r]) + bias;
 }
 
 // kRows rows of x at once, the offset terms of the rows as one vector (lane r = row r, the
@@ -127,17 +129,17 @@ template <class D>
 inline void tile_dot(const float* x, int64_t ldx, const float* sxt, int64_t groups,
                      const uint8_t* row, float bias, float* y, int64_t ldy) {
   typedef float vr __attribute__((vector_size(4 * kRows)));
-  v16 acc[kRows];
+  vf acc[kRows];
   vr tacc{};
-  for (int r = 0; r < kRows; ++r) acc[r] = v16{};
+  for (int r = 0; r < kRows; ++r) acc[r] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
     const Group q = D::group(row, g);
-    const v16 s = splat(q.s);
+    const vf s = vsplat(q.s);
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
       const float* xr = x + r * ldx + 32 * g;
-      const v16 p = fma16(q.q1, load16(xr + 16), q.q0 * load16(xr));
-      acc[r] = fma16(s, p, acc[r]);
+      const vf p = vfma(q.q1, vload(xr + 16), vmul(q.q0, vload(xr)));
+      acc[r] = vfma(s, p, acc[r]);
     }
     if (D::kMin) {
       vr sxv, prod;
@@ -147,7 +149,7 @@ inline void tile_dot(const float* x, int64_t ldx, const float* sxt, int64_t grou
       tacc += prod;
     }
   }
-  for (int r = 0; r < kRows; ++r) y[r * ldy] = (hsum(acc[r]) + tacc[r]) + bias;
+  for (int r = 0; r < kRows; ++r) y[r * ldy] = (vsum(acc[r]) + tacc[r]) + bias;
 }
 
 // One row of x against two weight rows, interleaved: the same chain per element as
@@ -155,20 +157,20 @@ inline void tile_dot(const float* x, int64_t ldx, const float* sxt, int64_t grou
 template <class D>
 inline void row_dot2(const float* x, const float* sx, int64_t groups, const uint8_t* row0,
                      const uint8_t* row1, float bias0, float bias1, float* y) {
-  v16 acc0 = v16{}, acc1 = v16{};
+  vf acc0 = vzero(), acc1 = vzero();
   float t0 = 0.0f, t1 = 0.0f;
   for (int64_t g = 0; g < groups; ++g) {
     const Group a = D::group(row0, g), b = D::group(row1, g);
-    const v16 x0 = load16(x + 32 * g), x1 = load16(x + 32 * g + 16);
-    acc0 = fma16(splat(a.s), fma16(a.q1, x1, a.q0 * x0), acc0);
-    acc1 = fma16(splat(b.s), fma16(b.q1, x1, b.q0 * x0), acc1);
+    const vf x0 = vload(x + 32 * g), x1 = vload(x + 32 * g + 16);
+    acc0 = vfma(vsplat(a.s), vfma(a.q1, x1, vmul(a.q0, x0)), acc0);
+    acc1 = vfma(vsplat(b.s), vfma(b.q1, x1, vmul(b.q0, x0)), acc1);
     if (D::kMin) {
       t0 = mul_rounded(a.t, sx[g]) + t0;
       t1 = mul_rounded(b.t, sx[g]) + t1;
     }
   }
-  y[0] = (hsum(acc0) + t0) + bias0;
-  y[1] = (hsum(acc1) + t1) + bias1;
+  y[0] = (vsum(acc0) + t0) + bias0;
+  y[1] = (vsum(acc1) + t1) + bias1;
 }
 
 template <class D>
@@ -181,7 +183,8 @@ void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, in
   if (D::kMin)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < groups; ++g)
-        sx[m * groups + g] = hsum(load16(x + m * ldx + 32 * g) + load16(x + m * ldx + 32 * g + 16));
+        sx[m * groups + g] =
+            vsum(vadd(vload(x + m * ldx + 32 * g), vload(x + m * ldx + 32 * g + 16)));
   const float* sxp = sx.data();
   // The same sums per tile of kRows rows, group-major, for tile_dot.
   const int64_t tiles = M / kRows;

@@ -38,6 +38,12 @@ inline float vsum(vf a) {  // hsum: halves, then quarters, then (c0 + c2) + (c1 
 }
 inline __m256 ints8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 inline __m256 uints8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+// 16 bytes as 16 floats, unsigned or signed.
+template <bool kSigned>
+inline vf to_vf(__m128i v) {
+  const __m128i h = _mm_srli_si128(v, 8);
+  return kSigned ? vf{ints8(v), ints8(h)} : vf{uints8(v), uints8(h)};
+}
 // The 32 quants of a Q8_0 group.
 inline void decode_q8(const uint8_t* q, vf& q0, vf& q1) {
   const __m128i a = _mm_loadu_si128((const __m128i*)q), b = _mm_loadu_si128((const __m128i*)(q + 16));
@@ -75,6 +81,10 @@ inline vf vadd(vf a, vf b) { return {a.v + b.v}; }
 inline vf vmul(vf a, vf b) { return {a.v * b.v}; }
 inline vf vfma(vf a, vf b, vf c) { return {fma16(a.v, b.v, c.v)}; }
 inline float vsum(vf a) { return hsum(a.v); }
+template <bool kSigned>
+inline vf to_vf(b16 v) {
+  return {to_v16<kSigned>(v)};
+}
 #if defined(__AVX512F__)
 // AVX-512: the nibble in the low 4 bits of each 32-bit lane indexes a 16-entry table of floats
 // (vpermps reads only those bits), so the low nibbles need no mask and no conversion.
