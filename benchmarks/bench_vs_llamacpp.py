@@ -7,6 +7,10 @@ the number is decode time / 128 in ms/token, the prompt's prefill reported apart
 * llmserve: ``ModelRunner.execute`` steps (input preparation, forward, logits, greedy sampling)
   on the GGUF (``--model file.gguf`` path) and on an fp32 checkpoint directory of the same model
   (``--fp32-dir``, e.g. tests/support/smollm2.py's conversion), in this process.
+* The fp32 directory runs with ``dtype="float32"`` (``auto`` is bf16 on a CPU with AVX512-BF16
+  or AMX); ``--bf16`` adds it in bfloat16.
+* ``--int8``: the fp32 directory again with ``--quantization int8`` (its matrices as Q8_0 blocks
+  at load), reported against fp32.
 * llama.cpp: ``llama-cpp-python`` in a venv of its own (``--llamacpp-python``, never a dependency
   of llmserve), run as a subprocess with ``n_threads=1``: ``eval`` of the prompt, then
   ``sample`` (greedy) + ``eval`` per token.
@@ -61,13 +65,26 @@ print(json.dumps({"prefill_s": t1 - t0, "decode_ms": (t2 - t1) * 1000 / out_len,
 """
 
 
-def ours(model: str, prompt_len: int, out_len: int, batch: int = 1) -> dict[str, float]:
+def ours(
+    model: str,
+    prompt_len: int,
+    out_len: int,
+    batch: int = 1,
+    quantization: str | None = None,
+    dtype: str = "auto",
+) -> dict[str, float]:
     """Prefill + greedy decode with ModelRunner; ``batch`` copies of the prompt decode together."""
     from executor_svc.api.server import resolve_model
 
     model_dir, _ = resolve_model(model)
     blocks = -(-(prompt_len + out_len + 1) // BLOCK_SIZE)
-    runner = ModelRunner(model_dir, num_device_blocks=blocks * batch + 1, swap_space_gib=0.01)
+    runner = ModelRunner(
+        model_dir,
+        num_device_blocks=blocks * batch + 1,
+        swap_space_gib=0.01,
+        quantization=quantization,
+        dtype=dtype,
+    )
     prompt = [(7 * i + 3) % 40000 + 100 for i in range(prompt_len)]
     params = SamplingParams(temperature=0.0)
     seqs = [
@@ -117,12 +134,24 @@ def main() -> None:
     parser.add_argument("--out-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1, help="llmserve sequences decoding together")
+    parser.add_argument(
+        "--int8", action="store_true", help="also --fp32-dir with --quantization int8"
+    )
+    parser.add_argument("--bf16", action="store_true", help="also --fp32-dir in bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(1)
     engines = {"llmserve gguf": lambda: ours(args.gguf, args.prompt_len, args.out_len, args.batch)}
-    if args.fp32_dir:
+    if args.fp32_dir:  # float32 forced: auto is bf16 on a CPU with AVX512-BF16 or AMX
         engines["llmserve fp32"] = lambda: ours(
-            args.fp32_dir, args.prompt_len, args.out_len, args.batch
+            args.fp32_dir, args.prompt_len, args.out_len, args.batch, dtype="float32"
+        )
+    if args.fp32_dir and args.bf16:
+        engines["llmserve bf16"] = lambda: ours(
+            args.fp32_dir, args.prompt_len, args.out_len, args.batch, dtype="bfloat16"
+        )
+    if args.fp32_dir and args.int8:
+        engines["llmserve int8"] = lambda: ours(
+            args.fp32_dir, args.prompt_len, args.out_len, args.batch, "int8"
         )
     if args.llamacpp_python:
         engines["llama.cpp"] = lambda: llamacpp(
@@ -142,8 +171,14 @@ def main() -> None:
         cpu[name] = statistics.median(x["decode_cpu_ms"] for x in rs)
         pre = statistics.median(x["prefill_s"] for x in rs)
         print(f"| {name} | {med[name]:.2f} | {cpu[name]:.2f} | {pre:.3f} |")
+    if "llmserve int8" in med:
+        print(
+            f"llmserve int8 tokens/s vs llmserve fp32: "
+            f"{med['llmserve fp32'] / med['llmserve int8']:.2f}x wall, "
+            f"{cpu['llmserve fp32'] / cpu['llmserve int8']:.2f}x CPU time"
+        )
     for name in med:
-        if name != "llmserve gguf":
+        if name not in ("llmserve gguf", "llmserve int8", "llmserve bf16"):
             print(
                 f"llmserve gguf tokens/s vs {name}: {med[name] / med['llmserve gguf']:.2f}x wall, "
                 f"{cpu[name] / cpu['llmserve gguf']:.2f}x CPU time"

@@ -45,8 +45,12 @@ def run(model_dir: str, quantization: str | None, decode_tokens: int, repeats: i
 
     ids = AutoTokenizer.from_pretrained(model_dir)(TEXT).input_ids
     blocks = -(-(len(ids) + decode_tokens + 1) // BLOCK)
-    runner = ModelRunner(
-        model_dir, num_device_blocks=blocks + 1, swap_space_gib=0.01, quantization=quantization
+    runner = ModelRunner(  # float32: dtype auto is bf16 on a CPU with AVX512-BF16 or AMX
+        model_dir,
+        num_device_blocks=blocks + 1,
+        swap_space_gib=0.01,
+        quantization=quantization,
+        dtype="float32",
     )
     params = SamplingParams(temperature=0.0, num_prompt_logprobs=1)
     seq = ScheduledSequence("s", list(ids), len(ids), list(range(blocks)), 0, len(ids), params)

@@ -116,6 +116,17 @@ _OPTIONAL_SIGNATURES: dict[str, tuple[list, type]] = {
         [_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i64],
         ctypes.c_int,
     ),
+    # csrc/quant_split.cpp (quant.py): Q8_0 / Q4_0 / Q4_1 in the split layout; the gemm's and
+    # the dequant's arguments as above; relayout: type, src, N, K, row_bytes, dst, to_split
+    "llmserve_quant_gemm_split_f32": (
+        [_i32, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _p, _i64, _i32],
+        ctypes.c_int,
+    ),
+    "llmserve_quant_dequant_split_f32": (
+        [_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i64],
+        ctypes.c_int,
+    ),
+    "llmserve_quant_relayout": ([_i32, _p, _i64, _i64, _i64, _p, _i32], ctypes.c_int),
     # csrc/shm_collective.cpp (parallel/shm.py): base, rank, world, slot bytes, ...
     "llmserve_shm_size": ([_i32, _i64], _i64),
     "llmserve_shm_register": ([_p, _i32, _i32, _i64], ctypes.c_int),

@@ -9,12 +9,15 @@ rounding of de-quantize-then-matmul, which is what transformers' GGUF loader com
 reference greedy outputs are held to.
 
 ``QuantWeight`` is a ``gemm.PackedWeight``: a ``models.llama.Linear`` holding one in ``packed``
-runs it instead of its fp32 weight (``models/quant_linear.py`` builds them).
+runs it instead of its fp32 weight (``models/quant_linear.py`` builds them). It takes GGUF
+blocks; the 32-weight types (``SPLIT_TYPES``: Q8_0, Q4_0, Q4_1) it holds in the split layout
+(``csrc/quant_split.cpp``: a row's quants, then its scales, then its minimums; the same bytes),
+run by their own kernel, the K-quants as GGUF blocks (``csrc/quant_gemm.cpp``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +36,7 @@ TYPES: dict[int, tuple[str, int, int]] = {
     14: ("Q6_K", 256, 210),
 }
 FLOAT_TYPES = frozenset({0, 1, 30})  # de-quantized to fp32 at load, run by the fp32 GEMM
+SPLIT_TYPES = frozenset({8, 2, 3})  # held in the split layout (csrc/quant_split.cpp)
 TYPE_IDS = {name: tid for tid, (name, _, _) in TYPES.items()}
 
 
@@ -50,7 +54,7 @@ def row_bytes(type_id: int, k: int) -> int:
 
 def _lib() -> Any:
     lib = library.load()
-    if lib is None or not hasattr(lib, "llmserve_quant_gemm_f32"):
+    if lib is None or not available():  # a library built from older sources lacks the split kernel
         raise RuntimeError(
             "quantized weights need the CPU kernel library (a C++ compiler, or "
             "LLMSERVE_KERNEL_LIB built from these sources); none could be loaded"
@@ -60,21 +64,40 @@ def _lib() -> Any:
 
 def available() -> bool:
     lib = library.load()
-    return lib is not None and hasattr(lib, "llmserve_quant_gemm_f32")
+    return lib is not None and hasattr(lib, "llmserve_quant_gemm_split_f32")
+
+
+def relayout(type_id: int, data: torch.Tensor, k: int, to_split: bool) -> torch.Tensor:
+    """``data`` ([N, row_bytes] uint8 of a ``SPLIT_TYPES`` type) moved from GGUF blocks to the
+    split layout (``to_split``) or back; a new tensor."""
+    assert data.dtype == torch.uint8 and data.dim() == 2 and data.is_contiguous(), data.shape
+    out = torch.empty_like(data)
+    rc = _lib().llmserve_quant_relayout(
+        type_id, data.data_ptr(), data.shape[0], k, data.shape[1], out.data_ptr(), int(to_split)
+    )
+    if rc != 0:
+        raise ValueError(f"cannot relayout {type_name(type_id)} rows of {k} (code {rc})")
+    return out
 
 
 def dequantize(
-    type_id: int, data: torch.Tensor, k: int, rows: torch.Tensor | None = None
+    type_id: int,
+    data: torch.Tensor,
+    k: int,
+    rows: torch.Tensor | None = None,
+    split: bool = False,
 ) -> torch.Tensor:
-    """The fp32 values of ``data`` ([N, row_bytes] uint8, N rows of ``k`` weights), or of the
-    rows ``rows`` (int64) only: bit for bit the ``gguf`` package's de-quantization."""
+    """The fp32 values of ``data`` ([N, row_bytes] uint8, N rows of ``k`` weights as GGUF blocks,
+    or in the split layout when ``split``), or of the rows ``rows`` (int64) only: bit for bit the
+    ``gguf`` package's de-quantization."""
     assert data.dtype == torch.uint8 and data.dim() == 2 and data.is_contiguous(), data.shape
     assert data.shape[1] == row_bytes(type_id, k), (data.shape, type_name(type_id), k)
     num = data.shape[0] if rows is None else rows.numel()
     out = torch.empty(num, k, dtype=torch.float32)
     if rows is not None:
         rows = rows.to(torch.int64).contiguous()
-    rc = _lib().llmserve_quant_dequant_f32(
+    fn = _lib().llmserve_quant_dequant_split_f32 if split else _lib().llmserve_quant_dequant_f32
+    rc = fn(
         type_id, data.data_ptr(), data.shape[0], k, data.shape[1],
         None if rows is None else rows.data_ptr(), num, out.data_ptr(), k,
     )  # fmt: skip
@@ -85,11 +108,13 @@ def dequantize(
 
 @dataclass(slots=True, eq=False)
 class QuantWeight:
-    """An ``[out, in]`` matrix as GGUF blocks: ``out`` rows of ``in / block`` blocks each."""
+    """An ``[out, in]`` matrix as GGUF blocks: ``out`` rows of ``in / block`` blocks each, given
+    in the GGUF layout and held in the split layout for ``SPLIT_TYPES``."""
 
     data: torch.Tensor  # [out_features, row_bytes] uint8
     type_id: int
     in_features: int
+    _fn: Any = field(init=False, repr=False)  # the kernel for this layout (ctypes function)
 
     def __post_init__(self) -> None:
         assert self.data.dtype == torch.uint8 and self.data.dim() == 2, self.data.shape
@@ -100,6 +125,15 @@ class QuantWeight:
             self.in_features,
         )
         self.data = self.data.contiguous()
+        lib = _lib()
+        self._fn = lib.llmserve_quant_gemm_f32
+        if self.split:
+            self.data = relayout(self.type_id, self.data, self.in_features, to_split=True)
+            self._fn = lib.llmserve_quant_gemm_split_f32
+
+    @property
+    def split(self) -> bool:
+        return self.type_id in SPLIT_TYPES
 
     @property
     def out_features(self) -> int:
@@ -111,28 +145,29 @@ class QuantWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` de-quantized, ``[len(ids), in]`` fp32 (an embedding lookup)."""
-        return dequantize(self.type_id, self.data, self.in_features, ids)
+        return dequantize(self.type_id, self.data, self.in_features, ids, self.split)
 
     def dequantize(self) -> torch.Tensor:
         """``[out, in]`` fp32 (tests, and references)."""
-        return dequantize(self.type_id, self.data, self.in_features)
+        return dequantize(self.type_id, self.data, self.in_features, None, self.split)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [rows, in] @ W^T (+ bias)``, each element in the kernel's fixed order."""
-        assert x.dim() == 2 and x.shape[1] == self.in_features, (x.shape, self.in_features)
-        assert x.device.type == "cpu" and x.dtype == torch.float32, (x.device, x.dtype)
-        n = self.out_features
-        assert bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)), bias
-        if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
-            x = x.contiguous()
-        if bias is not None:
-            bias = bias.contiguous()
+        # Checked in few operations: a decode step makes four of these calls per layer.
         m, k = x.shape
+        assert k == self.in_features and x.dtype == torch.float32 and x.is_cpu, (x.shape, x.dtype)
+        n = self.data.shape[0]
+        if bias is not None:
+            assert bias.dtype == torch.float32 and bias.shape == (n,), bias
+            bias = bias.contiguous()
+        ldx = x.stride(0)
+        if x.stride(1) != 1 or ldx < k:
+            x = x.contiguous()
+            ldx = k
         y = torch.empty(m, n, dtype=torch.float32)
-        rc = _lib().llmserve_quant_gemm_f32(
-            self.type_id, x.data_ptr(), m, k, max(x.stride(0), k), self.data.data_ptr(), n,
-            self.data.shape[1], None if bias is None else bias.data_ptr(), y.data_ptr(), n,
-            torch.get_num_threads(),
+        rc = self._fn(
+            self.type_id, x.data_ptr(), m, k, ldx, self.data.data_ptr(), n, self.data.shape[1],
+            None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise ValueError(

@@ -1,7 +1,8 @@
 // Weight-only quantized matmul over GGUF blocks, fp32 activations and accumulation:
 // y[M, N] = x[M, K] @ W^T (+ bias[N]) where W is [N rows][row_bytes], each row K / block_size
-// GGUF blocks of one type (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), exactly as a GGUF file stores them.
-// Part of the CPU kernel library (kernels/library.py); called from kernels/quant.py.
+// GGUF blocks of one type (Q4_K, Q6_K), exactly as a GGUF file stores them. (The 32-weight
+// types Q8_0, Q4_0, Q4_1 run in their split layout: quant_split.cpp.) Part of the CPU kernel
+// library (kernels/library.py); called from kernels/quant.py.
 //
 // Every type is read as groups of 32 weights w_k = s * q_k + t (q_k small integers, exact in
 // fp32; Q6_K folds its 16-weight scales into q). One output element is then, always in this
@@ -16,8 +17,9 @@
 // registers and applied to kRows rows of x (the dequantized tile lives in registers, not in a
 // panel), so the decode cost is shared; one row (memory-bound decode): the same code with one.
 //
-// Also llmserve_quant_dequant_f32: the exact de-quantization (bit for bit the `gguf` package's
-// numpy reference, products rounded before sums as numpy does), for embedding rows and tests.
+// Also llmserve_quant_dequant_f32: the exact de-quantization of every GGUF type this build reads
+// (bit for bit the `gguf` package's numpy reference, products rounded before sums as numpy
+// does), for float tensors at load, embedding rows and tests.
 
 #include <omp.h>
 
@@ -25,18 +27,13 @@
 #include <cstring>
 #include <vector>
 
-#include "simd.h"
-
-#if defined(__SSE__)
-#include <immintrin.h>
-#endif
+#include "quant_common.h"
+#include "quant_vec.h"
 
 using namespace llmserve;
+using namespace llmserve::quant;
 
 namespace {
-
-// ggml type ids (gguf.GGMLQuantizationType)
-enum : int { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kBF16 = 30 };
 
 // Rows of x per pass over a weight row: their accumulators and the decoded group fit the
 // vector registers (32 with AVX-512, 16 with AVX2, where a v16 takes two).
@@ -48,145 +45,14 @@ constexpr int kRows = 4;
 #endif
 
 
-inline v16 splat(float s) { return v16{} + s; }
-
-// A product rounded on its own (numpy's order), never fused into a following sum.
-inline float mul_rounded(float a, float b) {
-  float r = a * b;
-#if defined(__x86_64__) || defined(__i386__)
-  __asm__("" : "+x"(r));
-#else
-  __asm__("" : "+w"(r));
-#endif
-  return r;
-}
-
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000 | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    exp = 113;
-    while (!(man & 0x400)) man <<= 1, --exp;
-    bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
-}
-
-// 16 bytes as 16 floats, unsigned or signed. Written per ISA: GCC's generic vector
-// conversions of byte vectors come out as scalar code.
-#if defined(__SSE4_1__)
-typedef __m128i b16;
-inline b16 load_b16(const uint8_t* p) { return _mm_loadu_si128((const __m128i*)p); }
-inline b16 low_nibbles(b16 v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
-inline b16 high_nibbles(b16 v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)); }
-inline b16 shift_right(b16 v, int n) { return _mm_srl_epi16(v, _mm_cvtsi32_si128(n)); }
-inline b16 and_bytes(b16 v, int m) { return _mm_and_si128(v, _mm_set1_epi8((char)m)); }
-inline b16 or_shifted4(b16 lo, b16 hi) {  // lo | hi << 4, hi < 16
-  return _mm_or_si128(lo, _mm_slli_epi16(hi, 4));
-}
-template <bool kSigned>
-inline v16 to_v16(b16 v) {
-#if defined(__AVX512F__)
-  const __m512i w = kSigned ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
-  return (v16)_mm512_cvtepi32_ps(w);
-#elif defined(__AVX2__)
-  const b16 h = _mm_srli_si128(v, 8);
-  const __m256 lo = _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
-  const __m256 hi = _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(h) : _mm256_cvtepu8_epi32(h));
-  typedef float v8 __attribute__((vector_size(32)));
-  return __builtin_shufflevector((v8)lo, (v8)hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
-                                 14, 15);
-#else
-  alignas(16) uint8_t b[16];
-  _mm_store_si128((__m128i*)b, v);
-  v16 f;
-  for (int i = 0; i < 16; ++i) f[i] = kSigned ? (float)(int8_t)b[i] : (float)b[i];
-  return f;
-#endif
-}
-#else  // portable fallback: plain byte arrays
-struct b16 {
-  uint8_t b[16];
-};
-inline b16 load_b16(const uint8_t* p) {
-  b16 v;
-  std::memcpy(v.b, p, 16);
-  return v;
-}
-inline b16 shift_right(b16 v, int n) {
-  for (auto& x : v.b) x = (uint8_t)(x >> n);
-  return v;
-}
-inline b16 and_bytes(b16 v, int m) {
-  for (auto& x : v.b) x = (uint8_t)(x & m);
-  return v;
-}
-inline b16 low_nibbles(b16 v) { return and_bytes(v, 0x0F); }
-inline b16 high_nibbles(b16 v) { return shift_right(v, 4); }
-inline b16 or_shifted4(b16 lo, b16 hi) {
-  for (int i = 0; i < 16; ++i) lo.b[i] = (uint8_t)(lo.b[i] | (hi.b[i] << 4));
-  return lo;
-}
-template <bool kSigned>
-inline v16 to_v16(b16 v) {
-  v16 f;
-  for (int i = 0; i < 16; ++i) f[i] = kSigned ? (float)(int8_t)v.b[i] : (float)v.b[i];
-  return f;
-}
-#endif
-
 // One group of 32 weights: q[0:16], q[16:32], scale s and offset t (w = s * q + t).
 struct Group {
-  v16 q0, q1;
+  vf q0, q1;
   float s, t;
 };
 
 // Per type: bytes per block, weights per block, whether t can be non-zero, and the decoder of
 // group g (of 32 weights) of a row.
-struct Q8_0 {
-  static constexpr int kBytes = 34, kBlock = 32;
-  static constexpr bool kMin = false;
-  static Group group(const uint8_t* row, int64_t g) {
-    const uint8_t* b = row + g * kBytes;
-    return {to_v16<true>(load_b16(b + 2)), to_v16<true>(load_b16(b + 18)), half(b), 0.0f};
-  }
-};
-
-struct Q4_0 {
-  static constexpr int kBytes = 18, kBlock = 32;
-  static constexpr bool kMin = false;
-  static Group group(const uint8_t* row, int64_t g) {
-    const uint8_t* b = row + g * kBytes;
-    const b16 v = load_b16(b + 2);
-    return {to_v16<false>(low_nibbles(v)) - 8.0f, to_v16<false>(high_nibbles(v)) - 8.0f, half(b),
-            0.0f};
-  }
-};
-
-struct Q4_1 {
-  static constexpr int kBytes = 20, kBlock = 32;
-  static constexpr bool kMin = true;
-  static Group group(const uint8_t* row, int64_t g) {
-    const uint8_t* b = row + g * kBytes;
-    const b16 v = load_b16(b + 4);
-    return {to_v16<false>(low_nibbles(v)), to_v16<false>(high_nibbles(v)), half(b), half(b + 2)};
-  }
-};
-
 // Q4_K's 6-bit scale and min of sub-block j (0..7) from its 12 packed bytes.
 inline void q4k_scale_min(const uint8_t* sc, int j, int* scale, int* min) {
   if (j < 4) {
@@ -208,8 +74,8 @@ struct Q4_K {
     q4k_scale_min(b + 4, j, &sc, &m);
     const uint8_t* qs = b + 16 + 32 * (j / 2);
     const int shift = 4 * (j % 2);
-    const v16 q0 = to_v16<false>(and_bytes(shift_right(load_b16(qs), shift), 0x0F));
-    const v16 q1 = to_v16<false>(and_bytes(shift_right(load_b16(qs + 16), shift), 0x0F));
+    const vf q0 = to_vf<false>(and_bytes(shift_right(load_b16(qs), shift), 0x0F));
+    const vf q1 = to_vf<false>(and_bytes(shift_right(load_b16(qs + 16), shift), 0x0F));
     return {q0, q1, half(b) * (float)sc, -(half(b + 2) * (float)m)};
   }
 };
@@ -223,44 +89,37 @@ struct Q6_K {
     const uint8_t* ql = b + h * 64 + e;
     const uint8_t* qh = b + 128 + h * 32;
     const int8_t* scales = (const int8_t*)(b + 192) + 2 * j;
-    v16 q[2];
+    vf q[2];
     for (int half_i = 0; half_i < 2; ++half_i) {
       const b16 lo = and_bytes(shift_right(load_b16(ql + 16 * half_i), 4 * s), 0x0F);
       const b16 hi = and_bytes(shift_right(load_b16(qh + 16 * half_i), 2 * (j % 4)), 0x03);
       // (q - 32) * scale: integers below 2^13, exact in fp32.
-      q[half_i] = (to_v16<false>(or_shifted4(lo, hi)) - 32.0f) * (float)scales[half_i];
+      q[half_i] = vmul(vadd(to_vf<false>(or_shifted4(lo, hi)), vsplat(-32.0f)),
+                       vsplat((float)scales[half_i]));
     }
     return {q[0], q[1], half(b + 208), 0.0f};
   }
-};
-
-struct IeeeMode {
-#if defined(__SSE__)
-  unsigned saved = _mm_getcsr();
-  IeeeMode() { _mm_setcsr(0x1F80); }
-  ~IeeeMode() { _mm_setcsr(saved); }
-#endif
 };
 
 // kR rows of x (row stride ldx) against weight row `row`: y[r * ldy] for r < kR.
 template <class D, int kR>
 inline void rows_dot(const float* x, int64_t ldx, const float* sx, int64_t groups,
                      const uint8_t* row, float bias, float* y, int64_t ldy) {
-  v16 acc[kR];
+  vf acc[kR];
   float tacc[kR];
-  for (int r = 0; r < kR; ++r) acc[r] = v16{}, tacc[r] = 0.0f;
+  for (int r = 0; r < kR; ++r) acc[r] = vzero(), tacc[r] = 0.0f;
   for (int64_t g = 0; g < groups; ++g) {
     const Group q = D::group(row, g);
-    const v16 s = splat(q.s);
+    const vf s = vsplat(q.s);
 #pragma GCC unroll 8
     for (int r = 0; r < kR; ++r) {
       const float* xr = x + r * ldx + 32 * g;
-      const v16 p = fma16(q.q1, load16(xr + 16), q.q0 * load16(xr));
-      acc[r] = fma16(s, p, acc[r]);
+      const vf p = vfma(q.q1, vload(xr + 16), vmul(q.q0, vload(xr)));
+      acc[r] = vfma(s, p, acc[r]);
       if (D::kMin) tacc[r] = mul_rounded(q.t, sx[r * groups + g]) + tacc[r];
     }
   }
-  for (int r = 0; r < kR; ++r) y[r * ldy] = (hsum(acc[r]) + tacc[r]) + bias;
+  for (int r = 0; r < kR; ++r) y[r * ldy] = (vsum(acc[r]) + tacc[r]) + bias;
 }
 
 // kRows rows of x at once, the offset terms of the rows as one vector (lane r = row r, the
@@ -270,17 +129,17 @@ template <class D>
 inline void tile_dot(const float* x, int64_t ldx, const float* sxt, int64_t groups,
                      const uint8_t* row, float bias, float* y, int64_t ldy) {
   typedef float vr __attribute__((vector_size(4 * kRows)));
-  v16 acc[kRows];
+  vf acc[kRows];
   vr tacc{};
-  for (int r = 0; r < kRows; ++r) acc[r] = v16{};
+  for (int r = 0; r < kRows; ++r) acc[r] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
     const Group q = D::group(row, g);
-    const v16 s = splat(q.s);
+    const vf s = vsplat(q.s);
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
       const float* xr = x + r * ldx + 32 * g;
-      const v16 p = fma16(q.q1, load16(xr + 16), q.q0 * load16(xr));
-      acc[r] = fma16(s, p, acc[r]);
+      const vf p = vfma(q.q1, vload(xr + 16), vmul(q.q0, vload(xr)));
+      acc[r] = vfma(s, p, acc[r]);
     }
     if (D::kMin) {
       vr sxv, prod;
@@ -290,7 +149,7 @@ inline void tile_dot(const float* x, int64_t ldx, const float* sxt, int64_t grou
       tacc += prod;
     }
   }
-  for (int r = 0; r < kRows; ++r) y[r * ldy] = (hsum(acc[r]) + tacc[r]) + bias;
+  for (int r = 0; r < kRows; ++r) y[r * ldy] = (vsum(acc[r]) + tacc[r]) + bias;
 }
 
 // One row of x against two weight rows, interleaved: the same chain per element as
@@ -298,20 +157,20 @@ inline void tile_dot(const float* x, int64_t ldx, const float* sxt, int64_t grou
 template <class D>
 inline void row_dot2(const float* x, const float* sx, int64_t groups, const uint8_t* row0,
                      const uint8_t* row1, float bias0, float bias1, float* y) {
-  v16 acc0 = v16{}, acc1 = v16{};
+  vf acc0 = vzero(), acc1 = vzero();
   float t0 = 0.0f, t1 = 0.0f;
   for (int64_t g = 0; g < groups; ++g) {
     const Group a = D::group(row0, g), b = D::group(row1, g);
-    const v16 x0 = load16(x + 32 * g), x1 = load16(x + 32 * g + 16);
-    acc0 = fma16(splat(a.s), fma16(a.q1, x1, a.q0 * x0), acc0);
-    acc1 = fma16(splat(b.s), fma16(b.q1, x1, b.q0 * x0), acc1);
+    const vf x0 = vload(x + 32 * g), x1 = vload(x + 32 * g + 16);
+    acc0 = vfma(vsplat(a.s), vfma(a.q1, x1, vmul(a.q0, x0)), acc0);
+    acc1 = vfma(vsplat(b.s), vfma(b.q1, x1, vmul(b.q0, x0)), acc1);
     if (D::kMin) {
       t0 = mul_rounded(a.t, sx[g]) + t0;
       t1 = mul_rounded(b.t, sx[g]) + t1;
     }
   }
-  y[0] = (hsum(acc0) + t0) + bias0;
-  y[1] = (hsum(acc1) + t1) + bias1;
+  y[0] = (vsum(acc0) + t0) + bias0;
+  y[1] = (vsum(acc1) + t1) + bias1;
 }
 
 template <class D>
@@ -324,7 +183,8 @@ void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, in
   if (D::kMin)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < groups; ++g)
-        sx[m * groups + g] = hsum(load16(x + m * ldx + 32 * g) + load16(x + m * ldx + 32 * g + 16));
+        sx[m * groups + g] =
+            vsum(vadd(vload(x + m * ldx + 32 * g), vload(x + m * ldx + 32 * g + 16)));
   const float* sxp = sx.data();
   // The same sums per tile of kRows rows, group-major, for tile_dot.
   const int64_t tiles = M / kRows;
@@ -444,9 +304,6 @@ extern "C" int llmserve_quant_gemm_f32(int type, const float* x, int64_t M, int6
   if (M == 0) return 0;
   const int nt = num_threads < 1 ? 1 : num_threads;
   switch (type) {
-    case kQ8_0: run<Q8_0>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt); return 0;
-    case kQ4_0: run<Q4_0>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt); return 0;
-    case kQ4_1: run<Q4_1>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt); return 0;
     case kQ4_K:
       if (K % 256) return 1;
       run<Q4_K>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt);

@@ -1,0 +1,320 @@
+// Weight-only quantized matmul for the 32-weight block types (Q8_0, Q4_0, Q4_1) in the split
+// layout: y[M, N] = x[M, K] @ W^T (+ bias[N]), fp32 activations and accumulation. Part of the
+// CPU kernel library (kernels/library.py); called from kernels/quant.py.
+//
+// The split layout (made at load by llmserve_quant_relayout, same bytes per row as the GGUF
+// blocks): a row's G = K / 32 groups of quants first (Q8_0: 32 int8 each; Q4_x: 16 bytes each,
+// byte i holding weight i in its low nibble and weight i + 16 in its high one, as in GGUF), then
+// its G fp16 scales d, then (Q4_1) its G fp16 minimums m. So the hot loop reads quants alone, and
+// a row's scales become fp32 with a few vector conversions instead of one scalar each.
+//
+// One output element, always in this order (w = d * q + m, q small integers, exact in fp32):
+//   acc (16 lanes) = 0
+//   Q4_1 only: for each chunk c of 16 groups: acc = fma(m[c], sx[c], acc)   (lane j: group
+//       16c + j; sx_g = the fixed-tree sum of x over group g; lanes past G are 0 * 0)
+//   for each group g ascending: acc = fma(d_g, fma(q[16:32], x[16:32], q[0:16] * x[0:16]), acc)
+//   y = hsum(acc) (a fixed tree) + bias (0 without one)
+// Nothing in that chain depends on M, the tile a row lands in, how many weight rows share a pass,
+// or the threads (they split weight rows), so a decode row and the same row inside a prefill give
+// the same bits (step invariance, config/numerics.py), in every build: the fmas are explicit, and
+// the quants are exact whether a build converts them (AVX2) or looks them up (AVX-512's vpermps).
+//
+// One x row (a decode, and the rows past the last whole tile): kOut weight rows per pass, so
+// each x load serves kOut rows and kOut chains are in flight (a chain has one dependent fma per
+// group); the pass kAheadBlocks ahead is prefetched; the minimums' terms come straight from
+// registers (a masked store and reload of them stalled on store forwarding). Many rows: a group
+// of one weight row is decoded once and applied to kRows rows of x kept in L2 (kXBytes), as in
+// quant_gemm.cpp. Measured: docs/benchmarks.md, issue 29 second pass.
+
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "quant_common.h"
+#include "quant_vec.h"
+
+using namespace llmserve;
+using namespace llmserve::quant;
+
+extern "C" int llmserve_quant_dequant_f32(int type, const uint8_t* w, int64_t N, int64_t K,
+                                          int64_t row_bytes, const int64_t* rows, int64_t num,
+                                          float* out, int64_t ldo);
+
+namespace {
+
+constexpr int64_t kXBytes = 256 * 1024;  // rows of x kept in L2 while the weights pass
+constexpr int64_t kAheadBlocks = 2;      // a decode prefetches this many passes ahead
+constexpr int64_t kChunkG = 256;         // groups whose scales a decode pass converts at once
+constexpr int64_t kLd = kChunkG + 16;    // floats per weight row in a decode pass's scales
+#if defined(__AVX512F__)
+constexpr int kOut = 16;  // weight rows per pass over one x row
+constexpr int kRows = 8;  // x rows per pass over one weight row
+#else
+constexpr int kOut = 4;  // 16 ymm registers: 4 accumulators of two, x, the decoded group
+constexpr int kRows = 4;
+#endif
+
+inline void prefetch(const char* p) {
+#if defined(__SSE__)
+  _mm_prefetch(p, _MM_HINT_T0);
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
+// Per type: quant bytes per group, whether there is a minimum, and the decoder of one group's
+// quants into q0 (weights 0-15) and q1 (weights 16-31) (quant_vec.h, per instruction set).
+struct SQ8_0 {
+  static constexpr int kType = kQ8_0, kQBytes = 32, kBlockBytes = 34;
+  static constexpr bool kMin = false;
+  static void decode(const uint8_t* q, vf& q0, vf& q1) { decode_q8(q, q0, q1); }
+};
+
+template <int kType_, int kBlockBytes_, bool kMin_, int kOffset>
+struct SQ4 {
+  static constexpr int kType = kType_, kQBytes = 16, kBlockBytes = kBlockBytes_;
+  static constexpr bool kMin = kMin_;
+  static void decode(const uint8_t* q, vf& q0, vf& q1) { decode_q4<kOffset>(q, q0, q1); }
+};
+using SQ4_0 = SQ4<kQ4_0, 18, false, -8>;
+using SQ4_1 = SQ4<kQ4_1, 20, true, 0>;
+
+// n fp16 values at p as fp32 into out (exact, the same bits whichever instruction converts).
+inline void halves(const uint8_t* p, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 2 * i))));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (i < n) {
+    const __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(out + i, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p + 2 * i)));
+    return;
+  }
+#endif
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 2 * i))));
+#endif
+  for (; i < n; ++i) out[i] = half(p + 2 * i);
+}
+
+// A weight row's scales as fp32 into sb (G floats).
+template <class D>
+inline void row_scales(const uint8_t* row, int64_t G, float* sb) {
+  halves(row + G * D::kQBytes, G, sb);
+}
+
+// The chain's start: the minimums' terms (Q4_1: m, the row's G fp16 minimums), else 0.
+template <class D>
+inline vf chain_start(const uint8_t* m, const float* sx, int64_t G) {
+  vf acc = vzero();
+  if (D::kMin)
+    for (int64_t c = 0; c < G; c += 16) acc = vfma(vhalves16(m + 2 * c, G - c), vload(sx + c), acc);
+  return acc;
+}
+
+// One x row against R consecutive weight rows: y[r] for r < R. sb: R * kLd floats, a row's
+// scales (or minimums) of a chunk of groups at a fixed offset, so one pointer reaches all rows.
+template <class D, int R>
+inline void gemv(const float* x, const float* sx, int64_t G, const uint8_t* w, int64_t row_bytes,
+                 const float* bias, float* y, float* sb) {
+  const uint8_t* d = w + G * D::kQBytes;  // row 0's scales, then (Q4_1) its minimums
+  vf acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = chain_start<D>(d + r * row_bytes + 2 * G, sx, G);
+  // The pass kAheadBlocks ahead, a share per group: the weights stream from DRAM once per
+  // step, and the hardware prefetcher alone left the loop waiting on them.
+  constexpr int64_t kShare = R * D::kBlockBytes;
+  const char* ahead = (const char*)w + kAheadBlocks * R * row_bytes;
+  for (int64_t g0 = 0; g0 < G; g0 += kChunkG) {
+    const int64_t g1 = g0 + kChunkG < G ? g0 + kChunkG : G;
+    for (int r = 0; r < R; ++r) halves(d + r * row_bytes + 2 * g0, g1 - g0, sb + r * kLd);
+    for (int64_t g = g0; g < g1; ++g) {
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < kShare; j += 64) prefetch(ahead + g * kShare + j);
+      const vf x0 = vload(x + 32 * g), x1 = vload(x + 32 * g + 16);
+      const float* s = sb + (g - g0);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        vf q0, q1;
+        D::decode(w + r * row_bytes + g * D::kQBytes, q0, q1);
+        acc[r] = vfma(vsplat(s[r * kLd]), vfma(q1, x1, vmul(q0, x0)), acc[r]);
+      }
+    }
+  }
+#if !defined(LLMSERVE_QUANT_VEC_AVX2)
+  if constexpr (R == 16) {  // the 16 sums in one vector, each the same tree as hsum
+    v16 a[16];
+    for (int r = 0; r < 16; ++r) a[r] = acc[r].v;
+    const v16 sums = reduce16(a);
+    store16(y, bias ? sums + load16(bias) : sums + 0.0f);
+    return;
+  }
+#endif
+  for (int r = 0; r < R; ++r) y[r] = vsum(acc[r]) + (bias ? bias[r] : 0.0f);
+}
+
+// kRows x rows (row stride ldx; their group sums at sx, stride ldsx) against one weight row
+// whose scales are in sb: y[r * ldy] for r < kRows.
+template <class D>
+inline void tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t G,
+                 const uint8_t* row, const float* sb, float b, float* y, int64_t ldy) {
+  vf acc[kRows];
+  const uint8_t* mins = row + G * (D::kQBytes + 2);
+  for (int r = 0; r < kRows; ++r) acc[r] = chain_start<D>(mins, sx + r * ldsx, G);
+  for (int64_t g = 0; g < G; ++g) {
+    vf q0, q1;
+    D::decode(row + g * D::kQBytes, q0, q1);
+    const vf s = vsplat(sb[g]);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const float* xr = x + r * ldx + 32 * g;
+      acc[r] = vfma(s, vfma(q1, vload(xr + 16), vmul(q0, vload(xr))), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) y[r * ldy] = vsum(acc[r]) + b;
+}
+
+// What each thread does; its `omp for`s share the weight rows among the team, or run them all
+// when called outside a parallel region (one thread: no team is started).
+template <class D>
+void work(const float* x, int64_t M, int64_t K, int64_t ldx, const float* sx, const uint8_t* w,
+          int64_t N, int64_t row_bytes, const float* bias, float* y, int64_t ldy) {
+  const int64_t G = K / 32, Gp = (G + 15) / 16 * 16;
+  const int64_t tiled = M / kRows * kRows;  // rows in whole tiles; the rest go one by one
+  int64_t mc = kXBytes / (K * (int64_t)sizeof(float)) / kRows * kRows;
+  if (mc < kRows) mc = kRows;
+  // Scales: of one weight row for the tiles, of a decode pass's rows by chunks of groups. Not
+  // zeroed (every entry read is written first): a decode call would clear 17 KB for nothing.
+  std::unique_ptr<float[]> row_sb(new float[tiled ? G : 1]), sb(new float[kOut * kLd]);
+  for (int64_t m0 = 0; m0 < tiled; m0 += mc) {
+    const int64_t m1 = m0 + mc < tiled ? m0 + mc : tiled;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      row_scales<D>(row, G, row_sb.get());
+      const float b = bias ? bias[n] : 0.0f;
+      for (int64_t m = m0; m < m1; m += kRows)
+        tile<D>(x + m * ldx, ldx, sx + m * Gp, Gp, G, row, row_sb.get(), b, y + m * ldy + n,
+                ldy);
+    }
+  }
+  const int64_t blocks = N / kOut;
+  for (int64_t m = tiled; m < M; ++m) {
+    const float* xm = x + m * ldx;
+    float* ym = y + m * ldy;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < blocks; ++i)
+      gemv<D, kOut>(xm, sx + m * Gp, G, w + i * kOut * row_bytes, row_bytes,
+                    bias ? bias + i * kOut : nullptr, ym + i * kOut, sb.get());
+#pragma omp for schedule(static)
+    for (int64_t n = blocks * kOut; n < N; ++n)
+      gemv<D, 1>(xm, sx + m * Gp, G, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr,
+                 ym + n, sb.get());
+  }
+}
+
+template <class D>
+void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, int64_t N,
+         int64_t row_bytes, const float* bias, float* y, int64_t ldy, int num_threads) {
+  const int64_t G = K / 32, Gp = (G + 15) / 16 * 16;
+  IeeeMode caller;
+  // sx[m][g]: the group sums of x, one fixed tree each, zeros past G (Q4_1 only).
+  std::vector<float> sx(D::kMin ? M * Gp : 0, 0.0f);
+  if (D::kMin)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < G; ++g)
+        sx[m * Gp + g] = vsum(vadd(vload(x + m * ldx + 32 * g), vload(x + m * ldx + 32 * g + 16)));
+  if (num_threads > 1 && M * K * N >= (1 << 17)) {
+#pragma omp parallel num_threads(num_threads)
+    {
+      IeeeMode ieee;  // per thread: no flush-to-zero, whichever thread computes a row
+      work<D>(x, M, K, ldx, sx.data(), w, N, row_bytes, bias, y, ldy);
+    }
+  } else {
+    work<D>(x, M, K, ldx, sx.data(), w, N, row_bytes, bias, y, ldy);
+  }
+}
+
+// One row between the GGUF block layout and the split layout.
+template <class D>
+void relayout(const uint8_t* src, int64_t G, uint8_t* dst, bool to_split) {
+  constexpr int64_t kHead = D::kBlockBytes - D::kQBytes;  // d (and m) in front of the quants
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t blk = g * D::kBlockBytes, qs = g * D::kQBytes, sc = G * D::kQBytes + 2 * g;
+    if (to_split) {
+      std::memcpy(dst + qs, src + blk + kHead, D::kQBytes);
+      std::memcpy(dst + sc, src + blk, 2);
+      if (D::kMin) std::memcpy(dst + sc + 2 * G, src + blk + 2, 2);
+    } else {
+      std::memcpy(dst + blk + kHead, src + qs, D::kQBytes);
+      std::memcpy(dst + blk, src + sc, 2);
+      if (D::kMin) std::memcpy(dst + blk + 2, src + sc + 2 * G, 2);
+    }
+  }
+}
+
+template <class F>
+int dispatch(int type, F&& f) {
+  switch (type) {
+    case kQ8_0: return f(SQ8_0{});
+    case kQ4_0: return f(SQ4_0{});
+    case kQ4_1: return f(SQ4_1{});
+    default: return 2;
+  }
+}
+
+}  // namespace
+
+// y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias [N] when not null), W as
+// N split-layout rows of row_bytes bytes of `type` (Q8_0, Q4_0, Q4_1). Returns 0; 1 for
+// arguments it rejects, 2 for a type it does not take.
+extern "C" int llmserve_quant_gemm_split_f32(int type, const float* x, int64_t M, int64_t K,
+                                             int64_t ldx, const uint8_t* w, int64_t N,
+                                             int64_t row_bytes, const float* bias, float* y,
+                                             int64_t ldy, int num_threads) {
+  if (M < 0 || K <= 0 || K % 32 || N <= 0 || ldx < K || ldy < N) return 1;
+  const int nt = num_threads < 1 ? 1 : num_threads;
+  return dispatch(type, [&](auto d) {
+    using D = decltype(d);
+    if (row_bytes != K / 32 * D::kBlockBytes) return 1;
+    if (M > 0) run<D>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt);
+    return 0;
+  });
+}
+
+// dst = the N rows of src (row_bytes each, K weights of `type`) moved between the GGUF block
+// layout and the split one (to_split != 0: GGUF -> split). Returns 0, 1 or 2 as above.
+extern "C" int llmserve_quant_relayout(int type, const uint8_t* src, int64_t N, int64_t K,
+                                       int64_t row_bytes, uint8_t* dst, int to_split) {
+  if (N < 0 || K <= 0 || K % 32) return 1;
+  return dispatch(type, [&](auto d) {
+    using D = decltype(d);
+    if (row_bytes != K / 32 * D::kBlockBytes) return 1;
+    for (int64_t n = 0; n < N; ++n)
+      relayout<D>(src + n * row_bytes, K / 32, dst + n * row_bytes, to_split != 0);
+    return 0;
+  });
+}
+
+// out [num, K] (row stride ldo) = the de-quantized rows rows[0..num) (null: 0..num) of W, N
+// split-layout rows: bit for bit llmserve_quant_dequant_f32 of the same rows as GGUF blocks.
+extern "C" int llmserve_quant_dequant_split_f32(int type, const uint8_t* w, int64_t N, int64_t K,
+                                                int64_t row_bytes, const int64_t* rows,
+                                                int64_t num, float* out, int64_t ldo) {
+  if (N <= 0 || K <= 0 || K % 32 || ldo < K) return 1;
+  std::vector<uint8_t> block_row(row_bytes > 0 ? row_bytes : 0);
+  for (int64_t i = 0; i < num; ++i) {
+    const int64_t r = rows ? rows[i] : i;
+    if (r < 0 || r >= N) return 1;
+    int rc = llmserve_quant_relayout(type, w + r * row_bytes, 1, K, row_bytes, block_row.data(), 0);
+    if (rc == 0)
+      rc = llmserve_quant_dequant_f32(type, block_row.data(), 1, K, row_bytes, nullptr, 1,
+                                      out + i * ldo, ldo);
+    if (rc != 0) return rc;
+  }
+  return 0;
+}

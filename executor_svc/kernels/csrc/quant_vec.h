@@ -1,0 +1,136 @@
+// The 16-lane vector of the split-layout kernels (quant_split.cpp), written per instruction set:
+// one zmm with AVX-512; two ymm halves with AVX2, each op applied to both (GCC lowers simd.h's
+// generic v16 shuffles through the stack there: that build ran ~10x slower); simd.h's v16
+// elsewhere. Every op is lane-wise, and vsum is simd.h's hsum tree, so each build computes the
+// same bits for the same chain.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "quant_common.h"
+
+namespace llmserve {
+namespace quant {
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define LLMSERVE_QUANT_VEC_AVX2 1
+struct vf {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
+inline vf vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline vf vsplat(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
+inline vf vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, vf a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline vf vadd(vf a, vf b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline vf vmul(vf a, vf b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline vf vfma(vf a, vf b, vf c) {  // c + a * b, one rounding per lane
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline float vsum(vf a) {  // hsum: halves, then quarters, then (c0 + c2) + (c1 + c3)
+  const __m256 s = _mm256_add_ps(a.lo, a.hi);
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+}
+inline __m256 ints8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+inline __m256 uints8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+// 16 bytes as 16 floats, unsigned or signed.
+template <bool kSigned>
+inline vf to_vf(__m128i v) {
+  const __m128i h = _mm_srli_si128(v, 8);
+  return kSigned ? vf{ints8(v), ints8(h)} : vf{uints8(v), uints8(h)};
+}
+// The 32 quants of a Q8_0 group.
+inline void decode_q8(const uint8_t* q, vf& q0, vf& q1) {
+  const __m128i a = _mm_loadu_si128((const __m128i*)q), b = _mm_loadu_si128((const __m128i*)(q + 16));
+  q0 = {ints8(a), ints8(_mm_srli_si128(a, 8))};
+  q1 = {ints8(b), ints8(_mm_srli_si128(b, 8))};
+}
+// The 32 nibbles of a Q4 group plus kOffset (exact small integers).
+template <int kOffset>
+inline void decode_q4(const uint8_t* q, vf& q0, vf& q1) {
+  const __m128i v = _mm_loadu_si128((const __m128i*)q), m = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
+  q0 = {uints8(lo), uints8(_mm_srli_si128(lo, 8))};
+  q1 = {uints8(hi), uints8(_mm_srli_si128(hi, 8))};
+  if constexpr (kOffset != 0) {
+    q0 = vadd(q0, vsplat((float)kOffset));
+    q1 = vadd(q1, vsplat((float)kOffset));
+  }
+}
+// The first n <= 16 fp16 values at p, zeros past n.
+inline vf vhalves16(const uint8_t* p, int64_t n) {
+  alignas(32) uint16_t h[16] = {};
+  std::memcpy(h, p, 2 * (n < 16 ? n : 16));
+  return {_mm256_cvtph_ps(_mm_load_si128((const __m128i*)h)),
+          _mm256_cvtph_ps(_mm_load_si128((const __m128i*)(h + 8)))};
+}
+#else
+struct vf {
+  v16 v;
+};
+inline vf vzero() { return {v16{}}; }
+inline vf vsplat(float s) { return {v16{} + s}; }
+inline vf vload(const float* p) { return {load16(p)}; }
+inline void vstore(float* p, vf a) { store16(p, a.v); }
+inline vf vadd(vf a, vf b) { return {a.v + b.v}; }
+inline vf vmul(vf a, vf b) { return {a.v * b.v}; }
+inline vf vfma(vf a, vf b, vf c) { return {fma16(a.v, b.v, c.v)}; }
+inline float vsum(vf a) { return hsum(a.v); }
+template <bool kSigned>
+inline vf to_vf(b16 v) {
+  return {to_v16<kSigned>(v)};
+}
+#if defined(__AVX512F__)
+// AVX-512: the nibble in the low 4 bits of each 32-bit lane indexes a 16-entry table of floats
+// (vpermps reads only those bits), so the low nibbles need no mask and no conversion.
+inline void decode_q8(const uint8_t* q, vf& q0, vf& q1) {
+  q0 = {(v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)))};
+  q1 = {(v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16))))};
+}
+template <int kOffset>
+inline void decode_q4(const uint8_t* q, vf& q0, vf& q1) {
+  const __m512 table = _mm512_setr_ps(kOffset, kOffset + 1, kOffset + 2, kOffset + 3, kOffset + 4,
+                                      kOffset + 5, kOffset + 6, kOffset + 7, kOffset + 8,
+                                      kOffset + 9, kOffset + 10, kOffset + 11, kOffset + 12,
+                                      kOffset + 13, kOffset + 14, kOffset + 15);
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+  q0 = {(v16)_mm512_permutexvar_ps(b, table)};
+  q1 = {(v16)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table)};
+}
+#else
+inline void decode_q8(const uint8_t* q, vf& q0, vf& q1) {
+  q0 = {to_v16<true>(load_b16(q))};
+  q1 = {to_v16<true>(load_b16(q + 16))};
+}
+template <int kOffset>
+inline void decode_q4(const uint8_t* q, vf& q0, vf& q1) {
+  const b16 v = load_b16(q);
+  q0 = {to_v16<false>(low_nibbles(v))};
+  q1 = {to_v16<false>(high_nibbles(v))};
+  if constexpr (kOffset != 0) {
+    q0 = vadd(q0, vsplat((float)kOffset));
+    q1 = vadd(q1, vsplat((float)kOffset));
+  }
+}
+#endif
+// The first n <= 16 fp16 values at p, zeros past n: straight into a register where masked
+// loads exist (a store and reload of a masked tail would stall on store forwarding).
+inline vf vhalves16(const uint8_t* p, int64_t n) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __mmask16 k = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+  return {(v16)_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p))};
+#else
+  alignas(64) float f[16] = {};
+  for (int64_t i = 0; i < n && i < 16; ++i) f[i] = half(p + 2 * i);
+  return {load16(f)};
+#endif
+}
+#endif
+
+}  // namespace quant
+}  // namespace llmserve
