@@ -175,3 +175,39 @@ def test_bf16_kv_cache_attention_matches_the_reference(use_variant, name):
     assert out.dtype == torch.float32
     dense = [tuple(t.float() for t in d) for d in dense]
     torch.testing.assert_close(out, dense_reference(query, qsl, dense, 0.125), atol=2e-5, rtol=1e-4)
+
+
+def _attention_cases(kv_dtype: torch.dtype) -> list[tuple]:
+    """Decodes and prefill chunks whose key counts end mid-vector, every vectorised head_dim,
+    block sizes 16 and 32, and a batch whose sequences share leading blocks (a group)."""
+    cases = []
+    for head_dim, block_size in ((32, 16), (48, 32), (64, 16), (80, 16), (96, 32), (128, 16)):
+        cases.append(
+            make_batch([1, 13, 1, 40], [37, 13, 300, 170], num_heads=6, num_kv_heads=2,
+                       head_dim=head_dim, block_size=block_size, dtype=kv_dtype)  # fmt: skip
+        )
+    query, kc, vc, bt, sl, qsl, dense = make_batch(
+        [1, 1, 5, 3], [300, 290, 310, 270], num_heads=9, num_kv_heads=3, head_dim=64,
+        dtype=kv_dtype,
+    )  # fmt: skip
+    bt[1:, :12] = bt[0, :12]  # 192 shared keys: a shared-prefix group
+    cases.append((query, kc, vc, bt, sl, qsl, dense))
+    return cases
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-kv", "bf16-kv"])
+def test_variants_give_the_same_attention_bits(use_variant, kv_dtype):
+    """The AVX2 build's attention (8-lane scores, softmax and weighted sums) reduces in the
+    AVX-512 build's order: every variant gives the same bits, fp32 or bf16 K/V."""
+    cases = _attention_cases(kv_dtype)
+    results = {}
+    for name in RUNNABLE:
+        use_variant(name)
+        results[name] = [
+            cpu_ops.paged_attention(q.float(), kc, vc, bt, sl, qsl, 0.125)
+            for q, kc, vc, bt, sl, qsl, _ in cases
+        ]
+    first = next(iter(results.values()))
+    for name, outs in results.items():
+        assert all(torch.equal(a, o) for a, o in zip(first, outs, strict=True)), name
