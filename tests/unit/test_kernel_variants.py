@@ -183,8 +183,15 @@ def _attention_cases(kv_dtype: torch.dtype) -> list[tuple]:
     cases = []
     for head_dim, block_size in ((32, 16), (48, 32), (64, 16), (80, 16), (96, 32), (128, 16)):
         cases.append(
-            make_batch([1, 13, 1, 40], [37, 13, 300, 170], num_heads=6, num_kv_heads=2,
-                       head_dim=head_dim, block_size=block_size, dtype=kv_dtype)  # fmt: skip
+            make_batch(
+                [1, 13, 1, 40],
+                [37, 13, 300, 170],
+                num_heads=6,
+                num_kv_heads=2,
+                head_dim=head_dim,
+                block_size=block_size,
+                dtype=kv_dtype,
+            )  # fmt: skip
         )
     query, kc, vc, bt, sl, qsl, dense = make_batch(
         [1, 1, 5, 3], [300, 290, 310, 270], num_heads=9, num_kv_heads=3, head_dim=64,
