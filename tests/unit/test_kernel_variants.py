@@ -218,3 +218,34 @@ def test_variants_give_the_same_attention_bits(use_variant, kv_dtype):
     first = next(iter(results.values()))
     for name, outs in results.items():
         assert all(torch.equal(a, o) for a, o in zip(first, outs, strict=True)), name
+
+
+@needs_kernel
+def test_variants_give_the_same_sampler_and_elementwise_bits(use_variant):
+    """argmax + logsumexp, silu * mul and add + rms_norm (fp32 and bf16 rows): the AVX2 build's
+    8-lane halves give the AVX-512 build's bits, whole vectors and scalar tails alike (widths
+    that are multiples of 16, of 8 only, and neither)."""
+    g = torch.Generator().manual_seed(4)
+    logits = [torch.randn(5, n, generator=g) * 4 for n in (49152, 1000, 1003, 24)]
+    logits[0][2, 7000] = logits[0][2, 40000] = 100.0  # a tie: the first index wins
+    gate_up = [torch.randn(6, 2 * n, generator=g) for n in (1536, 40, 43, 24)]
+    rows = [
+        (torch.randn(6, n, generator=g), torch.randn(6, n, generator=g), torch.rand(n, generator=g))
+        for n in (576, 96, 100, 8)
+    ]
+    results = {}
+    for name in RUNNABLE:
+        use_variant(name)
+        out: list[torch.Tensor] = []
+        for x in logits:
+            out += list(sampling.argmax_logsumexp(x))
+        for dtype in (torch.float32, torch.bfloat16):
+            out += [elementwise.silu_mul(x.to(dtype)) for x in gate_up]
+            for h, d, w in rows:
+                out += list(elementwise.add_rms_norm(h.to(dtype), d.to(dtype), w.to(dtype), 1e-6))
+                out += list(elementwise.add_rms_norm(h.to(dtype), None, w.to(dtype), 1e-6))[1:]
+        assert all(isinstance(t, torch.Tensor) for t in out)
+        results[name] = out
+    first = next(iter(results.values()))
+    for name, outs in results.items():
+        assert all(torch.equal(a, o) for a, o in zip(first, outs, strict=True)), name

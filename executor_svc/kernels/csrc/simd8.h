@@ -83,3 +83,24 @@ inline v8 exp8(v8 x) {
 
 }  // namespace llmserve
 #endif
+
+namespace llmserve {
+
+// a / b correctly rounded in every build. Under -ffast-math GCC turns a vector division into a
+// reciprocal estimate and a Newton step, and the estimate differs per instruction set (vrcp14ps
+// on AVX-512, vrcpps on AVX2): different bits. The instruction itself cannot be rewritten.
+#if defined(__AVX512F__)
+inline v16 div_exact(v16 a, v16 b) {
+  v16 r;
+  asm("vdivps %2, %1, %0" : "=v"(r) : "v"(a), "v"(b));
+  return r;
+}
+#elif defined(LLMSERVE_AVX2_PATHS)
+inline v8 div_exact(v8 a, v8 b) {
+  v8 r;
+  asm("vdivps %2, %1, %0" : "=x"(r) : "x"(a), "x"(b));
+  return r;
+}
+#endif
+
+}  // namespace llmserve
