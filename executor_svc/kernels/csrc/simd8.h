@@ -39,7 +39,8 @@ inline v8 load_bf16x8(const uint16_t* p) {
 // (c0 + c2) + (c1 + c3), simd.h's order.
 inline float hsum2(v8 lo, v8 hi) {
   const v8 a = lo + hi;
-  const __m128 c = _mm_add_ps(_mm256_castps256_ps128((__m256)a), _mm256_extractf128_ps((__m256)a, 1));
+  const __m128 c =
+      _mm_add_ps(_mm256_castps256_ps128((__m256)a), _mm256_extractf128_ps((__m256)a, 1));
   const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));  // c0 + c2, c1 + c3
   return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
 }
@@ -54,8 +55,10 @@ inline v8 reduce8(const v8* s) {
     x[k] = _mm256_add_ps(_mm256_permute2f128_ps((__m256)s[k], (__m256)s[k + 4], 0x20),
                          _mm256_permute2f128_ps((__m256)s[k], (__m256)s[k + 4], 0x31));
   // [u of keys 0, 1 | u of keys 4, 5] and [u of keys 2, 3 | u of keys 6, 7]
-  const __m256 y0 = _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], 0x44), _mm256_shuffle_ps(x[0], x[1], 0xEE));
-  const __m256 y1 = _mm256_add_ps(_mm256_shuffle_ps(x[2], x[3], 0x44), _mm256_shuffle_ps(x[2], x[3], 0xEE));
+  const __m256 y0 =
+      _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], 0x44), _mm256_shuffle_ps(x[0], x[1], 0xEE));
+  const __m256 y1 =
+      _mm256_add_ps(_mm256_shuffle_ps(x[2], x[3], 0x44), _mm256_shuffle_ps(x[2], x[3], 0xEE));
   return (v8)_mm256_add_ps(_mm256_shuffle_ps(y0, y1, 0x88), _mm256_shuffle_ps(y0, y1, 0xDD));
 }
 
