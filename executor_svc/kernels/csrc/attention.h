@@ -32,12 +32,19 @@ typedef uint16_t kv_t;
 typedef uint32_t kv_u32x16 __attribute__((vector_size(64)));
 typedef uint16_t kv_u16x16 __attribute__((vector_size(32)));
 inline v16 load_kv16(const kv_t* p) {
+#if defined(__AVX512F__)
+  // Explicit zero-extension and shift: GCC's lowering of the convertvector below was ~3x slower
+  // than an fp32 load in the scores loop (docs/benchmarks.md, "AVX2 build of the CPU kernels").
+  const __m256i h = _mm256_loadu_si256((const __m256i*)p);
+  return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
   kv_u16x16 h;
   std::memcpy(&h, p, sizeof h);
   const kv_u32x16 bits = __builtin_convertvector(h, kv_u32x16) << 16;
   v16 v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
+#endif
 }
 inline float kv_get(kv_t h) {
   const uint32_t bits = (uint32_t)h << 16;
