@@ -175,3 +175,77 @@ def test_bf16_kv_cache_attention_matches_the_reference(use_variant, name):
     assert out.dtype == torch.float32
     dense = [tuple(t.float() for t in d) for d in dense]
     torch.testing.assert_close(out, dense_reference(query, qsl, dense, 0.125), atol=2e-5, rtol=1e-4)
+
+
+def _attention_cases(kv_dtype: torch.dtype) -> list[tuple]:
+    """Decodes and prefill chunks whose key counts end mid-vector, every vectorised head_dim,
+    block sizes 16 and 32, and a batch whose sequences share leading blocks (a group)."""
+    cases = []
+    for head_dim, block_size in ((32, 16), (48, 32), (64, 16), (80, 16), (96, 32), (128, 16)):
+        cases.append(
+            make_batch(
+                [1, 13, 1, 40],
+                [37, 13, 300, 170],
+                num_heads=6,
+                num_kv_heads=2,
+                head_dim=head_dim,
+                block_size=block_size,
+                dtype=kv_dtype,
+            )  # fmt: skip
+        )
+    query, kc, vc, bt, sl, qsl, dense = make_batch(
+        [1, 1, 5, 3], [300, 290, 310, 270], num_heads=9, num_kv_heads=3, head_dim=64,
+        dtype=kv_dtype,
+    )  # fmt: skip
+    bt[1:, :12] = bt[0, :12]  # 192 shared keys: a shared-prefix group
+    cases.append((query, kc, vc, bt, sl, qsl, dense))
+    return cases
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-kv", "bf16-kv"])
+def test_variants_give_the_same_attention_bits(use_variant, kv_dtype):
+    """The AVX2 build's attention (8-lane scores, softmax and weighted sums) reduces in the
+    AVX-512 build's order: every variant gives the same bits, fp32 or bf16 K/V."""
+    cases = _attention_cases(kv_dtype)
+    results = {}
+    for name in RUNNABLE:
+        use_variant(name)
+        results[name] = [
+            cpu_ops.paged_attention(q.float(), kc, vc, bt, sl, qsl, 0.125)
+            for q, kc, vc, bt, sl, qsl, _ in cases
+        ]
+    first = next(iter(results.values()))
+    for name, outs in results.items():
+        assert all(torch.equal(a, o) for a, o in zip(first, outs, strict=True)), name
+
+
+@needs_kernel
+def test_variants_give_the_same_sampler_and_elementwise_bits(use_variant):
+    """argmax + logsumexp, silu * mul and add + rms_norm (fp32 and bf16 rows): the AVX2 build's
+    8-lane halves give the AVX-512 build's bits, whole vectors and scalar tails alike (widths
+    that are multiples of 16, of 8 only, and neither)."""
+    g = torch.Generator().manual_seed(4)
+    logits = [torch.randn(5, n, generator=g) * 4 for n in (49152, 1000, 1003, 24)]
+    logits[0][2, 7000] = logits[0][2, 40000] = 100.0  # a tie: the first index wins
+    gate_up = [torch.randn(6, 2 * n, generator=g) for n in (1536, 40, 43, 24)]
+    rows = [
+        (torch.randn(6, n, generator=g), torch.randn(6, n, generator=g), torch.rand(n, generator=g))
+        for n in (576, 96, 100, 8)
+    ]
+    results = {}
+    for name in RUNNABLE:
+        use_variant(name)
+        out: list[torch.Tensor] = []
+        for x in logits:
+            out += list(sampling.argmax_logsumexp(x))
+        for dtype in (torch.float32, torch.bfloat16):
+            out += [elementwise.silu_mul(x.to(dtype)) for x in gate_up]
+            for h, d, w in rows:
+                out += list(elementwise.add_rms_norm(h.to(dtype), d.to(dtype), w.to(dtype), 1e-6))
+                out += list(elementwise.add_rms_norm(h.to(dtype), None, w.to(dtype), 1e-6))[1:]
+        assert all(isinstance(t, torch.Tensor) for t in out)
+        results[name] = out
+    first = next(iter(results.values()))
+    for name, outs in results.items():
+        assert all(torch.equal(a, o) for a, o in zip(first, outs, strict=True)), name

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "simd.h"
+#include "simd8.h"
 
 // The cache's element type: fp32, or bf16 when csrc/paged_attention_bf16kv.cpp compiles these
 // sources a second time with LLMSERVE_KV_BF16 (everything then lands in namespace
@@ -31,12 +32,19 @@ typedef uint16_t kv_t;
 typedef uint32_t kv_u32x16 __attribute__((vector_size(64)));
 typedef uint16_t kv_u16x16 __attribute__((vector_size(32)));
 inline v16 load_kv16(const kv_t* p) {
+#if defined(__AVX512F__)
+  // Explicit zero-extension and shift: GCC's lowering of the convertvector below was ~3x slower
+  // than an fp32 load in the scores loop (docs/benchmarks.md, "AVX2 build of the CPU kernels").
+  const __m256i h = _mm256_loadu_si256((const __m256i*)p);
+  return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
   kv_u16x16 h;
   std::memcpy(&h, p, sizeof h);
   const kv_u32x16 bits = __builtin_convertvector(h, kv_u32x16) << 16;
   v16 v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
+#endif
 }
 inline float kv_get(kv_t h) {
   const uint32_t bits = (uint32_t)h << 16;
@@ -54,6 +62,16 @@ typedef float kv_t;
 inline v16 load_kv16(const kv_t* p) { return load16(p); }
 inline float kv_get(kv_t v) { return v; }
 inline kv_t kv_from(float f) { return f; }
+#endif
+
+#if defined(LLMSERVE_AVX2_PATHS)
+inline v8 load_kv8(const kv_t* p) {
+#if defined(LLMSERVE_KV_BF16)
+  return load_bf16x8(p);
+#else
+  return load8(p);
+#endif
+}
 #endif
 
 constexpr int TILE = 16;          // query tokens per work item
@@ -85,6 +103,7 @@ struct Args {
 // The online-softmax step of one row over n new scores in s: s becomes the weights
 // exp(s - new max), m and l move on, and the factor that rescales the row's accumulator is
 // returned (0 on the first block, where m = -1e30).
+#if !defined(LLMSERVE_AVX2_PATHS)
 inline float softmax_update(float* s, int n, float& m, float& l) {
   float mx = m;
   int j = 0;
@@ -117,6 +136,51 @@ inline float softmax_update(float* s, int n, float& m, float& l) {
   l = l * corr + hsum(vsum);
   return corr;
 }
+#else
+// The same step on 8-lane halves (simd8.h): lane u of the v16 code is lane u of the low half
+// for u < 8 and lane u - 8 of the high one, so the max, the weights and the sum's order match.
+inline float softmax_update(float* s, int n, float& m, float& l) {
+  float mx = m;
+  int j = 0;
+  if (n >= 16) {
+    v8 lo = load8(s), hi = load8(s + 8);
+    for (j = 16; j + 16 <= n; j += 16) {
+      const v8 x0 = load8(s + j), x1 = load8(s + j + 8);
+      lo = x0 > lo ? x0 : lo;
+      hi = x1 > hi ? x1 : hi;
+    }
+    for (int u = 0; u < 8; ++u) mx = std::max(mx, lo[u]);
+    for (int u = 0; u < 8; ++u) mx = std::max(mx, hi[u]);
+  }
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  v8 sum_lo = v8{}, sum_hi = v8{};
+  for (j = 0; j + 16 <= n; j += 16) {
+    const v8 e0 = exp8(load8(s + j) - mx), e1 = exp8(load8(s + j + 8) - mx);
+    store8(s + j, e0);
+    store8(s + j + 8, e1);
+    sum_lo += e0;
+    sum_hi += e1;
+  }
+  if (j < n) {  // the tail through a padded vector, as in the v16 code
+    float t[16], e[16], vs[16];
+    for (int u = 0; u < 16; ++u) t[u] = u < n - j ? s[j + u] : -1e30f;
+    store8(e, exp8(load8(t) - mx));
+    store8(e + 8, exp8(load8(t + 8) - mx));
+    store8(vs, sum_lo);
+    store8(vs + 8, sum_hi);
+    for (int u = 0; u < n - j; ++u) {
+      s[j + u] = e[u];
+      vs[u] += e[u];
+    }
+    sum_lo = load8(vs);
+    sum_hi = load8(vs + 8);
+  }
+  const float corr = exp8(v8{} + (m - mx))[0];
+  m = mx;
+  l = l * corr + hsum2(sum_lo, sum_hi);
+  return corr;
+}
+#endif
 
 // Row `src` (D floats) into dst: rotated by the token's cos/sin rows when given, times scale.
 inline void load_row(const float* src, const float* cs, const float* sn, int D, float scale,

@@ -23,6 +23,7 @@ namespace {
 // at fixed key multiples (not sized by the rows' scratch), keys past a row's position weighted
 // by an exact 0, and shared-prefix groups that end on a chunk boundary.
 
+#if !defined(LLMSERVE_AVX2_PATHS)
 // Scores of n <= 16 keys for few rows (decodes): one dot product per (row, key), the 16 keys'
 // partial sums reduced together. s has row stride ss.
 template <int DV>
@@ -82,6 +83,9 @@ void weighted_v(const float* s, int rows, int ss, const kv_t* vb, int64_t ts, in
       weighted_v<DV, RB - 1>(s + (size_t)i * ss, rows - i, ss, vb, ts, n,
                              acc + (size_t)i * 16 * DV, next);
 }
+#else
+#include "attention_avx2.h"
+#endif
 
 // One row's softmax step over its n visible scores of a chunk of nk: s[0, n) become weights
 // exp(s - new max), s[n, nk) zero; m and l move on; returns the accumulator's rescale factor.
@@ -110,7 +114,11 @@ inline int chunk_blocks(int BS) { return std::max(1, CHUNK_KEYS / BS); }
 template <int DV>
 void attend_rows(const Args& a, const Rows& w, std::vector<float>& buf) {
   constexpr int D = 16 * DV;
+#if defined(LLMSERVE_AVX2_PATHS)
+  constexpr int RB_V = 6;  // rows per weighted-sum tile: 12 ymm accumulators
+#else
   constexpr int RB_V = 16 / DV > 8 ? 8 : 16 / DV;
+#endif
   const int BS = a.BS, rows = w.heads * w.per_head;
   if (w.b0 >= w.b1 || rows == 0) return;
   const int chunk = chunk_blocks(BS);
@@ -146,9 +154,14 @@ void attend_rows(const Args& a, const Rows& w, std::vector<float>& buf) {
         std::fill(s, s + nk, 0.0f);
         continue;
       }
-      const v16 corr = v16{} + chunk_softmax(s, n, nk, w.m[r], w.l[r]);
       float* o = w.acc + (size_t)r * D;
+#if defined(LLMSERVE_AVX2_PATHS)
+      const float corr = chunk_softmax(s, n, nk, w.m[r], w.l[r]);
+      for (int d = 0; d < D; ++d) o[d] *= corr;
+#else
+      const v16 corr = v16{} + chunk_softmax(s, n, nk, w.m[r], w.l[r]);
       for (int v = 0; v < DV; ++v) store16(o + 16 * v, load16(o + 16 * v) * corr);
+#endif
     }
     for (int b = c0; b < c1; ++b) {
       const int keys = std::min(BS, w.key_end - b * BS);
@@ -213,8 +226,13 @@ void run_item_vec(const Args& a, const Item& it, ItemScratch& sc, const Shared& 
   for (int r = 0; r < rows; ++r) {
     const int hl = r / per_head, t = (r % per_head) / G, h = (it.g0 + hl) * G + r % G;
     float* dst = a.out + ((int64_t)(it.t0 + t) * a.H + h) * D;
+#if defined(LLMSERVE_AVX2_PATHS)
+    const float inv = 1.0f / l[r];
+    for (int d = 0; d < D; ++d) dst[d] = acc[(size_t)r * D + d] * inv;
+#else
     const v16 inv = v16{} + 1.0f / l[r];
     for (int v = 0; v < DV; ++v) store16(dst + 16 * v, load16(acc + (size_t)r * D + 16 * v) * inv);
+#endif
   }
 }
 

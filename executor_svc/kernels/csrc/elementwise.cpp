@@ -7,8 +7,30 @@
 #include <cstdint>
 
 #include "simd.h"
+#include "simd8.h"
 
 using namespace llmserve;
+
+namespace {
+
+// o = silu(g) * u = g / (1 + exp(-g)) * u for 16 floats, the same bits in every build: exp as
+// exp16 (exp8 on each half), the division exact (simd8.h div_exact).
+inline void silu_mul16(const float* g, const float* u, float* o) {
+#if defined(LLMSERVE_AVX2_PATHS)
+  for (int h = 0; h < 16; h += 8) {
+    const v8 gv = load8(g + h);
+    store8(o + h, div_exact(gv, 1.0f + exp8(-gv)) * load8(u + h));
+  }
+#elif defined(__AVX512F__)
+  const v16 gv = load16(g);
+  store16(o, div_exact(gv, 1.0f + exp16(-gv)) * load16(u));
+#else
+  const v16 gv = load16(g);
+  store16(o, gv / (1.0f + exp16(-gv)) * load16(u));
+#endif
+}
+
+}  // namespace
 
 // out[r, j] = silu(x[r, j]) * x[r, n + j] for j < n: x rows [gate | up] with row stride
 // x_stride, out [rows, n] contiguous.
@@ -21,11 +43,13 @@ extern "C" int llmserve_silu_mul_f32(const float* x, int64_t rows, int64_t n, in
     const float* u = g + n;
     float* o = out + r * n;
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-      const v16 gv = load16(g + j);
-      store16(o + j, gv / (1.0f + exp16(-gv)) * load16(u + j));
+    for (; j + 16 <= n; j += 16) silu_mul16(g + j, u + j, o + j);
+    if (j < n) {  // the tail through a zero-padded block: the same arithmetic as the others
+      float gt[16] = {}, ut[16] = {}, ot[16];
+      for (int64_t i = j; i < n; ++i) gt[i - j] = g[i], ut[i - j] = u[i];
+      silu_mul16(gt, ut, ot);
+      for (int64_t i = j; i < n; ++i) o[i] = ot[i - j];
     }
-    for (; j < n; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
   }
   return 0;
 }
@@ -46,8 +70,21 @@ extern "C" int llmserve_add_rms_norm_f32(const float* x, int64_t x_stride, const
     float* o = out + r * dim;
     // s goes to sum_out, or to out as scratch, then is scaled in place.
     float* s = sr ? sr : o;
-    v16 acc = v16{};
     int64_t j = 0;
+#if defined(LLMSERVE_AVX2_PATHS)
+    // The v16 loop on halves: lanes 0-7 and 8-15 of each 16 in acc0 and acc1 (hsum's order).
+    v8 acc0 = v8{}, acc1 = v8{};
+    for (; j + 16 <= dim; j += 16) {
+      v8 v0 = load8(xr + j), v1 = load8(xr + j + 8);
+      if (dr) v0 += load8(dr + j), v1 += load8(dr + j + 8);
+      store8(s + j, v0);
+      store8(s + j + 8, v1);
+      acc0 += v0 * v0;
+      acc1 += v1 * v1;
+    }
+    float ss = hsum2(acc0, acc1);
+#else
+    v16 acc = v16{};
     for (; j + 16 <= dim; j += 16) {
       v16 v = load16(xr + j);
       if (dr) v += load16(dr + j);
@@ -55,13 +92,18 @@ extern "C" int llmserve_add_rms_norm_f32(const float* x, int64_t x_stride, const
       acc += v * v;
     }
     float ss = hsum(acc);
+#endif
     for (; j < dim; ++j) {
       const float v = dr ? xr[j] + dr[j] : xr[j];
       s[j] = v;
       ss += v * v;
     }
     const float inv = 1.0f / std::sqrt(ss / (float)dim + eps);
-    for (j = 0; j + 16 <= dim; j += 16) store16(o + j, load16(s + j) * inv * load16(w + j));
+    j = 0;
+#if defined(LLMSERVE_AVX2_PATHS)
+    for (; j < dim / 16 * 16; j += 8) store8(o + j, load8(s + j) * inv * load8(w + j));
+#endif
+    for (; j + 16 <= dim; j += 16) store16(o + j, load16(s + j) * inv * load16(w + j));
     for (; j < dim; ++j) o[j] = s[j] * inv * w[j];
   }
   return 0;

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "simd.h"
+#include "simd8.h"
 
 using namespace llmserve;
 
@@ -31,6 +32,44 @@ inline void store_bf16(uint16_t* p, v16 v) {  // round to nearest even (finite v
   bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   const h16 h = __builtin_convertvector(bits, h16);
   std::memcpy(p, &h, sizeof h);
+}
+
+#if defined(LLMSERVE_AVX2_PATHS)
+typedef uint32_t u8x __attribute__((vector_size(32)));
+
+inline void store_bf16x8(uint16_t* p, v8 v) {  // store_bf16 on 8 lanes
+  u8x bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const __m256i b = (__m256i)bits;
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128((__m128i*)p, h);
+}
+
+inline v8 round_bf16x8(v8 v) {
+  u8x bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits = ((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16) << 16;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+#endif
+
+// o = bf16(silu(g) * u) for 16 bf16, fp32 inside, the same bits in every build: exp as exp16
+// (exp8 on each half), the division exact (simd8.h div_exact), one rounding.
+inline void silu_mul16(const uint16_t* g, const uint16_t* u, uint16_t* o) {
+#if defined(LLMSERVE_AVX2_PATHS)
+  for (int h = 0; h < 16; h += 8) {
+    const v8 gv = load_bf16x8(g + h);
+    store_bf16x8(o + h, div_exact(gv, 1.0f + exp8(-gv)) * load_bf16x8(u + h));
+  }
+#elif defined(__AVX512F__)
+  const v16 gv = load_bf16(g);
+  store_bf16(o, div_exact(gv, 1.0f + exp16(-gv)) * load_bf16(u));
+#else
+  const v16 gv = load_bf16(g);
+  store_bf16(o, gv / (1.0f + exp16(-gv)) * load_bf16(u));
+#endif
 }
 
 inline float widen(uint16_t h) {
@@ -68,13 +107,12 @@ extern "C" int llmserve_silu_mul_bf16(const uint16_t* x, int64_t rows, int64_t n
     const uint16_t* u = g + n;
     uint16_t* o = out + r * n;
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-      const v16 gv = load_bf16(g + j);
-      store_bf16(o + j, gv / (1.0f + exp16(-gv)) * load_bf16(u + j));
-    }
-    for (; j < n; ++j) {
-      const float gv = widen(g[j]);
-      o[j] = narrow(gv / (1.0f + std::exp(-gv)) * widen(u[j]));
+    for (; j + 16 <= n; j += 16) silu_mul16(g + j, u + j, o + j);
+    if (j < n) {  // the tail through a zero-padded block: the same arithmetic as the others
+      uint16_t gt[16] = {}, ut[16] = {}, ot[16];
+      for (int64_t i = j; i < n; ++i) gt[i - j] = g[i], ut[i - j] = u[i];
+      silu_mul16(gt, ut, ot);
+      for (int64_t i = j; i < n; ++i) o[i] = ot[i - j];
     }
   }
   return 0;
@@ -96,8 +134,24 @@ extern "C" int llmserve_add_rms_norm_bf16(const uint16_t* x, int64_t x_stride,
     uint16_t* o = out + r * dim;
     // The rounded sum goes to sum_out, or to out as scratch (bf16 holds it exactly).
     uint16_t* s = sr ? sr : o;
-    v16 acc = v16{};
     int64_t j = 0;
+#if defined(LLMSERVE_AVX2_PATHS)
+    // The v16 loop on halves: lanes 0-7 and 8-15 of each 16 in acc0 and acc1 (hsum's order).
+    v8 acc0 = v8{}, acc1 = v8{};
+    for (; j + 16 <= dim; j += 16) {
+      v8 v0 = load_bf16x8(xr + j), v1 = load_bf16x8(xr + j + 8);
+      if (dr) {
+        v0 = round_bf16x8(v0 + load_bf16x8(dr + j));
+        v1 = round_bf16x8(v1 + load_bf16x8(dr + j + 8));
+      }
+      store_bf16x8(s + j, v0);
+      store_bf16x8(s + j + 8, v1);
+      acc0 += v0 * v0;
+      acc1 += v1 * v1;
+    }
+    float ss = hsum2(acc0, acc1);
+#else
+    v16 acc = v16{};
     for (; j + 16 <= dim; j += 16) {
       v16 v = load_bf16(xr + j);
       if (dr) v = round_bf16(v + load_bf16(dr + j));
@@ -105,13 +159,19 @@ extern "C" int llmserve_add_rms_norm_bf16(const uint16_t* x, int64_t x_stride,
       acc += v * v;
     }
     float ss = hsum(acc);
+#endif
     for (; j < dim; ++j) {
       const float v = dr ? round_bf16(widen(xr[j]) + widen(dr[j])) : widen(xr[j]);
       s[j] = narrow(v);
       ss += v * v;
     }
     const float inv = 1.0f / std::sqrt(ss / (float)dim + eps);
-    for (j = 0; j + 16 <= dim; j += 16)
+    j = 0;
+#if defined(LLMSERVE_AVX2_PATHS)
+    for (; j < dim / 16 * 16; j += 8)
+      store_bf16x8(o + j, load_bf16x8(w + j) * round_bf16x8(load_bf16x8(s + j) * inv));
+#endif
+    for (; j + 16 <= dim; j += 16)
       store_bf16(o + j, load_bf16(w + j) * round_bf16(load_bf16(s + j) * inv));
     for (; j < dim; ++j) o[j] = narrow(widen(w[j]) * round_bf16(widen(s[j]) * inv));
   }

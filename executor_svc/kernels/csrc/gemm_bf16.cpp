@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "simd8.h"
 
 #if defined(__SSE__)
 #include <immintrin.h>
@@ -38,7 +39,11 @@ namespace {
 constexpr int kNR = 48;  // panel width: 3 vectors of 16 fp32 accumulators (32 bf16 per load)
 constexpr int kVecs = kNR / 16;
 constexpr int kMR = 8;      // rows per tile: 8 x 3 = 24 accumulators
+#if defined(LLMSERVE_AVX2_PATHS)
+constexpr int kGemvP = 2;   // AVX2: 2 panels x 6 ymm = 12 chains, within the 16 ymm registers
+#else
 constexpr int kGemvP = 4;   // panels in flight for one row (memory-bound decode)
+#endif
 constexpr int64_t kABytes = 256 * 1024;  // a row block of x kept in L2 across the panels
 constexpr int64_t kFewRowsMax = 8;  // rows up to this: few_rows (vdpbf16ps builds)
 
@@ -131,6 +136,79 @@ inline void finish(const v16 (&acc)[R][P][kVecs], const float* bias, const Out& 
   }
 }
 
+#if defined(LLMSERVE_AVX2_PATHS)
+// AVX2 (16 ymm registers, no vdpbf16ps): v16 tiles spill and their shuffles go through memory,
+// so tiles run as micro-tiles of R rows x P panels x CV ymm vectors (8 columns each, from column
+// 8 * C0 of each panel) with R * P * CV <= 12 accumulators. A weight vector is 8 packed pairs,
+// widened by a mask (element 2i + 1) and a shift (element 2i) and shared by the R rows. Each
+// element keeps the module's chain (fma with element 2i + 1, then 2i; bias last): the bits of
+// every other build.
+template <int R, int P, int C0, int CV>
+inline void micro(const float* xf, int64_t ldx, int64_t K2, const uint16_t* w, const float* bias,
+                  const Out& y, int64_t row0, int64_t col0, int64_t ncols) {
+  static_assert(R * P * CV <= 12, "accumulators must fit the 16 ymm registers");
+  const int64_t pstride = K2 * kNR * 2;
+  const __m256i mask = _mm256_set1_epi32((int)0xFFFF0000u);
+  __m256 acc[R][P][CV];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+      for (int j = 0; j < CV; ++j) acc[r][p][j] = _mm256_setzero_ps();
+  const uint16_t* w0 = w + 16 * C0;
+  for (int64_t i = 0; i < K2; ++i) {
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+      for (int j = 0; j < CV; ++j) {
+        const __m256i wv =
+            _mm256_loadu_si256((const __m256i*)(w0 + p * pstride + i * (kNR * 2) + 16 * j));
+        const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(wv, mask));
+        const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+#pragma GCC unroll 32
+        for (int r = 0; r < R; ++r) {
+          const float* xr = xf + r * ldx + 2 * i;
+          acc[r][p][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 1), hi, acc[r][p][j]);
+          acc[r][p][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr), lo, acc[r][p][j]);
+        }
+      }
+  }
+  // Bias and store as `finish` does (unrolled, so acc stays in registers).
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 32
+      for (int j = 0; j < CV; ++j) {
+        const int64_t c = p * kNR + 8 * (C0 + j);
+        if (c >= ncols) continue;
+        float buf[8];
+        _mm256_storeu_ps(buf, acc[r][p][j]);
+        const int64_t n = ncols - c < 8 ? ncols - c : 8;
+        for (int64_t e = 0; e < n; ++e)
+          y.put(row0 + r, col0 + c + e, bias ? buf[e] + bias[c + e] : buf[e]);
+      }
+}
+
+// Rows [0, R) of one panel: two half panels (3 ymm) of up to 4 rows at a time.
+template <int R>
+inline void panel_rows(const float* xf, int64_t ldx, int64_t K2, const uint16_t* w,
+                       const float* bias, const Out& y, int64_t row0, int64_t col0,
+                       int64_t ncols) {
+  if constexpr (R >= 4) {
+    micro<4, 1, 0, 3>(xf, ldx, K2, w, bias, y, row0, col0, ncols);
+    if (ncols > 24) micro<4, 1, 3, 3>(xf, ldx, K2, w, bias, y, row0, col0, ncols);
+    panel_rows<R - 4>(xf + 4 * ldx, ldx, K2, w, bias, y, row0 + 4, col0, ncols);
+  } else if constexpr (R == 2 || R == 1) {
+    micro<R, 1, 0, 6>(xf, ldx, K2, w, bias, y, row0, col0, ncols);
+  } else if constexpr (R == 3) {
+    micro<3, 1, 0, 3>(xf, ldx, K2, w, bias, y, row0, col0, ncols);
+    if (ncols > 24) micro<3, 1, 3, 3>(xf, ldx, K2, w, bias, y, row0, col0, ncols);
+  }
+}
+#endif
+
 // R rows x P consecutive panels of y, from row `row0` and column `col0`; ncols valid columns.
 // xf: the rows widened to fp32. Weights widened by shift and mask, two FMAs per pair (the
 // rows share each widened weight vector); this is the compute-bound shape (several rows), where
@@ -138,6 +216,13 @@ inline void finish(const v16 (&acc)[R][P][kVecs], const float* bias, const Out& 
 template <int R, int P>
 void tile(const float* xf, int64_t ldx, int64_t K2, const uint16_t* w, const float* bias,
           const Out& y, int64_t row0, int64_t col0, int64_t ncols) {
+#if defined(LLMSERVE_AVX2_PATHS)
+  if constexpr (P == 1)
+    panel_rows<R>(xf, ldx, K2, w, bias, y, row0, col0, ncols);
+  else
+    micro<R, P, 0, kVecs * 2>(xf, ldx, K2, w, bias, y, row0, col0, ncols);
+  return;
+#endif
   const int64_t pstride = K2 * kNR * 2;  // uint16 per panel
   v16 acc[R][P][kVecs];
 #pragma GCC unroll 32

@@ -5,13 +5,16 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "simd.h"
+#include "simd8.h"
 
 using namespace llmserve;
 
 namespace {
 
+#if !defined(LLMSERVE_AVX2_PATHS)
 void row(const float* x, int64_t n, int64_t* arg, float* lse) {
   int64_t best = 0;
   float mx = n > 0 ? x[0] : 0.0f;
@@ -45,6 +48,56 @@ void row(const float* x, int64_t n, int64_t* arg, float* lse) {
   *arg = best;
   *lse = mx + std::log(s);
 }
+#else
+// The same two passes on 8-lane halves (simd8.h): lanes 0-7 of each 16-wide step in the low
+// vectors, 8-15 in the high ones, so every lane's maximum, first step and exp sum, and the
+// order they are combined in (lane 0 to 15), are the v16 code's.
+void row(const float* x, int64_t n, int64_t* arg, float* lse) {
+  int64_t best = 0;
+  float mx = n > 0 ? x[0] : 0.0f;
+  int64_t j = 0;
+  if (n >= 16) {
+    v8 m0 = load8(x), m1 = load8(x + 8);
+    i8 i0 = i8{}, i1 = i8{}, step = i8{};
+    for (j = 16; j + 16 <= n; j += 16) {
+      step += 1;
+      const v8 a = load8(x + j), b = load8(x + j + 8);
+      const i8 ga = a > m0, gb = b > m1;
+      m0 = ga ? a : m0;
+      m1 = gb ? b : m1;
+      i0 = ga ? step : i0;
+      i1 = gb ? step : i1;
+    }
+    float vm[16];
+    int32_t vi[16];
+    store8(vm, m0);
+    store8(vm + 8, m1);
+    std::memcpy(vi, &i0, sizeof i0);
+    std::memcpy(vi + 8, &i1, sizeof i1);
+    mx = vm[0];
+    best = (int64_t)vi[0] * 16;
+    for (int u = 1; u < 16; ++u) {
+      const int64_t idx = (int64_t)vi[u] * 16 + u;
+      if (vm[u] > mx || (vm[u] == mx && idx < best)) mx = vm[u], best = idx;
+    }
+  }
+  for (; j < n; ++j)
+    if (x[j] > mx) mx = x[j], best = j;
+  v8 s0 = v8{}, s1 = v8{};
+  for (j = 0; j + 16 <= n; j += 16) {
+    s0 += exp8(load8(x + j) - mx);
+    s1 += exp8(load8(x + j + 8) - mx);
+  }
+  float sum[16];
+  store8(sum, s0);
+  store8(sum + 8, s1);
+  float s = 0.0f;
+  for (int u = 0; u < 16; ++u) s += sum[u];
+  for (; j < n; ++j) s += std::exp(x[j] - mx);
+  *arg = best;
+  *lse = mx + std::log(s);
+}
+#endif
 
 }  // namespace
 
