@@ -21,7 +21,7 @@ from pathlib import Path
 import structlog
 
 from executor_svc.config import envs
-from executor_svc.runner.gguf.reader import GGUFError, GGUFFile
+from executor_svc.runner.gguf.reader import ARCHITECTURES, GGUFError, GGUFFile
 
 log = structlog.get_logger(__name__)
 
@@ -39,7 +39,7 @@ def gguf_source(model_dir: str | Path) -> Path | None:
 
 def _key(path: Path) -> str:
     st = path.stat()
-    text = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1"
+    text = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v2"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -77,7 +77,9 @@ def _write(file: GGUFFile, out: Path) -> None:
         raise GGUFError(f"{file.path}: transformers cannot read its metadata ({e})") from e
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the side directory holds no weights to de-quantize
-    config.architectures = [file.hf_architecture]
+    # A llama-architecture file transformers reads as Mistral (general.name "mistral") keeps
+    # its model type, so its sliding window caps the context as for a Mistral checkpoint.
+    config.architectures = [ARCHITECTURES.get(config.model_type, file.hf_architecture)]
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
