@@ -198,3 +198,15 @@ def test_unsupported_architecture_and_type_fail_at_prepare(tmp_path: Path) -> No
     path = write_gguf(hf_dir, tmp_path / "t" / "m.gguf", "qwen2", matrix_type=q5_mlp)
     with pytest.raises(GGUFError, match=r"blk\.0\.ffn_up\.weight has type Q5_0"):
         prepare(path, cache=tmp_path / "cache")
+
+
+def test_qwen3_head_dim_transformers_cannot_read_fails_at_prepare(tmp_path: Path) -> None:
+    """A qwen3 file whose heads are not 128 wide: transformers' loader would build 128-wide
+    heads (it reads no key_length for qwen3); refused at prepare with the reason, not later on
+    a tensor's shape."""
+    from tests.support.gguf_writer import write_gguf
+
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "qwen3", seed=5)  # head_dim 32
+    path = write_gguf(hf_dir, tmp_path / "g" / "m.gguf", "qwen3")
+    with pytest.raises(GGUFError, match=r"heads are 32 wide .* reads head_dim 128 for qwen3"):
+        prepare(path, cache=tmp_path / "cache")

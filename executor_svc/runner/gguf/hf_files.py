@@ -75,6 +75,7 @@ def _write(file: GGUFFile, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
     except Exception as e:
         raise GGUFError(f"{file.path}: transformers cannot read its metadata ({e})") from e
+    _check_head_dim(file, config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the side directory holds no weights to de-quantize
     # A llama-architecture file transformers reads as Mistral (general.name "mistral") keeps
@@ -84,3 +85,18 @@ def _write(file: GGUFFile, out: Path) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / GGUF_LINK).write_text(json.dumps({"gguf": str(file.path)}) + "\n")
+
+
+def _check_head_dim(file: GGUFFile, config: object) -> None:
+    """transformers' GGUF loader does not read ``attention.key_length`` for every architecture
+    (qwen3 keeps Qwen3Config's default head_dim, 128); a file whose heads differ would only
+    fail later on a tensor shape, so say why here."""
+    key_length = file.field(f"{file.architecture}.attention.key_length")
+    heads = getattr(config, "num_attention_heads", 0) or 1
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+    if key_length is not None and int(key_length) != head_dim:
+        raise GGUFError(
+            f"{file.path}: its heads are {key_length} wide (attention.key_length) but "
+            f"transformers' GGUF loader, whose config this executor serves, reads head_dim "
+            f"{head_dim} for {file.architecture}; not served"
+        )
