@@ -8,7 +8,7 @@ What the file holds, per architecture (``arch`` is model_factory's name):
   MistralConfig, and with this gguf package it then cannot build the model), ``qwen2``,
   ``qwen3``.
 - The hyper-parameters under the ``{arch}.`` keys transformers maps (context length, sizes, head
-  counts, rms eps, rope base; ``rope.dimension_count`` for llama; ``attention.key_length`` too,
+  counts, rms eps, rope base (default rope only); ``rope.dimension_count`` for llama; ``attention.key_length`` too,
   though transformers does not read it for qwen3: its head_dim is Qwen3Config's default, 128).
 - q and k rows of llama / mistral permuted for llama.cpp's rope (pairs interleaved within each
   head); qwen2 / qwen3 rows as HF has them.
@@ -123,7 +123,10 @@ def write_gguf(
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or 10000.0))
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"only the default rope is written, not {rope}")
+    w.add_rope_freq_base(float(rope["rope_theta"]))
     w.add_vocab_size(cfg.vocab_size)
     if layout == "llama":
         w.add_rope_dimension_count(head_dim)

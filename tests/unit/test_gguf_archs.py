@@ -26,8 +26,14 @@ gguf = pytest.importorskip("gguf")
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 # transformers' GGUF loader reads no head_dim for qwen3 (it keeps Qwen3Config's default, 128,
-# which is what real Qwen3 models use), so the tiny qwen3 has head_dim 128.
-ARCH_OVERRIDES = {"qwen3": {"head_dim": 128}}
+# which is what real Qwen3 models use), so the tiny qwen3 has head_dim 128. Rope bases other
+# than the configs' default (10000), as the real models have, so rope.freq_base must be read.
+ARCH_OVERRIDES = {
+    "llama": {"rope_theta": 500000.0},
+    "mistral": {"rope_theta": 1000000.0},
+    "qwen2": {"rope_theta": 1000000.0},
+    "qwen3": {"head_dim": 128, "rope_theta": 1000000.0},
+}
 # |our logit - transformers'|: both run the same de-quantized values in fp32, summed in other
 # orders (our kernel's per-block chain vs a dense matmul). Measured max 3.1e-4 (llama, logits
 # up to 17 in size, 2 layers); the bound is twice that.
@@ -106,6 +112,7 @@ def test_config_and_tokenizer_equal_transformers(case: ArchCase) -> None:
         ref_cfg.pop(key, None), cfg.pop(key, None)
     assert cfg == ref_cfg
     assert cfg["tie_word_embeddings"] is False and cfg["vocab_size"] == 512
+    assert cfg["rope_parameters"]["rope_theta"] == ARCH_OVERRIDES[case.arch]["rope_theta"]
     tok = AutoTokenizer.from_pretrained(case.side)
     for text in TEXTS:
         ids = case.ref_tok(text).input_ids
@@ -210,3 +217,25 @@ def test_qwen3_head_dim_transformers_cannot_read_fails_at_prepare(tmp_path: Path
     path = write_gguf(hf_dir, tmp_path / "g" / "m.gguf", "qwen3")
     with pytest.raises(GGUFError, match=r"heads are 32 wide .* reads head_dim 128 for qwen3"):
         prepare(path, cache=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_tied_embedding_serves_the_lm_head_from_its_blocks(tmp_path: Path, arch: str) -> None:
+    """No output.weight (Qwen2.5-0.5B, SmolLM2): transformers ties the head; ours runs it on the
+    embedding's Q8_0 blocks."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.support.gguf_writer import write_gguf
+
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", arch, seed=6, tie_word_embeddings=True)
+    path = write_gguf(vary_vectors(hf_dir), tmp_path / "g" / "m.gguf", arch)
+    src, name = str(path.parent), path.name
+    assert AutoConfig.from_pretrained(src, gguf_file=name).tie_word_embeddings is True
+    runner = ModelRunner(prepare(path, cache=tmp_path / "c"), block_size=BLOCK_SIZE)
+    assert runner.model.packed_lm_head is runner.model.quant_embedding
+    ref = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32).eval()
+    prompt = [1, 40, 300, 7, 99, 12, 3, 3, 200, 511]
+    got = all_token_logits(runner, [prompt])[0]
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0]
+    assert float((got - want).abs().max()) < LOGIT_ATOL
