@@ -130,7 +130,9 @@ def test_config_and_tokenizer_equal_transformers(case: ArchCase) -> None:
 
 def test_logits_match_transformers_gguf_loader(case: ArchCase) -> None:
     runner = case.runner()
-    model = runner.model
+    info, model = runner.info, runner.model
+    assert (info.eos_token_ids, info.max_model_len, info.vocab_size) == ([2], 512, 512)
+    assert info.head_dim == (128 if case.arch == "qwen3" else 16)
     # The weights stayed blocks: q|k|v Q8_0, gate|up Q4_0, the embedding and lm_head blocks.
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     assert attn.qkv_proj.packed is not None and mlp.gate_up_proj.packed is not None
