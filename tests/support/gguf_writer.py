@@ -155,8 +155,10 @@ def write_gguf(
             t = permute_rows(t, heads)
         gname = gguf_name(name)
         qtype = matrix_type(gname) if t.ndim == 2 else Q.F32
-        if qtype == Q.F32:
-            w.add_tensor(gname, np.ascontiguousarray(t))
+        if qtype in (Q.F32, Q.F16):
+            w.add_tensor(
+                gname, np.ascontiguousarray(t, np.float32 if qtype == Q.F32 else np.float16)
+            )
         else:
             w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
     w.write_header_to_file()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from executor_svc.kernels.quant import QuantWeight
 from executor_svc.runner.gguf.hf_files import prepare
 from executor_svc.runner.gguf.reader import GGUFError
 from executor_svc.runner.model_runner import ModelRunner
@@ -135,7 +136,8 @@ def test_logits_match_transformers_gguf_loader(case: ArchCase) -> None:
     assert info.head_dim == (128 if case.arch == "qwen3" else 16)
     # The weights stayed blocks: q|k|v Q8_0, gate|up Q4_0, the embedding and lm_head blocks.
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    assert attn.qkv_proj.packed is not None and mlp.gate_up_proj.packed is not None
+    assert isinstance(attn.qkv_proj.packed, QuantWeight) and attn.qkv_proj.packed.type_id == 8
+    assert isinstance(mlp.gate_up_proj.packed, QuantWeight) and mlp.gate_up_proj.packed.type_id == 2
     assert model.quant_embedding is not None and model.packed_lm_head is not None
     assert model.packed_lm_head is not model.quant_embedding  # untied: its own Q4_0 blocks
     if case.arch == "qwen2":
@@ -237,6 +239,36 @@ def test_tied_embedding_serves_the_lm_head_from_its_blocks(tmp_path: Path, arch:
     assert runner.model.packed_lm_head is runner.model.quant_embedding
     ref = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32).eval()
     prompt = [1, 40, 300, 7, 99, 12, 3, 3, 200, 511]
+    got = all_token_logits(runner, [prompt])[0]
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0]
+    assert float((got - want).abs().max()) < LOGIT_ATOL
+
+
+def test_mixed_tensor_types_match_transformers(tmp_path: Path) -> None:
+    """Types as a K-quant mix spreads them: q/k Q4_1 beside a Q8_0 v (one packed layer of two
+    types: de-quantized to fp32 on load), o_proj BF16, gate/up F16, down Q4_0."""
+    from gguf import GGMLQuantizationType as Q
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.gguf_writer import write_gguf
+
+    types = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_output": Q.BF16, "ffn_gate": Q.F16}
+    types |= {"ffn_up": Q.F16, "ffn_down": Q.Q4_0}
+
+    def mixed(name: str):
+        return types.get(name.split(".")[-2], Q.Q8_0)
+
+    overrides = ARCH_OVERRIDES["qwen3"]
+    hf_dir = vary_vectors(make_tiny_checkpoint(tmp_path / "hf", "qwen3", seed=8, **overrides))
+    path = write_gguf(hf_dir, tmp_path / "g" / "m.gguf", "qwen3", matrix_type=mixed)
+    runner = ModelRunner(prepare(path, cache=tmp_path / "c"), block_size=BLOCK_SIZE)
+    layer = runner.model.layers[0]
+    assert not isinstance(layer.self_attn.qkv_proj.packed, QuantWeight)  # mixed: fp32
+    assert isinstance(layer.mlp.down_proj.packed, QuantWeight)
+    src, name = str(path.parent), path.name
+    ref = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32).eval()
+    prompt = [1, 40, 300, 7, 99, 12, 3, 3, 200, 511, 17, 18]
     got = all_token_logits(runner, [prompt])[0]
     with torch.no_grad():
         want = ref(torch.tensor([prompt])).logits[0]
