@@ -78,8 +78,8 @@ def _write(file: GGUFFile, out: Path) -> None:
     _check_head_dim(file, config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the side directory holds no weights to de-quantize
-    # A llama-architecture file transformers reads as Mistral (general.name "mistral") keeps
-    # its model type, so its sliding window caps the context as for a Mistral checkpoint.
+    # A llama-architecture file transformers reads as Mistral (general.name "mistral") is named
+    # as its model type says, as a Mistral checkpoint is (v2 of the cache key: this changed).
     config.architectures = [ARCHITECTURES.get(config.model_type, file.hf_architecture)]
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
