@@ -21,7 +21,7 @@ from pathlib import Path
 import structlog
 
 from executor_svc.config import envs
-from executor_svc.runner.gguf.reader import GGUFError, GGUFFile
+from executor_svc.runner.gguf.reader import ARCHITECTURES, GGUFError, GGUFFile
 
 log = structlog.get_logger(__name__)
 
@@ -39,7 +39,7 @@ def gguf_source(model_dir: str | Path) -> Path | None:
 
 def _key(path: Path) -> str:
     st = path.stat()
-    text = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1"
+    text = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v2"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -75,10 +75,28 @@ def _write(file: GGUFFile, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
     except Exception as e:
         raise GGUFError(f"{file.path}: transformers cannot read its metadata ({e})") from e
+    _check_head_dim(file, config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the side directory holds no weights to de-quantize
-    config.architectures = [file.hf_architecture]
+    # A llama-architecture file transformers reads as Mistral (general.name "mistral") is named
+    # as its model type says, as a Mistral checkpoint is (v2 of the cache key: this changed).
+    config.architectures = [ARCHITECTURES.get(config.model_type, file.hf_architecture)]
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / GGUF_LINK).write_text(json.dumps({"gguf": str(file.path)}) + "\n")
+
+
+def _check_head_dim(file: GGUFFile, config: object) -> None:
+    """transformers' GGUF loader does not read ``attention.key_length`` for every architecture
+    (qwen3 keeps Qwen3Config's default head_dim, 128); a file whose heads differ would only
+    fail later on a tensor shape, so say why here."""
+    key_length = file.field(f"{file.architecture}.attention.key_length")
+    heads = getattr(config, "num_attention_heads", 0) or 1
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+    if key_length is not None and int(key_length) != head_dim:
+        raise GGUFError(
+            f"{file.path}: its heads are {key_length} wide (attention.key_length) but "
+            f"transformers' GGUF loader, whose config this executor serves, reads head_dim "
+            f"{head_dim} for {file.architecture}; not served"
+        )
