@@ -1,9 +1,12 @@
-"""bf16 greedy decoding of the real SmolLM2-135M-Instruct against Hugging Face's bf16 `generate`.
+"""bf16 greedy decoding of the real SmolLM2-135M-Instruct against Hugging Face's bf16 model.
 
-Measured (docs/internals.md, "bf16 on the CPU"): over 6 prompts and 32 tokens, 5 are identical
-and one diverges after 17 tokens (a near-tie in bf16; HF bf16 and HF fp32 agree on 4 of 6). To
-keep the suite's time (HF's bf16 generate is slow on a CPU without AMX), the test runs 4 of those
-prompts for 16 tokens and holds every prompt to its first 12 tokens and at least 3 of 4 to all 16.
+Measured (docs/internals.md, "bf16 on the CPU"): our bf16 kernels round differently from torch's
+in places (fused ops, fp32 accumulation orders, SiLU's exact division), so at a near-tie the two
+can pick different tokens; HF bf16 and HF fp32 themselves agree on only 4 of 6 prompts over 32
+tokens. The test teacher-forces HF's bf16 model on our output: at every generated position our
+token must be HF's argmax or within one bf16 step of it (0.0625: one ulp of a logit in [8, 16);
+the one divergence measured, "Once upon a time" at token 6, is 0.031), and at least 3 of the 4
+prompts must be HF's own greedy continuation throughout (every position its argmax).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ TEXTS = [
     "The three laws of thermodynamics are",
 ]
 NUM_NEW = 16
+MAX_GAP = 0.0625  # HF's logit of its argmax minus ours, at a position where they differ
 
 
 @pytest.mark.skipif(not gemm_bf16.available(), reason="no C++ compiler here")
@@ -38,15 +42,13 @@ def test_bf16_greedy_follows_hf_bf16(smollm2_dir):
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
     identical = 0
     for i, p in enumerate(prompts):
+        got = d.tokens[i][len(p) : len(p) + NUM_NEW]
         with torch.no_grad():
-            want = hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NUM_NEW,
-                pad_token_id=0,
-            )[0, len(p) :].tolist()
-        got = d.tokens[i][len(p) : len(p) + len(want)]
-        assert got[:12] == want[:12], TEXTS[i]
-        identical += got == want
+            logits = hf(torch.tensor([p + got])).logits[0].float()
+        gaps = [
+            float(logits[len(p) - 1 + j].max() - logits[len(p) - 1 + j, t])
+            for j, t in enumerate(got)
+        ]
+        assert max(gaps) <= MAX_GAP, (TEXTS[i], gaps)
+        identical += max(gaps) == 0.0
     assert identical >= 3

@@ -48,16 +48,6 @@ constexpr int64_t kChunk = 48;
 
 inline v16 splat16(float s) { return v16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 
-// MXCSR for the duration of a thread's share: round to nearest, all exceptions masked, no FTZ /
-// DAZ (fast-math may have set them in the loading thread only; OpenMP workers differ).
-struct IeeeMode {
-#if defined(__SSE__)
-  unsigned saved = _mm_getcsr();
-  IeeeMode() { _mm_setcsr(0x1F80); }
-  ~IeeeMode() { _mm_setcsr(saved); }
-#endif
-};
-
 // Where panel p's element (k, j) lives: panel(p)[k * ldb + j].
 struct Panels {
   const float* base;

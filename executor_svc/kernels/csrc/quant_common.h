@@ -119,13 +119,5 @@ inline v16 to_v16(b16 v) {
 }
 #endif
 
-struct IeeeMode {
-#if defined(__SSE__)
-  unsigned saved = _mm_getcsr();
-  IeeeMode() { _mm_setcsr(0x1F80); }
-  ~IeeeMode() { _mm_setcsr(saved); }
-#endif
-};
-
 }  // namespace quant
 }  // namespace llmserve

@@ -4,13 +4,24 @@
 
 #include <cstdint>
 
-#if defined(__AVX512F__) || defined(__FMA__)
+#if defined(__SSE__)
 #include <immintrin.h>
 #endif
 
 namespace llmserve {
 
 typedef float v16 __attribute__((vector_size(64)));
+
+// MXCSR for the duration of a kernel call or a thread's share of it: round to nearest, all
+// exceptions masked, no FTZ / DAZ (fast-math may have set them in the loading thread only; OpenMP
+// workers differ), so denormal handling does not depend on which thread computes what.
+struct IeeeMode {
+#if defined(__SSE__)
+  unsigned saved = _mm_getcsr();
+  IeeeMode() { _mm_setcsr(0x1F80); }
+  ~IeeeMode() { _mm_setcsr(saved); }
+#endif
+};
 typedef int32_t i16 __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) {
