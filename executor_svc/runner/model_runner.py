@@ -19,6 +19,7 @@ import torch
 
 from executor_svc.attention import AttentionMetadata, get_attention_backend
 from executor_svc.lora.manager import LoraConfig, LoraManager, no_lora_error, row_groups
+from executor_svc.runner import prompt_logprobs as prompt_lp
 from executor_svc.runner import spec_verify
 from executor_svc.runner.batch import BatchInputs
 from executor_svc.runner.cuda_graphs import DecodeGraphs, build_decode_graphs
@@ -34,6 +35,7 @@ from executor_svc.runner.kv_cache import (
 )
 from executor_svc.runner.loader import ModelInfo, load_model, resolve_device
 from executor_svc.runner.pooling import PooledResult, pool_step
+from executor_svc.runner.prompt_logprobs import PromptLogprobResult
 from executor_svc.runner.token_mask import apply_token_masks
 
 if TYPE_CHECKING:
@@ -41,9 +43,6 @@ if TYPE_CHECKING:
     from executor_svc.runner.sampler import Sampler, SamplingParams
 
 MAX_PROFILE_SAMPLE_ROWS = 256  # logits rows in the CUDA profiling run (a large decode batch)
-# Prompt-logprob rows go through the LM head this many at a time: [rows, vocab] fp32 logits of
-# a whole 8k-token chunk would be gigabytes.
-PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -80,16 +79,6 @@ class SampleResult:
     top_logprobs: list[tuple[int, float]]  # most likely first, len == num_logprobs
     # Speculative decoding: the draw after each proposal (runner/spec_verify.py), else None.
     spec: list[SampleResult] | None = None
-
-
-@dataclass(slots=True)
-class PromptLogprobResult:
-    """Logprobs of prompt tokens first_position, first_position + 1, ... of one sequence."""
-
-    seq_id: str
-    first_position: int
-    logprobs: list[float]  # of each prompt token, raw distribution
-    top: list[list[tuple[int, float]]]  # per token: num_prompt_logprobs alternatives
 
 
 class ModelRunner:
@@ -232,7 +221,7 @@ class ModelRunner:
         if prompt_logprobs is not None and any(
             s.sampling_params.num_prompt_logprobs is not None for s in seqs
         ):
-            prompt_logprobs.extend(self._prompt_logprobs(seqs, hidden))
+            prompt_logprobs.extend(prompt_lp.compute(self.model, seqs, hidden))
         if pooled is not None and any(s.sampling_params.pooling is not None for s in seqs):
             pooled.extend(pool_step(seqs, hidden))  # embeddings (executor_svc/runner/pooling.py)
         sample_idx, logits = self._sample_logits(batch, hidden)
@@ -266,7 +255,7 @@ class ModelRunner:
         if prompt_logprobs is not None and any(
             s.sampling_params.num_prompt_logprobs is not None for s in seqs
         ):
-            ranges = [(r, r + b - a) for _, _, a, b, r in self._prompt_logprob_chunks(seqs)]
+            ranges = [(r, r + b - a) for _, _, a, b, r in prompt_lp.chunks(seqs)]
         lora_rows = row_groups(seqs) if self.lora is not None and seqs else {}
         msg = StepMessage(
             blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, host, ranges, lora_rows
@@ -311,52 +300,6 @@ class ModelRunner:
             return [], hidden.new_empty((0, self.info.vocab_size), dtype=torch.float32)
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
         return batch.sample_seq_indices, logits.float()
-
-    @staticmethod
-    def _prompt_logprob_chunks(
-        seqs: list[ScheduledSequence],
-    ) -> list[tuple[int, int, int, int, int]]:
-        """The LM-head passes prompt logprobs take, in order: (sequence index, k, first
-        position a, end position b, batch row of position a). The row at position p predicts
-        the prompt token at p + 1, for p + 1 < num_prompt_tokens (the last prompt position
-        predicts the first output, which the sampler handles)."""
-        chunks = []
-        row = 0
-        for i, s in enumerate(seqs):
-            k = s.sampling_params.num_prompt_logprobs
-            start, n = s.num_computed_tokens, s.num_scheduled_tokens
-            end = min(start + n, s.num_prompt_tokens - 1)
-            if k is not None:
-                for a in range(start, end, PROMPT_LOGPROB_ROWS):
-                    chunks.append((i, k, a, min(a + PROMPT_LOGPROB_ROWS, end), row + a - start))
-            row += n
-        return chunks
-
-    def _prompt_logprobs(
-        self, seqs: list[ScheduledSequence], hidden: torch.Tensor
-    ) -> list[PromptLogprobResult]:
-        """Prompt logprobs of the sequences that ask (see ``_prompt_logprob_chunks``)."""
-        by_seq: dict[int, PromptLogprobResult] = {}
-        for i, k, a, b, row in self._prompt_logprob_chunks(seqs):
-            s = seqs[i]
-            res = by_seq.get(i)
-            if res is None:
-                res = by_seq[i] = PromptLogprobResult(s.seq_id, a + 1, [], [])
-            logits = self.model.compute_logits(hidden[row : row + b - a]).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            targets = torch.tensor(s.token_ids[a + 1 : b + 1], device=logits.device)
-            lps = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
-            res.logprobs.extend(lps.tolist())
-            if k > 0:
-                vals, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
-                top_lps = (vals - lse[:, None]).tolist()
-                res.top.extend(
-                    list(zip(i_, v, strict=True))
-                    for i_, v in zip(ids.tolist(), top_lps, strict=True)
-                )
-            else:
-                res.top.extend([] for _ in range(b - a))
-        return list(by_seq.values())
 
     def prepare_inputs(
         self, seqs: list[ScheduledSequence], device: torch.device | None = None

@@ -26,10 +26,11 @@ from scheduler_svc.core.prefix_wait import (
     waits_for_prefix,
 )
 from scheduler_svc.core.request import Request, RequestStatus, Sequence
-from scheduler_svc.core.scheduler_output import CachedSeqData, NewSeqData, SchedulerOutput
+from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.core.scheduler_state import SchedulerState
 from scheduler_svc.core.spec_decode import schedule_spec
 from scheduler_svc.core.step_budget import Admit, StepBudget
+from scheduler_svc.core.step_entry import add_to_step
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
@@ -195,7 +196,7 @@ class Scheduler(SchedulerState):
             if req.status != _RUNNING:
                 return end
             growth = self.block_manager.grow(seq, 1, out.blocks_to_copy)
-        self._add_to_step(seq, 1, growth, out)
+        add_to_step(self._requests[seq.req_id], seq, 1, growth, out)
         return end
 
     def _decode_group(
@@ -418,57 +419,7 @@ class Scheduler(SchedulerState):
         its entry in the step."""
         growth = self.block_manager.grow(seq, num_tokens, out.blocks_to_copy)
         assert growth is not None, f"{seq.seq_id}: room was checked before scheduling"
-        self._add_to_step(seq, num_tokens, growth, out)
-
-    def _add_to_step(
-        self,
-        seq: Sequence,
-        num_tokens: int,
-        growth: tuple[list[int], tuple[int, int] | None],
-        out: SchedulerOutput,
-    ) -> None:
-        """seq's entry in the step message: in full when the executor does not hold it yet,
-        else as a difference (the decode lane when nothing but one token changes)."""
-        new_ids, replaced = growth
-        sid = seq.seq_id
-        if (
-            seq.sent
-            and num_tokens == 1
-            and not new_ids
-            and not replaced
-            and seq.num_computed_tokens + 1 == len(seq.token_ids)
-            and self._requests[seq.req_id].decode_lane
-        ):
-            out.decode_seq_ids.append(sid)
-            out.decode_num_computed_tokens.append(seq.num_computed_tokens)
-        elif seq.sent:
-            out.cached_seqs.append(
-                CachedSeqData(
-                    sid,
-                    new_ids,
-                    [replaced] if replaced else [],
-                    num_tokens,
-                    seq.num_computed_tokens,
-                )
-            )
-        else:
-            req = self._requests[seq.req_id]
-            out.new_seqs.append(
-                NewSeqData(
-                    sid,
-                    list(seq.token_ids),
-                    seq.num_prompt_tokens,
-                    req.sampling_params,
-                    seq.seed,
-                    list(seq.block_table),
-                    seq.num_computed_tokens,
-                    num_tokens,
-                    req.lora,
-                )
-            )
-            seq.sent = True
-        out.num_scheduled_tokens[sid] = num_tokens
-        out.scheduled.append((seq, num_tokens))
+        add_to_step(self._requests[seq.req_id], seq, num_tokens, growth, out)
 
     def _fork(self, req: Request) -> list[Sequence]:
         parent = req.seqs[0]
