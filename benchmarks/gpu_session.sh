@@ -2,11 +2,15 @@
 # One GPU session's checks and benchmarks, in the order a lent GPU's time is best spent:
 #   tests   the GPU tests (pytest -m gpu: Triton kernels compiled for real, the runner against
 #           HF in fp32/bf16/fp16, CUDA-graph replay against eager, step invariance on CUDA)
+#   probe   benchmarks/cuda_invariance_probe.py: the first op whose result for a position depends
+#           on the step around it (fp32, fp32 with LLMSERVE_CUDA_INVARIANT=1, bf16)
+#   invariance  the CUDA invariance test with LLMSERVE_CUDA_INVARIANT=1 and --runxfail
 #   decode  benchmarks/bench_decode.py --device cuda (SmolLM-135M shape, fp32)
 #   serve   a Llama-3-8B-shaped bf16 model (random weights, --load-format dummy) served by the
 #           real stack (executor + scheduler + Redis), driven by the benchmark harness with
 #           NUM_PROMPTS sharegpt-like prompts, all at once (offline throughput)
-# Usage: benchmarks/gpu_session.sh [tests] [decode] [serve] [serve-eager]   (default: all)
+# Usage: benchmarks/gpu_session.sh [probe] [tests] [invariance] [decode] [serve] [serve-eager]
+#        (default: tests decode serve)
 # Logs go to $OUT (the device tool's folder) or ./gpu-out. Wheels the image lacks are installed
 # from .whl/ when present (see docs/benchmarks.md, "CUDA").
 set -u
@@ -43,9 +47,22 @@ for step in $steps; do
   tests)
     timeout "${TESTS_TIMEOUT:-330}" $PY -m pytest -p no:cacheprovider -m gpu -s -q -rs --timeout 300 \
       tests/unit/test_cuda_runner.py tests/unit/test_triton_kernels.py \
-      tests/unit/test_sampler.py tests/unit/test_step_invariance.py \
+      tests/unit/test_sampler.py tests/unit/test_step_invariance.py tests/unit/test_spec_cuda.py \
       >"$OUT/tests.log" 2>&1
     echo "tests rc=$?"; tail -25 "$OUT/tests.log"
+    ;;
+  probe)
+    for cfg in "0 float32" "1 float32" "0 bfloat16"; do
+      set -- $cfg
+      LLMSERVE_CUDA_INVARIANT=$1 timeout 90 $PY benchmarks/cuda_invariance_probe.py \
+        --device cuda --dtype "$2" 2>&1 | grep -v "^20..-" | tee -a "$OUT/probe.log"
+    done
+    ;;
+  invariance)
+    LLMSERVE_CUDA_INVARIANT=1 timeout "${INV_TIMEOUT:-120}" $PY -m pytest -p no:cacheprovider \
+      -m gpu -q --runxfail -x --timeout 110 \
+      tests/unit/test_step_invariance.py -k triton_cuda >"$OUT/invariance.log" 2>&1
+    echo "invariance rc=$?"; grep -E "differences|passed|failed" "$OUT/invariance.log" | tail -5
     ;;
   decode)
     timeout 150 $PY benchmarks/bench_decode.py --device cuda --batches 1,8,32,64,256 \

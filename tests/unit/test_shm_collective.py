@@ -180,11 +180,9 @@ def _group(rank: int, world: int, port: str, use_shm: str, out: str) -> None:
 
 @pytest.mark.parametrize("use_shm", ["1", "0"])
 def test_a_cpu_group_takes_the_shared_memory_path_and_pins_its_ranks(use_shm: str, tmp_path):
-    import socket
+    from tests.support.prom import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     codes = run_ranks(_group, 2, Path(str(port)), use_shm, str(tmp_path / "r"))
     assert codes == [0, 0]
     allowed = sorted(os.sched_getaffinity(0))
