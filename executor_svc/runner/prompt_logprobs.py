@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from executor_svc.kernels import sampling
+
 # model_runner's ScheduledSequence (it imports this module: not named here, no import circle).
 ScheduledSequence = Any
 
@@ -57,7 +59,7 @@ def compute(
         if res is None:
             res = by_seq[i] = PromptLogprobResult(s.seq_id, a + 1, [], [])
         logits = model.compute_logits(hidden[row : row + b - a]).float()
-        lse = torch.logsumexp(logits, dim=-1)
+        lse = sampling.row_logsumexp(logits)
         targets = torch.tensor(s.token_ids[a + 1 : b + 1], device=logits.device)
         lps = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
         res.logprobs.extend(lps.tolist())

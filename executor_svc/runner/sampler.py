@@ -246,7 +246,7 @@ def _candidates(
         # Nucleus mass is over the top-k survivors when top-k is on, else the whole vocabulary.
         lse = lse_full
         if lse is None:
-            lse = torch.logsumexp(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+            lse = sampling.row_logsumexp(scaled.masked_fill(~keep, float("-inf")))
         probs = (scaled - lse[:, None]).exp_().masked_fill_(~keep, 0.0)
         mass_before = F.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
         keep &= mass_before < (top_p[:, None] - _TOP_P_EPS)
@@ -314,7 +314,7 @@ def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> list[_Group
         else:
             sub = sub / temperature[:, None] if whole else sub.div_(temperature[:, None])
             temperature = None  # sub is scaled already
-            lse_full = torch.logsumexp(sub, dim=-1)
+            lse_full = sampling.row_logsumexp(sub)
             num = int(_nucleus_bound(sub, lse_full, top_p).max()) + 1
         scores, ids, exact = _candidates(
             sub, temperature, top_k, top_p, min_p, lse_full, min(num, vocab)
