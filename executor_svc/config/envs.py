@@ -19,7 +19,7 @@ variable (``config.numerics``).
 | ``LLMSERVE_ENFORCE_EAGER`` | off | ``runner.cuda_graphs``: ``1`` never captures CUDA graphs (vLLM's ``--enforce-eager``) |
 | ``LLMSERVE_MAX_GRAPH_BATCH`` | ``256`` | ``runner.cuda_graphs``: the largest decode batch replayed from a CUDA graph |
 | ``LLMSERVE_CUDA_FUSED`` | on | ``models.llama``: ``0`` runs RMSNorm, SiLU-and-multiply and rope as plain torch ops on CUDA instead of the fused Triton kernels (``kernels.triton_elementwise``) |
-| ``LLMSERVE_CUDA_INVARIANT`` | off | ``models.llama``, ``attention.triton_ops``: ``1`` (with step-invariant numerics) runs CUDA linears through ``kernels.triton_gemm`` and the Triton attention with fixed tiles and no context split. Experimental: an H100 run found it 2.3x slower on prefill and still not step-invariant (docs/benchmarks.md, "CUDA") |
+| ``LLMSERVE_CUDA_INVARIANT`` | off | ``models.llama``, ``attention.triton_ops``, ``kernels.sampling``: ``1`` (with step-invariant numerics) runs CUDA linears through ``kernels.triton_gemm``, the Triton attention with fixed tiles and no context split, and the sampler's argmax/logsumexp through ``kernels.triton_sampling``: step-invariant on CUDA (the invariance test passed on an H200, fp32), at ~0.6x the default's serving throughput (docs/benchmarks.md, "CUDA") |
 | ``LLMSERVE_CACHE`` | ``~/.cache/llmserve`` | ``tools.demo_model``: where the demo checkpoint is built |
 | ``LLMSERVE_TP_SHM`` | on | ``parallel.group``: ``0`` keeps CPU tensor-parallel collectives on gloo (no shared memory segment) |
 | ``LLMSERVE_TP_PIN`` | on | ``parallel.group``: ``0`` leaves CPU tensor-parallel ranks unpinned (else each gets its share of the allowed cores) |
@@ -111,7 +111,7 @@ def cuda_fused() -> bool:
 
 
 def cuda_invariant() -> bool:
-    """``LLMSERVE_CUDA_INVARIANT``: ``1`` tries the step-invariant CUDA kernels (experimental)."""
+    """``LLMSERVE_CUDA_INVARIANT``: ``1`` runs the step-invariant CUDA kernels (slower)."""
     return os.environ.get("LLMSERVE_CUDA_INVARIANT", "0").strip().lower() not in (*_FALSE, "")
 
 
