@@ -11,6 +11,11 @@ Group-wise, 32 consecutive input weights of one output row per group (the GGUF b
 The lm_head (tied or not) is quantized to int8 in both modes, as llama.cpp keeps its output
 matrix at 6-8 bits: the logits are where 4-bit error shows most. The embedding lookup keeps its
 fp32 matrix. Every ``Linear`` whose input size is a multiple of 32 is quantized; others stay fp32.
+
+Under tensor parallelism each rank quantizes its own shard, into the blocks the whole matrix
+would have: column-parallel shards are whole rows; a row-parallel shard is quantized only when
+its input slice starts and ends on a 32-weight boundary (else it stays fp32); the lm_head shard
+is this rank's vocabulary rows.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ def quantize_model(model: torch.nn.Module, scheme: str) -> int:
     """Quantize ``model``'s ``Linear`` layers (``scheme`` "int8" or "int4") and its lm_head
     (int8) in place, before ``prepack_weights``; returns how many matrices were quantized."""
     from executor_svc.models.llama import Linear
+    from executor_svc.models.parallel_layers import RowParallelLinear
 
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization {scheme!r}; expected one of {', '.join(SCHEMES)}")
@@ -64,6 +70,13 @@ def quantize_model(model: torch.nn.Module, scheme: str) -> int:
         if isinstance(module, Linear) and module.packed is None:
             w_io = module.weight.data
             if w_io.dim() != 2 or w_io.shape[0] % 32:
+                continue
+            module.packed = quant.QuantWeight(quantize(w_io.t(), type_id), type_id, w_io.shape[0])
+            module.weight.data = w_io.new_empty(0)
+            count += 1
+        elif isinstance(module, RowParallelLinear) and module.packed is None:
+            w_io = module.weight.data  # [in on this rank, out]
+            if w_io.shape[0] % 32 or module.first % 32:
                 continue
             module.packed = quant.QuantWeight(quantize(w_io.t(), type_id), type_id, w_io.shape[0])
             module.weight.data = w_io.new_empty(0)

@@ -188,12 +188,10 @@ def load_model(
     model_dir = Path(model_dir)
     gguf_path = gguf_source(model_dir)  # a GGUF model's side directory (runner/gguf)
     if gguf_path is not None:
-        if tp is not None:
-            raise ValueError("GGUF models do not run tensor-parallel yet")
         dtype = "float32"  # the quantized kernels take fp32 activations
     if quantization is not None:  # models/quant_linear.py: int8 / int4 at load
-        if tp is not None or gguf_path is not None:
-            raise ValueError("--quantization applies to a checkpoint directory without TP")
+        if gguf_path is not None:
+            raise ValueError("--quantization applies to a checkpoint directory, not a GGUF file")
         dtype = "float32"
     config = _read_json(model_dir / "config.json")
     if not config:
