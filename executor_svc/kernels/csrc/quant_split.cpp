@@ -22,9 +22,10 @@
 // One x row (a decode, and the rows past the last whole tile): kOut weight rows per pass, so
 // each x load serves kOut rows and kOut chains are in flight (a chain has one dependent fma per
 // group); the pass kAheadBlocks ahead is prefetched; the minimums' terms come straight from
-// registers (a masked store and reload of them stalled on store forwarding). Many rows: a group
-// of one weight row is decoded once and applied to kRows rows of x kept in L2 (kXBytes), as in
-// quant_gemm.cpp. Measured: docs/benchmarks.md, issue 29 second pass.
+// registers (a masked store and reload of them stalled on store forwarding). Many rows: register
+// tiles of kRows x rows by kCols weight rows (AVX-512: 4 x 4; AVX2: 4 x 1), x kept in L2
+// (kXBytes): a group is decoded once per kRows rows, an x group loaded once per kCols weight
+// rows. Measured: docs/benchmarks.md, issue 29 second and fourth passes.
 
 #include <omp.h>
 
@@ -51,10 +52,12 @@ constexpr int64_t kChunkG = 256;         // groups whose scales a decode pass co
 constexpr int64_t kLd = kChunkG + 16;    // floats per weight row in a decode pass's scales
 #if defined(__AVX512F__)
 constexpr int kOut = 16;  // weight rows per pass over one x row
-constexpr int kRows = 8;  // x rows per pass over one weight row
+constexpr int kRows = 4;  // x rows per register tile (many rows)
+constexpr int kCols = 4;  // weight rows per register tile: kRows * kCols accumulators
 #else
 constexpr int kOut = 4;  // 16 ymm registers: 4 accumulators of two, x, the decoded group
 constexpr int kRows = 4;
+constexpr int kCols = 1;
 #endif
 
 inline void prefetch(const char* p) {
@@ -157,25 +160,35 @@ inline void gemv(const float* x, const float* sx, int64_t G, const uint8_t* w, i
   for (int r = 0; r < R; ++r) y[r] = vsum(acc[r]) + (bias ? bias[r] : 0.0f);
 }
 
-// kRows x rows (row stride ldx; their group sums at sx, stride ldsx) against one weight row
-// whose scales are in sb: y[r * ldy] for r < kRows.
-template <class D>
+// kRows x rows (row stride ldx; their group sums at sx, stride ldsx) against C consecutive weight
+// rows (their scales in sb, C rows of ldsb floats): y[r * ldy + c]. Each (x row, weight row) pair
+// runs gemv's chain; a register tile of kRows x C accumulators lets every x load serve C weight
+// rows and every decoded group kRows x rows (one weight row at a time left the loop waiting on
+// x reloads from L2).
+template <class D, int C>
 inline void tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t G,
-                 const uint8_t* row, const float* sb, float b, float* y, int64_t ldy) {
-  vf acc[kRows];
-  const uint8_t* mins = row + G * (D::kQBytes + 2);
-  for (int r = 0; r < kRows; ++r) acc[r] = chain_start<D>(mins, sx + r * ldsx, G);
+                 const uint8_t* w, int64_t row_bytes, const float* sb, int64_t ldsb,
+                 const float* bias, float* y, int64_t ldy) {
+  vf acc[kRows][C];
+  for (int c = 0; c < C; ++c) {
+    const uint8_t* mins = w + c * row_bytes + G * (D::kQBytes + 2);
+    for (int r = 0; r < kRows; ++r) acc[r][c] = chain_start<D>(mins, sx + r * ldsx, G);
+  }
   for (int64_t g = 0; g < G; ++g) {
-    vf q0, q1;
-    D::decode(row + g * D::kQBytes, q0, q1);
-    const vf s = vsplat(sb[g]);
-#pragma GCC unroll 8
+    vf q0[C], q1[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) D::decode(w + c * row_bytes + g * D::kQBytes, q0[c], q1[c]);
+#pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
       const float* xr = x + r * ldx + 32 * g;
-      acc[r] = vfma(s, vfma(q1, vload(xr + 16), vmul(q0, vload(xr))), acc[r]);
+      const vf x0 = vload(xr), x1 = vload(xr + 16);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = vfma(vsplat(sb[c * ldsb + g]), vfma(q1[c], x1, vmul(q0[c], x0)), acc[r][c]);
     }
   }
-  for (int r = 0; r < kRows; ++r) y[r * ldy] = vsum(acc[r]) + b;
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < C; ++c) y[r * ldy + c] = vsum(acc[r][c]) + (bias ? bias[c] : 0.0f);
 }
 
 // What each thread does; its `omp for`s share the weight rows among the team, or run them all
@@ -187,19 +200,27 @@ void work(const float* x, int64_t M, int64_t K, int64_t ldx, const float* sx, co
   const int64_t tiled = M / kRows * kRows;  // rows in whole tiles; the rest go one by one
   int64_t mc = kXBytes / (K * (int64_t)sizeof(float)) / kRows * kRows;
   if (mc < kRows) mc = kRows;
-  // Scales: of one weight row for the tiles, of a decode pass's rows by chunks of groups. Not
-  // zeroed (every entry read is written first): a decode call would clear 17 KB for nothing.
-  std::unique_ptr<float[]> row_sb(new float[tiled ? G : 1]), sb(new float[kOut * kLd]);
+  // Scales: of kCols weight rows for the tiles, of a decode pass's rows by chunks of groups.
+  // Not zeroed (every entry read is written first): a decode call would clear 17 KB for nothing.
+  std::unique_ptr<float[]> row_sb(new float[tiled ? kCols * G : 1]), sb(new float[kOut * kLd]);
+  const int64_t col_blocks = N / kCols;
   for (int64_t m0 = 0; m0 < tiled; m0 += mc) {
     const int64_t m1 = m0 + mc < tiled ? m0 + mc : tiled;
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
+    for (int64_t i = 0; i < col_blocks; ++i) {
+      const uint8_t* rows = w + i * kCols * row_bytes;
+      for (int c = 0; c < kCols; ++c) row_scales<D>(rows + c * row_bytes, G, row_sb.get() + c * G);
+      for (int64_t m = m0; m < m1; m += kRows)
+        tile<D, kCols>(x + m * ldx, ldx, sx + m * Gp, Gp, G, rows, row_bytes, row_sb.get(), G,
+                       bias ? bias + i * kCols : nullptr, y + m * ldy + i * kCols, ldy);
+    }
+#pragma omp for schedule(static)
+    for (int64_t n = col_blocks * kCols; n < N; ++n) {
       const uint8_t* row = w + n * row_bytes;
       row_scales<D>(row, G, row_sb.get());
-      const float b = bias ? bias[n] : 0.0f;
       for (int64_t m = m0; m < m1; m += kRows)
-        tile<D>(x + m * ldx, ldx, sx + m * Gp, Gp, G, row, row_sb.get(), b, y + m * ldy + n,
-                ldy);
+        tile<D, 1>(x + m * ldx, ldx, sx + m * Gp, Gp, G, row, row_bytes, row_sb.get(), G,
+                   bias ? bias + n : nullptr, y + m * ldy + n, ldy);
     }
   }
   const int64_t blocks = N / kOut;
