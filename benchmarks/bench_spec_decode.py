@@ -88,9 +88,9 @@ TASKS = [
 ]
 
 
-def grounded_prompts(tokenizer, n: int) -> list[list[int]]:
+def grounded_prompts(tokenizer, n: int, start: int = 0) -> list[list[int]]:
     out = []
-    for i in range(n):
+    for i in range(start, start + n):
         msg = f"{TASKS[i % len(TASKS)]}\n\n{PASSAGE}"
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": msg}], add_generation_prompt=True, tokenize=False
@@ -161,7 +161,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--streams", default="1", help="comma-separated concurrency levels")
-    ap.add_argument("--workloads", default="grounded,random")
+    ap.add_argument(
+        "--workloads",
+        default="grounded,random",
+        help="grounded, random, grounded-each (batch 1: every task's prompt in turn, and all)",
+    )
     ap.add_argument("--dtype", default="float32", help="the model's (auto: bf16 on AVX512-BF16)")
     ap.add_argument("--method", default="ngram", choices=["ngram", "draft_model"])
     ap.add_argument("--draft-layers", type=int, default=4, help="draft_model: SmolLM2's first N")
@@ -197,6 +201,9 @@ def run_all(args: argparse.Namespace, model_dir: Path, tok, tmp: Path) -> None:
     eos = tuple(runner.info.eos_token_ids)
     length = len(grounded_prompts(tok, 1)[0])
     for workload in args.workloads.split(","):
+        if workload == "grounded-each":
+            each_task(runner, tok, args, eos, spec, length)
+            continue
         for streams in (int(s) for s in args.streams.split(",")):
             if workload == "grounded":
                 prompts = grounded_prompts(tok, streams)
@@ -208,6 +215,30 @@ def run_all(args: argparse.Namespace, model_dir: Path, tok, tmp: Path) -> None:
             if args.method == "draft_model":
                 row.update(draft_layers=args.draft_layers)
             print(json.dumps(row), flush=True)
+
+
+def each_task(runner, tok, args, eos, spec, length: int) -> None:
+    """Batch 1, each grounded task's prompt in turn (one row each), then all of them together:
+    ms per token over every task's tokens (each task's ms/token weighted by its tokens)."""
+    rows = []
+    for i, task in enumerate(TASKS):
+        row = compare(runner, grounded_prompts(tok, 1, start=i), args, eos, spec)
+        row.update(workload=f"grounded task {i}", task=task[:40], streams=1, prompt_tokens=length)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    tokens = sum(r["output_tokens"] for r in rows)
+    total = {}
+    for key in (
+        "ms_per_token_off",
+        "ms_per_token_on",
+        "cpu_ms_per_token_off",
+        "cpu_ms_per_token_on",
+    ):
+        total[key] = round(sum(r[key] * r["output_tokens"] for r in rows) / tokens, 3)
+    total["speedup"] = round(total["ms_per_token_off"] / total["ms_per_token_on"], 3)
+    total["cpu_speedup"] = round(total["cpu_ms_per_token_off"] / total["cpu_ms_per_token_on"], 3)
+    total.update(workload="grounded, all tasks", streams=1, output_tokens=tokens)
+    print(json.dumps(total), flush=True)
 
 
 if __name__ == "__main__":
