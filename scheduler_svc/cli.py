@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import structlog
@@ -246,8 +248,14 @@ async def run(args: argparse.Namespace) -> int:
         log.info("auth.enabled", num_keys=len(api_keys))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            arm_stop_watchdog(STOP_DEADLINE_S)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     try:
         port = await server.start()
         if args.metrics_port is not None:
@@ -280,6 +288,34 @@ def restart_as_standby() -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+# A stop (SIGTERM/SIGINT) drains for up to 5 s, flushes Redis for up to 5 s and closes the
+# servers with 5 s of grace; a process still alive this long after the signal is stuck (once
+# seen in CI: a scheduler whose executor failed its TLS handshake outlived 30 s after SIGTERM)
+# and exits with every thread's stack on stderr, so that a stop always ends.
+STOP_DEADLINE_S = 25.0
+
+
+def arm_stop_watchdog(seconds: float) -> threading.Timer:
+    """A daemon timer that, unless the process has exited by then, prints every thread's stack
+    and ends the process (exit code 3)."""
+
+    def expire() -> None:
+        print(
+            f"llmserve-scheduler: still stopping {seconds:.0f}s after the signal; "
+            "stacks follow, then exit",
+            file=sys.stderr,
+            flush=True,
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(3)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,7 +19,6 @@ passes its bound.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import time
 from collections.abc import Callable, Coroutine
@@ -185,9 +184,15 @@ class Engine:
             await asyncio.sleep(0.05)
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):  # shutting down
-                await task
+        if self._tasks:
+            # Bounded, and without swallowing a cancellation of stop() itself (awaiting each
+            # task under suppress(CancelledError) did both).
+            done, pending = await asyncio.wait(self._tasks, timeout=drain_timeout_s)
+            for task in done:  # retrieved: shutting down, their errors were logged already
+                if not task.cancelled():
+                    task.exception()
+            if pending:
+                log.warning("engine.stop.tasks_pending", tasks=[t.get_name() for t in pending])
         try:
             await asyncio.wait_for(self.persister.wait_drained(), timeout=drain_timeout_s)
         except TimeoutError:
