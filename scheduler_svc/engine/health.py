@@ -49,7 +49,10 @@ class HealthMonitor:
         self._published: bool | None = None
 
     async def run(self) -> None:
-        while True:
+        # Ends on its own once the engine stops, not only when cancelled: a cancellation that
+        # arrived during the Redis probe was once swallowed there, and stop() then waited on
+        # this loop for good (a scheduler outliving its SIGTERM in CI).
+        while not self.lifecycle.stopping:
             await self.check()
             await asyncio.sleep(self.interval_s)
 
