@@ -22,6 +22,7 @@ the two broadcasts) with no model work, over gloo and over shared memory: the co
 floor; time in collectives above it is one rank waiting for the other.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_tp_decode.py --threads 1
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_tp_decode.py --threads 1 --quantization int4
 """
 
 from __future__ import annotations
@@ -142,6 +143,9 @@ def main() -> None:
     parser.add_argument(
         "--attention-backend", default="auto", help="auto (the executor's default: cpu) or torch"
     )
+    parser.add_argument(
+        "--quantization", default=None, help="int8 or int4: both sizes quantized at load"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -152,6 +156,7 @@ def main() -> None:
         "num_device_blocks": max(batches) * -(-(CONTEXT + 1) // BLOCK_SIZE),
         "swap_space_gib": 0.01,
         "attention_backend": args.attention_backend,
+        **({"quantization": args.quantization} if args.quantization else {}),
     }
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_checkpoint(
