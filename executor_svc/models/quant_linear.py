@@ -67,20 +67,15 @@ def quantize_model(model: torch.nn.Module, scheme: str) -> int:
         raise ValueError(f"unknown quantization {scheme!r}; expected one of {', '.join(SCHEMES)}")
     type_id, count = SCHEMES[scheme], 0
     for module in model.modules():
-        if isinstance(module, Linear) and module.packed is None:
-            w_io = module.weight.data
-            if w_io.dim() != 2 or w_io.shape[0] % 32:
-                continue
-            module.packed = quant.QuantWeight(quantize(w_io.t(), type_id), type_id, w_io.shape[0])
-            module.weight.data = w_io.new_empty(0)
-            count += 1
-        elif isinstance(module, RowParallelLinear) and module.packed is None:
-            w_io = module.weight.data  # [in on this rank, out]
-            if w_io.shape[0] % 32 or module.first % 32:
-                continue
-            module.packed = quant.QuantWeight(quantize(w_io.t(), type_id), type_id, w_io.shape[0])
-            module.weight.data = w_io.new_empty(0)
-            count += 1
+        if not isinstance(module, Linear | RowParallelLinear) or module.packed is not None:
+            continue
+        w_io = module.weight.data  # [in (this rank's slice, row-parallel), out]
+        # A row-parallel slice must start on a block boundary to get the whole matrix's blocks.
+        if w_io.dim() != 2 or w_io.shape[0] % 32 or getattr(module, "first", 0) % 32:
+            continue
+        module.packed = quant.QuantWeight(quantize(w_io.t(), type_id), type_id, w_io.shape[0])
+        module.weight.data = w_io.new_empty(0)
+        count += 1
     head = getattr(model, "lm_head", None)
     if isinstance(head, torch.Tensor) and head.dim() == 2 and head.shape[0] % 32 == 0:
         q8 = quant.TYPE_IDS["Q8_0"]

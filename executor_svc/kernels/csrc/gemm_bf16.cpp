@@ -93,13 +93,7 @@ inline void widen(const uint16_t* w, v16* hi, v16* lo) {
 // MXCSR for the duration of a thread's share: round to nearest, exceptions masked, and flush-
 // to-zero + denormals-are-zero, which vdpbf16ps applies whatever MXCSR says: the widening
 // variants then match it bit for bit.
-struct BfMode {
-#if defined(__SSE__)
-  unsigned saved = _mm_getcsr();
-  BfMode() { _mm_setcsr(0x9FC0); }
-  ~BfMode() { _mm_setcsr(saved); }
-#endif
-};
+using BfMode = CsrScope<0x9FC0>;
 
 inline uint16_t to_bf16(float f) {  // round to nearest even (finite values)
   uint32_t bits;

@@ -12,16 +12,19 @@ namespace llmserve {
 
 typedef float v16 __attribute__((vector_size(64)));
 
-// MXCSR for the duration of a kernel call or a thread's share of it: round to nearest, all
-// exceptions masked, no FTZ / DAZ (fast-math may have set them in the loading thread only; OpenMP
-// workers differ), so denormal handling does not depend on which thread computes what.
-struct IeeeMode {
+// MXCSR set to kCsr for the duration of a kernel call or a thread's share of it (fast-math may
+// have changed it in the loading thread only; OpenMP workers differ), restored after.
+template <unsigned kCsr>
+struct CsrScope {
 #if defined(__SSE__)
   unsigned saved = _mm_getcsr();
-  IeeeMode() { _mm_setcsr(0x1F80); }
-  ~IeeeMode() { _mm_setcsr(saved); }
+  CsrScope() { _mm_setcsr(kCsr); }
+  ~CsrScope() { _mm_setcsr(saved); }
 #endif
 };
+// Round to nearest, all exceptions masked, no FTZ / DAZ: denormal handling does not depend on
+// which thread computes what.
+using IeeeMode = CsrScope<0x1F80>;
 typedef int32_t i16 __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) {
