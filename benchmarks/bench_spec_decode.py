@@ -169,6 +169,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="the model's (auto: bf16 on AVX512-BF16)")
     ap.add_argument("--method", default="ngram", choices=["ngram", "draft_model"])
     ap.add_argument("--draft-layers", type=int, default=4, help="draft_model: SmolLM2's first N")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="the target instead of SmolLM2's fp32 directory, e.g. the package's Q4_1 .gguf "
+        "(served quantized; the tokenizer still comes from the directory, the same vocabulary)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     configure_logging("warning")
@@ -196,7 +202,12 @@ def run_all(args: argparse.Namespace, model_dir: Path, tok, tmp: Path) -> None:
             method="draft_model", model=str(draft), num_speculative_tokens=args.k
         )
     else:
-        runner = ModelRunner(model_dir, block_size=16, num_device_blocks=64 * 48, dtype=args.dtype)
+        target = model_dir
+        if args.model and args.model.endswith(".gguf"):
+            from executor_svc.runner.gguf.hf_files import prepare
+
+            target = prepare(args.model)
+        runner = ModelRunner(target, block_size=16, num_device_blocks=64 * 48, dtype=args.dtype)
         spec = SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_max=4)
     eos = tuple(runner.info.eos_token_ids)
     length = len(grounded_prompts(tok, 1)[0])

@@ -8,12 +8,18 @@
 // its G fp16 scales d, then (Q4_1) its G fp16 minimums m. So the hot loop reads quants alone, and
 // a row's scales become fp32 with a few vector conversions instead of one scalar each.
 //
-// One output element, always in this order (w = d * q + m, q small integers, exact in fp32):
+// One output element, always in this order:
 //   acc (16 lanes) = 0
-//   Q4_1 only: for each chunk c of 16 groups: acc = fma(m[c], sx[c], acc)   (lane j: group
-//       16c + j; sx_g = the fixed-tree sum of x over group g; lanes past G are 0 * 0)
-//   for each group g ascending: acc = fma(d_g, fma(q[16:32], x[16:32], q[0:16] * x[0:16]), acc)
+//   for each group g ascending (x0, x1: x's weights 0-15 and 16-31 of the group):
+//     Q8_0:        acc = fma(d_g, fma(q1, x1, q0 * x0), acc)       (q: the int8 quants)
+//     Q4_0, Q4_1:  acc = fma(w1, x1, fma(w0, x0, acc))   (w: the de-quantized weights, d * q + m
+//                  in one rounding or d * (q - 8) exact: the GGUF reference's values)
 //   y = hsum(acc) (a fixed tree) + bias (0 without one)
+// The Q4 weights come from a table of the group's 16 values (AVX-512: one fma builds it, a
+// vpermps per 16 weights reads it) or a decode and an fma (AVX2): the same bits either way. So
+// a Q4 group costs one table per weight row and two fmas per (x row, weight row) pair: a few-row
+// call (a speculative verification, a small batch) pays little more than the decode for each
+// extra row.
 // Nothing in that chain depends on M, the tile a row lands in, how many weight rows share a pass,
 // or the threads (they split weight rows), so a decode row and the same row inside a prefill give
 // the same bits (step invariance, config/numerics.py), in every build: the fmas are explicit, and
@@ -21,8 +27,7 @@
 //
 // One x row (a decode, and the rows past the last whole tile): kOut weight rows per pass, so
 // each x load serves kOut rows and kOut chains are in flight (a chain has one dependent fma per
-// group); the pass kAheadBlocks ahead is prefetched; the minimums' terms come straight from
-// registers (a masked store and reload of them stalled on store forwarding). Many rows: register
+// group, two for Q4); the pass kAheadBlocks ahead is prefetched. Many rows: register
 // tiles of kRows x rows by kCols weight rows (AVX-512: 4 x 4; AVX2: 4 x 1), x kept in L2
 // (kXBytes): a group is decoded once per kRows rows, an x group loaded once per kCols weight
 // rows. Measured: docs/benchmarks.md, issue 29 second and fourth passes.
@@ -54,10 +59,12 @@ constexpr int64_t kLd = kChunkG + 16;    // floats per weight row in a decode pa
 constexpr int kOut = 16;  // weight rows per pass over one x row
 constexpr int kRows = 4;  // x rows per register tile (many rows)
 constexpr int kCols = 4;  // weight rows per register tile: kRows * kCols accumulators
+constexpr int kFew = 8;   // at most this many rows go through one pass
 #else
 constexpr int kOut = 4;  // 16 ymm registers: 4 accumulators of two, x, the decoded group
 constexpr int kRows = 4;
 constexpr int kCols = 1;
+constexpr int kFew = 4;
 #endif
 
 inline void prefetch(const char* p) {
@@ -68,22 +75,47 @@ inline void prefetch(const char* p) {
 #endif
 }
 
-// Per type: quant bytes per group, whether there is a minimum, and the decoder of one group's
-// quants into q0 (weights 0-15) and q1 (weights 16-31) (quant_vec.h, per instruction set).
+// Per type: quant bytes per group, whether there is a minimum, and how a group enters the chain
+// (quant_vec.h, per instruction set): Q8_0 decodes its quants (q0: weights 0-15, q1: 16-31),
+// scaled by d once per group; the Q4 types de-quantize the group's weights (w0, w1) exactly.
 struct SQ8_0 {
   static constexpr int kType = kQ8_0, kQBytes = 32, kBlockBytes = 34;
-  static constexpr bool kMin = false;
+  static constexpr bool kMin = false, kDequant = false;
   static void decode(const uint8_t* q, vf& q0, vf& q1) { decode_q8(q, q0, q1); }
+  static void dequant(const uint8_t*, float, float, vf&, vf&) {}
 };
 
 template <int kType_, int kBlockBytes_, bool kMin_, int kOffset>
 struct SQ4 {
   static constexpr int kType = kType_, kQBytes = 16, kBlockBytes = kBlockBytes_;
-  static constexpr bool kMin = kMin_;
+  static constexpr bool kMin = kMin_, kDequant = true;
   static void decode(const uint8_t* q, vf& q0, vf& q1) { decode_q4<kOffset>(q, q0, q1); }
+  static void dequant(const uint8_t* q, float d, float m, vf& w0, vf& w1) {
+    dequant_q4<kOffset, kMin_>(q, d, m, w0, w1);
+  }
 };
 using SQ4_0 = SQ4<kQ4_0, 18, false, -8>;
 using SQ4_1 = SQ4<kQ4_1, 20, true, 0>;
+
+// One group's step of one output element's chain: acc and the group's x halves x0, x1.
+//   Q8_0:    acc = fma(d, fma(q1, x1, q0 * x0), acc)
+//   Q4_0/1:  acc = fma(w1, x1, fma(w0, x0, acc))   (w = the de-quantized weights)
+template <class D>
+inline vf step(vf acc, vf a0, vf a1, float d, vf x0, vf x1) {
+  if constexpr (D::kDequant)
+    return vfma(a1, x1, vfma(a0, x0, acc));
+  else
+    return vfma(vsplat(d), vfma(a1, x1, vmul(a0, x0)), acc);
+}
+
+// The group's two vectors for step: Q8_0's quants, or the Q4 types' de-quantized weights.
+template <class D>
+inline void group(const uint8_t* q, float d, float m, vf& a0, vf& a1) {
+  if constexpr (D::kDequant)
+    D::dequant(q, d, m, a0, a1);
+  else
+    D::decode(q, a0, a1);
+}
 
 // n fp16 values at p as fp32 into out (exact, the same bits whichever instruction converts).
 inline void halves(const uint8_t* p, int64_t n, float* out) {
@@ -105,46 +137,44 @@ inline void halves(const uint8_t* p, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = half(p + 2 * i);
 }
 
-// A weight row's scales as fp32 into sb (G floats).
+// A weight row's scales as fp32 into sb (G floats), and (Q4_1) its minimums into mb.
 template <class D>
-inline void row_scales(const uint8_t* row, int64_t G, float* sb) {
+inline void row_scales(const uint8_t* row, int64_t G, float* sb, float* mb) {
   halves(row + G * D::kQBytes, G, sb);
+  if (D::kMin) halves(row + G * (D::kQBytes + 2), G, mb);
 }
 
-// The chain's start: the minimums' terms (Q4_1: m, the row's G fp16 minimums), else 0.
-template <class D>
-inline vf chain_start(const uint8_t* m, const float* sx, int64_t G) {
-  vf acc = vzero();
-  if (D::kMin)
-    for (int64_t c = 0; c < G; c += 16) acc = vfma(vhalves16(m + 2 * c, G - c), vload(sx + c), acc);
-  return acc;
-}
-
-// One x row against R consecutive weight rows: y[r] for r < R. sb: R * kLd floats, a row's
-// scales (or minimums) of a chunk of groups at a fixed offset, so one pointer reaches all rows.
+// One x row against R consecutive weight rows: y[r] for r < R. sb, mb: R * kLd floats each, a
+// row's scales and minimums of a chunk of groups at a fixed offset, so one pointer reaches all
+// rows.
 template <class D, int R>
-inline void gemv(const float* x, const float* sx, int64_t G, const uint8_t* w, int64_t row_bytes,
-                 const float* bias, float* y, float* sb) {
+inline void gemv(const float* x, int64_t G, const uint8_t* w, int64_t row_bytes,
+                 const float* bias, float* y, float* sb, float* mb) {
   const uint8_t* d = w + G * D::kQBytes;  // row 0's scales, then (Q4_1) its minimums
   vf acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = chain_start<D>(d + r * row_bytes + 2 * G, sx, G);
+  for (int r = 0; r < R; ++r) acc[r] = vzero();
   // The pass kAheadBlocks ahead, a share per group: the weights stream from DRAM once per
   // step, and the hardware prefetcher alone left the loop waiting on them.
   constexpr int64_t kShare = R * D::kBlockBytes;
   const char* ahead = (const char*)w + kAheadBlocks * R * row_bytes;
   for (int64_t g0 = 0; g0 < G; g0 += kChunkG) {
     const int64_t g1 = g0 + kChunkG < G ? g0 + kChunkG : G;
-    for (int r = 0; r < R; ++r) halves(d + r * row_bytes + 2 * g0, g1 - g0, sb + r * kLd);
+    for (int r = 0; r < R; ++r) {
+      halves(d + r * row_bytes + 2 * g0, g1 - g0, sb + r * kLd);
+      if (D::kMin) halves(d + r * row_bytes + 2 * (G + g0), g1 - g0, mb + r * kLd);
+    }
     for (int64_t g = g0; g < g1; ++g) {
 #pragma GCC unroll 8
       for (int64_t j = 0; j < kShare; j += 64) prefetch(ahead + g * kShare + j);
       const vf x0 = vload(x + 32 * g), x1 = vload(x + 32 * g + 16);
       const float* s = sb + (g - g0);
+      const float* mn = mb + (g - g0);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        vf q0, q1;
-        D::decode(w + r * row_bytes + g * D::kQBytes, q0, q1);
-        acc[r] = vfma(vsplat(s[r * kLd]), vfma(q1, x1, vmul(q0, x0)), acc[r]);
+        vf a0, a1;
+        group<D>(w + r * row_bytes + g * D::kQBytes, s[r * kLd], D::kMin ? mn[r * kLd] : 0.0f,
+                 a0, a1);
+        acc[r] = step<D>(acc[r], a0, a1, s[r * kLd], x0, x1);
       }
     }
   }
@@ -160,103 +190,151 @@ inline void gemv(const float* x, const float* sx, int64_t G, const uint8_t* w, i
   for (int r = 0; r < R; ++r) y[r] = vsum(acc[r]) + (bias ? bias[r] : 0.0f);
 }
 
-// kRows x rows (row stride ldx; their group sums at sx, stride ldsx) against C consecutive weight
-// rows (their scales in sb, C rows of ldsb floats): y[r * ldy + c]. Each (x row, weight row) pair
-// runs gemv's chain; a register tile of kRows x C accumulators lets every x load serve C weight
-// rows and every decoded group kRows x rows (one weight row at a time left the loop waiting on
-// x reloads from L2).
-template <class D, int C>
-inline void tile(const float* x, int64_t ldx, const float* sx, int64_t ldsx, int64_t G,
-                 const uint8_t* w, int64_t row_bytes, const float* sb, int64_t ldsb,
-                 const float* bias, float* y, int64_t ldy) {
-  vf acc[kRows][C];
-  for (int c = 0; c < C; ++c) {
-    const uint8_t* mins = w + c * row_bytes + G * (D::kQBytes + 2);
-    for (int r = 0; r < kRows; ++r) acc[r][c] = chain_start<D>(mins, sx + r * ldsx, G);
-  }
+// XR x rows (row stride ldx) against C consecutive weight rows (their scales in sb and
+// minimums in mb, C rows of ldsb floats each): y[r * ldy + c]. Each (x row, weight row) pair
+// runs gemv's chain; a register tile of XR x C accumulators lets every group decoded serve XR
+// x rows and every x load C weight rows.
+template <class D, int XR, int C>
+inline void tile(const float* x, int64_t ldx, int64_t G, const uint8_t* w, int64_t row_bytes,
+                 const float* sb, const float* mb, int64_t ldsb, const float* bias, float* y,
+                 int64_t ldy) {
+  vf acc[XR][C];
+  for (int r = 0; r < XR; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+  // The tile kAheadBlocks ahead (the next weight rows), a share per group, as in gemv: a
+  // tile's rows are short streams the hardware prefetcher does not pick up in time.
+  constexpr int64_t kShare = C * D::kBlockBytes;
+  const char* ahead = (const char*)w + kAheadBlocks * C * row_bytes;
   for (int64_t g = 0; g < G; ++g) {
-    vf q0[C], q1[C];
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) D::decode(w + c * row_bytes + g * D::kQBytes, q0[c], q1[c]);
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r) {
-      const float* xr = x + r * ldx + 32 * g;
-      const vf x0 = vload(xr), x1 = vload(xr + 16);
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c)
-        acc[r][c] = vfma(vsplat(sb[c * ldsb + g]), vfma(q1[c], x1, vmul(q0[c], x0)), acc[r][c]);
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < kShare; j += 64) prefetch(ahead + g * kShare + j);
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      vf a0, a1;
+      group<D>(w + c * row_bytes + g * D::kQBytes, sb[c * ldsb + g],
+               D::kMin ? mb[c * ldsb + g] : 0.0f, a0, a1);
+#pragma GCC unroll 8
+      for (int r = 0; r < XR; ++r) {
+        const float* xr = x + r * ldx + 32 * g;
+        acc[r][c] = step<D>(acc[r][c], a0, a1, sb[c * ldsb + g], vload(xr), vload(xr + 16));
+      }
     }
   }
-  for (int r = 0; r < kRows; ++r)
+  for (int r = 0; r < XR; ++r)
     for (int c = 0; c < C; ++c) y[r * ldy + c] = vsum(acc[r][c]) + (bias ? bias[c] : 0.0f);
+}
+
+// Weight rows per tile beside XR x rows: about kChains accumulators in flight (a chain has
+// dependent fmas, so a tile of a few accumulators waits on their latency).
+#if defined(LLMSERVE_QUANT_VEC_AVX2)
+constexpr int kChains = 4;
+#else
+constexpr int kChains = 16;
+#endif
+template <int XR>
+constexpr int cols_for() {
+  return XR >= kChains ? 1 : kChains / XR;
+}
+
+// XR x rows against all N weight rows, C at a time (the team shares the weight rows); the
+// scales of a tile's weight rows go into sb and mb (C * G floats each).
+template <class D, int XR, int C>
+void pass(const float* x, int64_t ldx, int64_t G, const uint8_t* w, int64_t N,
+          int64_t row_bytes, const float* bias, float* y, int64_t ldy, float* sb, float* mb) {
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < N / C; ++i) {
+    const uint8_t* rows = w + i * C * row_bytes;
+    for (int c = 0; c < C; ++c) row_scales<D>(rows + c * row_bytes, G, sb + c * G, mb + c * G);
+    tile<D, XR, C>(x, ldx, G, rows, row_bytes, sb, mb, G, bias ? bias + i * C : nullptr,
+                   y + i * C, ldy);
+  }
+#pragma omp for schedule(static)
+  for (int64_t n = N / C * C; n < N; ++n) {
+    row_scales<D>(w + n * row_bytes, G, sb, mb);
+    tile<D, XR, 1>(x, ldx, G, w + n * row_bytes, row_bytes, sb, mb, G, bias ? bias + n : nullptr,
+                   y + n, ldy);
+  }
+}
+
+// xr (2..kFew) rows in one pass (a speculative verification's few rows, a small batch, the rows
+// after the last whole tile): the tile's width picked for xr.
+template <class D, int XR = kFew>
+void partial(int64_t xr, const float* x, int64_t ldx, int64_t G, const uint8_t* w, int64_t N,
+             int64_t row_bytes, const float* bias, float* y, int64_t ldy, float* sb, float* mb) {
+  if constexpr (XR > 2) {
+    if (xr < XR) return partial<D, XR - 1>(xr, x, ldx, G, w, N, row_bytes, bias, y, ldy, sb, mb);
+  }
+  pass<D, XR, cols_for<XR>()>(x, ldx, G, w, N, row_bytes, bias, y, ldy, sb, mb);
 }
 
 // What each thread does; its `omp for`s share the weight rows among the team, or run them all
 // when called outside a parallel region (one thread: no team is started).
 template <class D>
-void work(const float* x, int64_t M, int64_t K, int64_t ldx, const float* sx, const uint8_t* w,
-          int64_t N, int64_t row_bytes, const float* bias, float* y, int64_t ldy) {
-  const int64_t G = K / 32, Gp = (G + 15) / 16 * 16;
-  const int64_t tiled = M / kRows * kRows;  // rows in whole tiles; the rest go one by one
+void work(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, int64_t N,
+          int64_t row_bytes, const float* bias, float* y, int64_t ldy) {
+  const int64_t G = K / 32;
+  // Whole tiles of kRows rows, x kept in L2 by blocks of mc rows (more than kFew rows); then the
+  // rest: one row is a decode (gemv, its pass), 2..kFew rows one pass of a tile that wide.
+  const int64_t tiled = M > kFew ? M / kRows * kRows : 0, rest = M - tiled;
   int64_t mc = kXBytes / (K * (int64_t)sizeof(float)) / kRows * kRows;
   if (mc < kRows) mc = kRows;
-  // Scales: of kCols weight rows for the tiles, of a decode pass's rows by chunks of groups.
-  // Not zeroed (every entry read is written first): a decode call would clear 17 KB for nothing.
-  std::unique_ptr<float[]> row_sb(new float[tiled ? kCols * G : 1]), sb(new float[kOut * kLd]);
-  const int64_t col_blocks = N / kCols;
+  // Scales and minimums of a tile's weight rows, or of a decode pass's rows by chunks of
+  // groups. Not zeroed (every entry read is written first): a decode would clear KBs for nothing.
+  const int64_t tile_floats = M > 1 ? kChains * G : 1;
+  std::unique_ptr<float[]> row_sb(new float[2 * tile_floats]), sb(new float[2 * kOut * kLd]);
+  float* row_mb = row_sb.get() + tile_floats;
   for (int64_t m0 = 0; m0 < tiled; m0 += mc) {
     const int64_t m1 = m0 + mc < tiled ? m0 + mc : tiled;
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < col_blocks; ++i) {
+    for (int64_t i = 0; i < N / kCols; ++i) {
       const uint8_t* rows = w + i * kCols * row_bytes;
-      for (int c = 0; c < kCols; ++c) row_scales<D>(rows + c * row_bytes, G, row_sb.get() + c * G);
+      for (int c = 0; c < kCols; ++c)
+        row_scales<D>(rows + c * row_bytes, G, row_sb.get() + c * G, row_mb + c * G);
       for (int64_t m = m0; m < m1; m += kRows)
-        tile<D, kCols>(x + m * ldx, ldx, sx + m * Gp, Gp, G, rows, row_bytes, row_sb.get(), G,
-                       bias ? bias + i * kCols : nullptr, y + m * ldy + i * kCols, ldy);
+        tile<D, kRows, kCols>(x + m * ldx, ldx, G, rows, row_bytes, row_sb.get(), row_mb, G,
+                              bias ? bias + i * kCols : nullptr, y + m * ldy + i * kCols, ldy);
     }
 #pragma omp for schedule(static)
-    for (int64_t n = col_blocks * kCols; n < N; ++n) {
+    for (int64_t n = N / kCols * kCols; n < N; ++n) {
       const uint8_t* row = w + n * row_bytes;
-      row_scales<D>(row, G, row_sb.get());
+      row_scales<D>(row, G, row_sb.get(), row_mb);
       for (int64_t m = m0; m < m1; m += kRows)
-        tile<D, 1>(x + m * ldx, ldx, sx + m * Gp, Gp, G, row, row_bytes, row_sb.get(), G,
-                   bias ? bias + n : nullptr, y + m * ldy + n, ldy);
+        tile<D, kRows, 1>(x + m * ldx, ldx, G, row, row_bytes, row_sb.get(), row_mb, G,
+                          bias ? bias + n : nullptr, y + m * ldy + n, ldy);
     }
   }
-  const int64_t blocks = N / kOut;
-  for (int64_t m = tiled; m < M; ++m) {
-    const float* xm = x + m * ldx;
-    float* ym = y + m * ldy;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < blocks; ++i)
-      gemv<D, kOut>(xm, sx + m * Gp, G, w + i * kOut * row_bytes, row_bytes,
-                    bias ? bias + i * kOut : nullptr, ym + i * kOut, sb.get());
-#pragma omp for schedule(static)
-    for (int64_t n = blocks * kOut; n < N; ++n)
-      gemv<D, 1>(xm, sx + m * Gp, G, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr,
-                 ym + n, sb.get());
+  if (rest > 1) {
+    partial<D>(rest, x + tiled * ldx, ldx, G, w, N, row_bytes, bias, y + tiled * ldy, ldy,
+               row_sb.get(), row_mb);
+    return;
   }
+  if (rest == 0) return;
+  const float* xm = x + tiled * ldx;
+  float* ym = y + tiled * ldy;
+  float* mb = sb.get() + kOut * kLd;
+  const int64_t blocks = N / kOut;
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < blocks; ++i)
+    gemv<D, kOut>(xm, G, w + i * kOut * row_bytes, row_bytes, bias ? bias + i * kOut : nullptr,
+                  ym + i * kOut, sb.get(), mb);
+#pragma omp for schedule(static)
+  for (int64_t n = blocks * kOut; n < N; ++n)
+    gemv<D, 1>(xm, G, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr, ym + n, sb.get(),
+               mb);
 }
 
 template <class D>
 void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, int64_t N,
          int64_t row_bytes, const float* bias, float* y, int64_t ldy, int num_threads) {
-  const int64_t G = K / 32, Gp = (G + 15) / 16 * 16;
   IeeeMode caller;
-  // sx[m][g]: the group sums of x, one fixed tree each, zeros past G (Q4_1 only).
-  std::vector<float> sx(D::kMin ? M * Gp : 0, 0.0f);
-  if (D::kMin)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < G; ++g)
-        sx[m * Gp + g] = vsum(vadd(vload(x + m * ldx + 32 * g), vload(x + m * ldx + 32 * g + 16)));
   if (num_threads > 1 && M * K * N >= (1 << 17)) {
 #pragma omp parallel num_threads(num_threads)
     {
       IeeeMode ieee;  // per thread: no flush-to-zero, whichever thread computes a row
-      work<D>(x, M, K, ldx, sx.data(), w, N, row_bytes, bias, y, ldy);
+      work<D>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy);
     }
   } else {
-    work<D>(x, M, K, ldx, sx.data(), w, N, row_bytes, bias, y, ldy);
+    work<D>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy);
   }
 }
 

@@ -62,6 +62,20 @@ inline void decode_q4(const uint8_t* q, vf& q0, vf& q1) {
     q1 = vadd(q1, vsplat((float)kOffset));
   }
 }
+// The 32 weights of a Q4 group de-quantized (kMin: d * (q + kOffset) + m in one rounding, as
+// fma; else d * (q + kOffset), exact): the same bits as the GGUF reference's d * q + m.
+template <int kOffset, bool kMin>
+inline void dequant_q4(const uint8_t* q, float d, float m, vf& w0, vf& w1) {
+  vf q0, q1;
+  decode_q4<kOffset>(q, q0, q1);
+  if constexpr (kMin) {
+    w0 = vfma(vsplat(d), q0, vsplat(m));
+    w1 = vfma(vsplat(d), q1, vsplat(m));
+  } else {
+    w0 = vmul(vsplat(d), q0);
+    w1 = vmul(vsplat(d), q1);
+  }
+}
 // The first n <= 16 fp16 values at p, zeros past n.
 inline vf vhalves16(const uint8_t* p, int64_t n) {
   alignas(32) uint16_t h[16] = {};
@@ -102,6 +116,21 @@ inline void decode_q4(const uint8_t* q, vf& q0, vf& q1) {
   q0 = {(v16)_mm512_permutexvar_ps(b, table)};
   q1 = {(v16)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table)};
 }
+// The 32 weights of a Q4 group de-quantized through a table of the group's 16 values (each
+// d * (v + kOffset) + m in one rounding, or d * (v + kOffset) exact): one vector op builds the
+// table, and each weight is one vpermps away, the same bits as decode + fma would give.
+template <int kOffset, bool kMin>
+inline void dequant_q4(const uint8_t* q, float d, float m, vf& w0, vf& w1) {
+  const __m512 iota = _mm512_setr_ps(kOffset, kOffset + 1, kOffset + 2, kOffset + 3, kOffset + 4,
+                                     kOffset + 5, kOffset + 6, kOffset + 7, kOffset + 8,
+                                     kOffset + 9, kOffset + 10, kOffset + 11, kOffset + 12,
+                                     kOffset + 13, kOffset + 14, kOffset + 15);
+  const __m512 table = kMin ? _mm512_fmadd_ps(_mm512_set1_ps(d), iota, _mm512_set1_ps(m))
+                            : _mm512_mul_ps(_mm512_set1_ps(d), iota);
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+  w0 = {(v16)_mm512_permutexvar_ps(b, table)};
+  w1 = {(v16)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table)};
+}
 #else
 inline void decode_q8(const uint8_t* q, vf& q0, vf& q1) {
   q0 = {to_v16<true>(load_b16(q))};
@@ -115,6 +144,20 @@ inline void decode_q4(const uint8_t* q, vf& q0, vf& q1) {
   if constexpr (kOffset != 0) {
     q0 = vadd(q0, vsplat((float)kOffset));
     q1 = vadd(q1, vsplat((float)kOffset));
+  }
+}
+// The 32 weights of a Q4 group de-quantized (kMin: d * (q + kOffset) + m in one rounding, as
+// fma; else d * (q + kOffset), exact): the same bits as the GGUF reference's d * q + m.
+template <int kOffset, bool kMin>
+inline void dequant_q4(const uint8_t* q, float d, float m, vf& w0, vf& w1) {
+  vf q0, q1;
+  decode_q4<kOffset>(q, q0, q1);
+  if constexpr (kMin) {
+    w0 = vfma(vsplat(d), q0, vsplat(m));
+    w1 = vfma(vsplat(d), q1, vsplat(m));
+  } else {
+    w0 = vmul(vsplat(d), q0);
+    w1 = vmul(vsplat(d), q1);
   }
 }
 #endif
