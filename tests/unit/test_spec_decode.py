@@ -209,9 +209,10 @@ def test_executor_refuses_malformed_proposals(runner: ModelRunner) -> None:
 
 
 def test_rejected_proposals_back_off() -> None:
-    """A sequence whose every proposal is rejected verifies 5 times in 128 steps (pauses 1, 4,
-    16, 64 after each miss) and once every 65 steps after that; an accepted proposal ends the
-    backoff."""
+    """A sequence whose every proposal is rejected verifies 7 times in 128 steps (two misses
+    free while its hit rate, with a prior of one hit in two, is >= 1/4; then pauses of 1, 4, 16,
+    64 after each miss) and once every 65 steps after that; an accepted proposal ends the pause,
+    and a sequence that hits often enough keeps proposing through its misses."""
     from scheduler_svc.core.request import Request
     from scheduler_svc.core.spec_decode import SpecDecoder
 
@@ -224,11 +225,17 @@ def test_rejected_proposals_back_off() -> None:
         if dec.propose(req, seq, max_len=100_000, budget=64):
             verifying.append(step)
             dec._adapt(seq.seq_id, 0)
-    assert verifying[:6] == [0, 2, 7, 24, 89, 154]
-    assert sum(s < 128 for s in verifying) == 5
-    assert all(b - a == 65 for a, b in zip(verifying[4:], verifying[5:], strict=False))
+    assert verifying[:8] == [0, 1, 2, 4, 9, 26, 91, 156]
+    assert sum(s < 128 for s in verifying) == 7
+    assert all(b - a == 65 for a, b in zip(verifying[6:], verifying[7:], strict=False))
     dec._adapt(seq.seq_id, 2)
     assert dec._backoff[seq.seq_id].pause == 0
     dec._backoff[seq.seq_id].skip = 0
     dec._adapt(seq.seq_id, 0)  # a miss after a hit pauses one step again
     assert dec._backoff[seq.seq_id].skip == 1
+    # A sequence whose verifications hit half the time never pauses.
+    req2 = Request("r2", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=10_000), 0.0)
+    seq2 = req2.seqs[0]
+    for step in range(100):
+        assert dec.propose(req2, seq2, max_len=100_000, budget=64), step
+        dec._adapt(seq2.seq_id, step % 2)
