@@ -62,20 +62,6 @@ inline void decode_q4(const uint8_t* q, vf& q0, vf& q1) {
     q1 = vadd(q1, vsplat((float)kOffset));
   }
 }
-// The 32 weights of a Q4 group de-quantized (kMin: d * (q + kOffset) + m in one rounding, as
-// fma; else d * (q + kOffset), exact): the same bits as the GGUF reference's d * q + m.
-template <int kOffset, bool kMin>
-inline void dequant_q4(const uint8_t* q, float d, float m, vf& w0, vf& w1) {
-  vf q0, q1;
-  decode_q4<kOffset>(q, q0, q1);
-  if constexpr (kMin) {
-    w0 = vfma(vsplat(d), q0, vsplat(m));
-    w1 = vfma(vsplat(d), q1, vsplat(m));
-  } else {
-    w0 = vmul(vsplat(d), q0);
-    w1 = vmul(vsplat(d), q1);
-  }
-}
 // The first n <= 16 fp16 values at p, zeros past n.
 inline vf vhalves16(const uint8_t* p, int64_t n) {
   alignas(32) uint16_t h[16] = {};
@@ -146,20 +132,6 @@ inline void decode_q4(const uint8_t* q, vf& q0, vf& q1) {
     q1 = vadd(q1, vsplat((float)kOffset));
   }
 }
-// The 32 weights of a Q4 group de-quantized (kMin: d * (q + kOffset) + m in one rounding, as
-// fma; else d * (q + kOffset), exact): the same bits as the GGUF reference's d * q + m.
-template <int kOffset, bool kMin>
-inline void dequant_q4(const uint8_t* q, float d, float m, vf& w0, vf& w1) {
-  vf q0, q1;
-  decode_q4<kOffset>(q, q0, q1);
-  if constexpr (kMin) {
-    w0 = vfma(vsplat(d), q0, vsplat(m));
-    w1 = vfma(vsplat(d), q1, vsplat(m));
-  } else {
-    w0 = vmul(vsplat(d), q0);
-    w1 = vmul(vsplat(d), q1);
-  }
-}
 #endif
 // The first n <= 16 fp16 values at p, zeros past n: straight into a register where masked
 // loads exist (a store and reload of a masked tail would stall on store forwarding).
@@ -172,6 +144,24 @@ inline vf vhalves16(const uint8_t* p, int64_t n) {
   for (int64_t i = 0; i < n && i < 16; ++i) f[i] = half(p + 2 * i);
   return {load16(f)};
 #endif
+}
+#endif
+
+#if !defined(__AVX512F__)
+// The 32 weights of a Q4 group de-quantized (kMin: d * (q + kOffset) + m in one rounding, as
+// fma; else d * (q + kOffset), exact): the same bits as the GGUF reference's d * q + m (and as
+// AVX-512's table of them).
+template <int kOffset, bool kMin>
+inline void dequant_q4(const uint8_t* q, float d, float m, vf& w0, vf& w1) {
+  vf q0, q1;
+  decode_q4<kOffset>(q, q0, q1);
+  if constexpr (kMin) {
+    w0 = vfma(vsplat(d), q0, vsplat(m));
+    w1 = vfma(vsplat(d), q1, vsplat(m));
+  } else {
+    w0 = vmul(vsplat(d), q0);
+    w1 = vmul(vsplat(d), q1);
+  }
 }
 #endif
 
