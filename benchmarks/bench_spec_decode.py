@@ -172,10 +172,13 @@ def main() -> None:
     ap.add_argument(
         "--model",
         default=None,
-        help="the target instead of SmolLM2's fp32 directory, e.g. the package's Q4_1 .gguf "
-        "(served quantized; the tokenizer still comes from the directory, the same vocabulary)",
+        help="the target instead of SmolLM2's fp32 directory: another checkpoint directory or the "
+        "package's Q4_1 .gguf (served quantized); the tokenizer still comes from SmolLM2's "
+        "directory, so it needs SmolLM2's vocabulary",
     )
     args = ap.parse_args()
+    if args.model and args.method == "draft_model":
+        ap.error("--model is for the n-gram method (the draft is cut from SmolLM2's directory)")
     torch.set_num_threads(args.threads)
     configure_logging("warning")
     from transformers import AutoTokenizer
@@ -202,11 +205,11 @@ def run_all(args: argparse.Namespace, model_dir: Path, tok, tmp: Path) -> None:
             method="draft_model", model=str(draft), num_speculative_tokens=args.k
         )
     else:
-        target = model_dir
-        if args.model and args.model.endswith(".gguf"):
+        target = Path(args.model) if args.model else model_dir
+        if target.suffix == ".gguf":
             from executor_svc.runner.gguf.hf_files import prepare
 
-            target = prepare(args.model)
+            target = prepare(target)
         runner = ModelRunner(target, block_size=16, num_device_blocks=64 * 48, dtype=args.dtype)
         spec = SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_max=4)
     eos = tuple(runner.info.eos_token_ids)

@@ -25,12 +25,14 @@
 // the same bits (step invariance, config/numerics.py), in every build: the fmas are explicit, and
 // the quants are exact whether a build converts them (AVX2) or looks them up (AVX-512's vpermps).
 //
-// One x row (a decode, and the rows past the last whole tile): kOut weight rows per pass, so
+// One x row (a decode, or one row left after the last whole tile): kOut weight rows per pass, so
 // each x load serves kOut rows and kOut chains are in flight (a chain has one dependent fma per
-// group, two for Q4); the pass kAheadBlocks ahead is prefetched. Many rows: register
-// tiles of kRows x rows by kCols weight rows (AVX-512: 4 x 4; AVX2: 4 x 1), x kept in L2
-// (kXBytes): a group is decoded once per kRows rows, an x group loaded once per kCols weight
-// rows. Measured: docs/benchmarks.md, issue 29 second and fourth passes.
+// group, two for Q4); the pass kAheadBlocks ahead is prefetched. 2..kFew rows: one pass of a
+// tile that many x rows tall and about kChains accumulators wide. More rows: register tiles of
+// kRows x rows by kCols weight rows (AVX-512: 4 x 4; AVX2: 4 x 1), x kept in L2 (kXBytes): a
+// group is decoded once per kRows rows, an x group loaded once per kCols weight rows. Tiles
+// prefetch their next weight rows too. Measured: docs/benchmarks.md, issue 29 second, fourth
+// and fifth passes.
 
 #include <omp.h>
 
@@ -76,28 +78,27 @@ inline void prefetch(const char* p) {
 }
 
 // Per type: quant bytes per group, whether there is a minimum, and how a group enters the chain
-// (quant_vec.h, per instruction set): Q8_0 decodes its quants (q0: weights 0-15, q1: 16-31),
-// scaled by d once per group; the Q4 types de-quantize the group's weights (w0, w1) exactly.
+// (quant_vec.h, per instruction set): `group` gives Q8_0's quants (a0: weights 0-15, a1: 16-31),
+// scaled by d in `step`, or the Q4 types' exactly de-quantized weights.
 struct SQ8_0 {
   static constexpr int kType = kQ8_0, kQBytes = 32, kBlockBytes = 34;
   static constexpr bool kMin = false, kDequant = false;
-  static void decode(const uint8_t* q, vf& q0, vf& q1) { decode_q8(q, q0, q1); }
-  static void dequant(const uint8_t*, float, float, vf&, vf&) {}
+  static void group(const uint8_t* q, float, float, vf& a0, vf& a1) { decode_q8(q, a0, a1); }
 };
 
 template <int kType_, int kBlockBytes_, bool kMin_, int kOffset>
 struct SQ4 {
   static constexpr int kType = kType_, kQBytes = 16, kBlockBytes = kBlockBytes_;
   static constexpr bool kMin = kMin_, kDequant = true;
-  static void decode(const uint8_t* q, vf& q0, vf& q1) { decode_q4<kOffset>(q, q0, q1); }
-  static void dequant(const uint8_t* q, float d, float m, vf& w0, vf& w1) {
-    dequant_q4<kOffset, kMin_>(q, d, m, w0, w1);
+  static void group(const uint8_t* q, float d, float m, vf& a0, vf& a1) {
+    dequant_q4<kOffset, kMin_>(q, d, m, a0, a1);
   }
 };
 using SQ4_0 = SQ4<kQ4_0, 18, false, -8>;
 using SQ4_1 = SQ4<kQ4_1, 20, true, 0>;
 
-// One group's step of one output element's chain: acc and the group's x halves x0, x1.
+// One group's step of one output element's chain: acc, the group's vectors from D::group and
+// the group's x halves x0, x1.
 //   Q8_0:    acc = fma(d, fma(q1, x1, q0 * x0), acc)
 //   Q4_0/1:  acc = fma(w1, x1, fma(w0, x0, acc))   (w = the de-quantized weights)
 template <class D>
@@ -106,15 +107,6 @@ inline vf step(vf acc, vf a0, vf a1, float d, vf x0, vf x1) {
     return vfma(a1, x1, vfma(a0, x0, acc));
   else
     return vfma(vsplat(d), vfma(a1, x1, vmul(a0, x0)), acc);
-}
-
-// The group's two vectors for step: Q8_0's quants, or the Q4 types' de-quantized weights.
-template <class D>
-inline void group(const uint8_t* q, float d, float m, vf& a0, vf& a1) {
-  if constexpr (D::kDequant)
-    D::dequant(q, d, m, a0, a1);
-  else
-    D::decode(q, a0, a1);
 }
 
 // n fp16 values at p as fp32 into out (exact, the same bits whichever instruction converts).
@@ -172,7 +164,7 @@ inline void gemv(const float* x, int64_t G, const uint8_t* w, int64_t row_bytes,
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         vf a0, a1;
-        group<D>(w + r * row_bytes + g * D::kQBytes, s[r * kLd], D::kMin ? mn[r * kLd] : 0.0f,
+        D::group(w + r * row_bytes + g * D::kQBytes, s[r * kLd], D::kMin ? mn[r * kLd] : 0.0f,
                  a0, a1);
         acc[r] = step<D>(acc[r], a0, a1, s[r * kLd], x0, x1);
       }
@@ -211,7 +203,7 @@ inline void tile(const float* x, int64_t ldx, int64_t G, const uint8_t* w, int64
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
       vf a0, a1;
-      group<D>(w + c * row_bytes + g * D::kQBytes, sb[c * ldsb + g],
+      D::group(w + c * row_bytes + g * D::kQBytes, sb[c * ldsb + g],
                D::kMin ? mb[c * ldsb + g] : 0.0f, a0, a1);
 #pragma GCC unroll 8
       for (int r = 0; r < XR; ++r) {

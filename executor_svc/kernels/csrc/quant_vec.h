@@ -6,7 +6,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
 #include "quant_common.h"
 
@@ -62,13 +61,6 @@ inline void decode_q4(const uint8_t* q, vf& q0, vf& q1) {
     q1 = vadd(q1, vsplat((float)kOffset));
   }
 }
-// The first n <= 16 fp16 values at p, zeros past n.
-inline vf vhalves16(const uint8_t* p, int64_t n) {
-  alignas(32) uint16_t h[16] = {};
-  std::memcpy(h, p, 2 * (n < 16 ? n : 16));
-  return {_mm256_cvtph_ps(_mm_load_si128((const __m128i*)h)),
-          _mm256_cvtph_ps(_mm_load_si128((const __m128i*)(h + 8)))};
-}
 #else
 struct vf {
   v16 v;
@@ -86,25 +78,14 @@ inline vf to_vf(b16 v) {
   return {to_v16<kSigned>(v)};
 }
 #if defined(__AVX512F__)
-// AVX-512: the nibble in the low 4 bits of each 32-bit lane indexes a 16-entry table of floats
-// (vpermps reads only those bits), so the low nibbles need no mask and no conversion.
 inline void decode_q8(const uint8_t* q, vf& q0, vf& q1) {
   q0 = {(v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)))};
   q1 = {(v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16))))};
 }
-template <int kOffset>
-inline void decode_q4(const uint8_t* q, vf& q0, vf& q1) {
-  const __m512 table = _mm512_setr_ps(kOffset, kOffset + 1, kOffset + 2, kOffset + 3, kOffset + 4,
-                                      kOffset + 5, kOffset + 6, kOffset + 7, kOffset + 8,
-                                      kOffset + 9, kOffset + 10, kOffset + 11, kOffset + 12,
-                                      kOffset + 13, kOffset + 14, kOffset + 15);
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
-  q0 = {(v16)_mm512_permutexvar_ps(b, table)};
-  q1 = {(v16)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table)};
-}
 // The 32 weights of a Q4 group de-quantized through a table of the group's 16 values (each
 // d * (v + kOffset) + m in one rounding, or d * (v + kOffset) exact): one vector op builds the
-// table, and each weight is one vpermps away, the same bits as decode + fma would give.
+// table, and the nibble in the low 4 bits of each 32-bit lane picks its entry (vpermps reads
+// only those bits), the same bits as decode + fma would give.
 template <int kOffset, bool kMin>
 inline void dequant_q4(const uint8_t* q, float d, float m, vf& w0, vf& w1) {
   const __m512 iota = _mm512_setr_ps(kOffset, kOffset + 1, kOffset + 2, kOffset + 3, kOffset + 4,
@@ -133,18 +114,6 @@ inline void decode_q4(const uint8_t* q, vf& q0, vf& q1) {
   }
 }
 #endif
-// The first n <= 16 fp16 values at p, zeros past n: straight into a register where masked
-// loads exist (a store and reload of a masked tail would stall on store forwarding).
-inline vf vhalves16(const uint8_t* p, int64_t n) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  const __mmask16 k = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-  return {(v16)_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p))};
-#else
-  alignas(64) float f[16] = {};
-  for (int64_t i = 0; i < n && i < 16; ++i) f[i] = half(p + 2 * i);
-  return {load16(f)};
-#endif
-}
 #endif
 
 #if !defined(__AVX512F__)
