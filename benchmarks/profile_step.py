@@ -21,6 +21,7 @@ next ``ExecuteModel``). Reported for steady decode at the full batch.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections import defaultdict
@@ -55,7 +56,11 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def instrument(runner: ModelRunner) -> None:
-    """Wrap each family's entry point (classes and module functions, so every layer counts)."""
+    """Wrap each family's entry point (classes and module functions, so every layer counts).
+    The timers need the per-layer forward, so the one-call CPU decoder (models/cpu_decoder.py)
+    is turned off: on a CPU the step measured here includes the Python between kernels that it
+    saves."""
+    os.environ["LLMSERVE_CPU_FUSED_DECODER"] = "0"
     ModelRunner.prepare_inputs = _timed("prepare", ModelRunner.prepare_inputs)
     ModelRunner._sample = _timed("sampler", ModelRunner._sample)
     llama.Linear.forward = _timed("gemm", llama.Linear.forward)

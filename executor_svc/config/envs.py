@@ -15,6 +15,7 @@ variable (``config.numerics``).
 | ``LLMSERVE_CPU_ISA`` | ``auto`` | ``kernels.library``: force a kernel variant (``avx2``, ``avx512``, ``avx512bf16``) |
 | ``LLMSERVE_AUTO_CPU_DTYPE`` | unset | ``kernels.cpu_dtype``: ``float32``/``bfloat16`` fixes what ``--dtype auto`` is on a CPU (the test suite sets ``float32``) |
 | ``LLMSERVE_PREPACK`` | on | ``kernels.gemm``: ``0`` keeps plain weight matrices |
+| ``LLMSERVE_CPU_FUSED_DECODER`` | on | ``models.cpu_decoder``: ``0`` runs a CPU fp32 model's layers from Python, one kernel call at a time, instead of all in one call (``csrc/decoder.cpp``; the same bits either way) |
 | ``LLMSERVE_LOAD_FORMAT`` | ``auto`` | ``runner.loader``: ``dummy`` fills the weights with seeded random values instead of reading a checkpoint (benchmarks of model shapes one has no weights for; vLLM's ``--load-format dummy``) |
 | ``LLMSERVE_ENFORCE_EAGER`` | off | ``runner.cuda_graphs``: ``1`` never captures CUDA graphs (vLLM's ``--enforce-eager``) |
 | ``LLMSERVE_MAX_GRAPH_BATCH`` | ``256`` | ``runner.cuda_graphs``: the largest decode batch replayed from a CUDA graph |
@@ -83,6 +84,11 @@ def cxx() -> str | None:
 def prepack() -> bool:
     """``LLMSERVE_PREPACK``: ``0`` keeps weights as plain matrices (no packed layout)."""
     return os.environ.get("LLMSERVE_PREPACK", "1") != "0"
+
+
+def cpu_fused_decoder() -> bool:
+    """``LLMSERVE_CPU_FUSED_DECODER``: ``0`` keeps the per-layer Python forward on the CPU."""
+    return os.environ.get("LLMSERVE_CPU_FUSED_DECODER", "1").strip().lower() not in _FALSE
 
 
 def cache_dir() -> Path:

@@ -128,6 +128,12 @@ _OPTIONAL_SIGNATURES: dict[str, tuple[list, type]] = {
     ),
     "llmserve_quant_relayout": ([_i32, _p, _i64, _i64, _i64, _p, _i32], ctypes.c_int),
     # csrc/shm_collective.cpp (parallel/shm.py): base, rank, world, slot bytes, ...
+    # csrc/decoder.cpp (models/cpu_decoder.py): model, layers, x, T, cos, sin, block tables,
+    # their stride, seq_lens, query_start_loc, num_seqs, slots, out, num_threads
+    "llmserve_decoder_f32": (
+        [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _i32, _p, _p, _i32],
+        ctypes.c_int,
+    ),
     "llmserve_shm_size": ([_i32, _i64], _i64),
     "llmserve_shm_register": ([_p, _i32, _i32, _i64], ctypes.c_int),
     "llmserve_shm_all_reduce": (

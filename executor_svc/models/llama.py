@@ -28,6 +28,7 @@ from torch import nn
 from executor_svc.attention import AttentionBackend, AttentionMetadata
 from executor_svc.config import envs, numerics
 from executor_svc.kernels import elementwise, gemm
+from executor_svc.models import cpu_decoder
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
 
@@ -424,6 +425,11 @@ class LlamaForCausalLM(nn.Module):
         else:
             x = self.embed_tokens.index_select(1, input_ids).t().contiguous()
         rope = self.rotary.cos_sin(positions, x.dtype)
+        if (
+            x.device.type == "cpu"
+            and (out := cpu_decoder.forward(self, x, rope, kv_caches, attn_metadata)) is not None
+        ):
+            return out  # every layer in one kernel call, the same bits (models/cpu_decoder.py)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(rope, x, kv_cache, attn_metadata)
         return self.norm(x)
@@ -438,6 +444,7 @@ class LlamaForCausalLM(nn.Module):
         """Pack every ``Linear`` and the lm_head for CPU fp32 (``kernels.gemm`` module doc) in place;
         returns how many were packed. A tied lm_head gets its own packed copy: the embedding
         lookup still reads the plain matrix."""
+        cpu_decoder.reset(self)
         count = sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
         if self.packed_lm_head is None:
             self.packed_lm_head = gemm.pack(self.lm_head.data)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from executor_svc.kernels import quant
+from executor_svc.models import cpu_decoder
 
 SCHEMES = {"int8": quant.TYPE_IDS["Q8_0"], "int4": quant.TYPE_IDS["Q4_1"]}
 
@@ -65,6 +66,7 @@ def quantize_model(model: torch.nn.Module, scheme: str) -> int:
 
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization {scheme!r}; expected one of {', '.join(SCHEMES)}")
+    cpu_decoder.reset(model)
     type_id, count = SCHEMES[scheme], 0
     for module in model.modules():
         if not isinstance(module, Linear | RowParallelLinear) or module.packed is not None:

@@ -236,6 +236,8 @@ def test_catches_an_order_dependent_matmul(tmp_path, monkeypatch):
     rng = random.Random(3)
     model_dir = _model(tmp_path, *CASES[0], seed=3)
     monkeypatch.setenv("LLMSERVE_PREPACK", "0")
+    # The mutation replaces Linear.forward, which the one-call CPU decoder does not call.
+    monkeypatch.setenv("LLMSERVE_CPU_FUSED_DECODER", "0")
     numerics.set_deterministic(False)  # plain [in, out] weights for the mutated matmul
     runner = _runner(model_dir, "cpu")
     monkeypatch.setattr(llama, "matmul_io", _order_dependent_matmul)  # the lm_head

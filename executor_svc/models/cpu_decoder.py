@@ -1,0 +1,205 @@
+"""The decoder's layers in one kernel call on the CPU (``csrc/decoder.cpp``).
+
+A fp32 CPU forward of ``models.llama`` makes seven kernel calls a layer through ctypes, with
+the tensors, views and checks around each: at batch 1 on a 30-layer model that Python is ~2.5
+ms of a ~16 ms decode step (docs/benchmarks.md, issue 29). ``decoder.cpp`` runs the same kernels
+with the same arguments in the same order from C++, so its output is bit for bit the Python
+path's, decode or prefill, whatever the batch (tests/unit/test_cpu_decoder.py checks both
+against each other).
+
+It takes a model whose every projection the compiled kernels run as they are: fp32 panels or a
+plain fp32 matrix (step-invariant numerics), or GGUF / ``--quantization`` blocks; fp32
+activations and KV cache; the CPU attention backend; no LoRA slots; no q/k norm (Qwen3). Any
+other model, and ``LLMSERVE_CPU_FUSED_DECODER=0``, keeps the per-layer Python forward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from executor_svc.attention import AttentionMetadata, cpu_ops
+from executor_svc.config import envs, numerics
+from executor_svc.kernels import gemm, library, quant
+
+_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+_PANELS, _PLAIN, _QUANT_SPLIT, _QUANT_BLOCKS = 0, 1, 2, 3
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", _i32), ("type", _i32), ("w", _p), ("n", _i64), ("ld", _i64), ("bias", _p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("ln_in", _p),
+        ("ln_post", _p),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("k_cache", _p),
+        ("v_cache", _p),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *((name, _i64) for name in ("hidden", "intermediate", "num_heads", "num_kv_heads")),
+        *((name, _i64) for name in ("head_dim", "block_size", "num_layers")),
+        ("eps", _f32),
+        ("scale", _f32),
+        ("final_norm", _p),
+    ]
+
+
+def _f32_vector(t: torch.Tensor | None, n: int) -> bool:
+    return t is None or (
+        t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and t.is_contiguous()
+        and t.shape == (n,)
+    )
+
+
+def _describe(linear: Any, k: int, n: int) -> _Linear | None:
+    """The kernel's view of a ``models.llama.Linear`` of ``k`` inputs and ``n`` outputs; None
+    where the compiled kernels do not run it as it is."""
+    if getattr(linear, "lora", None) is not None or not _f32_vector(linear.bias, n):
+        return None
+    bias = None if linear.bias is None else linear.bias.data_ptr()
+    packed, w = linear.packed, linear.weight
+    if isinstance(packed, gemm.PanelWeight):
+        if packed.panels.shape[1] != k or packed.out_features != n:
+            return None
+        return _Linear(_PANELS, 0, packed.panels.data_ptr(), n, 0, bias)
+    if isinstance(packed, quant.QuantWeight):
+        if packed.in_features != k or packed.out_features != n:
+            return None
+        kind = _QUANT_SPLIT if packed.split else _QUANT_BLOCKS
+        return _Linear(kind, packed.type_id, packed.data.data_ptr(), n, packed.data.shape[1], bias)
+    if packed is None and numerics.deterministic() and gemm.available():
+        plain = w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
+        if plain and w.shape == (k, n) and w.stride(1) == 1 and w.stride(0) >= n:
+            return _Linear(_PLAIN, 0, w.data_ptr(), n, w.stride(0), bias)
+    return None
+
+
+@dataclass(eq=False)
+class _Plan:
+    model_desc: _Model
+    layers: Any  # ctypes array of _Layer
+    linears: list[Any]  # every projection described (their LoRA slots are checked per call)
+    keep: list[torch.Tensor]  # the norm weights the descriptors point into
+    kv_key: tuple[int, ...] = ()
+
+
+def _build(model: Any) -> _Plan | None:
+    cfg = model.config
+    if cfg.qk_norm or type(model).__name__ != "LlamaForCausalLM":
+        return None
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    layers = (_Layer * cfg.num_layers)()
+    linears: list[Any] = []
+    keep: list[torch.Tensor] = []
+    for desc, layer in zip(layers, model.layers, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.backend.attend_rope_fn is not cpu_ops.attend_rope or attn.q_norm is not None:
+            return None
+        parts = {
+            "qkv": _describe(attn.qkv_proj, h, q + 2 * kv),
+            "o": _describe(attn.o_proj, q, h),
+            "gate_up": _describe(mlp.gate_up_proj, h, 2 * i),
+            "down": _describe(mlp.down_proj, i, h),
+        }
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if any(p is None for p in parts.values()) or not all(_f32_vector(w, h) for w in norms):
+            return None
+        for name, part in parts.items():
+            setattr(desc, name, part)
+        desc.ln_in, desc.ln_post = (w.data_ptr() for w in norms)
+        linears += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        keep += norms
+    final = model.norm.weight
+    if not _f32_vector(final, h):
+        return None
+    model_desc = _Model(h, i, cfg.num_heads, cfg.num_kv_heads, d, 0, cfg.num_layers)
+    model_desc.eps, model_desc.scale, model_desc.final_norm = (
+        cfg.rms_norm_eps,
+        d**-0.5,
+        final.data_ptr(),
+    )
+    keep.append(final)
+    return _Plan(model_desc, layers, linears, keep)
+
+
+def _no_lora(plan: _Plan) -> bool:
+    """No LoRA slot was installed since the plan was made (weights swapped by packing or
+    quantizing reset the plan: ``reset``)."""
+    return all(m.lora is None for m in plan.linears)
+
+
+def _set_caches(plan: _Plan, kv_caches: Any) -> bool:
+    first_k = kv_caches[0][0]
+    key = (id(kv_caches), len(kv_caches), first_k.data_ptr())
+    if plan.kv_key == key:
+        return True
+    for desc, (k_cache, v_cache) in zip(plan.layers, kv_caches, strict=True):
+        if not all(
+            c.device.type == "cpu" and c.dtype == torch.float32 and c.is_contiguous()
+            for c in (k_cache, v_cache)
+        ):
+            return False
+        if k_cache.shape != v_cache.shape or k_cache.shape[1:] != first_k.shape[1:]:
+            return False
+        desc.k_cache, desc.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+    plan.model_desc.block_size = first_k.shape[1]
+    plan.kv_key = key
+    return True
+
+
+def forward(
+    model: Any,
+    x: torch.Tensor,  # [num_tokens, hidden] fp32: the embeddings (overwritten)
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kv_caches: Any,
+    md: AttentionMetadata,
+) -> torch.Tensor | None:
+    """The final-normed hidden states of ``model``'s layers over ``x``, bit for bit what the
+    per-layer forward gives; None when the model or the inputs are not ones this path takes
+    (module doc), and the caller runs its layers itself."""
+    plan = getattr(model, "_cpu_decoder_plan", False)
+    if plan is False:
+        lib = library.load()
+        ok = envs.cpu_fused_decoder() and lib is not None and hasattr(lib, "llmserve_decoder_f32")
+        plan = _build(model) if ok else None
+        model._cpu_decoder_plan = plan
+    if plan is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    if not _no_lora(plan) or not _set_caches(plan, kv_caches):
+        return None
+    cos, sin = rope
+    if not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32):
+        return None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    meta = cpu_ops._Meta.of(md)
+    rc = library.load().llmserve_decoder_f32(  # type: ignore[union-attr]
+        ctypes.addressof(plan.model_desc), ctypes.addressof(plan.layers), x.data_ptr(), x.shape[0],
+        cos.data_ptr(), sin.data_ptr(), meta.tables.data_ptr(), meta.tables.stride(0),
+        meta.seq_lens.data_ptr(), meta.qsl.data_ptr(), meta.seq_lens.shape[0],
+        meta.slots.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"the CPU decoder kernel rejected its inputs (code {rc})")
+    return out
+
+
+def reset(model: Any) -> None:
+    """Forget ``model``'s plan (its weights or their layout changed); the next forward builds
+    a new one."""
+    model.__dict__.pop("_cpu_decoder_plan", None)
