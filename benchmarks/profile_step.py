@@ -21,7 +21,6 @@ next ``ExecuteModel``). Reported for steady decode at the full batch.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections import defaultdict
@@ -60,7 +59,7 @@ def instrument(runner: ModelRunner) -> None:
     The timers need the per-layer forward, so the one-call CPU decoder (models/cpu_decoder.py)
     is turned off: on a CPU the step measured here includes the Python between kernels that it
     saves."""
-    os.environ["LLMSERVE_CPU_FUSED_DECODER"] = "0"
+    runner.model._cpu_decoder_plan = None  # "not taken": the per-layer forward
     ModelRunner.prepare_inputs = _timed("prepare", ModelRunner.prepare_inputs)
     ModelRunner._sample = _timed("sampler", ModelRunner._sample)
     llama.Linear.forward = _timed("gemm", llama.Linear.forward)

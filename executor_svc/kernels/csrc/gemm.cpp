@@ -136,9 +136,13 @@ inline void panel_rows(const float* x, int64_t ldx, int64_t K, const float* b, i
 #endif
 
 // R rows x P panels (consecutive, sharing ld and stride) of y; ncols valid columns from col 0.
+// pf: the next panel's first pf_lines cache lines, prefetched into L2 one per k step (a
+// panel's row tiles each take a share, so the next panel streams in from DRAM while this one is
+// computed instead of stalling its first tile).
 template <int R, int P>
 inline void tile(const float* x, int64_t ldx, int64_t K, const float* b, int64_t stride,
-                 int64_t ldb, const float* bias, float* y, int64_t ldy, int64_t ncols) {
+                 int64_t ldb, const float* bias, float* y, int64_t ldy, int64_t ncols,
+                 const float* pf = nullptr, int64_t pf_lines = 0) {
 #if !defined(__AVX512F__) && defined(__FMA__)
   if constexpr (P == 1) {
     panel_rows<R>(x, ldx, K, b, ldb, bias, y, ldy, ncols);
@@ -155,6 +159,9 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const float* b, int64_t
 #pragma GCC unroll 32
       for (int j = 0; j < kVecs; ++j) acc[r][p][j] = v16{};
   for (int64_t k = 0; k < K; ++k) {
+#if defined(__SSE__)
+    if (k < pf_lines) _mm_prefetch((const char*)(pf + 16 * k), _MM_HINT_T1);
+#endif
     v16 bv[P][kVecs];
 #pragma GCC unroll 32
     for (int p = 0; p < P; ++p)
@@ -189,7 +196,7 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const float* b, int64_t
 }
 
 using TileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t,
-                        const float*, float*, int64_t, int64_t);
+                        const float*, float*, int64_t, int64_t, const float*, int64_t);
 // Row-tile kernels by row count, for the remainder tile of a row block.
 constexpr TileFn kRowTiles[kMR + 1] = {nullptr,       tile<1, 1>, tile<2, 1>, tile<3, 1>,
                                        tile<4, 1>,    tile<5, 1>, tile<6, 1>, tile<7, 1>,
@@ -201,9 +208,17 @@ void rows_of_panel(const float* x, int64_t ldx, int64_t K, const Panels& w, int6
   const float* b = w.at(p);
   const int64_t ldb = w.ld(p), col = p * kNR, ncols = w.cols(p);
   const float* bp = bias ? bias + col : nullptr;
-  for (int64_t m = m0; m < m1; m += kMR) {
+  // The next panel (when it is whole and packed: a plain matrix's rows are not one run), in
+  // equal shares over this panel's row tiles.
+  const bool next = p + 1 < w.num && !w.tail && w.ldb == kNR;
+  const float* pf = next ? w.base + (p + 1) * w.stride : nullptr;
+  const int64_t tiles = (m1 - m0 + kMR - 1) / kMR;
+  const int64_t lines = next ? K * kNR / 16 : 0, share = (lines + tiles - 1) / tiles;
+  for (int64_t m = m0, t = 0; m < m1; m += kMR, ++t) {
     const int64_t r = m1 - m < kMR ? m1 - m : kMR;
-    kRowTiles[r](x + m * ldx, ldx, K, b, 0, ldb, bp, y + m * ldy + col, ldy, ncols);
+    const int64_t first = t * share, n = lines - first < share ? lines - first : share;
+    kRowTiles[r](x + m * ldx, ldx, K, b, 0, ldb, bp, y + m * ldy + col, ldy, ncols,
+                 n > 0 ? pf + 16 * first : nullptr, n > 0 ? (n < K ? n : K) : 0);
   }
 }
 
