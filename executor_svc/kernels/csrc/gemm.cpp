@@ -70,7 +70,8 @@ struct Panels {
 // the AVX-512 build, lane by lane (an FMA rounds once whatever its vector width).
 template <int R, int P, int C0, int CV>
 inline void micro(const float* x, int64_t ldx, int64_t K, const float* b, int64_t stride,
-                  int64_t ldb, const float* bias, float* y, int64_t ldy, int64_t ncols) {
+                  int64_t ldb, const float* bias, float* y, int64_t ldy, int64_t ncols,
+                  const float* pf = nullptr, int64_t pf_lines = 0) {
   static_assert(R * P * CV <= 12, "accumulators must fit the 16 ymm registers");
   __m256 acc[R][P][CV];
 #pragma GCC unroll 32
@@ -81,6 +82,7 @@ inline void micro(const float* x, int64_t ldx, int64_t K, const float* b, int64_
       for (int j = 0; j < CV; ++j) acc[r][p][j] = _mm256_setzero_ps();
   const float* b0 = b + 8 * C0;
   for (int64_t k = 0; k < K; ++k) {
+    if (k < pf_lines) _mm_prefetch((const char*)(pf + 16 * k), _MM_HINT_T1);  // tile's pf
     __m256 bv[P][CV];
 #pragma GCC unroll 32
     for (int p = 0; p < P; ++p)
@@ -119,17 +121,19 @@ inline void micro(const float* x, int64_t ldx, int64_t K, const float* b, int64_
 }
 
 // Rows [0, R) of one panel: two half panels (3 ymm) of up to 4 rows at a time.
+// The prefetch of tile's pf goes with the first micro-tile.
 template <int R>
 inline void panel_rows(const float* x, int64_t ldx, int64_t K, const float* b, int64_t ldb,
-                       const float* bias, float* y, int64_t ldy, int64_t ncols) {
+                       const float* bias, float* y, int64_t ldy, int64_t ncols,
+                       const float* pf = nullptr, int64_t pf_lines = 0) {
   if constexpr (R >= 4) {
-    micro<4, 1, 0, 3>(x, ldx, K, b, 0, ldb, bias, y, ldy, ncols);
+    micro<4, 1, 0, 3>(x, ldx, K, b, 0, ldb, bias, y, ldy, ncols, pf, pf_lines);
     if (ncols > 24) micro<4, 1, 3, 3>(x, ldx, K, b, 0, ldb, bias, y, ldy, ncols);
     panel_rows<R - 4>(x + 4 * ldx, ldx, K, b, ldb, bias, y + 4 * ldy, ldy, ncols);
   } else if constexpr (R == 2 || R == 1) {
-    micro<R, 1, 0, 6>(x, ldx, K, b, 0, ldb, bias, y, ldy, ncols);
+    micro<R, 1, 0, 6>(x, ldx, K, b, 0, ldb, bias, y, ldy, ncols, pf, pf_lines);
   } else if constexpr (R == 3) {
-    micro<3, 1, 0, 3>(x, ldx, K, b, 0, ldb, bias, y, ldy, ncols);
+    micro<3, 1, 0, 3>(x, ldx, K, b, 0, ldb, bias, y, ldy, ncols, pf, pf_lines);
     if (ncols > 24) micro<3, 1, 3, 3>(x, ldx, K, b, 0, ldb, bias, y, ldy, ncols);
   }
 }
@@ -145,7 +149,7 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const float* b, int64_t
                  const float* pf = nullptr, int64_t pf_lines = 0) {
 #if !defined(__AVX512F__) && defined(__FMA__)
   if constexpr (P == 1) {
-    panel_rows<R>(x, ldx, K, b, ldb, bias, y, ldy, ncols);
+    panel_rows<R>(x, ldx, K, b, ldb, bias, y, ldy, ncols, pf, pf_lines);
   } else {
     micro<R, P, 0, kVecs * 2>(x, ldx, K, b, stride, ldb, bias, y, ldy, ncols);
   }
