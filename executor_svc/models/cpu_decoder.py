@@ -145,7 +145,9 @@ def _no_lora(plan: _Plan) -> bool:
 
 def _set_caches(plan: _Plan, kv_caches: Any) -> bool:
     first_k = kv_caches[0][0]
-    key = (id(kv_caches), len(kv_caches), first_k.data_ptr())
+    # Every cache's address (~10 us): a cache reallocated at the same first address must not
+    # leave the other layers' pointers stale.
+    key = tuple(c.data_ptr() for pair in kv_caches for c in pair)
     if plan.kv_key == key:
         return True
     for desc, (k_cache, v_cache) in zip(plan.layers, kv_caches, strict=True):
