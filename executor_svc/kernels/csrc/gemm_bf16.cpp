@@ -207,9 +207,12 @@ inline void panel_rows(const float* xf, int64_t ldx, int64_t K2, const uint16_t*
 // xf: the rows widened to fp32. Weights widened by shift and mask, two FMAs per pair (the
 // rows share each widened weight vector); this is the compute-bound shape (several rows), where
 // FMAs outrun vdpbf16ps on the CPUs measured (docs/benchmarks.md).
+// pf: the next panel's first pf_lines cache lines, prefetched into L2 one per pair step (as in
+// gemm.cpp: a panel's row tiles each take a share, so it streams in while this one computes).
 template <int R, int P>
 void tile(const float* xf, int64_t ldx, int64_t K2, const uint16_t* w, const float* bias,
-          const Out& y, int64_t row0, int64_t col0, int64_t ncols) {
+          const Out& y, int64_t row0, int64_t col0, int64_t ncols,
+          const uint16_t* pf = nullptr, int64_t pf_lines = 0) {
 #if defined(LLMSERVE_AVX2_PATHS)
   if constexpr (P == 1)
     panel_rows<R>(xf, ldx, K2, w, bias, y, row0, col0, ncols);
@@ -226,6 +229,7 @@ void tile(const float* xf, int64_t ldx, int64_t K2, const uint16_t* w, const flo
 #pragma GCC unroll 32
       for (int j = 0; j < kVecs; ++j) acc[r][p][j] = v16{};
   for (int64_t i = 0; i < K2; ++i) {
+    if (i < pf_lines) __builtin_prefetch(pf + 32 * i, 0, 2);
     v16 hi[P][kVecs], lo[P][kVecs];
 #pragma GCC unroll 32
     for (int p = 0; p < P; ++p)
@@ -274,7 +278,7 @@ void tile_dp(const uint16_t* x, int64_t K2, const uint16_t* w, const float* bias
 #endif
 
 using TileFn = void (*)(const float*, int64_t, int64_t, const uint16_t*, const float*,
-                        const Out&, int64_t, int64_t, int64_t);
+                        const Out&, int64_t, int64_t, int64_t, const uint16_t*, int64_t);
 constexpr TileFn kRowTiles[kMR + 1] = {nullptr,    tile<1, 1>, tile<2, 1>, tile<3, 1>, tile<4, 1>,
                                        tile<5, 1>, tile<6, 1>, tile<7, 1>, tile<kMR, 1>};
 
@@ -292,9 +296,15 @@ struct Gemm {
   void rows_of_panel(int64_t p, int64_t m0, int64_t m1) const {
     const uint16_t* wp = w + p * K2 * kNR * 2;
     const float* bp = bias ? bias + p * kNR : nullptr;
-    for (int64_t m = m0; m < m1; m += kMR) {
+    // The next panel in equal shares over this panel's row tiles (3 cache lines per pair).
+    const uint16_t* pf = p + 1 < P ? wp + K2 * kNR * 2 : nullptr;
+    const int64_t tiles = (m1 - m0 + kMR - 1) / kMR;
+    const int64_t lines = pf ? 3 * K2 : 0, share = (lines + tiles - 1) / tiles;
+    for (int64_t m = m0, t = 0; m < m1; m += kMR, ++t) {
       const int64_t r = m1 - m < kMR ? m1 - m : kMR;
-      kRowTiles[r](xf + m * 2 * K2, 2 * K2, K2, wp, bp, y, m, p * kNR, cols(p));
+      const int64_t first = t * share, n = lines - first < share ? lines - first : share;
+      kRowTiles[r](xf + m * 2 * K2, 2 * K2, K2, wp, bp, y, m, p * kNR, cols(p),
+                   n > 0 ? pf + 32 * first : nullptr, n > 0 ? (n < K2 ? n : K2) : 0);
     }
   }
 
