@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from executor_svc.attention import cpu_ops
-from executor_svc.config import numerics
 from executor_svc.kernels import quant
 from executor_svc.lora.layers import LoraStep
 from executor_svc.lora.manager import install_slots
@@ -23,17 +22,14 @@ from executor_svc.runner.model_runner import ModelRunner
 from tests.support.invariance import mismatches, one_token_steps, random_batches, run_plan
 from tests.support.model_factory import make_tiny_checkpoint
 from tests.unit.test_quant_kernels import random_blocks
-from tests.unit.test_step_invariance import CASES, _model, _workload
+from tests.unit.test_step_invariance import (  # the autouse fixture: numerics step-invariant
+    CASES,
+    _deterministic,  # noqa: F401
+    _model,
+    _workload,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler for the kernels")
-
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    before = numerics.deterministic()
-    numerics.set_deterministic(True)
-    yield
-    numerics.set_deterministic(before)
 
 
 def _runner(model_dir, **kwargs) -> ModelRunner:
