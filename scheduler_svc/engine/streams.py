@@ -394,11 +394,18 @@ class RequestHandle:
         reasons = [log.finish_reason for log in self.acked]
         if all(r is not None for r in reasons):
             status = _STATUS_OF_REASON[reasons[0]]
-        elif self.finished_in_engine and self.states[0].finish_status is not None:
-            # Final in the engine, its finish not yet acknowledged by Redis: already what it
-            # will be; the core has let go of it, so asking it would say "waiting". Its
-            # sequences' finish reasons come from the engine too, so a reader never sees a
-            # finished request whose sequences have none.
+        elif (
+            self.finished_in_engine
+            and self.states[0].finish_status is not None
+            and all(
+                len(log.tokens) == len(st.output_token_ids)
+                for log, st in zip(self.acked, self.states, strict=True)
+            )
+        ):
+            # Final in the engine, its finish not yet acknowledged by Redis, every token it
+            # produced acknowledged: already what it will be; the core has let go of it, so
+            # asking it would say "waiting". Its sequences' finish reasons come from the engine
+            # too, so a reader never sees a finished request whose sequences have none.
             status = self.states[0].finish_status
             final = [st.finish_status for st in self.states]
             reasons = [
@@ -407,6 +414,10 @@ class RequestHandle:
                 else final[i].finish_reason()
                 for i, r in enumerate(reasons)
             ]
+        elif self.finished_in_engine:
+            # Final in the engine with tokens still on their way to Redis: running until they
+            # are stored, so a reader never sees a finished request missing its last tokens.
+            status = RequestStatus.RUNNING
         elif self.executor is not None and (req := self.executor.sched.get_request(self.req_id)):
             status = req.status
         else:
