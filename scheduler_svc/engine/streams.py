@@ -390,6 +390,11 @@ class RequestHandle:
                 self._waiters.append(waiter)
                 await waiter
 
+    def _all_tokens_acked(self) -> bool:
+        """Every token the engine produced is acknowledged by Redis."""
+        pairs = zip(self.acked, self.states, strict=True)
+        return all(len(log.tokens) == len(st.output_token_ids) for log, st in pairs)
+
     def view(self) -> RequestView:
         reasons = [log.finish_reason for log in self.acked]
         if all(r is not None for r in reasons):
@@ -397,15 +402,12 @@ class RequestHandle:
         elif (
             self.finished_in_engine
             and self.states[0].finish_status is not None
-            and all(
-                len(log.tokens) == len(st.output_token_ids)
-                for log, st in zip(self.acked, self.states, strict=True)
-            )
+            and self._all_tokens_acked()
         ):
-            # Final in the engine, its finish not yet acknowledged by Redis, every token it
-            # produced acknowledged: already what it will be; the core has let go of it, so
-            # asking it would say "waiting". Its sequences' finish reasons come from the engine
-            # too, so a reader never sees a finished request whose sequences have none.
+            # Final in the engine, only its finish not yet acknowledged by Redis: already what
+            # it will be; the core has let go of it, so asking it would say "waiting". Its
+            # sequences' finish reasons come from the engine too, so a reader never sees a
+            # finished request whose sequences have none.
             status = self.states[0].finish_status
             final = [st.finish_status for st in self.states]
             reasons = [
@@ -415,8 +417,7 @@ class RequestHandle:
                 for i, r in enumerate(reasons)
             ]
         elif self.finished_in_engine:
-            # Final in the engine with tokens still on their way to Redis: running until they
-            # are stored, so a reader never sees a finished request missing its last tokens.
+            # Its last tokens still on their way to Redis: running until they are stored.
             status = RequestStatus.RUNNING
         elif self.executor is not None and (req := self.executor.sched.get_request(self.req_id)):
             status = req.status
