@@ -1,8 +1,8 @@
 """The decoder's layers in one kernel call on the CPU (``csrc/decoder.cpp``).
 
 A fp32 CPU forward of ``models.llama`` makes seven kernel calls a layer through ctypes, with
-the tensors, views and checks around each: at batch 1 on a 30-layer model that Python is ~2.5
-ms of a ~16 ms decode step (docs/benchmarks.md, issue 29). ``decoder.cpp`` runs the same kernels
+the tensors, views and checks around each: on a 30-layer model that Python measured 5-13 ms a
+step whatever the batch (``benchmarks/bench_cpu_decoder.py``; docs/benchmarks.md, issue 29). ``decoder.cpp`` runs the same kernels
 with the same arguments in the same order from C++, so its output is bit for bit the Python
 path's, decode or prefill, whatever the batch (tests/unit/test_cpu_decoder.py checks both
 against each other).

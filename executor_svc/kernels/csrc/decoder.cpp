@@ -1,9 +1,10 @@
 // The decoder's layers for fp32 activations on the CPU in one call (models/cpu_decoder.py): the
 // same kernels, with the same arguments and in the same order, as models/llama.py's per-layer
 // Python, so every output is bit for bit the Python path's (step invariance holds unchanged).
-// What it saves is the Python between kernels: at batch 1 a layer makes seven kernel calls
-// through ctypes plus the tensors and checks around them, ~2.5 ms of a ~16 ms step on a
-// 30-layer model (docs/benchmarks.md, issue 29).
+// What it saves is the Python between kernels: a layer makes seven kernel calls
+// through ctypes plus the tensors and checks around them: measured 5-13 ms a step on a
+// 30-layer model whatever the batch (13.3 -> 8.3 ms at batch 1 for the SmolLM2 GGUF;
+// benchmarks/bench_cpu_decoder.py, docs/benchmarks.md, issue 29's sixth pass).
 //
 // Per layer (l = 0 .. L-1), x the residual stream [T, hidden]:
 //   normed = rms(x + down_{l-1}) (x += down_{l-1} stored; layer 0: rms(x))
