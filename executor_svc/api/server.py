@@ -6,6 +6,7 @@ watch the executor come up; health flips to SERVING once the weights and the KV 
 
 from __future__ import annotations
 
+import gc
 import json
 import signal
 import threading
@@ -143,6 +144,12 @@ class ExecutorServer:
             kwargs = {**kwargs, "device": str(tp.device)}
         runner = ModelRunner(model_dir, tp=tp, **kwargs)
         self.servicer.attach(runner, model_dir=model_dir, model_name=model_name)
+        # Loading left the process's long-lived objects (modules, weights' wrappers, imported
+        # libraries) in the collector's oldest generation, where every full collection walked
+        # them again (the scheduler does the same after its start-up, engine.py). Frozen, they
+        # are skipped; the steps' own garbage is still collected.
+        gc.collect()
+        gc.freeze()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         info = runner.info
         log.info(

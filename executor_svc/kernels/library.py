@@ -67,11 +67,16 @@ VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx2": ((PORTABLE_MARCH,), PORTABLE_FEATURES),
 }
 
+# MXCSR's flush-to-zero (bit 15) and denormals-are-zero (bit 6).
+FTZ_DAZ = 0x8040
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _PAGED_ATTENTION_ARGS = [_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32,
                          _f32, _p, _i32, _p, _i64, _p, _i64, _p, _i32, _p, _p]  # fmt: skip
 # Every exported function: (argument types, result type). All return 0 on success.
 _SIGNATURES: dict[str, tuple[list, type]] = {
+    # csrc/elementwise.cpp: the calling thread's MXCSR (load() and the tests)
+    "llmserve_get_mxcsr": ([], ctypes.c_uint),
+    "llmserve_set_mxcsr": ([ctypes.c_uint], ctypes.c_int),
     # csrc/paged_attention.cpp (attention/cpu_ops.py)
     "llmserve_paged_attention_f32": (_PAGED_ATTENTION_ARGS, ctypes.c_int),
     # csrc/paged_attention_bf16kv.cpp: the same arguments, the caches bf16
@@ -265,6 +270,9 @@ def load() -> ctypes.CDLL | None:
         log.warning("cpu_kernel.unavailable", error=str(err))
         return None
     _bind(lib)
+    # The -ffast-math build's constructor turned FTZ/DAZ on in this thread only: off again, so
+    # torch's ops round denormals alike in every thread (the kernels set their own mode).
+    lib.llmserve_set_mxcsr(lib.llmserve_get_mxcsr() & ~FTZ_DAZ)
     _lib, _variant = lib, name
     log.info("cpu_kernel.variant", variant=name, forced=forced, runnable=supported_variants())
     return lib

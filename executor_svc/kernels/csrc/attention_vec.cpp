@@ -342,6 +342,7 @@ void run_all_dv(const Args& a, int num_seqs, int num_tokens, const std::vector<I
   const int ng = (int)gitems.size(), n = (int)items.size();
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
+    FlushMode mode;  // this thread's share (simd.h)
     ItemScratch sc;
 #pragma omp for schedule(dynamic, 1)
     for (int k = 0; k < ng; ++k)

@@ -189,6 +189,7 @@ int llmserve_shm_register(char* base, int rank, int world, int64_t cap) {
 int llmserve_shm_all_reduce(char* base, int rank, int world, int64_t cap, void* x, int64_t n,
                             int dtype, double timeout_s, int* bad_rank) {
   if (!args_ok(base, rank, world, cap) || n < 0 || (dtype != 0 && dtype != 1)) return kBadArgs;
+  FlushMode mode;  // every rank sums in the same mode, whichever thread calls (simd.h)
   const int64_t elem = dtype == 0 ? 4 : 2;
   const int64_t per_round = cap / elem;
   char* parts[kMaxRanks];

@@ -25,6 +25,14 @@ struct CsrScope {
 // Round to nearest, all exceptions masked, no FTZ / DAZ: denormal handling does not depend on
 // which thread computes what.
 using IeeeMode = CsrScope<0x1F80>;
+// The other kernels (attention, norms, SiLU, sampling, LoRA, the one-call decoder's glue):
+// round to nearest, exceptions masked, flush-to-zero + denormals-are-zero, set by each thread
+// for its share. Left to the calling thread, the mode was whatever that thread had: loading this
+// library (built with -ffast-math) turns FTZ/DAZ on in the loading thread only, so a step run
+// by a gRPC thread started earlier took denormal assists in attention's weighted sums (25 %
+// slower prefill steps, docs/benchmarks.md) and could round differently from the same step
+// run offline. This is the mode those kernels had when called from the loading thread.
+using FlushMode = CsrScope<0x9FC0>;
 typedef int32_t i16 __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) {
