@@ -4,8 +4,9 @@ against the torch ops, SmolLM-135M heads (9 query, 3 KV, head_dim 64), block siz
 
 Cases: decodes of 64 x 193 and 16 x 513 tokens and a 512-token prefill on a cache holding just
 those blocks (hot); decodes of 64 x 193 and 64 x 1089 on a 4 096- or 8 192-block cache (3-6 GB
-over 30 layers in a real executor; here one layer, blocks drawn at random) with a matmul in
-between that evicts the caches, as the layers' weights do in a forward; and the shared-prefix
+over 30 layers in a real executor; here one layer, blocks drawn at random, and once more each
+sequence's blocks adjacent) with a matmul in between that evicts the caches, as the layers'
+weights do in a forward; and the shared-prefix
 workload's shapes: 64 decodes whose first 1 024 tokens are the same blocks, and 63 chunks of 32
 tokens after that shared 1 024 (the step that admits them).
 
@@ -27,11 +28,18 @@ from executor_svc.attention import cpu_ops, torch_ops  # noqa: E402
 H, KVH, D, BS = 9, 3, 64, 16
 
 
-def batch(q_lens: list[int], seq_lens: list[int], num_blocks: int | None = None, shared: int = 0):
+def batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_blocks: int | None = None,
+    shared: int = 0,
+    contiguous: bool = False,
+):
     per = [-(-n // BS) for n in seq_lens]
     num_blocks = num_blocks or sum(per)
     table = torch.zeros(len(seq_lens), max(per), dtype=torch.int32)
-    ids = torch.randperm(num_blocks)[: sum(per)].to(torch.int32)
+    ids = (torch.arange(num_blocks) if contiguous else torch.randperm(num_blocks))[: sum(per)]
+    ids = ids.to(torch.int32)
     start = 0
     for i, n in enumerate(per):
         table[i, :n] = ids[start : start + n]
@@ -64,6 +72,14 @@ def main() -> None:
         "decode 16 x 513": ([1] * 16, [513] * 16, None),
         "prefill 512": ([512], [512], None),
         "decode 64 x 193, 4096-block cache, evicted": ([1] * 64, [193] * 64, 4096),
+        # the same with each sequence's blocks adjacent (the hardware prefetcher follows them)
+        "decode 64 x 193, 4096-block cache, evicted, contiguous tables": (
+            [1] * 64,
+            [193] * 64,
+            4096,
+            0,
+            True,
+        ),  # fmt: skip
         "decode 64 x 1089, 8192-block cache, evicted": ([1] * 64, [1089] * 64, 8192),
         "decode 64 x 1089, first 1024 shared": ([1] * 64, [1089] * 64, 8192, 64),
         "chunks 63 x 32 after a shared 1024": ([32] * 63, [1056] * 63, 8192, 64),

@@ -2,10 +2,10 @@
 
 A fp32 CPU forward of ``models.llama`` makes seven kernel calls a layer through ctypes, with
 the tensors, views and checks around each: on a 30-layer model that Python measured 5-13 ms a
-step whatever the batch (``benchmarks/bench_cpu_decoder.py``; docs/benchmarks.md, issue 29). ``decoder.cpp`` runs the same kernels
-with the same arguments in the same order from C++, so its output is bit for bit the Python
-path's, decode or prefill, whatever the batch (tests/unit/test_cpu_decoder.py checks both
-against each other).
+step whatever the batch (``benchmarks/bench_cpu_decoder.py``; docs/benchmarks.md, issue 29).
+``decoder.cpp`` runs the same kernels with the same arguments in the same order from C++, so
+its output is bit for bit the Python path's, decode or prefill, whatever the batch
+(tests/unit/test_cpu_decoder.py checks both against each other).
 
 It takes a model whose every projection the compiled kernels run as they are: fp32 panels or a
 plain fp32 matrix (step-invariant numerics), or GGUF / ``--quantization`` blocks; fp32

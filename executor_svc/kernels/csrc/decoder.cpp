@@ -1,9 +1,9 @@
 // The decoder's layers for fp32 activations on the CPU in one call (models/cpu_decoder.py): the
 // same kernels, with the same arguments and in the same order, as models/llama.py's per-layer
 // Python, so every output is bit for bit the Python path's (step invariance holds unchanged).
-// What it saves is the Python between kernels: a layer makes seven kernel calls
-// through ctypes plus the tensors and checks around them: measured 5-13 ms a step on a
-// 30-layer model whatever the batch (13.3 -> 8.3 ms at batch 1 for the SmolLM2 GGUF;
+// What it saves is the Python between kernels: a layer makes seven kernel calls through ctypes
+// plus the tensors and checks around them, measured at 5-13 ms a step on a 30-layer model
+// whatever the batch (13.3 -> 8.3 ms at batch 1 for the SmolLM2 GGUF;
 // benchmarks/bench_cpu_decoder.py, docs/benchmarks.md, issue 29's sixth pass).
 //
 // Per layer (l = 0 .. L-1), x the residual stream [T, hidden]:

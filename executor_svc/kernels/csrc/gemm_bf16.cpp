@@ -90,10 +90,10 @@ inline void widen(const uint16_t* w, v16* hi, v16* lo) {
   std::memcpy(lo, &l, sizeof l);
 }
 
-// MXCSR for the duration of a thread's share: round to nearest, exceptions masked, and flush-
-// to-zero + denormals-are-zero, which vdpbf16ps applies whatever MXCSR says: the widening
-// variants then match it bit for bit.
-using BfMode = CsrScope<0x9FC0>;
+// MXCSR for the duration of a thread's share: simd.h's FlushMode (flush-to-zero +
+// denormals-are-zero), which vdpbf16ps applies whatever MXCSR says: the widening variants then
+// match it bit for bit.
+using BfMode = FlushMode;
 
 inline uint16_t to_bf16(float f) {  // round to nearest even (finite values)
   uint32_t bits;

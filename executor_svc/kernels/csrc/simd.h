@@ -25,9 +25,9 @@ struct CsrScope {
 // Round to nearest, all exceptions masked, no FTZ / DAZ: denormal handling does not depend on
 // which thread computes what.
 using IeeeMode = CsrScope<0x1F80>;
-// The other kernels (attention, norms, SiLU, sampling, LoRA, the one-call decoder's glue):
-// round to nearest, exceptions masked, flush-to-zero + denormals-are-zero, set by each thread
-// for its share. Left to the calling thread, the mode was whatever that thread had: loading this
+// The other kernels (attention, norms, SiLU, sampling, LoRA, the shared-memory sum; the bf16
+// GEMM for its own reason, gemm_bf16.cpp): round to nearest, exceptions masked, flush-to-zero +
+// denormals-are-zero, set by each thread for its share. Left to the calling thread, the mode was whatever that thread had: loading this
 // library (built with -ffast-math) turns FTZ/DAZ on in the loading thread only, so a step run
 // by a gRPC thread started earlier took denormal assists in attention's weighted sums (25 %
 // slower prefill steps, docs/benchmarks.md) and could round differently from the same step
