@@ -44,16 +44,21 @@ def _attend(q, kc, vc, tables, seq_lens, q_lens):
 
 
 @needs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (32, 8, 32), (6, 6, 16)])
-def test_attention_row_alone_equals_row_among_co_runners(threads, heads, kv_heads, head_dim):
+def test_attention_row_alone_equals_row_among_co_runners(
+    threads, heads, kv_heads, head_dim, cache_dtype
+):
     """Each query row of a mixed step (decodes, prefill chunks, a shared 160-token prefix on
     three sequences, contexts across the 128-key chunk boundary) equals the same position
-    computed alone as a one-token decode."""
+    computed alone as a one-token decode. Prefill chunks and a group with 16 or more rows per
+    KV head take the kernel's rows-in-lanes walk (attention_rows.h); the one-token decodes
+    take the row-by-row one."""
     rng = random.Random(heads * 100 + threads)
     torch.manual_seed(heads + threads)
     bs, num_blocks = 16, 256
-    kc = torch.randn(num_blocks, bs, kv_heads, head_dim)
-    vc = torch.randn(num_blocks, bs, kv_heads, head_dim)
+    kc = torch.randn(num_blocks, bs, kv_heads, head_dim).to(cache_dtype)
+    vc = torch.randn(num_blocks, bs, kv_heads, head_dim).to(cache_dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     shared = [free.pop() for _ in range(10)]  # 160 tokens: past one chunk
@@ -62,7 +67,7 @@ def test_attention_row_alone_equals_row_among_co_runners(threads, heads, kv_head
         seq_len = rng.randint(1, 300)
         q_len = 1 if i % 2 else rng.randint(1, min(seq_len, 40))
         if i < 3:
-            seq_len, q_len = 160 + rng.randint(1, 60), 1 if i else 3
+            seq_len, q_len = 160 + rng.randint(1, 60), 1 if i else 14  # group: >= 16 rows
         nb = -(-seq_len // bs)
         table = (shared[:nb] if i < 3 else []) + [
             free.pop() for _ in range(nb - (10 if i < 3 else 0))

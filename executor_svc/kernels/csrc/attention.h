@@ -133,7 +133,7 @@ inline float softmax_update(float* s, int n, float& m, float& l) {
   }
   const float corr = exp16(v16{} + (m - mx))[0];
   m = mx;
-  l = l * corr + hsum(vsum);
+  l = __builtin_fmaf(l, corr, hsum(vsum));  // attention_rows.h: the same FMA
   return corr;
 }
 #else

@@ -62,11 +62,11 @@ void scores_dot(const float* q, int rows, const kv_t* kb, int64_t ts, int n, flo
   }
 }
 
-// acc[r] += sum over keys j < n of s[r][j] * V[j]: RB rows x 16 columns (2 ymm each) at a
-// time, the V vectors loaded once for the RB rows.
+// acc[r] += sum over keys j < n of s[r * ss + j * ks] * V[j]: RB rows x 16 columns (2 ymm
+// each) at a time, the V vectors loaded once for the RB rows.
 template <int DV, int RB>
-void weighted_v(const float* s, int rows, int ss, const kv_t* vb, int64_t ts, int n, float* acc,
-                const kv_t* next) {
+void weighted_v(const float* s, int rows, int ss, int ks, const kv_t* vb, int64_t ts, int n,
+                float* acc, const kv_t* next) {
   static_assert(RB <= 6, "2 * RB accumulators must leave room in the 16 ymm registers");
   int i = 0;
   for (; i + RB <= rows; i += RB, next = nullptr) {
@@ -86,7 +86,7 @@ void weighted_v(const float* s, int rows, int ss, const kv_t* vb, int64_t ts, in
           for (int w = 0; w < DV; ++w) __builtin_prefetch(next + j * ts + 16 * w);
 #pragma GCC unroll 8
         for (int r = 0; r < RB; ++r) {
-          const float p = si[(size_t)r * ss + j];
+          const float p = si[(size_t)r * ss + (size_t)j * ks];
           o[r][0] += p * v0;
           o[r][1] += p * v1;
         }
@@ -100,6 +100,6 @@ void weighted_v(const float* s, int rows, int ss, const kv_t* vb, int64_t ts, in
   }
   if constexpr (RB > 1)
     if (i < rows)
-      weighted_v<DV, RB - 1>(s + (size_t)i * ss, rows - i, ss, vb, ts, n,
+      weighted_v<DV, RB - 1>(s + (size_t)i * ss, rows - i, ss, ks, vb, ts, n,
                              acc + (size_t)i * 16 * DV, next);
 }

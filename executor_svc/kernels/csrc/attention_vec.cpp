@@ -24,6 +24,18 @@ namespace {
 // by an exact 0, and shared-prefix groups that end on a chunk boundary.
 
 #if !defined(LLMSERVE_AVX2_PATHS)
+// A score's 16 lane partials over head_dim 16 * DV: lane j sums q[16v + j] * k[16v + j] over v
+// ascending, fma(q0, k0, q1 * k1) first and then one multiply-add per term (the chain GCC
+// contracted this loop's plain `acc = q0 * k0; acc += q1 * k1 ...` to; written with explicit
+// FMAs so that no contraction choice is left and scores_rows can give the same bits).
+template <int DV>
+inline v16 lane_chain(const v16* qv, const kv_t* k) {
+  if constexpr (DV == 1) return qv[0] * load_kv16(k);
+  v16 acc = fma16(qv[0], load_kv16(k), qv[1] * load_kv16(k + 16));
+  for (int v = 2; v < DV; ++v) acc = fma16(qv[v], load_kv16(k + 16 * v), acc);
+  return acc;
+}
+
 // Scores of n <= 16 keys for few rows (decodes): one dot product per (row, key), the 16 keys'
 // partial sums reduced together. s has row stride ss.
 template <int DV>
@@ -38,26 +50,20 @@ void scores_dot(const float* q, int rows, const kv_t* kb, int64_t ts, int n, flo
         const kv_t* k = kb + u * ts;
         if (next && i == 0)
           for (int v = 0; v < DV; ++v) __builtin_prefetch(next + u * ts + 16 * v);
-        acc[u] = qv[0] * load_kv16(k);
-        for (int v = 1; v < DV; ++v) acc[u] += qv[v] * load_kv16(k + 16 * v);
+        acc[u] = lane_chain<DV>(qv, k);
       }
       store16(s, reduce16(acc));
       continue;
     }
-    for (int u = 0; u < n; ++u) {
-      const kv_t* k = kb + u * ts;
-      v16 acc = qv[0] * load_kv16(k);
-      for (int v = 1; v < DV; ++v) acc += qv[v] * load_kv16(k + 16 * v);
-      s[u] = hsum(acc);
-    }
+    for (int u = 0; u < n; ++u) s[u] = hsum(lane_chain<DV>(qv, kb + u * ts));
   }
 }
 
-// acc[r] += sum over keys j < n of s[r][j] * V[j], RB rows at a time with their accumulators
-// in registers (RB * DV <= 16 vectors).
+// acc[r] += sum over keys j < n of s[r * ss + j * ks] * V[j], RB rows at a time with their
+// accumulators in registers (RB * DV <= 16 vectors).
 template <int DV, int RB>
-void weighted_v(const float* s, int rows, int ss, const kv_t* vb, int64_t ts, int n, float* acc,
-                const kv_t* next) {
+void weighted_v(const float* s, int rows, int ss, int ks, const kv_t* vb, int64_t ts, int n,
+                float* acc, const kv_t* next) {
   int i = 0;
   for (; i + RB <= rows; i += RB, next = nullptr) {
     v16 o[RB][DV];
@@ -71,7 +77,7 @@ void weighted_v(const float* s, int rows, int ss, const kv_t* vb, int64_t ts, in
       if (next)
         for (int v = 0; v < DV; ++v) __builtin_prefetch(next + j * ts + 16 * v);
       for (int r = 0; r < RB; ++r) {
-        const float p = si[(size_t)r * ss + j];
+        const float p = si[(size_t)r * ss + (size_t)j * ks];
         for (int v = 0; v < DV; ++v) o[r][v] += p * vv[v];
       }
     }
@@ -80,7 +86,7 @@ void weighted_v(const float* s, int rows, int ss, const kv_t* vb, int64_t ts, in
   }
   if constexpr (RB > 1)
     if (i < rows)
-      weighted_v<DV, RB - 1>(s + (size_t)i * ss, rows - i, ss, vb, ts, n,
+      weighted_v<DV, RB - 1>(s + (size_t)i * ss, rows - i, ss, ks, vb, ts, n,
                              acc + (size_t)i * 16 * DV, next);
 }
 #else
@@ -111,8 +117,17 @@ struct Rows {
 // size, so a chunk boundary is the same key for a decode, a prefill and a group.
 inline int chunk_blocks(int BS) { return std::max(1, CHUNK_KEYS / BS); }
 
+#if !defined(LLMSERVE_AVX2_PATHS)
+// Rows per KV head from which a walk takes attend_lanes (16 rows to a vector).
+constexpr int LANES_MIN_ROWS = 16;
+#include "attention_rows.h"
+#endif
+
 template <int DV>
 void attend_rows(const Args& a, const Rows& w, std::vector<float>& buf) {
+#if !defined(LLMSERVE_AVX2_PATHS)
+  if (w.per_head >= LANES_MIN_ROWS) return attend_lanes<DV>(a, w, buf);
+#endif
   constexpr int D = 16 * DV;
 #if defined(LLMSERVE_AVX2_PATHS)
   constexpr int RB_V = 6;  // rows per weighted-sum tile: 12 ymm accumulators
@@ -171,7 +186,7 @@ void attend_rows(const Args& a, const Rows& w, std::vector<float>& buf) {
                                     : nullptr;
       for (int hl = 0; hl < w.heads; ++hl, vb += D)
         weighted_v<DV, RB_V>(sc + (size_t)hl * w.per_head * ss + (b - c0) * BS, w.per_head, ss,
-                             vb, ts, keys, w.acc + (size_t)hl * w.per_head * D,
+                             1, vb, ts, keys, w.acc + (size_t)hl * w.per_head * D,
                              vn ? vn + hl * D : nullptr);
     }
   }
