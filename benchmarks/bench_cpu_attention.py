@@ -10,7 +10,8 @@ weights do in a forward; and the shared-prefix
 workload's shapes: 64 decodes whose first 1 024 tokens are the same blocks, and 63 chunks of 32
 tokens after that shared 1 024 (the step that admits them).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_cpu_attention.py [--kernel-only]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_cpu_attention.py [--kernel-only] \
+        [--cases prefill,shared]
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ def main() -> None:
             x @ w
 
     kernel_only = "--kernel-only" in sys.argv[1:]
+    # --cases WORD[,WORD...]: only the cases whose name contains one of the words
+    if "--cases" in sys.argv[1:]:
+        words = sys.argv[sys.argv.index("--cases") + 1].split(",")
+        cases = {k: v for k, v in cases.items() if any(w in k for w in words)}
     print("| case | kernel ms | torch ops ms | kernel GFLOP/s |")
     print("|---|---:|---:|---:|")
     for name, (q_lens, seq_lens, blocks, *shared) in cases.items():

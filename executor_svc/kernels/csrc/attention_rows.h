@@ -1,6 +1,6 @@
 // The rows-in-lanes walk of attention_vec.cpp for prefill tiles and shared-prefix groups (many
 // query rows per KV head): 16 rows of one head share each vector, lane r = row r. Included by
-// attention_vec.cpp inside its namespace, after lane_chain, weighted_v and chunk_blocks.
+// attention_vec.cpp inside its namespace, after lane_chain, weighted_v and walk_chunks.
 //
 // Same bits as attend_rows' row-by-row walk (step invariance, docs/internals.md): a score is
 // lane_chain's 16 lane partials summed in reduce16's order; the softmax takes each row's max,
@@ -139,7 +139,7 @@ void attend_lanes(const Args& a, const Rows& w, std::vector<float>& buf) {
   constexpr int D = 16 * DV;
   constexpr int RB_V = 16 / DV > 8 ? 8 : 16 / DV;
   const int BS = a.BS, ph = w.per_head, rp = (ph + 15) / 16 * 16;
-  const int chunk = chunk_blocks(BS), ck = chunk * BS;
+  const int ck = chunk_blocks(BS) * BS;
   const int64_t ts = (int64_t)a.KVH * D;
   // Per head: the chunk's weights [ck][rp], then the queries in transposed 16-row tiles.
   const size_t per = (size_t)ck * rp + (size_t)rp * D;
@@ -152,23 +152,16 @@ void attend_lanes(const Args& a, const Rows& w, std::vector<float>& buf) {
       for (int d = 0; d < D; ++d) dst[d * 16] = r < ph ? src[d] : 0.0f;
     }
   }
-  const int64_t head0 = (int64_t)w.g0 * D;
-  for (int c0 = w.b0; c0 < w.b1; c0 = (c0 / chunk + 1) * chunk) {
-    const int c1 = std::min(w.b1, (c0 / chunk + 1) * chunk), key0 = c0 * BS;
-    const int nk = std::min(c1 * BS, w.key_end) - key0;
-    for (int b = c0; b < c1; ++b) {
-      const int keys = std::min(BS, w.key_end - b * BS);
-      const kv_t* kb = a.k_cache + (int64_t)w.table[b] * BS * ts + head0;
-      const kv_t* kn = (b + 1 < c1 ? a.k_cache + (int64_t)w.table[b + 1] * BS * ts
-                                    : a.v_cache + (int64_t)w.table[c0] * BS * ts) + head0;
-      for (int hl = 0; hl < w.heads; ++hl) {
-        float* st = buf.data() + hl * per;
-        for (int k0 = 0; k0 < keys; k0 += 16)
-          scores_rows<DV>(st + (size_t)ck * rp, rp, kb + hl * D + k0 * ts, ts,
-                          std::min(16, keys - k0), st + (size_t)((b - c0) * BS + k0) * rp,
-                          kn + hl * D + k0 * ts);
-      }
+  const auto scores = [&](int i, int keys, const kv_t* kb, const kv_t* kn) {
+    for (int hl = 0; hl < w.heads; ++hl) {
+      float* st = buf.data() + hl * per;
+      for (int k0 = 0; k0 < keys; k0 += 16)
+        scores_rows<DV>(st + (size_t)ck * rp, rp, kb + hl * D + k0 * ts, ts,
+                        std::min(16, keys - k0), st + (size_t)(i * BS + k0) * rp,
+                        kn + hl * D + k0 * ts);
     }
+  };
+  const auto softmax = [&](int key0, int nk) {
     for (int hl = 0; hl < w.heads; ++hl)
       for (int r0 = 0; r0 < ph; r0 += 16) {
         const int nr = std::min(16, ph - r0), base = hl * ph + r0;
@@ -184,15 +177,11 @@ void attend_lanes(const Args& a, const Rows& w, std::vector<float>& buf) {
           for (int v = 0; v < DV; ++v) store16(o + 16 * v, load16(o + 16 * v) * c);
         }
       }
-    for (int b = c0; b < c1; ++b) {
-      const int keys = std::min(BS, w.key_end - b * BS);
-      const kv_t* vb = a.v_cache + (int64_t)w.table[b] * BS * ts + head0;
-      const kv_t* vn = b + 1 < c1 ? a.v_cache + (int64_t)w.table[b + 1] * BS * ts + head0
-                        : c1 < w.b1 ? a.k_cache + (int64_t)w.table[c1] * BS * ts + head0
-                                    : nullptr;
-      for (int hl = 0; hl < w.heads; ++hl, vb += D)
-        weighted_v<DV, RB_V>(buf.data() + hl * per + (size_t)(b - c0) * BS * rp, ph, 1, rp, vb,
-                             ts, keys, w.acc + (size_t)hl * ph * D, vn ? vn + hl * D : nullptr);
-    }
-  }
+  };
+  const auto weigh = [&](int i, int keys, const kv_t* vb, const kv_t* vn) {
+    for (int hl = 0; hl < w.heads; ++hl, vb += D)
+      weighted_v<DV, RB_V>(buf.data() + hl * per + (size_t)i * BS * rp, ph, 1, rp, vb, ts, keys,
+                           w.acc + (size_t)hl * ph * D, vn ? vn + hl * D : nullptr);
+  };
+  walk_chunks(a, w, scores, softmax, weigh);
 }

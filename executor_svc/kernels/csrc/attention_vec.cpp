@@ -117,6 +117,33 @@ struct Rows {
 // size, so a chunk boundary is the same key for a decode, a prefill and a group.
 inline int chunk_blocks(int BS) { return std::max(1, CHUNK_KEYS / BS); }
 
+// The walk over a work item's chunks that both layouts share. Chunks start at multiples of
+// `chunk` blocks counted from block 0, whatever b0 is (a group's rows continue at b0 = a
+// multiple of chunk, see find_groups). Per chunk: scores(i, keys, kb, kn) for its i-th block
+// (K at kb, this head group's slice; kn: what its reads prefetch, the next K block and after
+// the chunk's last one the chunk's first V block, where the weighted sum starts), then
+// softmax(key0, nk) over its nk keys from key0, then weigh(i, keys, vb, vn) for each block's V
+// (vn: the next V block, or the next chunk's first K block).
+template <class Scores, class Softmax, class Weigh>
+inline void walk_chunks(const Args& a, const Rows& w, Scores&& scores, Softmax&& softmax,
+                        Weigh&& weigh) {
+  const int BS = a.BS, chunk = chunk_blocks(BS);
+  const int64_t ts = (int64_t)a.KVH * a.D, head0 = (int64_t)w.g0 * a.D;
+  const auto block = [&](const kv_t* cache, int b) {
+    return cache + (int64_t)w.table[b] * BS * ts + head0;
+  };
+  for (int c0 = w.b0; c0 < w.b1; c0 = (c0 / chunk + 1) * chunk) {
+    const int c1 = std::min(w.b1, (c0 / chunk + 1) * chunk), key0 = c0 * BS;
+    for (int b = c0; b < c1; ++b)
+      scores(b - c0, std::min(BS, w.key_end - b * BS), block(a.k_cache, b),
+             b + 1 < c1 ? block(a.k_cache, b + 1) : block(a.v_cache, c0));
+    softmax(key0, std::min(c1 * BS, w.key_end) - key0);
+    for (int b = c0; b < c1; ++b)
+      weigh(b - c0, std::min(BS, w.key_end - b * BS), block(a.v_cache, b),
+            b + 1 < c1 ? block(a.v_cache, b + 1) : c1 < w.b1 ? block(a.k_cache, c1) : nullptr);
+  }
+}
+
 #if !defined(LLMSERVE_AVX2_PATHS)
 // Rows per KV head from which a walk takes attend_lanes (16 rows to a vector).
 constexpr int LANES_MIN_ROWS = 16;
@@ -125,6 +152,8 @@ constexpr int LANES_MIN_ROWS = 16;
 
 template <int DV>
 void attend_rows(const Args& a, const Rows& w, std::vector<float>& buf) {
+  const int BS = a.BS, rows = w.heads * w.per_head;
+  if (w.b0 >= w.b1 || rows == 0) return;
 #if !defined(LLMSERVE_AVX2_PATHS)
   if (w.per_head >= LANES_MIN_ROWS) return attend_lanes<DV>(a, w, buf);
 #endif
@@ -134,34 +163,18 @@ void attend_rows(const Args& a, const Rows& w, std::vector<float>& buf) {
 #else
   constexpr int RB_V = 16 / DV > 8 ? 8 : 16 / DV;
 #endif
-  const int BS = a.BS, rows = w.heads * w.per_head;
-  if (w.b0 >= w.b1 || rows == 0) return;
-  const int chunk = chunk_blocks(BS);
-  const int ss = chunk * BS + 16;  // score row stride: a block of < 16 keys still stores 16
+  const int ss = chunk_blocks(BS) * BS + 16;  // score row stride: < 16 keys still store 16
   const int64_t ts = (int64_t)a.KVH * D;
   buf.resize((size_t)rows * ss);
   float* sc = buf.data();
-  const int64_t head0 = (int64_t)w.g0 * D;
-  // Chunks start at multiples of `chunk` blocks counted from block 0, whatever b0 is (a group's
-  // rows continue at b0 = a multiple of chunk, see find_groups).
-  for (int c0 = w.b0; c0 < w.b1; c0 = (c0 / chunk + 1) * chunk) {
-    const int c1 = std::min(w.b1, (c0 / chunk + 1) * chunk), key0 = c0 * BS;
-    const int nk = std::min(c1 * BS, w.key_end) - key0;
-    for (int b = c0; b < c1; ++b) {
-      const int keys = std::min(BS, w.key_end - b * BS);
-      const kv_t* kb = a.k_cache + (int64_t)w.table[b] * BS * ts + head0;
-      // What this block's reads prefetch, a head slice per key: the next K block, and after
-      // the chunk's last one the chunk's first V block (where the weighted sum starts).
-      const kv_t* kn = (b + 1 < c1 ? a.k_cache + (int64_t)w.table[b + 1] * BS * ts
-                                    : a.v_cache + (int64_t)w.table[c0] * BS * ts) + head0;
-      for (int hl = 0; hl < w.heads; ++hl)
-        for (int k0 = 0; k0 < keys; k0 += 16) {  // 16 keys at a time (block_size may be 32)
-          const int n = std::min(16, keys - k0);
-          scores_dot<DV>(w.q + (size_t)hl * w.per_head * D, w.per_head, kb + hl * D + k0 * ts,
-                         ts, n, sc + (size_t)hl * w.per_head * ss + (b - c0) * BS + k0, ss,
-                         kn + hl * D + k0 * ts);
-        }
-    }
+  const auto scores = [&](int i, int keys, const kv_t* kb, const kv_t* kn) {
+    for (int hl = 0; hl < w.heads; ++hl)
+      for (int k0 = 0; k0 < keys; k0 += 16)  // 16 keys at a time (block_size may be 32)
+        scores_dot<DV>(w.q + (size_t)hl * w.per_head * D, w.per_head, kb + hl * D + k0 * ts, ts,
+                       std::min(16, keys - k0), sc + (size_t)hl * w.per_head * ss + i * BS + k0,
+                       ss, kn + hl * D + k0 * ts);
+  };
+  const auto softmax = [&](int key0, int nk) {
     for (int r = 0; r < rows; ++r) {
       float* s = sc + (size_t)r * ss;
       const int n = std::min(nk, w.pos[r] + 1 - key0);  // causal
@@ -178,18 +191,13 @@ void attend_rows(const Args& a, const Rows& w, std::vector<float>& buf) {
       for (int v = 0; v < DV; ++v) store16(o + 16 * v, load16(o + 16 * v) * corr);
 #endif
     }
-    for (int b = c0; b < c1; ++b) {
-      const int keys = std::min(BS, w.key_end - b * BS);
-      const kv_t* vb = a.v_cache + (int64_t)w.table[b] * BS * ts + head0;
-      const kv_t* vn = b + 1 < c1 ? a.v_cache + (int64_t)w.table[b + 1] * BS * ts + head0
-                        : c1 < w.b1 ? a.k_cache + (int64_t)w.table[c1] * BS * ts + head0
-                                    : nullptr;
-      for (int hl = 0; hl < w.heads; ++hl, vb += D)
-        weighted_v<DV, RB_V>(sc + (size_t)hl * w.per_head * ss + (b - c0) * BS, w.per_head, ss,
-                             1, vb, ts, keys, w.acc + (size_t)hl * w.per_head * D,
-                             vn ? vn + hl * D : nullptr);
-    }
-  }
+  };
+  const auto weigh = [&](int i, int keys, const kv_t* vb, const kv_t* vn) {
+    for (int hl = 0; hl < w.heads; ++hl, vb += D)
+      weighted_v<DV, RB_V>(sc + (size_t)hl * w.per_head * ss + i * BS, w.per_head, ss, 1, vb, ts,
+                           keys, w.acc + (size_t)hl * w.per_head * D, vn ? vn + hl * D : nullptr);
+  };
+  walk_chunks(a, w, scores, softmax, weigh);
 }
 
 // Softmax state of every (query token, head) after the shared prefix of its sequence's group;

@@ -101,37 +101,6 @@ inline v16 reduce16(const v16* a) {
                                  29, 31);
 }
 
-// a[i][j] <-> a[j][i] for a 16 x 16 block in 16 vectors: four rounds of two-source shuffles,
-// round w swapping bit w of the row and lane indices (64 shuffles in all).
-[[gnu::always_inline]] inline void transpose16(v16* a) {
-  for (int i = 0; i < 16; i += 2) {  // w = 1
-    const v16 x = a[i], y = a[i + 1];
-    a[i] = __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-    a[i + 1] =
-        __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  }
-  for (int i = 0; i < 16; ++i) {
-    if (i & 2) continue;
-    const v16 x = a[i], y = a[i + 2];
-    a[i] = __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-    a[i + 2] =
-        __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  }
-  for (int i = 0; i < 16; ++i) {
-    if (i & 4) continue;
-    const v16 x = a[i], y = a[i + 4];
-    a[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-    a[i + 4] =
-        __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 8; ++i) {  // w = 8
-    const v16 x = a[i], y = a[i + 8];
-    a[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    a[i + 8] =
-        __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
-}
-
 // exp of 16 floats: 2^n * e^r with n = round(x / ln 2) and |r| <= ln(2) / 2, e^r by its
 // degree-6 Taylor polynomial (relative error < 2e-7). Inputs below -87 give ~1e-38, not 0 (the
 // scores here are s - max <= 0, and a weight of 1e-38 is 0 to every sum it enters).
