@@ -44,16 +44,18 @@ def _attend(q, kc, vc, tables, seq_lens, q_lens):
 
 
 @needs_kernel
+@pytest.mark.parametrize("group_q", [3, 14], ids=["group-rows", "group-lanes"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (32, 8, 32), (6, 6, 16)])
 def test_attention_row_alone_equals_row_among_co_runners(
-    threads, heads, kv_heads, head_dim, cache_dtype
+    threads, heads, kv_heads, head_dim, cache_dtype, group_q
 ):
     """Each query row of a mixed step (decodes, prefill chunks, a shared 160-token prefix on
     three sequences, contexts across the 128-key chunk boundary) equals the same position
     computed alone as a one-token decode. Prefill chunks and a group with 16 or more rows per
-    KV head take the kernel's rows-in-lanes walk (attention_rows.h); the one-token decodes
-    take the row-by-row one."""
+    KV head (group_q = 14 tokens in its first sequence) take the kernel's rows-in-lanes walk
+    (attention_rows.h); the one-token decodes and a smaller group (group_q = 3, except with
+    32 heads on 8) take the row-by-row one."""
     rng = random.Random(heads * 100 + threads)
     torch.manual_seed(heads + threads)
     bs, num_blocks = 16, 256
@@ -67,7 +69,7 @@ def test_attention_row_alone_equals_row_among_co_runners(
         seq_len = rng.randint(1, 300)
         q_len = 1 if i % 2 else rng.randint(1, min(seq_len, 40))
         if i < 3:
-            seq_len, q_len = 160 + rng.randint(1, 60), 1 if i else 14  # group: >= 16 rows
+            seq_len, q_len = 160 + rng.randint(1, 60), 1 if i else group_q
         nb = -(-seq_len // bs)
         table = (shared[:nb] if i < 3 else []) + [
             free.pop() for _ in range(nb - (10 if i < 3 else 0))

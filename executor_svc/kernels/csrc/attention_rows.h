@@ -1,6 +1,6 @@
 // The rows-in-lanes walk of attention_vec.cpp for prefill tiles and shared-prefix groups (many
 // query rows per KV head): 16 rows of one head share each vector, lane r = row r. Included by
-// attention_vec.cpp inside its namespace, after lane_chain, weighted_v and walk_chunks.
+// attention_vec.cpp inside its namespace, after lane_chain, weighted_v, walk_chunks and RB_V.
 //
 // Same bits as attend_rows' row-by-row walk (step invariance, docs/internals.md): a score is
 // lane_chain's 16 lane partials summed in reduce16's order; the softmax takes each row's max,
@@ -86,8 +86,8 @@ void scores_rows(const float* qt, int rp, const kv_t* kb, int64_t ts, int n, flo
     const float* q = qt + (size_t)r0 * D;
     int u0 = 0;
     for (; u0 + KT <= n; u0 += KT) {
-      // Each key tile reloads its query vectors from L1: hoisted out of this loop, the 16 * DV
-      // of them spill.
+      // A compiler barrier: each key tile loads its query vectors again (from L1). Without it
+      // GCC hoists all 16 * DV of them out of this loop and spills them to the stack.
       asm volatile("" ::: "memory");
       v16 out[KT];
       keys_rows<DV, KT>(q, k + u0 * ks, ks, out);
@@ -137,7 +137,6 @@ inline v16 softmax_rows(float* s, int rp, int nk, i16 lim, v16& m, v16& l) {
 template <int DV>
 void attend_lanes(const Args& a, const Rows& w, std::vector<float>& buf) {
   constexpr int D = 16 * DV;
-  constexpr int RB_V = 16 / DV > 8 ? 8 : 16 / DV;
   const int BS = a.BS, ph = w.per_head, rp = (ph + 15) / 16 * 16;
   const int ck = chunk_blocks(BS) * BS;
   const int64_t ts = (int64_t)a.KVH * D;
@@ -180,8 +179,8 @@ void attend_lanes(const Args& a, const Rows& w, std::vector<float>& buf) {
   };
   const auto weigh = [&](int i, int keys, const kv_t* vb, const kv_t* vn) {
     for (int hl = 0; hl < w.heads; ++hl, vb += D)
-      weighted_v<DV, RB_V>(buf.data() + hl * per + (size_t)i * BS * rp, ph, 1, rp, vb, ts, keys,
-                           w.acc + (size_t)hl * ph * D, vn ? vn + hl * D : nullptr);
+      weighted_v<DV, RB_V<DV>>(buf.data() + hl * per + (size_t)i * BS * rp, ph, 1, rp, vb, ts,
+                               keys, w.acc + (size_t)hl * ph * D, vn ? vn + hl * D : nullptr);
   };
   walk_chunks(a, w, scores, softmax, weigh);
 }

@@ -27,7 +27,7 @@ namespace {
 // A score's 16 lane partials over head_dim 16 * DV: lane j sums q[16v + j] * k[16v + j] over v
 // ascending, fma(q0, k0, q1 * k1) first and then one multiply-add per term (the chain GCC
 // contracted this loop's plain `acc = q0 * k0; acc += q1 * k1 ...` to; written with explicit
-// FMAs so that no contraction choice is left and scores_rows can give the same bits).
+// FMAs so that no contraction choice is left and attention_rows.h can give the same bits).
 template <int DV>
 inline v16 lane_chain(const v16* qv, const kv_t* k) {
   if constexpr (DV == 1) return qv[0] * load_kv16(k);
@@ -144,6 +144,15 @@ inline void walk_chunks(const Args& a, const Rows& w, Scores&& scores, Softmax&&
   }
 }
 
+// Rows per weighted-sum tile (weighted_v's RB), their accumulators in registers.
+#if defined(LLMSERVE_AVX2_PATHS)
+template <int DV>
+constexpr int RB_V = 6;  // 12 ymm accumulators
+#else
+template <int DV>
+constexpr int RB_V = 16 / DV > 8 ? 8 : 16 / DV;
+#endif
+
 #if !defined(LLMSERVE_AVX2_PATHS)
 // Rows per KV head from which a walk takes attend_lanes (16 rows to a vector).
 constexpr int LANES_MIN_ROWS = 16;
@@ -158,11 +167,6 @@ void attend_rows(const Args& a, const Rows& w, std::vector<float>& buf) {
   if (w.per_head >= LANES_MIN_ROWS) return attend_lanes<DV>(a, w, buf);
 #endif
   constexpr int D = 16 * DV;
-#if defined(LLMSERVE_AVX2_PATHS)
-  constexpr int RB_V = 6;  // rows per weighted-sum tile: 12 ymm accumulators
-#else
-  constexpr int RB_V = 16 / DV > 8 ? 8 : 16 / DV;
-#endif
   const int ss = chunk_blocks(BS) * BS + 16;  // score row stride: < 16 keys still store 16
   const int64_t ts = (int64_t)a.KVH * D;
   buf.resize((size_t)rows * ss);
@@ -194,8 +198,9 @@ void attend_rows(const Args& a, const Rows& w, std::vector<float>& buf) {
   };
   const auto weigh = [&](int i, int keys, const kv_t* vb, const kv_t* vn) {
     for (int hl = 0; hl < w.heads; ++hl, vb += D)
-      weighted_v<DV, RB_V>(sc + (size_t)hl * w.per_head * ss + i * BS, w.per_head, ss, 1, vb, ts,
-                           keys, w.acc + (size_t)hl * w.per_head * D, vn ? vn + hl * D : nullptr);
+      weighted_v<DV, RB_V<DV>>(sc + (size_t)hl * w.per_head * ss + i * BS, w.per_head, ss, 1,
+                               vb, ts, keys, w.acc + (size_t)hl * w.per_head * D,
+                               vn ? vn + hl * D : nullptr);
   };
   walk_chunks(a, w, scores, softmax, weigh);
 }

@@ -37,24 +37,19 @@ inline void silu_mul16(const float* g, const float* u, float* o) {
 extern "C" int llmserve_silu_mul_f32(const float* x, int64_t rows, int64_t n, int64_t x_stride,
                                      float* out, int num_threads) {
   if (n <= 0) return 1;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && rows * n > (1 << 16))
-  {
-    FlushMode mode;  // this thread's share (simd.h)
-#pragma omp for
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* g = x + r * x_stride;
-      const float* u = g + n;
-      float* o = out + r * n;
-      int64_t j = 0;
-      for (; j + 16 <= n; j += 16) silu_mul16(g + j, u + j, o + j);
-      if (j < n) {  // the tail through a zero-padded block: the same arithmetic as the others
-        float gt[16] = {}, ut[16] = {}, ot[16];
-        for (int64_t i = j; i < n; ++i) gt[i - j] = g[i], ut[i - j] = u[i];
-        silu_mul16(gt, ut, ot);
-        for (int64_t i = j; i < n; ++i) o[i] = ot[i - j];
-      }
+  flush_for(rows, num_threads, num_threads > 1 && rows * n > (1 << 16), [&](int64_t r) {
+    const float* g = x + r * x_stride;
+    const float* u = g + n;
+    float* o = out + r * n;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) silu_mul16(g + j, u + j, o + j);
+    if (j < n) {  // the tail through a zero-padded block: the same arithmetic as the others
+      float gt[16] = {}, ut[16] = {}, ot[16];
+      for (int64_t i = j; i < n; ++i) gt[i - j] = g[i], ut[i - j] = u[i];
+      silu_mul16(gt, ut, ot);
+      for (int64_t i = j; i < n; ++i) o[i] = ot[i - j];
     }
-  }
+  });
   return 0;
 }
 
@@ -66,54 +61,49 @@ extern "C" int llmserve_add_rms_norm_f32(const float* x, int64_t x_stride, const
                                          int64_t dim, float eps, float* sum_out, float* out,
                                          int num_threads) {
   if (dim <= 0) return 1;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && rows * dim > (1 << 16))
-  {
-    FlushMode mode;  // this thread's share (simd.h)
-#pragma omp for
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = x + r * x_stride;
-      const float* dr = delta ? delta + r * d_stride : nullptr;
-      float* sr = sum_out ? sum_out + r * dim : nullptr;
-      float* o = out + r * dim;
-      // s goes to sum_out, or to out as scratch, then is scaled in place.
-      float* s = sr ? sr : o;
-      int64_t j = 0;
+  flush_for(rows, num_threads, num_threads > 1 && rows * dim > (1 << 16), [&](int64_t r) {
+    const float* xr = x + r * x_stride;
+    const float* dr = delta ? delta + r * d_stride : nullptr;
+    float* sr = sum_out ? sum_out + r * dim : nullptr;
+    float* o = out + r * dim;
+    // s goes to sum_out, or to out as scratch, then is scaled in place.
+    float* s = sr ? sr : o;
+    int64_t j = 0;
 #if defined(LLMSERVE_AVX2_PATHS)
-      // The v16 loop on halves: lanes 0-7 and 8-15 of each 16 in acc0 and acc1 (hsum's order).
-      v8 acc0 = v8{}, acc1 = v8{};
-      for (; j + 16 <= dim; j += 16) {
-        v8 v0 = load8(xr + j), v1 = load8(xr + j + 8);
-        if (dr) v0 += load8(dr + j), v1 += load8(dr + j + 8);
-        store8(s + j, v0);
-        store8(s + j + 8, v1);
-        acc0 += v0 * v0;
-        acc1 += v1 * v1;
-      }
-      float ss = hsum2(acc0, acc1);
-#else
-      v16 acc = v16{};
-      for (; j + 16 <= dim; j += 16) {
-        v16 v = load16(xr + j);
-        if (dr) v += load16(dr + j);
-        store16(s + j, v);
-        acc += v * v;
-      }
-      float ss = hsum(acc);
-#endif
-      for (; j < dim; ++j) {
-        const float v = dr ? xr[j] + dr[j] : xr[j];
-        s[j] = v;
-        ss += v * v;
-      }
-      const float inv = 1.0f / std::sqrt(ss / (float)dim + eps);
-      j = 0;
-#if defined(LLMSERVE_AVX2_PATHS)
-      for (; j < dim / 16 * 16; j += 8) store8(o + j, load8(s + j) * inv * load8(w + j));
-#endif
-      for (; j + 16 <= dim; j += 16) store16(o + j, load16(s + j) * inv * load16(w + j));
-      for (; j < dim; ++j) o[j] = s[j] * inv * w[j];
+    // The v16 loop on halves: lanes 0-7 and 8-15 of each 16 in acc0 and acc1 (hsum's order).
+    v8 acc0 = v8{}, acc1 = v8{};
+    for (; j + 16 <= dim; j += 16) {
+      v8 v0 = load8(xr + j), v1 = load8(xr + j + 8);
+      if (dr) v0 += load8(dr + j), v1 += load8(dr + j + 8);
+      store8(s + j, v0);
+      store8(s + j + 8, v1);
+      acc0 += v0 * v0;
+      acc1 += v1 * v1;
     }
-  }
+    float ss = hsum2(acc0, acc1);
+#else
+    v16 acc = v16{};
+    for (; j + 16 <= dim; j += 16) {
+      v16 v = load16(xr + j);
+      if (dr) v += load16(dr + j);
+      store16(s + j, v);
+      acc += v * v;
+    }
+    float ss = hsum(acc);
+#endif
+    for (; j < dim; ++j) {
+      const float v = dr ? xr[j] + dr[j] : xr[j];
+      s[j] = v;
+      ss += v * v;
+    }
+    const float inv = 1.0f / std::sqrt(ss / (float)dim + eps);
+    j = 0;
+#if defined(LLMSERVE_AVX2_PATHS)
+    for (; j < dim / 16 * 16; j += 8) store8(o + j, load8(s + j) * inv * load8(w + j));
+#endif
+    for (; j + 16 <= dim; j += 16) store16(o + j, load16(s + j) * inv * load16(w + j));
+    for (; j < dim; ++j) o[j] = s[j] * inv * w[j];
+  });
   return 0;
 }
 

@@ -101,24 +101,19 @@ inline v16 round_bf16(v16 v) {
 extern "C" int llmserve_silu_mul_bf16(const uint16_t* x, int64_t rows, int64_t n,
                                       int64_t x_stride, uint16_t* out, int num_threads) {
   if (n <= 0) return 1;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && rows * n > (1 << 16))
-  {
-    FlushMode mode;  // this thread's share (simd.h)
-#pragma omp for
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint16_t* g = x + r * x_stride;
-      const uint16_t* u = g + n;
-      uint16_t* o = out + r * n;
-      int64_t j = 0;
-      for (; j + 16 <= n; j += 16) silu_mul16(g + j, u + j, o + j);
-      if (j < n) {  // the tail through a zero-padded block: the same arithmetic as the others
-        uint16_t gt[16] = {}, ut[16] = {}, ot[16];
-        for (int64_t i = j; i < n; ++i) gt[i - j] = g[i], ut[i - j] = u[i];
-        silu_mul16(gt, ut, ot);
-        for (int64_t i = j; i < n; ++i) o[i] = ot[i - j];
-      }
+  flush_for(rows, num_threads, num_threads > 1 && rows * n > (1 << 16), [&](int64_t r) {
+    const uint16_t* g = x + r * x_stride;
+    const uint16_t* u = g + n;
+    uint16_t* o = out + r * n;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) silu_mul16(g + j, u + j, o + j);
+    if (j < n) {  // the tail through a zero-padded block: the same arithmetic as the others
+      uint16_t gt[16] = {}, ut[16] = {}, ot[16];
+      for (int64_t i = j; i < n; ++i) gt[i - j] = g[i], ut[i - j] = u[i];
+      silu_mul16(gt, ut, ot);
+      for (int64_t i = j; i < n; ++i) o[i] = ot[i - j];
     }
-  }
+  });
   return 0;
 }
 
@@ -130,58 +125,53 @@ extern "C" int llmserve_add_rms_norm_bf16(const uint16_t* x, int64_t x_stride,
                                           const uint16_t* w, int64_t rows, int64_t dim, float eps,
                                           uint16_t* sum_out, uint16_t* out, int num_threads) {
   if (dim <= 0) return 1;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && rows * dim > (1 << 16))
-  {
-    FlushMode mode;  // this thread's share (simd.h)
-#pragma omp for
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint16_t* xr = x + r * x_stride;
-      const uint16_t* dr = delta ? delta + r * d_stride : nullptr;
-      uint16_t* sr = sum_out ? sum_out + r * dim : nullptr;
-      uint16_t* o = out + r * dim;
-      // The rounded sum goes to sum_out, or to out as scratch (bf16 holds it exactly).
-      uint16_t* s = sr ? sr : o;
-      int64_t j = 0;
+  flush_for(rows, num_threads, num_threads > 1 && rows * dim > (1 << 16), [&](int64_t r) {
+    const uint16_t* xr = x + r * x_stride;
+    const uint16_t* dr = delta ? delta + r * d_stride : nullptr;
+    uint16_t* sr = sum_out ? sum_out + r * dim : nullptr;
+    uint16_t* o = out + r * dim;
+    // The rounded sum goes to sum_out, or to out as scratch (bf16 holds it exactly).
+    uint16_t* s = sr ? sr : o;
+    int64_t j = 0;
 #if defined(LLMSERVE_AVX2_PATHS)
-      // The v16 loop on halves: lanes 0-7 and 8-15 of each 16 in acc0 and acc1 (hsum's order).
-      v8 acc0 = v8{}, acc1 = v8{};
-      for (; j + 16 <= dim; j += 16) {
-        v8 v0 = load_bf16x8(xr + j), v1 = load_bf16x8(xr + j + 8);
-        if (dr) {
-          v0 = round_bf16x8(v0 + load_bf16x8(dr + j));
-          v1 = round_bf16x8(v1 + load_bf16x8(dr + j + 8));
-        }
-        store_bf16x8(s + j, v0);
-        store_bf16x8(s + j + 8, v1);
-        acc0 += v0 * v0;
-        acc1 += v1 * v1;
+    // The v16 loop on halves: lanes 0-7 and 8-15 of each 16 in acc0 and acc1 (hsum's order).
+    v8 acc0 = v8{}, acc1 = v8{};
+    for (; j + 16 <= dim; j += 16) {
+      v8 v0 = load_bf16x8(xr + j), v1 = load_bf16x8(xr + j + 8);
+      if (dr) {
+        v0 = round_bf16x8(v0 + load_bf16x8(dr + j));
+        v1 = round_bf16x8(v1 + load_bf16x8(dr + j + 8));
       }
-      float ss = hsum2(acc0, acc1);
-#else
-      v16 acc = v16{};
-      for (; j + 16 <= dim; j += 16) {
-        v16 v = load_bf16(xr + j);
-        if (dr) v = round_bf16(v + load_bf16(dr + j));
-        store_bf16(s + j, v);
-        acc += v * v;
-      }
-      float ss = hsum(acc);
-#endif
-      for (; j < dim; ++j) {
-        const float v = dr ? round_bf16(widen(xr[j]) + widen(dr[j])) : widen(xr[j]);
-        s[j] = narrow(v);
-        ss += v * v;
-      }
-      const float inv = 1.0f / std::sqrt(ss / (float)dim + eps);
-      j = 0;
-#if defined(LLMSERVE_AVX2_PATHS)
-      for (; j < dim / 16 * 16; j += 8)
-        store_bf16x8(o + j, load_bf16x8(w + j) * round_bf16x8(load_bf16x8(s + j) * inv));
-#endif
-      for (; j + 16 <= dim; j += 16)
-        store_bf16(o + j, load_bf16(w + j) * round_bf16(load_bf16(s + j) * inv));
-      for (; j < dim; ++j) o[j] = narrow(widen(w[j]) * round_bf16(widen(s[j]) * inv));
+      store_bf16x8(s + j, v0);
+      store_bf16x8(s + j + 8, v1);
+      acc0 += v0 * v0;
+      acc1 += v1 * v1;
     }
-  }
+    float ss = hsum2(acc0, acc1);
+#else
+    v16 acc = v16{};
+    for (; j + 16 <= dim; j += 16) {
+      v16 v = load_bf16(xr + j);
+      if (dr) v = round_bf16(v + load_bf16(dr + j));
+      store_bf16(s + j, v);
+      acc += v * v;
+    }
+    float ss = hsum(acc);
+#endif
+    for (; j < dim; ++j) {
+      const float v = dr ? round_bf16(widen(xr[j]) + widen(dr[j])) : widen(xr[j]);
+      s[j] = narrow(v);
+      ss += v * v;
+    }
+    const float inv = 1.0f / std::sqrt(ss / (float)dim + eps);
+    j = 0;
+#if defined(LLMSERVE_AVX2_PATHS)
+    for (; j < dim / 16 * 16; j += 8)
+      store_bf16x8(o + j, load_bf16x8(w + j) * round_bf16x8(load_bf16x8(s + j) * inv));
+#endif
+    for (; j + 16 <= dim; j += 16)
+      store_bf16(o + j, load_bf16(w + j) * round_bf16(load_bf16(s + j) * inv));
+    for (; j < dim; ++j) o[j] = narrow(widen(w[j]) * round_bf16(widen(s[j]) * inv));
+  });
   return 0;
 }

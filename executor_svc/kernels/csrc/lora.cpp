@@ -98,26 +98,21 @@ extern "C" int llmserve_lora_f32(const float* x, int64_t ldx, int64_t k, const i
                                  float* y, int64_t ldy, int num_threads) {
   if (ra <= 0 || ra > kMaxRankTotal || r <= 0 || num_shards * r > ra) return 1;
   const int64_t num_blocks = (num_rows + kRowBlock - 1) / kRowBlock;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_blocks >= 2)
-  {
-    FlushMode mode;  // this thread's share (simd.h)
-#pragma omp for
-    for (int64_t blk = 0; blk < num_blocks; ++blk) {
-      const int64_t first = blk * kRowBlock;
-      const int64_t count = num_rows - first < kRowBlock ? num_rows - first : kRowBlock;
-      const float* xr[kRowBlock];
-      float* yr[kRowBlock];
-      for (int64_t t = 0; t < count; ++t) {
-        xr[t] = x + rows[first + t] * ldx;
-        yr[t] = y + rows[first + t] * ldy;
-      }
-      if (count == kRowBlock) {
-        lora_rows<kRowBlock>(xr, yr, k, a, ra, r, num_shards, shard_start, shard_size, b_ptrs);
-      } else {
-        for (int64_t t = 0; t < count; ++t)
-          lora_rows<1>(xr + t, yr + t, k, a, ra, r, num_shards, shard_start, shard_size, b_ptrs);
-      }
+  flush_for(num_blocks, num_threads, num_threads > 1 && num_blocks >= 2, [&](int64_t blk) {
+    const int64_t first = blk * kRowBlock;
+    const int64_t count = num_rows - first < kRowBlock ? num_rows - first : kRowBlock;
+    const float* xr[kRowBlock];
+    float* yr[kRowBlock];
+    for (int64_t t = 0; t < count; ++t) {
+      xr[t] = x + rows[first + t] * ldx;
+      yr[t] = y + rows[first + t] * ldy;
     }
-  }
+    if (count == kRowBlock) {
+      lora_rows<kRowBlock>(xr, yr, k, a, ra, r, num_shards, shard_start, shard_size, b_ptrs);
+    } else {
+      for (int64_t t = 0; t < count; ++t)
+        lora_rows<1>(xr + t, yr + t, k, a, ra, r, num_shards, shard_start, shard_size, b_ptrs);
+    }
+  });
   return 0;
 }

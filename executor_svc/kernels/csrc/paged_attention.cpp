@@ -151,32 +151,27 @@ extern "C" int LLMSERVE_PAGED_ATTENTION(
   Args a{q, q_stride_t, q_stride_h, k_cache, v_cache, block_tables, bt_stride, seq_lens,
          query_start_loc, num_heads, num_kv_heads, head_dim, block_size, scale, out, cos, sin};
   const int64_t kv_row = (int64_t)num_kv_heads * head_dim;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_new > 256)
-  {
-    FlushMode mode;  // this thread's share (simd.h)
-#pragma omp for
-    for (int t = 0; t < num_new; ++t) {
-      if (slots[t] < 0) continue;
-      kv_t* kd = k_cache + slots[t] * kv_row;
-      kv_t* vd = v_cache + slots[t] * kv_row;
-      const float* cs = cos ? cos + (int64_t)t * (head_dim / 2) : nullptr;
-      const float* sn = sin ? sin + (int64_t)t * (head_dim / 2) : nullptr;
+  flush_for(num_new, num_threads, num_threads > 1 && num_new > 256, [&](int64_t t) {
+    if (slots[t] < 0) return;
+    kv_t* kd = k_cache + slots[t] * kv_row;
+    kv_t* vd = v_cache + slots[t] * kv_row;
+    const float* cs = cos ? cos + (int64_t)t * (head_dim / 2) : nullptr;
+    const float* sn = sin ? sin + (int64_t)t * (head_dim / 2) : nullptr;
 #if defined(LLMSERVE_KV_BF16)
-      std::vector<float> row(head_dim);  // the rotated key in fp32, then rounded once
-      for (int g = 0; g < num_kv_heads; ++g) {
-        load_row(k_new + t * k_stride_t + (int64_t)g * head_dim, cs, sn, head_dim, 1.0f,
-                 row.data());
-        for (int d = 0; d < head_dim; ++d) kd[(int64_t)g * head_dim + d] = kv_from(row[d]);
-      }
-      for (int64_t i = 0; i < kv_row; ++i) vd[i] = kv_from(v_new[t * v_stride_t + i]);
-#else
-      for (int g = 0; g < num_kv_heads; ++g)
-        load_row(k_new + t * k_stride_t + (int64_t)g * head_dim, cs, sn, head_dim, 1.0f,
-                 kd + (int64_t)g * head_dim);
-      __builtin_memcpy(vd, v_new + t * v_stride_t, sizeof(float) * kv_row);
-#endif
+    std::vector<float> row(head_dim);  // the rotated key in fp32, then rounded once
+    for (int g = 0; g < num_kv_heads; ++g) {
+      load_row(k_new + t * k_stride_t + (int64_t)g * head_dim, cs, sn, head_dim, 1.0f,
+               row.data());
+      for (int d = 0; d < head_dim; ++d) kd[(int64_t)g * head_dim + d] = kv_from(row[d]);
     }
-  }
+    for (int64_t i = 0; i < kv_row; ++i) vd[i] = kv_from(v_new[t * v_stride_t + i]);
+#else
+    for (int g = 0; g < num_kv_heads; ++g)
+      load_row(k_new + t * k_stride_t + (int64_t)g * head_dim, cs, sn, head_dim, 1.0f,
+               kd + (int64_t)g * head_dim);
+    __builtin_memcpy(vd, v_new + t * v_stride_t, sizeof(float) * kv_row);
+#endif
+  });
   // One item per (sequence, tile) reads whole blocks; with threads to spare and few such items,
   // KV heads get items of their own so every thread has work.
   int num_items = 0;

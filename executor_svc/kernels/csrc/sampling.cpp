@@ -105,11 +105,7 @@ extern "C" int llmserve_argmax_logsumexp_f32(const float* x, int64_t rows, int64
                                              int64_t row_stride, int64_t* arg, float* lse,
                                              int num_threads) {
   if (cols <= 0) return 1;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && rows > 1)
-  {
-    FlushMode mode;  // this thread's share (simd.h)
-#pragma omp for
-    for (int64_t r = 0; r < rows; ++r) row(x + r * row_stride, cols, arg + r, lse + r);
-  }
+  flush_for(rows, num_threads, num_threads > 1 && rows > 1,
+            [&](int64_t r) { row(x + r * row_stride, cols, arg + r, lse + r); });
   return 0;
 }

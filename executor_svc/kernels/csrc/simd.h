@@ -34,6 +34,18 @@ using IeeeMode = CsrScope<0x1F80>;
 // could round differently from the same step run offline. This is the mode those kernels had
 // when called from the loading thread.
 using FlushMode = CsrScope<0x9FC0>;
+
+// body(i) for i in [0, n), shared out over num_threads OpenMP threads when `parallel` (the
+// static schedule of `omp parallel for`), each thread in FlushMode for its share.
+template <class Body>
+inline void flush_for(int64_t n, int num_threads, bool parallel, Body&& body) {
+#pragma omp parallel num_threads(num_threads) if (parallel)
+  {
+    FlushMode mode;
+#pragma omp for
+    for (int64_t i = 0; i < n; ++i) body(i);
+  }
+}
 typedef int32_t i16 __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) {
