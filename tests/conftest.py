@@ -49,6 +49,51 @@ def redis_url(redis_server) -> str:
     return redis_server.url
 
 
+def pytest_report_header(config) -> list[str]:
+    """The machine kind in the first lines of every run: kernels are built per instruction set
+    and torch/BLAS pick their own, so a failure on one kind of CPU names that kind."""
+    import platform
+    from pathlib import Path
+
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("unknown", "x86_64", ""):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith(("flags", "Features")):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+    lines = [
+        f"cpu: {model}, {os.cpu_count()} cores; "
+        f"flags: {' '.join(f for f in wanted if f in flags) or 'none of ' + ' '.join(wanted)}"
+    ]
+    try:
+        import torch
+
+        from executor_svc.kernels import library
+
+        lines.append(
+            f"kernels: variants runnable {library.supported_variants()}, "
+            f"LLMSERVE_CPU_ISA={os.environ.get('LLMSERVE_CPU_ISA', 'auto')}; "
+            f"torch {torch.__version__} cpu capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"cuda {torch.cuda.is_available()}"
+        )
+    except Exception as err:  # noqa: BLE001 - a header must never fail the run
+        lines.append(f"kernels: unknown ({err})")
+    try:  # numpy's BLAS (Triton's interpreter runs tl.dot through it) picks kernels per CPU too
+        import numpy  # noqa: F401
+        from threadpoolctl import threadpool_info
+
+        blas = [f"{i['internal_api']} {i.get('architecture', '?')}" for i in threadpool_info()]
+        lines.append(f"blas: {', '.join(blas) or 'none loaded'}")
+    except Exception:  # noqa: BLE001, S110 - optional detail
+        pass
+    return lines
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Mark each test with its tier, from the folder it lives in (tests/unit, tests/integration)."""
     for item in items:
