@@ -1,8 +1,8 @@
 """Outputs under repeated leader kills equal an undisturbed run's, byte for byte (issue 24).
 
 One Redis, one executor on the demo model, two schedulers with --leader-election and one
-OpenAI frontend given both scheduler addresses. 120 streaming completions (half greedy, half
-seeded sampling; 400 to 464 tokens each, `ignore_eos`) run once undisturbed, then in 5 rounds
+OpenAI frontend given both scheduler addresses. 64 streaming completions (half greedy, half
+seeded sampling; 256 to 320 tokens each, `ignore_eos`) run once undisturbed, then in 3 rounds
 during which the leader is killed with SIGKILL three times. After each kill the killed
 scheduler is started again on its own port, so a standby is always there and the frontend's
 channel (over both addresses, following the SERVING one) finds it. Every text, finish reason and
@@ -13,7 +13,10 @@ The same prompts every round, against one reference: what a kill changes is how 
 tokens are grouped into steps (the new leader recomputes every prompt plus its output so far as
 chunked prefills, among other batch mates), and the claim under test is that this grouping never
 changes an output. Each round kills at other points of the run (the marks move, and timing
-varies on its own), so five rounds test the claim five times for the price of one reference.
+varies on its own), so three rounds test the claim three times for the price of one reference.
+(Sized for the 2-core CI machines, issue 41: fewer and shorter streams than the issue 24
+reproduction's 120 x 400+ tokens, the same three kills a round, each round asserting that every
+stream was cut.)
 
 Real processes throughout, on loopback with OS-chosen ports; the official `openai` client.
 """
@@ -39,13 +42,13 @@ from tests.support.frontend import Frontend
 from tests.support.stack import Stack, demo_model_dir
 from tests.support.standby import SERVING, Scheduler, follow_channel
 
-NUM_STREAMS = 120
-MIN_TOKENS, MAX_TOKENS = 400, 464
-NUM_ROUNDS = 5
+NUM_STREAMS = 64
+MIN_TOKENS, MAX_TOKENS = 256, 320
+NUM_ROUNDS = 3
 # Kill the leader once the streams have, on average, received these fractions of their
 # reference text; every round moves the marks a little so the kills land elsewhere.
 KILL_MARKS = (0.15, 0.40, 0.65)
-MARK_SHIFT_PER_ROUND = 0.04
+MARK_SHIFT_PER_ROUND = 0.06
 # Each kill waits for the previous takeover (a SERVING leader) and for this long after it, as
 # the issue's reproduction spaced its kills.
 MIN_KILL_GAP_S = 3.0
