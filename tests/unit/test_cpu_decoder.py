@@ -103,7 +103,11 @@ def test_fused_decoder_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, 
     if weights == "k-quants":
         for runner in runners.values():
             _k_quant_mlp(runner)
-    _compare(runners, monkeypatch, seed)
+    # The long shared-prefix sequences (past the attention kernel's 128-key chunk, prefix hits)
+    # test the decoder's attention and block tables, which no weight form changes: one form per
+    # architecture takes them; the others test their GEMMs on the short sequences' prefills,
+    # chunks and decodes (a third of the time on 2 cores, issue 41).
+    _compare(runners, monkeypatch, seed, shared_prefix=weights == "panels")
 
 
 def test_models_it_does_not_take_keep_the_layer_forward(tmp_path, monkeypatch):
