@@ -15,20 +15,12 @@ from executor_svc.kernels.quant import QuantWeight
 from executor_svc.lora.manager import LoraConfig
 from executor_svc.runner.gguf.hf_files import prepare
 from executor_svc.runner.model_runner import ModelRunner
-from tests.support.smollm2 import GGUF_NAME, cache_root, ensure_smollm2
+from tests.support.smollm2 import GGUF_NAME, cache_root, ensure_smollm2, hf_reference_model
 from tests.unit.test_lora import Driver
 
 pytest.importorskip("peft")
 
 NUM_NEW = 12
-
-
-def _hf_gguf(gguf_path: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    ).eval()
 
 
 def test_adapter_on_gguf_base_matches_peft_on_dequantized_model(tmp_path: Path) -> None:
@@ -42,7 +34,7 @@ def test_adapter_on_gguf_base_matches_peft_on_dequantized_model(tmp_path: Path) 
         r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
         lora_dropout=0.0, init_lora_weights=False,
     )  # fmt: skip
-    peft_model = get_peft_model(_hf_gguf(gguf_path), cfg)
+    peft_model = get_peft_model(hf_reference_model(), cfg)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
@@ -67,7 +59,7 @@ def test_adapter_on_gguf_base_matches_peft_on_dequantized_model(tmp_path: Path) 
     outs = [t[len(p) :] for t, p in zip(driver.tokens, prompts * 2, strict=True)]
     assert outs[:2] != outs[2:]  # the adapter changes the outputs
 
-    ref = PeftModel.from_pretrained(_hf_gguf(gguf_path), str(adapter)).eval()
+    ref = PeftModel.from_pretrained(hf_reference_model(), str(adapter)).eval()
     with torch.no_grad():
         for ids, got in zip(prompts, outs[:2], strict=True):
             logits = ref(torch.tensor([ids + got])).logits[0, len(ids) - 1 : -1]
