@@ -179,3 +179,33 @@ def test_the_amx_layout_through_the_vector_paths(variants):
         library.reset()
     for m in ROWS:
         assert torch.equal(got[m], want[m]), f"{m} rows: {_diff(got[m], want[m])}"
+
+
+@needs_amx
+@pytest.mark.parametrize("from_rows", [ALL_ROWS, NO_ROWS])
+def test_bf16_model_positions_invariant_with_every_split_of_the_paths(
+    variants, tmp_path, from_rows
+):
+    """test_step_invariance's plans on a bf16 model, amx loaded, the tiles taking every step or
+    none (the default split, tiles from 2 rows on, is tests/unit/test_bf16_model.py's run)."""
+    import random
+
+    from executor_svc.config import numerics
+    from executor_svc.runner.model_runner import ModelRunner
+    from tests.unit import test_step_invariance as inv
+
+    variants("amx")
+    before, deterministic = _tiles_from(from_rows), numerics.deterministic()
+    numerics.set_deterministic(True)
+    try:
+        rng = random.Random(5)
+        runner = ModelRunner(
+            inv._model(tmp_path, *inv.CASES[0], seed=5), device="cpu", dtype="bfloat16",
+            block_size=inv.BLOCK_SIZE, num_device_blocks=1024, swap_space_gib=0.05,
+        )  # fmt: skip
+        seqs, shared = inv._workload(rng, runner.info.vocab_size, num_short=6, long=True)
+        bad = inv._check(runner, seqs, shared, rng)
+        assert not bad, f"{len(bad)} differences, first: {bad[:5]}"
+    finally:
+        _tiles_from(before)
+        numerics.set_deterministic(deterministic)

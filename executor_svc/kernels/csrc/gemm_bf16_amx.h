@@ -72,8 +72,6 @@ struct AmxGemm {
   const float* bias;
   Out y;
 
-  int64_t cols(int64_t p) const { return std::min<int64_t>(N - p * kNR, kNR); }
-
   // The weights of panel p from pair step kt on; row stride kNR pairs (128 bytes).
   const uint16_t* b(int64_t p, int64_t kt) const { return w + (p * K2s + kt) * kNR * 2; }
 
