@@ -69,23 +69,23 @@ print('variant', l.variant(), 'path', gemm_bf16.isa_path(), 'init', l.load().llm
     LLMSERVE_CPU_ISA=amx timeout 90 $PY benchmarks/probe_amx_order.py 2>&1 | tee "$OUT/probe.log"
     ;;
   tests)
-    LLMSERVE_CPU_ISA=amx timeout 300 $PY -m pytest -p no:cacheprovider -q -rs -n 8 --timeout 240 \
+    LLMSERVE_CPU_ISA=amx timeout 200 $PY -m pytest -p no:cacheprovider -q -rs -n 8 --timeout 180 \
       tests/unit/test_gemm_amx.py tests/unit/test_gemm_bf16.py tests/unit/test_kernel_variants.py \
       tests/unit/test_bf16_model.py -k "not describe" >"$OUT/tests.log" 2>&1
     echo "tests rc=$?"
     grep -E "passed|failed|FAILED|Error|assert" "$OUT/tests.log" | head -40
     ;;
   bench1)
-    timeout 240 taskset -c "${CORES8%%,*}" $PY benchmarks/bench_bf16.py --threads 1 \
+    timeout 180 taskset -c "${CORES8%%,*}" $PY benchmarks/bench_bf16.py --threads 1 \
       --batches 1,64 --repeats 3 --iters 5 2>&1 | grep -v "^20..-" | tee "$OUT/bench1.log"
     ;;
   bench8)
-    timeout 150 taskset -c "$CORES8" $PY benchmarks/bench_bf16.py --threads 8 --batches 1,64 \
+    timeout 100 taskset -c "$CORES8" $PY benchmarks/bench_bf16.py --threads 8 --batches 1,64 \
       --repeats 3 --iters 5 --skip-decode --amx-variants 2>&1 | grep -v "^20..-" |
       tee "$OUT/bench8.log"
     ;;
   sweep)
-    timeout 150 taskset -c "${CORES8%%,*}" $PY benchmarks/bench_bf16.py --threads 1 \
+    timeout 100 taskset -c "${CORES8%%,*}" $PY benchmarks/bench_bf16.py --threads 1 \
       --batches 1,2,4,8,64 --repeats 2 --iters 3 --skip-decode --engines ours-bf16 \
       --amx-variants 2>&1 | grep -v "^20..-" | tee "$OUT/sweep.log"
     ;;
