@@ -10,18 +10,17 @@ and our fp32 path.
    * ours-fp32: ``gemm.PanelWeight`` (the fp32 default);
    * with ``--amx-variants``, where the amx kernel variant is loaded, the same packed weights
      with its settings changed for the call: ours-vdp (no tiles: vdpbf16ps and FMAs on the amx
-     layout), ours-tiles (tiles for every row count), ours-pfN (tiles, weights prefetched N
-     tile steps ahead; 0 = none).
+     layout, other bits), ours-pfN (weights prefetched N tile steps ahead, not 4; 0 = none).
 2. Decode step (``ModelRunner.execute``, CONTEXT tokens of context each, as bench_decode.py):
    fp32 (packed, our kernels), bf16 (packed bf16 GEMM), bf16 with torch's matmuls
    (``LLMSERVE_PREPACK=0``).
 
-Everything alternates in one process, ``--repeats`` rounds, medians shown, so background load
-hits every variant alike. One torch thread by default (``--threads``).
+Everything alternates in one process, ``--repeats`` rounds (each starting one engine later than
+the one before), medians shown, so background load and the order hit every variant alike. One torch thread by default (``--threads``).
 
     taskset -c 0 .venv/bin/python benchmarks/bench_bf16.py --threads 1
-    .venv/bin/python benchmarks/bench_bf16.py --batches 1,2,4,8,16 --skip-decode \
-        --engines ours-bf16,onednn-bf16 --amx-variants     # where the tiles start to pay
+    .venv/bin/python benchmarks/bench_bf16.py --batches 1,8,64 --skip-decode \
+        --engines ours-bf16 --amx-variants     # the amx variant's settings
 """
 
 from __future__ import annotations
@@ -79,9 +78,9 @@ def _with_amx(what: int, value: int, fn):
 
 def amx_fns(fns: dict[str, object]) -> dict[str, object]:
     ours = fns["ours-bf16"]
-    extra = {"ours-vdp": _with_amx(0, 1 << 62, ours), "ours-tiles": _with_amx(0, 1, ours)}
+    extra = {"ours-vdp": _with_amx(0, 1 << 62, ours)}
     for ahead in (0, 2, 8):
-        extra[f"ours-pf{ahead}"] = _with_amx(0, 1, _with_amx(1, ahead, ours))
+        extra[f"ours-pf{ahead}"] = _with_amx(1, ahead, ours)
     return extra
 
 
@@ -141,9 +140,11 @@ def measure(fns: dict[str, object], repeats: int, iters: int) -> dict[str, float
     for fn in fns.values():
         fn()  # warm-up
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            times[name].append(_median_time(fn, iters))
+    names = list(fns)
+    for r in range(repeats):
+        start = r % len(names)
+        for name in names[start:] + names[:start]:
+            times[name].append(_median_time(fns[name], iters))
     return {k: statistics.median(v) for k, v in times.items()}
 
 

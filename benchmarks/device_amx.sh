@@ -8,7 +8,7 @@
 #   bench1  benchmarks/bench_bf16.py, 1 thread: GEMMs of one decode step at batch 1 and 64, and
 #           the decode step (fp32, bf16 ours, bf16 torch)
 #   bench8  the same GEMMs on 8 threads, one per physical core, with the amx settings
-#   sweep   1 thread, batches 1-64: tiles against vdpbf16ps, prefetch distances
+#   sweep   1 thread, batches 1, 8, 64: the tiles against the vector paths, prefetch distances
 # Every step runs whatever the one before did; logs go to $OUT (the device tool's folder) or
 # ./amx-out. Wheels the image lacks are installed from $WHEELS when present (docs/benchmarks.md,
 # "AMX").
@@ -69,24 +69,26 @@ print('variant', l.variant(), 'path', gemm_bf16.isa_path(), 'init', l.load().llm
     LLMSERVE_CPU_ISA=amx timeout 90 $PY benchmarks/probe_amx_order.py 2>&1 | tee "$OUT/probe.log"
     ;;
   tests)
-    LLMSERVE_CPU_ISA=amx timeout 200 $PY -m pytest -p no:cacheprovider -q -rs -n 8 --timeout 180 \
-      tests/unit/test_gemm_amx.py tests/unit/test_gemm_bf16.py tests/unit/test_kernel_variants.py \
+    # 8 workers of 2 threads each (torch's and the kernels' thread count): no oversubscription.
+    OMP_NUM_THREADS=2 LLMSERVE_CPU_ISA=amx timeout 220 $PY -m pytest -p no:cacheprovider -v \
+      -rsP -n 8 -p no:benchmark --timeout 200 tests/unit/test_gemm_amx.py \
+      tests/unit/test_gemm_bf16.py tests/unit/test_kernel_variants.py \
       tests/unit/test_bf16_model.py -k "not describe" >"$OUT/tests.log" 2>&1
     echo "tests rc=$?"
-    grep -E "passed|failed|FAILED|Error|assert" "$OUT/tests.log" | head -40
+    grep -E "passed|failed|FAILED|Error|assert|of fp32 outputs" "$OUT/tests.log" | head -60
     ;;
   bench1)
     timeout 180 taskset -c "${CORES8%%,*}" $PY benchmarks/bench_bf16.py --threads 1 \
-      --batches 1,64 --repeats 3 --iters 5 2>&1 | grep -v "^20..-" | tee "$OUT/bench1.log"
+      --batches 1,64 --repeats 5 --iters 5 2>&1 | grep -v "^20..-" | tee "$OUT/bench1.log"
     ;;
   bench8)
     timeout 100 taskset -c "$CORES8" $PY benchmarks/bench_bf16.py --threads 8 --batches 1,64 \
-      --repeats 3 --iters 5 --skip-decode --amx-variants 2>&1 | grep -v "^20..-" |
+      --repeats 5 --iters 5 --skip-decode --amx-variants 2>&1 | grep -v "^20..-" |
       tee "$OUT/bench8.log"
     ;;
   sweep)
     timeout 100 taskset -c "${CORES8%%,*}" $PY benchmarks/bench_bf16.py --threads 1 \
-      --batches 1,2,4,8,64 --repeats 2 --iters 3 --skip-decode --engines ours-bf16 \
+      --batches 1,8,64 --repeats 4 --iters 3 --skip-decode --engines ours-bf16 \
       --amx-variants 2>&1 | grep -v "^20..-" | tee "$OUT/sweep.log"
     ;;
   esac

@@ -4,9 +4,10 @@ every row count) against emulations of candidate chains, and against the avx512b
 
 Candidates, per output element, fp32 with flush-to-zero (torch.set_flush_denormal):
   odd-first    acc += x[2i+1] w[2i+1], then acc += x[2i] w[2i], each rounded (the module's chain)
-  even-first   the same, even element first (what the SDM says for unswapped pairs)
-  pair-fused   acc + both products of a pair, rounded once
-  tile-fused   acc + the 32 products of one tile step, rounded once
+  even-first   the same, even element first (what the SDM's pseudo-code says for TDPBF16PS)
+  pair-sum     the pair's two products summed and rounded, then added and rounded
+  pair-fused   acc + both products of a pair, rounded once (-rz: rounded toward zero)
+  tile-fused   acc + the 32 products of one tile step, rounded once (-rz: toward zero)
 and two denormal cases: a product below fp32's normal range (flushed?) and a bf16 denormal input
 (taken as zero?).
 
@@ -26,31 +27,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from executor_svc.kernels import gemm_bf16, library  # noqa: E402
 
 
+def _rz(d: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32 rounded toward zero."""
+    f = d.float()
+    over = f.double().abs() > d.abs()
+    return torch.where(over, torch.nextafter(f, torch.zeros_like(f)), f)
+
+
 def chains(x: torch.Tensor, w: torch.Tensor) -> dict[str, torch.Tensor]:
     """Emulated outputs [M, N] of each candidate chain for bf16 x [M, K] and w [K, N], K even."""
     xf, wf = x.float(), w.float()
     m, k = x.shape
-    n = w.shape[1]
-    odd, even = torch.zeros(m, n), torch.zeros(m, n)
-    pair, tile = torch.zeros(m, n), torch.zeros(m, n)
+    zero = torch.zeros(m, w.shape[1])
+    out = {name: zero for name in ("odd-first", "even-first", "pair-sum", "pair-fused")}
+    out |= {"pair-fused-rz": zero, "tile-fused": zero, "tile-fused-rz": zero}
     for i in range(k // 2):
         p_lo = xf[:, 2 * i, None] * wf[None, 2 * i]  # exact: 8-bit by 8-bit significands
         p_hi = xf[:, 2 * i + 1, None] * wf[None, 2 * i + 1]
-        odd = (odd + p_hi) + p_lo
-        even = (even + p_lo) + p_hi
-        pair = (pair.double() + p_hi.double() + p_lo.double()).float()
+        both = p_hi.double() + p_lo.double()  # exact
+        out["odd-first"] = (out["odd-first"] + p_hi) + p_lo
+        out["even-first"] = (out["even-first"] + p_lo) + p_hi
+        out["pair-sum"] = out["pair-sum"] + both.float()
+        out["pair-fused"] = (out["pair-fused"].double() + both).float()
+        out["pair-fused-rz"] = _rz(out["pair-fused-rz"].double() + both)
     for t in range(0, k, 32):
         step = xf[:, t : t + 32].double() @ wf[t : t + 32].double()
-        tile = (tile.double() + step).float()
-    return {"odd-first": odd, "even-first": even, "pair-fused": pair, "tile-fused": tile}
+        out["tile-fused"] = (out["tile-fused"].double() + step).float()
+        out["tile-fused-rz"] = _rz(out["tile-fused-rz"].double() + step)
+    return out
 
 
 def run(lib_variant: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     os.environ["LLMSERVE_CPU_ISA"] = lib_variant
     library.reset()
     assert library.variant() == lib_variant, library.variant()
-    if lib_variant == "amx":
-        library.load().llmserve_gemm_bf16_amx_set(0, 1)  # tiles for every row count
     return gemm_bf16.pack(w).linear(x.float(), None)
 
 

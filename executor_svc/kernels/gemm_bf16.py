@@ -6,14 +6,16 @@ of rows, the other rows or the threads, so a bf16 model keeps the step-invarianc
 (config/numerics.py). On a CPU with AVX512-BF16 each pair is one ``vdpbf16ps``; the avx512 and
 avx2 variants of the library widen bf16 to fp32 and issue the two FMAs that instruction
 performs, with the same bits (``tests/unit/test_gemm_bf16.py`` checks the variants against each
-other and against torch). The amx variant runs many rows on AMX tiles (``TDPBF16PS``, pairs
-swapped so that it runs the same chain; ``csrc/gemm_bf16_amx.h``, tests/unit/test_gemm_amx.py).
+other and against torch). The amx variant runs every row count on AMX tiles (``TDPBF16PS``;
+``csrc/gemm_bf16_amx.h``): one fixed order per element too, but that instruction rounds its own
+way, so its bits are its own (step-invariant, not equal to the other variants';
+tests/unit/test_gemm_amx.py, docs/benchmarks.md "AMX").
 
 Weights are packed once into panels of ``NR`` columns, ``[N / NR][K2s][NR][2]`` bf16
 (``Bf16PanelWeight``); K2s is ``K / 2`` rounded up to the library's multiple (whole AMX tiles in
-the amx variant, whose padded pairs are bf16 -0, and whose pairs are stored swapped). Activations enter as bf16 (fp32 ones are rounded to bf16 first, as
-torch's bf16 matmul does); the result is fp32 accumulated, plus the bias, rounded to the
-activations' dtype. Taken in both numerics modes: it is faster than torch's bf16 matmul at
+the amx variant, whose padded pairs are bf16 -0). Activations enter as bf16 (fp32 ones are
+rounded to bf16 first, as torch's bf16 matmul does); the result is fp32 accumulated, plus the
+bias, rounded to the activations' dtype. Taken in both numerics modes: it is faster than torch's bf16 matmul at
 decode batch sizes (docs/benchmarks.md).
 """
 
@@ -62,7 +64,6 @@ class Bf16PanelWeight:
         align = (
             lib.llmserve_gemm_bf16_k2_align() if hasattr(lib, "llmserve_gemm_bf16_k2_align") else 1
         )
-        swapped = hasattr(lib, "llmserve_gemm_bf16_swapped") and lib.llmserve_gemm_bf16_swapped()
         num, k2 = -(-n // nr), -(-k // 2)
         k2s = -(-k2 // align) * align
         padded = torch.zeros(2 * k2s, num * nr, dtype=torch.bfloat16)
@@ -70,10 +71,8 @@ class Bf16PanelWeight:
         # Pairs past K / 2 (whole tiles): -0, whose products leave every accumulator as it is.
         padded[2 * k2 :] = -0.0
         # (k2s, pair, panel, col) -> (panel, k2s, col, pair)
-        panels = padded.view(k2s, 2, num, nr).permute(2, 0, 3, 1)
-        if swapped:
-            panels = panels.flip(-1)
-        return cls(panels.contiguous(), k, n)
+        panels = padded.view(k2s, 2, num, nr).permute(2, 0, 3, 1).contiguous()
+        return cls(panels, k, n)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [rows, in] @ W (+ bias)`` in x's dtype (bf16 or fp32), each element in the fixed

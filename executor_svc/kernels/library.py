@@ -59,8 +59,8 @@ PORTABLE_MARCH = "-march=x86-64-v3"
 PORTABLE_FEATURES = ("avx2", "fma", "bmi2", "f16c")
 _AVX512 = (*PORTABLE_FEATURES, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 _AVX512BF16 = (*_AVX512, "avx512_bf16", "avx512_vnni")
-# name -> (compiler flags, /proc/cpuinfo flags it needs), best first. amx: the bf16 GEMM's many-row
-# tiles on TDPBF16PS (csrc/gemm_bf16_amx.h); every other kernel as in avx512bf16.
+# name -> (compiler flags, /proc/cpuinfo flags it needs), best first. amx: the bf16 GEMM on AMX
+# tiles (TDPBF16PS, csrc/gemm_bf16_amx.h), every row count; every other kernel as in avx512bf16.
 VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "amx": (
         ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
@@ -107,7 +107,6 @@ _OPTIONAL_SIGNATURES: dict[str, tuple[list, type]] = {
     "llmserve_gemm_bf16_nr": ([], ctypes.c_int),
     "llmserve_gemm_bf16_path": ([], ctypes.c_char_p),
     "llmserve_gemm_bf16_k2_align": ([], ctypes.c_int),
-    "llmserve_gemm_bf16_swapped": ([], ctypes.c_int),
     # 0, or the errno of the kernel's refusal of AMX tile state (-1: not an amx build)
     "llmserve_amx_init": ([], ctypes.c_int),
     # what (0: rows from which tiles are taken, 1: prefetch distance), value (< 0: query)

@@ -1,11 +1,12 @@
-"""The amx kernel variant's bf16 GEMM (csrc/gemm_bf16_amx.h): its AMX tiles give the bits of the
-avx512bf16 variant (vdpbf16ps one row at a time) for any shape and row count, its own one-row and
-many-row paths agree, and it follows torch.
+"""The amx kernel variant's bf16 GEMM (csrc/gemm_bf16_amx.h): every row count on AMX tiles, a
+row's bits the same alone and in any batch and thread count (step invariance), within rounding of
+the avx512bf16 variant (TDPBF16PS does not round as vdpbf16ps: the bits are its own,
+docs/benchmarks.md "AMX"), and close to fp64.
 
 The tile tests need a CPU with AMX-BF16 (``amx_tile`` and ``amx_bf16`` in /proc/cpuinfo) and
 skip elsewhere (CI has none); the device script benchmarks/device_amx.sh runs them on an AMX
 Xeon. The layout test runs wherever the avx512bf16 variant runs: the amx build's packed layout
-(pairs swapped, K padded to whole tiles) through its vdpbf16ps and FMA paths.
+(32-column panels, K padded to whole tiles) through its vdpbf16ps and FMA paths.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ needs_amx = pytest.mark.skipif(
     not HAS_AMX, reason="this CPU has no AMX-BF16 (amx_tile, amx_bf16 not in /proc/cpuinfo)"
 )
 ROWS = (1, 2, 7, 16, 17, 64, 100)
-# (K, N): K odd, K not a multiple of a tile's 32, N not a multiple of a panel, several panels.
+# (K, N): K odd, K not a multiple of a tile's 32 (rows copied), K a multiple (rows read in
+# place), N not a multiple of a panel, several panels.
 SHAPES = [(33, 20), (130, 50), (576, 960), (1537, 97), (64, 32)]
 ALL_ROWS, NO_ROWS = 0, 1 << 62  # llmserve_gemm_bf16_amx_set(0, ...): tiles for every / no call
 
@@ -73,25 +75,20 @@ def test_amx_is_picked_and_has_its_tile_state(variants):
 
 @needs_amx
 @pytest.mark.parametrize("k,n", SHAPES)
-def test_tiles_give_the_vdpbf16ps_bits(variants, k, n):
+def test_tiles_are_within_rounding_of_vdpbf16ps(variants, k, n):
     """Every row count on the tiles against the avx512bf16 variant (vdpbf16ps for one row, the
-    widening FMAs for more): the same bits, fp32 and bf16 out, with and without bias."""
+    widening FMAs for more): fp32 accumulations of the same products in another rounding, so
+    close but not bitwise (the share of equal elements is printed)."""
     x, w, bias = _data(max(ROWS), k, n, seed=k)
     variants("avx512bf16")
-    want = _outputs(w, x, bias)
-    want_bf16 = _outputs(w, x, None, out_dtype=torch.bfloat16)
-    alone = gemm_bf16.pack(w).linear(x, None)
+    want, want_bf16 = _outputs(w, x, bias), _outputs(w, x, None, out_dtype=torch.bfloat16)
     variants("amx")
-    before = _tiles_from(ALL_ROWS)
-    try:
-        got = _outputs(w, x, bias)
-        got_bf16 = _outputs(w, x, None, out_dtype=torch.bfloat16)
-    finally:
-        _tiles_from(before)
+    got, got_bf16 = _outputs(w, x, bias), _outputs(w, x, None, out_dtype=torch.bfloat16)
     for m in ROWS:
-        assert torch.equal(got[m], want[m]), f"{m} rows: {_diff(got[m], want[m])}"
-        assert torch.equal(got_bf16[m], want_bf16[m]), f"{m} rows, bf16 out"
-        assert torch.equal(got_bf16[m], alone[:m]), f"{m} rows against one row at a time"
+        torch.testing.assert_close(got[m], want[m], atol=1e-5 * k**0.5, rtol=1e-5)
+        torch.testing.assert_close(got_bf16[m], want_bf16[m], atol=1e-2, rtol=8e-3)  # 1 ulp
+    same = (got[max(ROWS)] == want[max(ROWS)]).float().mean().item()
+    print(f"k={k} n={n}: {same:.3f} of fp32 outputs equal to vdpbf16ps's")
 
 
 @needs_amx
@@ -105,12 +102,14 @@ def test_tiles_follow_fp64(variants, k, n):
 
 
 @needs_amx
-@pytest.mark.parametrize("from_rows", [ALL_ROWS, 2, 9, NO_ROWS])
-def test_a_row_has_the_same_bits_in_any_batch_and_thread_count(variants, from_rows):
-    """Whichever rows the tiles take (every call, from 2 or 9 rows on, none), a row gives the
-    same bits alone and in any batch, with 1 or 4 threads."""
+@pytest.mark.parametrize("k", [300, 320])  # rows copied, rows read in place
+@pytest.mark.parametrize("from_rows", [ALL_ROWS, NO_ROWS])
+def test_a_row_has_the_same_bits_in_any_batch_and_thread_count(variants, from_rows, k):
+    """The tiles for every call (the default) or for none (the vector paths on the amx layout):
+    a row gives the same bits alone and in any batch, with 1 or 4 threads, its tensor strided
+    or not."""
     variants("amx")
-    x, w, bias = _data(133, 300, 230, seed=3)
+    x, w, bias = _data(133, k, 230, seed=3)
     packed = gemm_bf16.pack(w)
     before, threads = _tiles_from(from_rows), torch.get_num_threads()
     try:
@@ -154,9 +153,9 @@ def _refusing(open_fn):
 
 
 def test_the_amx_layout_through_the_vector_paths(variants):
-    """The amx build's layout (pairs swapped, K padded to whole tiles with -0, 32-column
-    panels) through its vdpbf16ps and FMA paths, the tiles off: the avx512bf16 bits. Runs
-    wherever the avx512bf16 variant does (no AMX needed)."""
+    """The amx build's layout (K padded to whole tiles with -0, 32-column panels) through its
+    vdpbf16ps and FMA paths, the tiles off: the avx512bf16 bits. Runs wherever the avx512bf16
+    variant does (no AMX needed)."""
     if "avx512bf16" not in library.supported_variants():
         pytest.skip("this CPU cannot run the avx512bf16 variant")
     x, w, bias = _data(max(ROWS), 1537, 97, seed=9)
@@ -186,8 +185,8 @@ def test_the_amx_layout_through_the_vector_paths(variants):
 def test_bf16_model_positions_invariant_with_every_split_of_the_paths(
     variants, tmp_path, from_rows
 ):
-    """test_step_invariance's plans on a bf16 model, amx loaded, the tiles taking every step or
-    none (the default split, tiles from 2 rows on, is tests/unit/test_bf16_model.py's run)."""
+    """test_step_invariance's plans on a bf16 model, amx loaded, the tiles taking every step (the
+    default; tests/unit/test_bf16_model.py runs its own cases so on an AMX CPU) or none."""
     import random
 
     from executor_svc.config import numerics

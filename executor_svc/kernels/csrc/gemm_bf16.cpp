@@ -17,10 +17,12 @@
 //
 // Weights, packed once at load: [ceil(N / kNR)][K2s][kNR][2] (panels of kNR columns; for each
 // pair of k, the kNR columns' two values side by side, the operand layout of vdpbf16ps; the last
-// panel zero-padded). K must be even (the wrapper pads). K2s = K / 2 but in the amx variant
-// (gemm_bf16_amx.h), which pads it to whole tiles and swaps the two values of each pair; its
-// other paths read that layout (vdpbf16ps on weights rotated back, the widening FMAs on swapped
-// halves), so every path of every variant keeps the chain above.
+// panel zero-padded). K must be even (the wrapper pads). K2s = K / 2 but in the amx variant,
+// whose panels are 32 columns wide and whose K2s is padded to whole tiles (with bf16 -0).
+//
+// The amx variant (gemm_bf16_amx.h) runs every row count on AMX tiles instead: TDPBF16PS does
+// not round as the chain above (measured), so its bits are its own, the same for a row whatever
+// the step around it; its vdpbf16ps and FMA paths stay for tests and benchmarks.
 
 #include <omp.h>
 
@@ -47,13 +49,11 @@ using namespace llmserve;
 namespace {
 
 #if defined(__AMX_BF16__)
-constexpr int kNR = 32;         // panel width: two B tiles of 16 columns
-constexpr int kK2Align = 16;    // K / 2 padded to whole tiles (gemm_bf16_amx.h)
-constexpr bool kSwapped = true;  // each pair's two values swapped (gemm_bf16_amx.h)
+constexpr int kNR = 32;       // panel width: two B tiles of 16 columns
+constexpr int kK2Align = 16;  // K / 2 padded to whole tiles (gemm_bf16_amx.h)
 #else
 constexpr int kNR = 48;  // panel width: 3 vectors of 16 fp32 accumulators (32 bf16 per load)
 constexpr int kK2Align = 1;
-constexpr bool kSwapped = false;
 #endif
 constexpr int kVecs = kNR / 16;
 constexpr int kMR = 8;      // rows per tile: 8 x 3 = 24 accumulators
@@ -109,8 +109,8 @@ inline void widen(const uint16_t* w, v16* hi, v16* lo) {
   u16x wv;
   std::memcpy(&wv, w, sizeof wv);
   const u16x h = wv & 0xFFFF0000u, l = wv << 16;
-  std::memcpy(kSwapped ? lo : hi, &h, sizeof h);
-  std::memcpy(kSwapped ? hi : lo, &l, sizeof l);
+  std::memcpy(hi, &h, sizeof h);
+  std::memcpy(lo, &l, sizeof l);
 }
 
 // MXCSR for the duration of a thread's share: simd.h's FlushMode (flush-to-zero +
@@ -292,11 +292,9 @@ void tile_dp(const uint16_t* x, int64_t K2, const uint16_t* w, const float* bias
     for (int p = 0; p < P; ++p)
 #pragma GCC unroll 32
       for (int j = 0; j < kVecs; ++j)
-      {
-        __m512i wv = _mm512_loadu_si512(w + p * pstride + i * (kNR * 2) + 32 * j);
-        if constexpr (kSwapped) wv = _mm512_rol_epi32(wv, 16);  // the odd element back on top
-        acc[0][p][j] = (v16)_mm512_dpbf16_ps((__m512)acc[0][p][j], a, (__m512bh)wv);
-      }
+        acc[0][p][j] = (v16)_mm512_dpbf16_ps(
+            (__m512)acc[0][p][j], a,
+            (__m512bh)_mm512_loadu_si512(w + p * pstride + i * (kNR * 2) + 32 * j));
   }
   finish<1, P>(acc, bias, y, 0, col0, ncols);
 }
@@ -384,14 +382,14 @@ inline void share(int64_t total, int t, int nt, int64_t* begin, int64_t* end) {
 // Panel width of the packed layout, and which instruction path this build runs.
 extern "C" int llmserve_gemm_bf16_nr() { return kNR; }
 extern "C" const char* llmserve_gemm_bf16_path() { return kPath; }
-// The packed layout's K / 2 multiple and pair order (see top).
+// The packed layout's K / 2 multiple (see top).
 extern "C" int llmserve_gemm_bf16_k2_align() { return kK2Align; }
-extern "C" int llmserve_gemm_bf16_swapped() { return kSwapped ? 1 : 0; }
 
 // Linux hands out AMX tile state only to a process that asked for it (arch_prctl
 // ARCH_REQ_XCOMP_PERM for XTILEDATA; without it the first tile instruction faults). Asked once per
 // process, which it is granted to. 0: granted (the tile path is on); -1: not an AMX build; else
-// the errno of the refusal (this build then keeps to its vdpbf16ps and FMA paths).
+// the errno of the refusal (load() then takes the avx512bf16 variant; this build alone would
+// keep to its vdpbf16ps and FMA paths).
 extern "C" int llmserve_amx_init() {
 #if defined(__AMX_BF16__)
   constexpr long kGetPerm = 0x1022, kReqPerm = 0x1023;

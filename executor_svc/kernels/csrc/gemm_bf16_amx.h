@@ -1,18 +1,22 @@
 // The AMX tile path of the step-invariant bf16 GEMM: part of gemm_bf16.cpp (included there, in
 // its anonymous namespace, when the build has AMX-BF16: the library's "amx" variant).
 //
-// TDPBF16PS, per the Intel SDM's pseudo-code, updates each fp32 element of C for each pair k of a
-// 64-byte row as acc += a[2k] * b[2k], then acc += a[2k + 1] * b[2k + 1]: the even element first,
-// where VDPBF16PS takes the odd one first. So this build keeps each pair swapped, in the packed
-// weights (Python packs them so: llmserve_gemm_bf16_swapped) and in the copy of the rows made for
-// the A tiles: the tile instruction then runs the module's chain (odd element first). The k pairs
-// go through the tiles in ascending order into one C tile per output block, zeroed once: no K
-// split, no partial sums. Whether the hardware rounds as the pseudo-code says (each product added
-// with its own rounding, denormals flushed) is what tests/unit/test_gemm_amx.py checks.
+// Not the bits of vdpbf16ps. By the Intel SDM's pseudo-code, TDPBF16PS would add each pair's
+// two products to the fp32 accumulator one after the other, each rounded (the even element
+// first, where VDPBF16PS takes the odd one first: swapping both operands' pairs would have given
+// the module's chain). Measured on an AMX Xeon (docs/benchmarks.md, "AMX";
+// benchmarks/probe_amx_order.py) it rounds otherwise: with pairs swapped or not, its results
+// equal that chain's on about a fifth of the elements. So the amx variant keeps step invariance
+// its own way: every row count, one row (decode) included, runs on the tiles, in one order per
+// output element whatever the rows: the k pairs through the tiles in ascending order, 16 per
+// step, into one C tile zeroed once (no K split, no partial sums), each row of a tile computed
+// on its own. Its results differ from the other variants' by rounding (about an fp32 ulp of the
+// sum), as two CPUs' torch results do.
 //
-// K is padded to whole tiles (kTilePairs pairs). The padded pairs hold bf16 -0 in the weights
-// and +0 in the rows: each such product is -0, and acc + (-0) is acc exactly, also when acc is a
-// flushed -0 (a +0 product would turn that into +0).
+// K (in pairs) is padded to whole steps in the packed weights. The padded pairs hold bf16 -0 in
+// the weights and +0 in the rows: each such product is -0, and acc + (-0) is acc exactly, also
+// when acc is a flushed -0. The rows are read in place when K / 2 is a multiple of the step,
+// else from a zero-padded copy.
 //
 // Tiles: 0-3 C (fp32, 16 columns), 4-5 A (up to 16 rows x 16 pairs), 6-7 B (16 pairs x 16
 // columns x 2). A unit of work is one panel (kNR = 32 columns: two B tiles) and 32 rows (2 x 2 C
@@ -22,10 +26,10 @@
 
 constexpr int kTilePairs = 16;  // pairs of k per tile step: 64 bytes of an A row, 16 B rows
 
-// Rows from which a call takes the tiles (fewer: vdpbf16ps, as in the avx512bf16 variant), and
-// how many tile steps ahead the weights are prefetched (0: none). Settable for tests and
-// benchmarks (llmserve_gemm_bf16_amx_set).
-std::atomic<int64_t> g_amx_min_rows{2};
+// Rows from which a call takes the tiles (fewer: the vdpbf16ps and FMA paths, whose bits differ:
+// only tests and benchmarks change it) and how many tile steps ahead the weights are prefetched
+// (0: none); llmserve_gemm_bf16_amx_set.
+std::atomic<int64_t> g_amx_min_rows{1};
 std::atomic<int64_t> g_amx_prefetch{4};
 std::atomic<bool> g_amx_ready{false};  // llmserve_amx_init succeeded in this process
 
@@ -38,15 +42,23 @@ struct TileConfig {  // the 64-byte operand of LDTILECFG, palette 1
 };
 static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
 
-// This thread's tile shapes: C and A tiles of `rows` rows, B tiles of kTilePairs pair rows.
-inline void amx_configure(int rows) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = (uint8_t)(t >= 6 ? kTilePairs : rows);
+// This thread's tile shapes: A tile 4 and C tiles 0, 1 of r0 rows; A tile 5 and C tiles 2, 3
+// of r1 rows; B tiles of kTilePairs pair rows. LDTILECFG zeroes the tiles: a unit reconfigures
+// (when its rows differ from the last unit's) before it zeroes its C tiles.
+struct TileShape {
+  int r0 = 0, r1 = 0;
+
+  void set(int rows0, int rows1) {
+    if (rows0 == r0 && rows1 == r1) return;
+    r0 = rows0, r1 = rows1;
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.colsb[t] = 64;
+      cfg.rows[t] = (uint8_t)(t >= 6 ? kTilePairs : (t == 2 || t == 3 || t == 5) ? r1 : r0);
+    }
+    _tile_loadconfig(&cfg);
   }
-  _tile_loadconfig(&cfg);
-}
+};
 
 // Bias, then the store (fp32, or rounded to nearest even bf16 as to_bf16 does) of up to 16
 // columns of one row; under the thread's FlushMode, as `finish`.
@@ -65,9 +77,9 @@ inline void put16(const Out& y, int64_t r, int64_t c, int64_t n, const float* v,
 }
 
 struct AmxGemm {
-  const uint32_t* a;  // [ceil(M / 16) * 16][K2s] the rows, pairs swapped, zero-padded
-  int64_t M, K2s;
-  const uint16_t* w;  // packed panels, [P][K2s][kNR][2], pairs swapped
+  const uint16_t* a;  // the rows, bf16 [M][lda], K / 2 pairs then (in a copy) zeros up to K2s
+  int64_t lda, M, K2s;
+  const uint16_t* w;  // packed panels, [P][K2s][kNR][2]
   int64_t N, P;
   const float* bias;
   Out y;
@@ -84,13 +96,17 @@ struct AmxGemm {
     for (int i = 0; i < kTilePairs * kNR * 4; i += 64) _mm_prefetch(line + i, _MM_HINT_T0);
   }
 
-  // Rows [m0, m0 + 16 * RA) x panels [p, p + PB): RA A tiles, PB panels of two B tiles.
+  // Rows [m0, m0 + 16 * RA) (fewer at the end) x panels [p, p + PB): RA A tiles, PB panels of
+  // two B tiles.
   template <int RA, int PB>
-  void unit(int64_t m0, int64_t p) const {
+  void unit(int64_t m0, int64_t p, TileShape* shape) const {
     static_assert(RA * PB <= 2, "4 C tiles at most");
-    const uint32_t* a0 = a + m0 * K2s;
-    const uint32_t* a1 = a0 + 16 * K2s;
-    const int64_t lda = K2s * 4, ldb = kNR * 4;  // bytes
+    const int64_t rows = std::min<int64_t>(M - m0, 16 * RA);
+    const int r0 = (int)std::min<int64_t>(rows, 16);
+    shape->set(r0, RA == 2 ? (int)(rows - 16) : r0);
+    const uint16_t* a0 = a + m0 * lda;
+    const uint16_t* a1 = a0 + 16 * lda;
+    const int64_t sa = lda * 2, sb = kNR * 4;  // row strides, bytes
     _tile_zero(0);
     _tile_zero(1);
     if constexpr (RA * PB == 2) {
@@ -99,10 +115,10 @@ struct AmxGemm {
     }
     for (int64_t kt = 0; kt < K2s; kt += kTilePairs) {
       prefetch(p, kt);
-      _tile_loadd(4, a0 + kt, lda);
-      if constexpr (RA == 2) _tile_loadd(5, a1 + kt, lda);
-      _tile_loadd(6, b(p, kt), ldb);
-      _tile_loadd(7, b(p, kt) + 32, ldb);
+      _tile_loadd(4, a0 + 2 * kt, sa);
+      if constexpr (RA == 2) _tile_loadd(5, a1 + 2 * kt, sa);
+      _tile_loadd(6, b(p, kt), sb);
+      _tile_loadd(7, b(p, kt) + 32, sb);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 4, 7);
       if constexpr (RA == 2) {
@@ -111,8 +127,8 @@ struct AmxGemm {
       }
       if constexpr (PB == 2) {
         prefetch(p + 1, kt);
-        _tile_loadd(6, b(p + 1, kt), ldb);
-        _tile_loadd(7, b(p + 1, kt) + 32, ldb);
+        _tile_loadd(6, b(p + 1, kt), sb);
+        _tile_loadd(7, b(p + 1, kt) + 32, sb);
         _tile_dpbf16ps(2, 4, 6);
         _tile_dpbf16ps(3, 4, 7);
       }
@@ -125,7 +141,6 @@ struct AmxGemm {
       _tile_stored(3, c[3], 64);
     }
     // C tile t: rows 16 * (t / (2 * PB)) on, columns 16 * (t % (2 * PB)) from panel p's first.
-    const int64_t rows = std::min<int64_t>(M - m0, 16 * RA);
     const int64_t ncols = std::min<int64_t>(N - p * kNR, PB * kNR);
     for (int t = 0; t < 2 * RA * PB; ++t) {
       const int64_t r0 = 16 * (t / (2 * PB)), c0 = 16 * (t % (2 * PB));
@@ -139,15 +154,15 @@ struct AmxGemm {
 // units share a panel, which the first one streams from memory); each configures its own tiles.
 inline void amx_gemm(const uint16_t* x, int64_t M, int64_t K2, int64_t ldx, const uint16_t* w,
                      int64_t N, const float* bias, const Out& y, int num_threads) {
-  const int64_t K2s = pairs_stride(K2), Mp = (M + 15) / 16 * 16;
-  std::vector<uint32_t> a((size_t)(Mp * K2s), 0u);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < K2; ++i) {
-      uint32_t pair;
-      std::memcpy(&pair, x + m * ldx + 2 * i, 4);
-      a[(size_t)(m * K2s + i)] = pair << 16 | pair >> 16;  // swapped: odd element in the low half
-    }
-  const AmxGemm g{a.data(), M, K2s, w, N, (N + kNR - 1) / kNR, bias, y};
+  const int64_t K2s = pairs_stride(K2);
+  std::vector<uint16_t> copy;
+  if (K2s != K2) {  // the last step would read past a row: a copy, zeros after each row's K
+    copy.assign((size_t)(M * K2s * 2), 0);
+    for (int64_t m = 0; m < M; ++m)
+      std::memcpy(copy.data() + m * K2s * 2, x + m * ldx, (size_t)K2 * 4);
+  }
+  const AmxGemm g{copy.empty() ? x : copy.data(), copy.empty() ? ldx : K2s * 2, M, K2s, w, N,
+                  (N + kNR - 1) / kNR, bias, y};
   const int64_t blocks = (M + 31) / 32;
   // One row tile: pairs of panels where a thread gets several; else single panels.
   const bool pairs = M <= 16 && g.P >= 4 * num_threads;
@@ -156,23 +171,23 @@ inline void amx_gemm(const uint16_t* x, int64_t M, int64_t K2, int64_t ldx, cons
 #pragma omp parallel num_threads(num_threads) if (parallel)
   {
     BfMode mode;
-    amx_configure(M < 16 ? (int)M : 16);
+    TileShape shape;
     int64_t u0, u1;
     share(units, omp_get_thread_num(), omp_get_num_threads(), &u0, &u1);
     for (int64_t u = u0; u < u1; ++u) {
       if (M <= 16 && pairs) {
         if (2 * u + 1 < g.P)
-          g.unit<1, 2>(0, 2 * u);
+          g.unit<1, 2>(0, 2 * u, &shape);
         else
-          g.unit<1, 1>(0, 2 * u);
+          g.unit<1, 1>(0, 2 * u, &shape);
       } else if (M <= 16) {
-        g.unit<1, 1>(0, u);
+        g.unit<1, 1>(0, u, &shape);
       } else {
         const int64_t p = u / blocks, m0 = u % blocks * 32;
         if (M - m0 > 16)
-          g.unit<2, 1>(m0, p);
+          g.unit<2, 1>(m0, p, &shape);
         else
-          g.unit<1, 1>(m0, p);
+          g.unit<1, 1>(m0, p, &shape);
       }
     }
     _tile_release();
