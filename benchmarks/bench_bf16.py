@@ -10,7 +10,8 @@ and our fp32 path.
    * ours-fp32: ``gemm.PanelWeight`` (the fp32 default);
    * with ``--amx-variants``, where the amx kernel variant is loaded, the same packed weights
      with its settings changed for the call: ours-vdp (no tiles: vdpbf16ps and FMAs on the amx
-     layout, other bits), ours-pfN (weights prefetched N tile steps ahead, not 4; 0 = none).
+     layout, other bits), ours-pfN (weights prefetched N tile steps ahead, not 4; 0 = none),
+     ours-grouped (each tile step's loads before its products, not interleaved).
 2. Decode step (``ModelRunner.execute``, CONTEXT tokens of context each, as bench_decode.py):
    fp32 (packed, our kernels), bf16 (packed bf16 GEMM), bf16 with torch's matmuls
    (``LLMSERVE_PREPACK=0``).
@@ -63,7 +64,7 @@ def _median_time(fn, iters: int) -> float:
 
 def _with_amx(what: int, value: int, fn):
     """``fn`` run with the amx variant's setting ``what`` (0: rows from which the tiles are
-    taken, 1: prefetch distance) at ``value``."""
+    taken, 1: prefetch distance, 2: load order) at ``value``."""
     lib = library.load()
 
     def call():
@@ -81,6 +82,7 @@ def amx_fns(fns: dict[str, object]) -> dict[str, object]:
     extra = {"ours-vdp": _with_amx(0, 1 << 62, ours)}
     for ahead in (0, 2, 8):
         extra[f"ours-pf{ahead}"] = _with_amx(1, ahead, ours)
+    extra["ours-grouped"] = _with_amx(2, 0, ours)
     return extra
 
 

@@ -8,7 +8,9 @@
 #   bench1  benchmarks/bench_bf16.py, 1 thread: GEMMs of one decode step at batch 1 and 64, and
 #           the decode step (fp32, bf16 ours, bf16 torch)
 #   bench8  the same GEMMs on 8 threads, one per physical core, with the amx settings
-#   sweep   1 thread, batches 1, 8, 64: the tiles against the vector paths, prefetch distances
+#   sweep   1 thread, batches 1 and 64: the tiles against the vector paths, prefetch distances,
+#           load orders
+#   profile benchmarks/profile_step.py: the bf16 decode step by op family, batches 1 and 64
 # Every step runs whatever the one before did; logs go to $OUT (the device tool's folder) or
 # ./amx-out. Wheels the image lacks are installed from $WHEELS when present (docs/benchmarks.md,
 # "AMX").
@@ -25,7 +27,7 @@ if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     --target /tmp/site "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-steps=${*:-env build probe tests bench1 bench8 sweep}
+steps=${*:-env build probe tests bench1 bench8 sweep profile}
 # One logical CPU per physical core, the first 8 (AMX is per core: two threads of one core
 # would share it).
 CORES8=$(cat /sys/devices/system/cpu/cpu[0-9]*/topology/thread_siblings_list 2>/dev/null |
@@ -70,8 +72,8 @@ print('variant', l.variant(), 'path', gemm_bf16.isa_path(), 'init', l.load().llm
     ;;
   tests)
     # 8 workers of 2 threads each (torch's and the kernels' thread count): no oversubscription.
-    OMP_NUM_THREADS=2 LLMSERVE_CPU_ISA=amx timeout 220 $PY -m pytest -p no:cacheprovider -v \
-      -rsP -n 8 -p no:benchmark --timeout 200 tests/unit/test_gemm_amx.py \
+    OMP_NUM_THREADS=2 LLMSERVE_CPU_ISA=amx timeout 150 $PY -m pytest -p no:cacheprovider -v \
+      -rsP -n 8 -p no:benchmark --timeout 140 tests/unit/test_gemm_amx.py \
       tests/unit/test_gemm_bf16.py tests/unit/test_kernel_variants.py \
       tests/unit/test_bf16_model.py -k "not describe" >"$OUT/tests.log" 2>&1
     echo "tests rc=$?"
@@ -88,8 +90,12 @@ print('variant', l.variant(), 'path', gemm_bf16.isa_path(), 'init', l.load().llm
     ;;
   sweep)
     timeout 100 taskset -c "${CORES8%%,*}" $PY benchmarks/bench_bf16.py --threads 1 \
-      --batches 1,8,64 --repeats 4 --iters 3 --skip-decode --engines ours-bf16 \
+      --batches 1,64 --repeats 4 --iters 3 --skip-decode --engines ours-bf16 \
       --amx-variants 2>&1 | grep -v "^20..-" | tee "$OUT/sweep.log"
+    ;;
+  profile)
+    timeout 120 taskset -c "${CORES8%%,*}" $PY benchmarks/profile_step.py --dtype bfloat16 \
+      --batches 1,64 --iters 5 --no-prefill 2>&1 | grep -v "^20..-" | tee "$OUT/profile.log"
     ;;
   esac
 done

@@ -409,10 +409,12 @@ extern "C" int llmserve_amx_init() {
 }
 
 // Tests and benchmarks: what = 0, the rows from which the amx variant takes the tiles; 1, its
-// prefetch distance in tile steps. value < 0 leaves it. Returns the value before (-1: no AMX).
+// prefetch distance in tile steps; 2, its load order (gemm_bf16_amx.h). value < 0 leaves it.
+// Returns the value before (-1: no AMX).
 extern "C" int64_t llmserve_gemm_bf16_amx_set(int what, int64_t value) {
 #if defined(__AMX_BF16__)
-  std::atomic<int64_t>& knob = what == 0 ? g_amx_min_rows : g_amx_prefetch;
+  std::atomic<int64_t>& knob = what == 0 ? g_amx_min_rows : what == 1 ? g_amx_prefetch
+                                                                       : g_amx_interleave;
   return value < 0 ? knob.load() : knob.exchange(value);
 #else
   (void)what, (void)value;

@@ -31,6 +31,10 @@ constexpr int kTilePairs = 16;  // pairs of k per tile step: 64 bytes of an A ro
 // (0: none); llmserve_gemm_bf16_amx_set.
 std::atomic<int64_t> g_amx_min_rows{1};
 std::atomic<int64_t> g_amx_prefetch{4};
+// 1: each tile load just before its first use (the next step's loads overlap this step's last
+// products); 0: a step's four loads, then its products. The same products in the same order per
+// C tile either way (the same bits); llmserve_gemm_bf16_amx_set(2, ...).
+std::atomic<int64_t> g_amx_interleave{1};
 std::atomic<bool> g_amx_ready{false};  // llmserve_amx_init succeeded in this process
 
 struct TileConfig {  // the 64-byte operand of LDTILECFG, palette 1
@@ -98,7 +102,7 @@ struct AmxGemm {
 
   // Rows [m0, m0 + 16 * RA) (fewer at the end) x panels [p, p + PB): RA A tiles, PB panels of
   // two B tiles.
-  template <int RA, int PB>
+  template <int RA, int PB, bool IL>
   void unit(int64_t m0, int64_t p, TileShape* shape) const {
     static_assert(RA * PB <= 2, "4 C tiles at most");
     const int64_t rows = std::min<int64_t>(M - m0, 16 * RA);
@@ -115,21 +119,35 @@ struct AmxGemm {
     }
     for (int64_t kt = 0; kt < K2s; kt += kTilePairs) {
       prefetch(p, kt);
-      _tile_loadd(4, a0 + 2 * kt, sa);
-      if constexpr (RA == 2) _tile_loadd(5, a1 + 2 * kt, sa);
-      _tile_loadd(6, b(p, kt), sb);
-      _tile_loadd(7, b(p, kt) + 32, sb);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      if constexpr (RA == 2) {
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+      if constexpr (IL) {
+        _tile_loadd(4, a0 + 2 * kt, sa);
+        _tile_loadd(6, b(p, kt), sb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, b(p, kt) + 32, sb);
+        _tile_dpbf16ps(1, 4, 7);
+        if constexpr (RA == 2) {
+          _tile_loadd(5, a1 + 2 * kt, sa);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      } else {
+        _tile_loadd(4, a0 + 2 * kt, sa);
+        if constexpr (RA == 2) _tile_loadd(5, a1 + 2 * kt, sa);
+        _tile_loadd(6, b(p, kt), sb);
+        _tile_loadd(7, b(p, kt) + 32, sb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if constexpr (RA == 2) {
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
       }
       if constexpr (PB == 2) {
         prefetch(p + 1, kt);
         _tile_loadd(6, b(p + 1, kt), sb);
+        if constexpr (IL) _tile_dpbf16ps(2, 4, 6);
         _tile_loadd(7, b(p + 1, kt) + 32, sb);
-        _tile_dpbf16ps(2, 4, 6);
+        if constexpr (!IL) _tile_dpbf16ps(2, 4, 6);
         _tile_dpbf16ps(3, 4, 7);
       }
     }
@@ -150,6 +168,36 @@ struct AmxGemm {
   }
 };
 
+template <bool IL>
+void run_units(const AmxGemm& g, int64_t units, bool pairs, int64_t blocks, bool parallel,
+               int num_threads) {
+  const int64_t M = g.M;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+  {
+    BfMode mode;
+    TileShape shape;
+    int64_t u0, u1;
+    share(units, omp_get_thread_num(), omp_get_num_threads(), &u0, &u1);
+    for (int64_t u = u0; u < u1; ++u) {
+      if (M <= 16 && pairs) {
+        if (2 * u + 1 < g.P)
+          g.unit<1, 2, IL>(0, 2 * u, &shape);
+        else
+          g.unit<1, 1, IL>(0, 2 * u, &shape);
+      } else if (M <= 16) {
+        g.unit<1, 1, IL>(0, u, &shape);
+      } else {
+        const int64_t p = u / blocks, m0 = u % blocks * 32;
+        if (M - m0 > 16)
+          g.unit<2, 1, IL>(m0, p, &shape);
+        else
+          g.unit<1, 1, IL>(m0, p, &shape);
+      }
+    }
+    _tile_release();
+  }
+}
+
 // The whole product on the tiles. Threads split units (panel-major: a thread's consecutive
 // units share a panel, which the first one streams from memory); each configures its own tiles.
 inline void amx_gemm(const uint16_t* x, int64_t M, int64_t K2, int64_t ldx, const uint16_t* w,
@@ -168,28 +216,8 @@ inline void amx_gemm(const uint16_t* x, int64_t M, int64_t K2, int64_t ldx, cons
   const bool pairs = M <= 16 && g.P >= 4 * num_threads;
   const int64_t units = M <= 16 ? (pairs ? (g.P + 1) / 2 : g.P) : g.P * blocks;
   const bool parallel = num_threads > 1 && units > 1 && M * K2 * N >= (1 << 16);
-#pragma omp parallel num_threads(num_threads) if (parallel)
-  {
-    BfMode mode;
-    TileShape shape;
-    int64_t u0, u1;
-    share(units, omp_get_thread_num(), omp_get_num_threads(), &u0, &u1);
-    for (int64_t u = u0; u < u1; ++u) {
-      if (M <= 16 && pairs) {
-        if (2 * u + 1 < g.P)
-          g.unit<1, 2>(0, 2 * u, &shape);
-        else
-          g.unit<1, 1>(0, 2 * u, &shape);
-      } else if (M <= 16) {
-        g.unit<1, 1>(0, u, &shape);
-      } else {
-        const int64_t p = u / blocks, m0 = u % blocks * 32;
-        if (M - m0 > 16)
-          g.unit<2, 1>(m0, p, &shape);
-        else
-          g.unit<1, 1>(m0, p, &shape);
-      }
-    }
-    _tile_release();
-  }
+  if (g_amx_interleave.load(std::memory_order_relaxed))
+    run_units<true>(g, units, pairs, blocks, parallel, num_threads);
+  else
+    run_units<false>(g, units, pairs, blocks, parallel, num_threads);
 }
