@@ -10,13 +10,12 @@
 // its own way: every row count, one row (decode) included, runs on the tiles, in one order per
 // output element whatever the rows: the k pairs through the tiles in ascending order, 16 per
 // step, into one C tile zeroed once (no K split, no partial sums), each row of a tile computed
-// on its own. Its results differ from the other variants' by rounding (about an fp32 ulp of the
-// sum), as two CPUs' torch results do.
+// on its own. Its results are within rounding of the other variants' (tested against them).
 //
-// K (in pairs) is padded to whole steps in the packed weights. The padded pairs hold bf16 -0 in
-// the weights and +0 in the rows: each such product is -0, and acc + (-0) is acc exactly, also
-// when acc is a flushed -0. The rows are read in place when K / 2 is a multiple of the step,
-// else from a zero-padded copy.
+// K (in pairs) is padded to whole steps in the packed weights: by K alone, so the same for every
+// step. The padded pairs hold bf16 -0 in the weights and +0 in the rows: each such product is
+// -0, which IEEE addition adds to any accumulator, a flushed -0 too, without changing it. The rows
+// are read in place when K / 2 is a multiple of the step, else from a zero-padded copy.
 //
 // Tiles: 0-3 C (fp32, 16 columns), 4-5 A (up to 16 rows x 16 pairs), 6-7 B (16 pairs x 16
 // columns x 2). A unit of work is one panel (kNR = 32 columns: two B tiles) and 32 rows (2 x 2 C
