@@ -21,7 +21,9 @@ RUN apt-get update -q && apt-get install -y -q --no-install-recommends g++ \
 COPY executor_svc/kernels/csrc/ /src/
 # (A variant the compiler or the architecture refuses is left out; with none, the executor uses
 # the torch paths.)
-RUN mkdir -p /out && for v in "avx512bf16:-march=x86-64-v4 -mavx512bf16 -mavx512vnni" \
+RUN mkdir -p /out && for v in \
+        "amx:-march=x86-64-v4 -mavx512bf16 -mavx512vnni -mamx-tile -mamx-bf16" \
+        "avx512bf16:-march=x86-64-v4 -mavx512bf16 -mavx512vnni" \
         "avx512:-march=x86-64-v4" "avx2:-march=x86-64-v3"; do \
       name="${v%%:*}"; march="${v#*:}"; \
       g++ -O3 -ffast-math -fno-associative-math -fopenmp -shared -fPIC -std=c++17 $march \

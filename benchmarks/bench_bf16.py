@@ -7,15 +7,21 @@ and our fp32 path.
    * onednn-bf16: oneDNN's linear on a bf16 weight reordered once into its blocked layout
      (``torch.ops.mkldnn._linear_pointwise``, what inductor runs for a frozen model);
    * torch-bf16: ``F.linear`` on the plain ``[out, in]`` bf16 weight;
-   * ours-fp32: ``gemm.PanelWeight`` (the fp32 default).
+   * ours-fp32: ``gemm.PanelWeight`` (the fp32 default);
+   * with ``--amx-variants``, where the amx kernel variant is loaded, the same packed weights
+     with its settings changed for the call: ours-vdp (no tiles: vdpbf16ps and FMAs on the amx
+     layout, other bits), ours-pfN (weights prefetched N tile steps ahead, not 4; 0 = none),
+     ours-grouped (each tile step's loads before its products, not interleaved).
 2. Decode step (``ModelRunner.execute``, CONTEXT tokens of context each, as bench_decode.py):
    fp32 (packed, our kernels), bf16 (packed bf16 GEMM), bf16 with torch's matmuls
    (``LLMSERVE_PREPACK=0``).
 
-Everything alternates in one process, ``--repeats`` rounds, medians shown, so background load
-hits every variant alike. One torch thread by default (``--threads``).
+Everything alternates in one process, ``--repeats`` rounds (each starting one engine later than
+the one before), medians shown, so background load and the order hit every variant alike. One torch thread by default (``--threads``).
 
     taskset -c 0 .venv/bin/python benchmarks/bench_bf16.py --threads 1
+    .venv/bin/python benchmarks/bench_bf16.py --batches 1,8,64 --skip-decode \
+        --engines ours-bf16 --amx-variants     # the amx variant's settings
 """
 
 from __future__ import annotations
@@ -54,6 +60,30 @@ def _median_time(fn, iters: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _with_amx(what: int, value: int, fn):
+    """``fn`` run with the amx variant's setting ``what`` (0: rows from which the tiles are
+    taken, 1: prefetch distance, 2: load order) at ``value``."""
+    lib = library.load()
+
+    def call():
+        before = lib.llmserve_gemm_bf16_amx_set(what, value)
+        try:
+            fn()
+        finally:
+            lib.llmserve_gemm_bf16_amx_set(what, before)
+
+    return call
+
+
+def amx_fns(fns: dict[str, object]) -> dict[str, object]:
+    ours = fns["ours-bf16"]
+    extra = {"ours-vdp": _with_amx(0, 1 << 62, ours)}
+    for ahead in (0, 2, 8):
+        extra[f"ours-pf{ahead}"] = _with_amx(1, ahead, ours)
+    extra["ours-grouped"] = _with_amx(2, 0, ours)
+    return extra
 
 
 def gemm_fns(batch: int) -> dict[str, object]:
@@ -112,9 +142,11 @@ def measure(fns: dict[str, object], repeats: int, iters: int) -> dict[str, float
     for fn in fns.values():
         fn()  # warm-up
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            times[name].append(_median_time(fn, iters))
+    names = list(fns)
+    for r in range(repeats):
+        start = r % len(names)
+        for name in names[start:] + names[:start]:
+            times[name].append(_median_time(fns[name], iters))
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -131,6 +163,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--engines", default="", help="GEMM engines to time (default: all)")
+    parser.add_argument("--amx-variants", action="store_true", help="amx settings (module doc)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     flags = set(library._cpu_features().split())
@@ -140,7 +174,12 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     with torch.inference_mode():
         for b in batches:
-            res = measure(gemm_fns(b), args.repeats, args.iters)
+            fns = gemm_fns(b)
+            extra = amx_fns(fns) if args.amx_variants and library.variant() == "amx" else {}
+            if args.engines:  # onednn-bf16, the baseline, always
+                keep = {"onednn-bf16", *args.engines.split(",")}
+                fns = {k: v for k, v in fns.items() if k in keep}
+            res = measure(fns | extra, args.repeats, args.iters)
             report(f"GEMMs of one decode step, batch {b}", res, "onednn-bf16")
         if args.skip_decode:
             return

@@ -75,10 +75,10 @@ def instrument(runner: ModelRunner) -> None:
         ops._write_kv = _timed("kv_write", ops._write_kv)
 
 
-def make_runner(model_dir: Path, backend: str) -> ModelRunner:
+def make_runner(model_dir: Path, backend: str, dtype: str = "float32") -> ModelRunner:
     return ModelRunner(
         model_dir, device="cpu", num_device_blocks=4096, swap_space_gib=0.01,
-        attention_backend=backend,
+        attention_backend=backend, dtype=dtype,
     )  # fmt: skip
 
 
@@ -126,14 +126,21 @@ def print_table(rows: dict[str, dict[str, float]]) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
-def synthetic(model_dir: Path, backend: str, context: int, iters: int) -> None:
+def synthetic(
+    model_dir: Path, backend: str, context: int, iters: int, dtype: str = "float32",
+    batches: tuple[int, ...] = (1, 16, 64), prefill: bool = True,
+) -> None:  # fmt: skip
     torch.set_num_threads(1)
-    runner = make_runner(model_dir, backend)
+    runner = make_runner(model_dir, backend, dtype)
     instrument(runner)
     rows = {}
-    for batch in (1, 16, 64):
+    for batch in batches:
         seqs = decode_batch(runner, batch, context)
         rows[f"decode x{batch} @ {context}"] = profile(runner, seqs, iters)
+    if not prefill:
+        print(f"backend={runner.backend.name}, dtype={dtype}, threads={torch.get_num_threads()}")
+        print_table(rows)
+        return
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(5, runner.info.vocab_size, (2048,), generator=g).tolist()
     prefill = [ScheduledSequence("p", tokens, 2048, list(range(3000, 3129)), 0, 2048,
@@ -196,6 +203,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--backend", default="auto", help="attention backend")
     p.add_argument("--context", type=int, default=192)
+    p.add_argument("--dtype", default="float32", help="the model's dtype (float32, bfloat16)")
+    p.add_argument("--batches", default="1,16,64", help="decode batch sizes")
+    p.add_argument("--no-prefill", action="store_true", help="skip the 2048-token prefill")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--live", action="store_true", help="also the served run's idle time")
     p.add_argument("--executor-args", default="", help="extra executor flags for --live")
@@ -209,7 +219,9 @@ def main() -> None:
 
     model_dir = build_model(ROOT / ".cache")
     if not args.live_only:
-        synthetic(model_dir, args.backend, args.context, args.iters)
+        batches = tuple(int(b) for b in args.batches.split(","))
+        synthetic(model_dir, args.backend, args.context, args.iters, args.dtype, batches,
+                  not args.no_prefill)  # fmt: skip
     if args.live or args.live_only:
         live(model_dir, args.executor_args.split(), args.workload, args.scheduler_args.split())
 

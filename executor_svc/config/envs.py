@@ -12,7 +12,7 @@ variable (``config.numerics``).
 | ``LLMSERVE_KERNEL_DIR`` | ``$XDG_CACHE_HOME/llmserve/kernels`` or ``~/.cache/llmserve/kernels`` | ``kernels.library``: the build cache |
 | ``LLMSERVE_KERNEL_LIB`` | unset | ``kernels.library``: a library built ahead of time, used when there is no compiler |
 | ``CXX`` | ``g++``, else ``c++`` on PATH | ``kernels.library``: the compiler |
-| ``LLMSERVE_CPU_ISA`` | ``auto`` | ``kernels.library``: force a kernel variant (``avx2``, ``avx512``, ``avx512bf16``) |
+| ``LLMSERVE_CPU_ISA`` | ``auto`` | ``kernels.library``: force a kernel variant (``avx2``, ``avx512``, ``avx512bf16``, ``amx``) |
 | ``LLMSERVE_AUTO_CPU_DTYPE`` | unset | ``kernels.cpu_dtype``: ``float32``/``bfloat16`` fixes what ``--dtype auto`` is on a CPU (the test suite sets ``float32``) |
 | ``LLMSERVE_PREPACK`` | on | ``kernels.gemm``: ``0`` keeps plain weight matrices |
 | ``LLMSERVE_CPU_FUSED_DECODER`` | on | ``models.cpu_decoder``: ``0`` runs a CPU fp32 model's layers from Python, one kernel call at a time, instead of all in one call (``csrc/decoder.cpp``; the same bits either way) |

@@ -6,12 +6,16 @@ of rows, the other rows or the threads, so a bf16 model keeps the step-invarianc
 (config/numerics.py). On a CPU with AVX512-BF16 each pair is one ``vdpbf16ps``; the avx512 and
 avx2 variants of the library widen bf16 to fp32 and issue the two FMAs that instruction
 performs, with the same bits (``tests/unit/test_gemm_bf16.py`` checks the variants against each
-other and against torch).
+other and against torch). The amx variant runs every row count on AMX tiles (``TDPBF16PS``;
+``csrc/gemm_bf16_amx.h``): one fixed order per element too, but that instruction rounds its own
+way, so its bits are its own (step-invariant, not equal to the other variants';
+tests/unit/test_gemm_amx.py, docs/benchmarks.md "AMX").
 
-Weights are packed once into panels of ``NR`` columns, ``[N / NR][K / 2][NR][2]`` bf16
-(``Bf16PanelWeight``). Activations enter as bf16 (fp32 ones are rounded to bf16 first, as
-torch's bf16 matmul does); the result is fp32 accumulated, plus the bias, rounded to the
-activations' dtype. Taken in both numerics modes: it is faster than torch's bf16 matmul at
+Weights are packed once into panels of ``NR`` columns, ``[N / NR][K2s][NR][2]`` bf16
+(``Bf16PanelWeight``); K2s is ``K / 2`` rounded up to the library's multiple (whole AMX tiles in
+the amx variant, whose padded pairs are bf16 -0). Activations enter as bf16 (fp32 ones are
+rounded to bf16 first, as torch's bf16 matmul does); the result is fp32 accumulated, plus the
+bias, rounded to the activations' dtype. Taken in both numerics modes: it is faster than torch's bf16 matmul at
 decode batch sizes (docs/benchmarks.md).
 """
 
@@ -38,7 +42,8 @@ def available() -> bool:
 
 
 def isa_path() -> str:
-    """The instruction path the loaded kernel takes ("avx512bf16", "avx512f", "avx2"), or ""."""
+    """The instruction path the loaded kernel takes ("amx", "avx512bf16", "avx512f", "avx2"), or
+    ""."""
     lib = _load()
     return lib.llmserve_gemm_bf16_path().decode() if lib is not None else ""
 
@@ -47,19 +52,26 @@ def isa_path() -> str:
 class Bf16PanelWeight:
     """An ``[in, out]`` bf16 matrix as panels for the step-invariant bf16 kernel."""
 
-    panels: torch.Tensor  # [ceil(out / NR), ceil(in / 2), NR, 2] bf16, zero-padded
+    panels: torch.Tensor  # [ceil(out / NR), K2s, NR, 2] bf16, padded (module doc)
     in_features: int
     out_features: int
 
     @classmethod
     def pack(cls, w_io: torch.Tensor) -> Bf16PanelWeight:
         k, n = w_io.shape
-        nr = _load().llmserve_gemm_bf16_nr()
+        lib = _load()
+        nr = lib.llmserve_gemm_bf16_nr()
+        align = (
+            lib.llmserve_gemm_bf16_k2_align() if hasattr(lib, "llmserve_gemm_bf16_k2_align") else 1
+        )
         num, k2 = -(-n // nr), -(-k // 2)
-        padded = torch.zeros(2 * k2, num * nr, dtype=torch.bfloat16)
+        k2s = -(-k2 // align) * align
+        padded = torch.zeros(2 * k2s, num * nr, dtype=torch.bfloat16)
         padded[:k, :n] = w_io
-        # (k2, pair, panel, col) -> (panel, k2, col, pair)
-        panels = padded.view(k2, 2, num, nr).permute(2, 0, 3, 1).contiguous()
+        # Pairs past K / 2 (whole tiles): -0, whose products leave every accumulator as it is.
+        padded[2 * k2 :] = -0.0
+        # (k2s, pair, panel, col) -> (panel, k2s, col, pair)
+        panels = padded.view(k2s, 2, num, nr).permute(2, 0, 3, 1).contiguous()
         return cls(panels, k, n)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -68,7 +80,7 @@ class Bf16PanelWeight:
         assert x.dim() == 2 and x.shape[1] == self.in_features, (x.shape, self.in_features)
         assert x.device.type == "cpu" and x.dtype in _OUT_DTYPES, (x.device, x.dtype)
         out_dtype = x.dtype
-        k2 = self.panels.shape[1]
+        k2 = -(-self.in_features // 2)
         if x.dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)
         if self.in_features % 2:

@@ -7,9 +7,11 @@ headers, the flags, the compiler and the CPU's features; Python calls it through
 and not ``torch.utils.cpp_extension`` or a build at install time: docs/internals.md, "The
 kernels' build".
 
-Kernels per instruction set: the same sources are built in variants (``VARIANTS``: avx512bf16,
-avx512, avx2, best first), each its own cached library, and ``load()`` takes the best one this
-CPU runs (``cpu_kernel.variant`` in the log, ``variant()`` for GetServerInfo).
+Kernels per instruction set: the same sources are built in variants (``VARIANTS``: amx,
+avx512bf16, avx512, avx2, best first), each its own cached library, and ``load()`` takes the best
+one this CPU runs (``cpu_kernel.variant`` in the log, ``variant()`` for GetServerInfo). The amx
+variant needs the Linux kernel's leave to use tile registers (``llmserve_amx_init``, asked once
+per process); refused, ``load()`` warns (``cpu_kernel.amx_refused``) and takes avx512bf16.
 ``$LLMSERVE_CPU_ISA`` forces one (tests run the avx2 variant on an AVX-512 machine that way); a
 variant the CPU lacks is refused with a warning and the best one is used.
 
@@ -56,12 +58,17 @@ FLAGS = [
 PORTABLE_MARCH = "-march=x86-64-v3"
 PORTABLE_FEATURES = ("avx2", "fma", "bmi2", "f16c")
 _AVX512 = (*PORTABLE_FEATURES, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
-# name -> (compiler flags, /proc/cpuinfo flags it needs), best first. No AMX variant yet: nothing
-# in csrc/ uses tile instructions, so it would be the avx512bf16 build under another name.
+_AVX512BF16 = (*_AVX512, "avx512_bf16", "avx512_vnni")
+# name -> (compiler flags, /proc/cpuinfo flags it needs), best first. amx: the bf16 GEMM on AMX
+# tiles (TDPBF16PS, csrc/gemm_bf16_amx.h), every row count; every other kernel as in avx512bf16.
 VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "amx": (
+        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
+        (*_AVX512BF16, "amx_tile", "amx_bf16"),
+    ),
     "avx512bf16": (
         ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
-        (*_AVX512, "avx512_bf16", "avx512_vnni"),
+        _AVX512BF16,
     ),
     "avx512": (("-march=x86-64-v4",), _AVX512),
     "avx2": ((PORTABLE_MARCH,), PORTABLE_FEATURES),
@@ -99,6 +106,11 @@ _OPTIONAL_SIGNATURES: dict[str, tuple[list, type]] = {
     "llmserve_gemm_bf16": ([_p, _i64, _i64, _i64, _p, _i64, _p, _p, _p, _i64, _i32], ctypes.c_int),
     "llmserve_gemm_bf16_nr": ([], ctypes.c_int),
     "llmserve_gemm_bf16_path": ([], ctypes.c_char_p),
+    "llmserve_gemm_bf16_k2_align": ([], ctypes.c_int),
+    # 0, or the errno of the kernel's refusal of AMX tile state (-1: not an amx build)
+    "llmserve_amx_init": ([], ctypes.c_int),
+    # what (0: rows from which tiles are taken, 1: prefetch distance), value (< 0: query)
+    "llmserve_gemm_bf16_amx_set": ([_i32, _i64], _i64),
     # csrc/elementwise_bf16.cpp (elementwise.py), the fp32 functions' arguments on bf16 rows
     "llmserve_silu_mul_bf16": ([_p, _i64, _i64, _i64, _p, _i32], ctypes.c_int),
     "llmserve_add_rms_norm_bf16": (
@@ -248,6 +260,20 @@ def _bind(lib: ctypes.CDLL) -> None:
             fn.argtypes, fn.restype = argtypes, restype
 
 
+def _open(name: str) -> tuple[ctypes.CDLL | None, str]:
+    """(the library of variant ``name``, built if need be, bound; its variant), or (None, name)."""
+    try:
+        path, name = _build(name)
+        if path is None:
+            return None, name
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as err:
+        log.warning("cpu_kernel.unavailable", error=str(err))
+        return None, name
+    _bind(lib)
+    return lib, name
+
+
 def load() -> ctypes.CDLL | None:
     """The kernel library of this CPU's variant, built on first use; None when it cannot be had
     (see module doc)."""
@@ -261,15 +287,19 @@ def load() -> ctypes.CDLL | None:
     if name is None:
         log.info("cpu_kernel.no_variant", hint="this CPU lacks AVX2/FMA: torch paths are used")
         return None
-    try:
-        path, name = _build(name)
-        if path is None:
-            return None
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as err:
-        log.warning("cpu_kernel.unavailable", error=str(err))
+    lib, name = _open(name)
+    if lib is not None and name == "amx":
+        rc = lib.llmserve_amx_init() if hasattr(lib, "llmserve_amx_init") else -1
+        if rc != 0:
+            log.warning(
+                "cpu_kernel.amx_refused",
+                error=os.strerror(rc) if rc > 0 else "no llmserve_amx_init",
+                hint="the kernel would not give this process AMX tile state "
+                "(arch_prctl ARCH_REQ_XCOMP_PERM): the avx512bf16 variant is used",
+            )
+            lib, name = _open("avx512bf16")
+    if lib is None:
         return None
-    _bind(lib)
     # The -ffast-math build's constructor turned FTZ/DAZ on in this thread only: off again, so
     # torch's ops round denormals alike in every thread (the kernels set their own mode).
     lib.llmserve_set_mxcsr(lib.llmserve_get_mxcsr() & ~FTZ_DAZ)

@@ -37,7 +37,9 @@ def _hf(model_dir, dtype: torch.dtype):
 def test_bf16_logits_follow_hf(tmp_path, arch):
     model_dir = make_tiny_checkpoint(tmp_path / arch, arch, seed=1)
     prompts = make_prompts([3, 9, 16, 17, 25, 1, 40, 12], seed=2)
-    runner = ModelRunner(model_dir, dtype="bfloat16", block_size=BLOCK_SIZE, num_device_blocks=64)
+    runner = ModelRunner(
+        model_dir, device="cpu", dtype="bfloat16", block_size=BLOCK_SIZE, num_device_blocks=64
+    )
     assert runner.backend.name == "cpu" and runner.kv_cache.key.dtype == torch.bfloat16
     assert isinstance(runner.model.layers[0].mlp.down_proj.packed, gemm_bf16.Bf16PanelWeight)
     ours = torch.cat(all_token_logits(runner, prompts)).float()

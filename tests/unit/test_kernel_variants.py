@@ -83,6 +83,8 @@ def test_the_best_variant_is_picked_and_a_missing_one_is_refused(use_variant, mo
     assert library.variant() == RUNNABLE[0]
     flags = set(library._cpu_features().split())
     expected = "avx512bf16" if {"avx512_bf16", "avx512bw"} <= flags else RUNNABLE[0]
+    if expected == "avx512bf16" and {"amx_tile", "amx_bf16"} <= flags:
+        expected = "amx"
     assert RUNNABLE[0] == expected
     monkeypatch.setenv("LLMSERVE_CPU_ISA", "no-such-isa")
     library.reset()
@@ -92,7 +94,9 @@ def test_the_best_variant_is_picked_and_a_missing_one_is_refused(use_variant, mo
 @needs_kernel
 def test_variants_give_the_same_bf16_bits(use_variant):
     """The bf16 GEMM's chain is fixed by the module, not by the instruction set: vdpbf16ps (one
-    row, avx512bf16) and the widening FMAs (every other tile, every other variant) agree."""
+    row, avx512bf16) and the widening FMAs (every other tile, every other variant) agree. The amx
+    variant's tiles round their own way (csrc/gemm_bf16_amx.h): only its rows alone and in a
+    batch must agree."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(19, 320, generator=g).bfloat16()
     w = (torch.randn(320, 150, generator=g) * 0.05).bfloat16()
@@ -104,6 +108,7 @@ def test_variants_give_the_same_bf16_bits(use_variant):
         alone = torch.cat([packed.linear(x[i : i + 1], None) for i in range(x.shape[0])])
         assert torch.equal(batch, alone), name
         results[name] = batch
+    results.pop("amx", None)
     first = next(iter(results.values()))
     assert all(torch.equal(first, r) for r in results.values()), list(results)
 

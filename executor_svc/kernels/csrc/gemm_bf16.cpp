@@ -15,12 +15,20 @@
 // threads split panels and row blocks: a row computed alone and the same row in a 512-row
 // prefill give the same bits (step invariance, config/numerics.py).
 //
-// Weights, packed once at load: [ceil(N / kNR)][K / 2][kNR][2] (panels of kNR columns; for each
+// Weights, packed once at load: [ceil(N / kNR)][K2s][kNR][2] (panels of kNR columns; for each
 // pair of k, the kNR columns' two values side by side, the operand layout of vdpbf16ps; the last
-// panel zero-padded). K must be even (the wrapper pads).
+// panel zero-padded). K must be even (the wrapper pads). K2s = K / 2 but in the amx variant,
+// whose panels are 32 columns wide and whose K2s is padded to whole tiles (with bf16 -0).
+//
+// The amx variant (gemm_bf16_amx.h) runs every row count on AMX tiles instead: TDPBF16PS does
+// not round as the chain above (measured), so its bits are its own, the same for a row whatever
+// the step around it; its vdpbf16ps and FMA paths stay for tests and benchmarks.
 
 #include <omp.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -31,12 +39,22 @@
 #if defined(__SSE__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 using namespace llmserve;
 
 namespace {
 
+#if defined(__AMX_BF16__)
+constexpr int kNR = 32;       // panel width: two B tiles of 16 columns
+constexpr int kK2Align = 16;  // K / 2 padded to whole tiles (gemm_bf16_amx.h)
+#else
 constexpr int kNR = 48;  // panel width: 3 vectors of 16 fp32 accumulators (32 bf16 per load)
+constexpr int kK2Align = 1;
+#endif
 constexpr int kVecs = kNR / 16;
 constexpr int kMR = 8;      // rows per tile: 8 x 3 = 24 accumulators
 #if defined(LLMSERVE_AVX2_PATHS)
@@ -47,7 +65,9 @@ constexpr int kGemvP = 4;   // panels in flight for one row (memory-bound decode
 constexpr int64_t kABytes = 256 * 1024;  // a row block of x kept in L2 across the panels
 constexpr int64_t kFewRowsMax = 8;  // rows up to this: few_rows (vdpbf16ps builds)
 
-#if defined(__AVX512BF16__)
+#if defined(__AMX_BF16__)
+constexpr const char* kPath = "amx";
+#elif defined(__AVX512BF16__)
 constexpr const char* kPath = "avx512bf16";
 #elif defined(__AVX512F__)
 constexpr const char* kPath = "avx512f";
@@ -58,6 +78,9 @@ constexpr const char* kPath = "generic";
 #endif
 
 typedef uint32_t u16x __attribute__((vector_size(64)));  // 16 bf16 pairs
+
+// Pairs of k per panel row block in the packed weights.
+inline int64_t pairs_stride(int64_t K2) { return (K2 + kK2Align - 1) / kK2Align * kK2Align; }
 
 inline v16 splat(float s) { return v16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 
@@ -141,7 +164,7 @@ template <int R, int P, int C0, int CV>
 inline void micro(const float* xf, int64_t ldx, int64_t K2, const uint16_t* w, const float* bias,
                   const Out& y, int64_t row0, int64_t col0, int64_t ncols) {
   static_assert(R * P * CV <= 12, "accumulators must fit the 16 ymm registers");
-  const int64_t pstride = K2 * kNR * 2;
+  const int64_t pstride = pairs_stride(K2) * kNR * 2;
   const __m256i mask = _mm256_set1_epi32((int)0xFFFF0000u);
   __m256 acc[R][P][CV];
 #pragma GCC unroll 32
@@ -220,7 +243,7 @@ void tile(const float* xf, int64_t ldx, int64_t K2, const uint16_t* w, const flo
     micro<R, P, 0, kVecs * 2>(xf, ldx, K2, w, bias, y, row0, col0, ncols);
   return;
 #endif
-  const int64_t pstride = K2 * kNR * 2;  // uint16 per panel
+  const int64_t pstride = pairs_stride(K2) * kNR * 2;  // uint16 per panel
   v16 acc[R][P][kVecs];
 #pragma GCC unroll 32
   for (int r = 0; r < R; ++r)
@@ -255,7 +278,7 @@ void tile(const float* xf, int64_t ldx, int64_t K2, const uint16_t* w, const flo
 template <int P>
 void tile_dp(const uint16_t* x, int64_t K2, const uint16_t* w, const float* bias, const Out& y,
              int64_t col0, int64_t ncols) {
-  const int64_t pstride = K2 * kNR * 2;
+  const int64_t pstride = pairs_stride(K2) * kNR * 2;
   v16 acc[1][P][kVecs];
 #pragma GCC unroll 32
   for (int p = 0; p < P; ++p)
@@ -292,14 +315,16 @@ struct Gemm {
   Out y;
 
   int64_t cols(int64_t p) const { return p == P - 1 ? N - p * kNR : kNR; }
+  const uint16_t* panel(int64_t p) const { return w + p * pairs_stride(K2) * kNR * 2; }
 
   void rows_of_panel(int64_t p, int64_t m0, int64_t m1) const {
-    const uint16_t* wp = w + p * K2 * kNR * 2;
+    const uint16_t* wp = panel(p);
     const float* bp = bias ? bias + p * kNR : nullptr;
-    // The next panel in equal shares over this panel's row tiles (3 cache lines per pair).
-    const uint16_t* pf = p + 1 < P ? wp + K2 * kNR * 2 : nullptr;
+    // The next panel in equal shares over this panel's row tiles (kNR / 16 lines per pair).
+    const uint16_t* pf = p + 1 < P ? panel(p + 1) : nullptr;
     const int64_t tiles = (m1 - m0 + kMR - 1) / kMR;
-    const int64_t lines = pf ? 3 * K2 : 0, share = (lines + tiles - 1) / tiles;
+    const int64_t lines = pf ? pairs_stride(K2) * kNR / 16 : 0;
+    const int64_t share = (lines + tiles - 1) / tiles;
     for (int64_t m = m0, t = 0; m < m1; m += kMR, ++t) {
       const int64_t r = m1 - m < kMR ? m1 - m : kMR;
       const int64_t first = t * share, n = lines - first < share ? lines - first : share;
@@ -315,9 +340,9 @@ struct Gemm {
       const int64_t ncols = (p + kGemvP == P) ? N - p * kNR : kGemvP * kNR;
       const float* bp = bias ? bias + p * kNR : nullptr;
 #if defined(__AVX512BF16__)
-      tile_dp<kGemvP>(x, K2, w + p * K2 * kNR * 2, bp, y, p * kNR, ncols);
+      tile_dp<kGemvP>(x, K2, panel(p), bp, y, p * kNR, ncols);
 #else
-      tile<1, kGemvP>(xf, 2 * K2, K2, w + p * K2 * kNR * 2, bp, y, 0, p * kNR, ncols);
+      tile<1, kGemvP>(xf, 2 * K2, K2, panel(p), bp, y, 0, p * kNR, ncols);
 #endif
     }
     for (; p < p1; ++p) rows_of_panel(p, 0, 1);
@@ -336,7 +361,7 @@ struct Gemm {
       const int64_t ncols = (p + kGemvP == P) ? N - p * kNR : kGemvP * kNR;
       const float* bp = bias ? bias + p * kNR : nullptr;
       for (int64_t m = 0; m < M; ++m)
-        tile_dp<kGemvP>(x + m * ldx, K2, w + p * K2 * kNR * 2, bp, y.row(m), p * kNR, ncols);
+        tile_dp<kGemvP>(x + m * ldx, K2, panel(p), bp, y.row(m), p * kNR, ncols);
     }
     for (; p < p1; ++p) rows_of_panel(p, 0, M);
   }
@@ -348,11 +373,54 @@ inline void share(int64_t total, int t, int nt, int64_t* begin, int64_t* end) {
   *end = total * (t + 1) / nt;
 }
 
+#if defined(__AMX_BF16__)
+#include "gemm_bf16_amx.h"
+#endif
+
 }  // namespace
 
 // Panel width of the packed layout, and which instruction path this build runs.
 extern "C" int llmserve_gemm_bf16_nr() { return kNR; }
 extern "C" const char* llmserve_gemm_bf16_path() { return kPath; }
+// The packed layout's K / 2 multiple (see top).
+extern "C" int llmserve_gemm_bf16_k2_align() { return kK2Align; }
+
+// Linux hands out AMX tile state only to a process that asked for it (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA; without it the first tile instruction faults). Asked once per
+// process, which it is granted to. 0: granted (the tile path is on); -1: not an AMX build; else
+// the errno of the refusal (load() then takes the avx512bf16 variant; this build alone would
+// keep to its vdpbf16ps and FMA paths).
+extern "C" int llmserve_amx_init() {
+#if defined(__AMX_BF16__)
+  constexpr long kGetPerm = 0x1022, kReqPerm = 0x1023;
+  constexpr int kXtiledata = 18;
+  static const int rc = [] {
+    if (syscall(SYS_arch_prctl, kReqPerm, kXtiledata) != 0) return errno ? errno : 1;
+    unsigned long granted = 0;
+    if (syscall(SYS_arch_prctl, kGetPerm, &granted) != 0) return errno ? errno : 1;
+    if (!(granted & (1ul << kXtiledata))) return 1;
+    g_amx_ready.store(true);
+    return 0;
+  }();
+  return rc;
+#else
+  return -1;
+#endif
+}
+
+// Tests and benchmarks: what = 0, the rows from which the amx variant takes the tiles; 1, its
+// prefetch distance in tile steps; 2, its load order (gemm_bf16_amx.h). value < 0 leaves it.
+// Returns the value before (-1: no AMX).
+extern "C" int64_t llmserve_gemm_bf16_amx_set(int what, int64_t value) {
+#if defined(__AMX_BF16__)
+  std::atomic<int64_t>& knob = what == 0 ? g_amx_min_rows : what == 1 ? g_amx_prefetch
+                                                                       : g_amx_interleave;
+  return value < 0 ? knob.load() : knob.exchange(value);
+#else
+  (void)what, (void)value;
+  return -1;
+#endif
+}
 
 // y = x [M, K] bf16 (row stride ldx) @ w (packed, see top) (+ bias [N] fp32 when not null); y
 // fp32 [M, N] (y_f32) or bf16 (y_bf16; exactly one is given) with row stride ldy. Returns 0, or
@@ -365,6 +433,13 @@ extern "C" int llmserve_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, int64
     return 1;
   if (M == 0) return 0;
   if (num_threads < 1) num_threads = 1;
+#if defined(__AMX_BF16__)
+  if (g_amx_ready.load(std::memory_order_relaxed) &&
+      M >= g_amx_min_rows.load(std::memory_order_relaxed)) {
+    amx_gemm(x, M, K / 2, ldx, w, N, bias, Out{y_f32, y_bf16, ldy}, num_threads);
+    return 0;
+  }
+#endif
   // The rows widened once (M x K floats, against M x K x N multiply-adds).
   std::vector<float> xf((size_t)M * K);
   for (int64_t m = 0; m < M; ++m)
