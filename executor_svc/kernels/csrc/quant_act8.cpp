@@ -11,9 +11,14 @@
 // variant (only AVX2 instructions are used, integer sums are exact in any order):
 //   per group g of x: a = max |x_i|, dx = a / 127, xq_i = nearest-even(x_i * (127 / a)) (0 when
 //     a = 0); Q4_1 also sx = dx * sum_i xq_i (one rounding)
-//   p_j (j = 0..7) = sum over the weights 4j..4j+3 of the group of q_i * xq_i, exact int32
-//     (q: Q8_0's int8, Q4_0's nibble - 8, Q4_1's nibble)
-//   acc (8 lanes) = 0; for each group g ascending: acc = fma(d_g * dx_g, float(p), acc)
+//   q_i: Q8_0's int8, Q4_0's nibble - 8, Q4_1's nibble; s_g = d_g * dx_g (one rounding)
+//   acc (8 lanes) = 0, then
+//     Q8_0, each group g ascending: acc = fma(s_g, float(p), acc), p_j (j = 0..7) = the sum of
+//       q_i * xq_i over the group's weights 4j..4j+3 (exact int32)
+//     Q4_0 / Q4_1, each pair of groups (2k, 2k + 1) ascending (a last odd group paired with
+//       zeros): acc = fma([s_2k x4 | s_2k+1 x4], float(p), acc), p_j / p_4+j (j = 0..3) = the
+//       sum of q_i * xq_i over the weights 4j..4j+3 and 16+4j..16+4j+3 of group 2k / 2k + 1:
+//       two groups' nibbles are one 32-byte load, low nibbles then high ones
 //   t (8 lanes) = 0 (Q4_1: for each group g ascending, lane g % 8: t = fma(m_g, sx_g, t))
 //   y = (hsum8(acc) + hsum8(t)) + bias, hsum8 = (low + high 128-bit halves), then
 //     (c0 + c2) + (c1 + c3)
@@ -57,14 +62,17 @@ inline __m256i dot4(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-// One x row quantized: xq (32 bytes a group), dx (a group's scale), sx (Q4_1's dx * sum xq)
-// and eight (Q4_0: 8 * the lane sums of xq, subtracted from the nibbles' products), Gp groups
-// (G rounded up to 8; the extra ones zero).
+// One x row quantized, Gp groups (G rounded up to 8; the extra ones zero): xq (32 bytes a
+// group, weight order), xp (the Q4 types' pairs of groups, 64 bytes a pair: weights 0-15 of
+// groups 2p and 2p + 1, then their weights 16-31, as a pair of Q4 groups' nibbles lie), dx (a
+// group's scale), sx (Q4_1's dx * sum xq) and eight (Q4_0, 8 int32 a pair: 8 * the pair lanes'
+// sums of xq, subtracted from the nibbles' products).
 struct XRow {
   int8_t* xq;
+  int8_t* xp;
   float* dx;
   float* sx;
-  int32_t* eight;  // 8 a group
+  int32_t* eight;
 };
 
 void quantize_row(const float* x, int64_t G, int64_t Gp, XRow r) {
@@ -90,8 +98,7 @@ void quantize_row(const float* x, int64_t G, int64_t Gp, XRow r) {
     const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, x16),
                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256((__m256i*)(r.xq + 32 * g), b);
-    const __m256i ones = _mm256_set1_epi8(1), lanes = dot4(ones, b);
-    _mm256_storeu_si256((__m256i*)(r.eight + 8 * g), _mm256_slli_epi32(lanes, 3));
+    const __m256i lanes = dot4(_mm256_set1_epi8(1), b);
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
@@ -99,54 +106,96 @@ void quantize_row(const float* x, int64_t G, int64_t Gp, XRow r) {
   }
   for (int64_t g = G; g < Gp; ++g) {
     r.dx[g] = r.sx[g] = 0.0f;
-    _mm256_storeu_si256((__m256i*)(r.eight + 8 * g), _mm256_setzero_si256());
+    _mm256_storeu_si256((__m256i*)(r.xq + 32 * g), _mm256_setzero_si256());
+  }
+  for (int64_t p = 0; p < Gp / 2; ++p) {
+    const __m256i a = _mm256_loadu_si256((const __m256i*)(r.xq + 64 * p));
+    const __m256i b = _mm256_loadu_si256((const __m256i*)(r.xq + 64 * p + 32));
+    const __m256i lo = _mm256_permute2x128_si256(a, b, 0x20), hi = _mm256_permute2x128_si256(a, b, 0x31);
+    _mm256_storeu_si256((__m256i*)(r.xp + 64 * p), lo);
+    _mm256_storeu_si256((__m256i*)(r.xp + 64 * p + 32), hi);
+    const __m256i ones = _mm256_set1_epi8(1);
+    const __m256i sums = _mm256_add_epi32(dot4(ones, lo), dot4(ones, hi));
+    _mm256_storeu_si256((__m256i*)(r.eight + 8 * p), _mm256_slli_epi32(sums, 3));
   }
 }
 
-// The exact int32 lane sums p of one group of a weight row against xv (32 int8).
-template <int kType>
-inline __m256i group_dot(const uint8_t* q, __m256i xv, __m256i eight) {
-  if constexpr (kType == kQ8_0) {
-    const __m256i w = _mm256_loadu_si256((const __m256i*)q);
-    return dot4(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
-  } else {
-    // 16 bytes in both halves; the high half shifted by 4: low nibbles (weights 0-15), then high
-    // nibbles (16-31).
-    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)q));
-    const __m256i w = _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)),
-                                       _mm256_set1_epi8(0x0F));
-    const __m256i p = dot4(w, xv);
-    return kType == kQ4_0 ? _mm256_sub_epi32(p, eight) : p;
-  }
+// The exact int32 lane sums of a Q8_0 group (32 int8 at q) against xv (32 int8).
+inline __m256i q8_dot(const uint8_t* q, __m256i xv) {
+  const __m256i w = _mm256_loadu_si256((const __m256i*)q);
+  return dot4(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+}
+
+// The exact int32 lane sums of a pair of Q4 groups (32 bytes of nibbles in raw) against the
+// pair's x halves: lanes 0-3 group 2p, 4-7 group 2p + 1, lane j of a group its weights
+// 4j..4j+3 and 16+4j..16+4j+3. The two byte products fit int16 (2 * 2 * 15 * 127).
+inline __m256i q4_pair_dot(__m256i raw, __m256i xlo, __m256i xhi) {
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(raw, m), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m);
+  const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
 inline void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
 
 // R consecutive weight rows (their d in sb, m in mb: R rows of Gp floats) against one quantized
-// x row: y[r] for r < R. sc: R * Gp floats of scratch.
+// x row: y[r] for r < R. sc: 4 * R * Gp floats of scratch (each group's d * dx, 4 copies of it
+// for the Q4 pairs' lanes).
 template <int kType, int R>
 inline void rows_pass(const XRow& x, int64_t G, int64_t Gp, const uint8_t* w, int64_t row_bytes,
                       const float* sb, const float* mb, float* sc, const float* bias, float* y) {
-  constexpr int64_t kQBytes = kType == kQ8_0 ? 32 : 16;
+  constexpr bool kQ4 = kType != kQ8_0;
+  constexpr int64_t kQBytes = kQ4 ? 16 : 32;
   constexpr int64_t kBlock = kType == kQ8_0 ? 34 : kType == kQ4_0 ? 18 : 20;
+  const int64_t ld = kQ4 ? 4 * Gp : Gp;  // floats a row in sc
   for (int r = 0; r < R; ++r)
-    for (int64_t g = 0; g < Gp; g += 8)
-      _mm256_storeu_ps(sc + r * Gp + g, _mm256_mul_ps(_mm256_loadu_ps(sb + r * Gp + g),
-                                                      _mm256_loadu_ps(x.dx + g)));
+    for (int64_t g = 0; g < Gp; g += 8) {
+      const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(sb + r * Gp + g), _mm256_loadu_ps(x.dx + g));
+      if constexpr (kQ4) {  // pair lanes: [s_2p x4 | s_2p+1 x4], four pairs
+        for (int k = 0; k < 4; ++k) {
+          const __m256i idx = _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1,
+                                                2 * k + 1, 2 * k + 1);
+          _mm256_storeu_ps(sc + r * ld + 4 * g + 8 * k, _mm256_permutevar8x32_ps(s, idx));
+        }
+      } else {
+        _mm256_storeu_ps(sc + r * ld + g, s);
+      }
+    }
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  constexpr int64_t kShare = R * kBlock;
   const char* ahead = (const char*)w + kAheadBlocks * R * row_bytes;
-  for (int64_t g = 0; g < G; ++g) {
+  if constexpr (kQ4) {
+    constexpr int64_t kShare = 2 * R * kBlock;  // a pair's share of the pass ahead
+    for (int64_t p = 0; p < (G + 1) / 2; ++p) {
 #pragma GCC unroll 8
-    for (int64_t j = 0; j < kShare; j += 64) prefetch(ahead + g * kShare + j);
-    const __m256i xv = _mm256_loadu_si256((const __m256i*)(x.xq + 32 * g));
-    const __m256i eight = kType == kQ4_0 ? _mm256_loadu_si256((const __m256i*)(x.eight + 8 * g))
-                                         : _mm256_setzero_si256();
+      for (int64_t j = 0; j < kShare; j += 64) prefetch(ahead + p * kShare + j);
+      const __m256i xlo = _mm256_loadu_si256((const __m256i*)(x.xp + 64 * p));
+      const __m256i xhi = _mm256_loadu_si256((const __m256i*)(x.xp + 64 * p + 32));
+      const __m256i eight = kType == kQ4_0 ? _mm256_loadu_si256((const __m256i*)(x.eight + 8 * p))
+                                           : _mm256_setzero_si256();
+      const bool whole = 2 * p + 1 < G;  // else the row's last group alone (no read past it)
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m256i p = group_dot<kType>(w + r * row_bytes + g * kQBytes, xv, eight);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(sc[r * Gp + g]), _mm256_cvtepi32_ps(p), acc[r]);
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* q = w + r * row_bytes + 2 * p * kQBytes;
+        const __m256i raw = whole ? _mm256_loadu_si256((const __m256i*)q)
+                                  : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)q));
+        __m256i d = q4_pair_dot(raw, xlo, xhi);
+        if constexpr (kType == kQ4_0) d = _mm256_sub_epi32(d, eight);
+        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(sc + r * ld + 8 * p), _mm256_cvtepi32_ps(d),
+                                 acc[r]);
+      }
+    }
+  } else {
+    constexpr int64_t kShare = R * kBlock;
+    for (int64_t g = 0; g < G; ++g) {
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < kShare; j += 64) prefetch(ahead + g * kShare + j);
+      const __m256i xv = _mm256_loadu_si256((const __m256i*)(x.xq + 32 * g));
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m256i d = q8_dot(w + r * row_bytes + g * kQBytes, xv);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(sc[r * ld + g]), _mm256_cvtepi32_ps(d), acc[r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -172,7 +221,7 @@ template <int kType, int R>
 inline void block(const XRow* xs, int64_t M, int64_t ldy, int64_t G, int64_t Gp,
                   const uint8_t* w, int64_t row_bytes, const float* bias, float* y, float* buf) {
   constexpr int64_t kQBytes = kType == kQ8_0 ? 32 : 16;
-  float *sb = buf, *mb = buf + R * Gp, *sc = buf + 2 * R * Gp;
+  float *sb = buf, *mb = buf + R * Gp, *sc = buf + 2 * R * Gp;  // sc: 4 * R * Gp
   for (int r = 0; r < R; ++r) {
     halves(w + r * row_bytes + G * kQBytes, G, Gp, sb + r * Gp);
     if (kType == kQ4_1) halves(w + r * row_bytes + G * (kQBytes + 2), G, Gp, mb + r * Gp);
@@ -184,7 +233,7 @@ inline void block(const XRow* xs, int64_t M, int64_t ldy, int64_t G, int64_t Gp,
 template <int kType>
 void work(const XRow* xs, int64_t M, int64_t G, int64_t Gp, const uint8_t* w, int64_t N,
           int64_t row_bytes, const float* bias, float* y, int64_t ldy) {
-  std::unique_ptr<float[]> buf(new float[3 * kOut * Gp]);
+  std::unique_ptr<float[]> buf(new float[6 * kOut * Gp]);
   const int64_t blocks = N / kOut;
 #pragma omp for schedule(static)
   for (int64_t i = 0; i < blocks; ++i)
@@ -201,13 +250,14 @@ void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, in
          int64_t row_bytes, const float* bias, float* y, int64_t ldy, int num_threads) {
   IeeeMode caller;
   const int64_t G = K / 32, Gp = (G + 7) / 8 * 8;
-  // Per x row: 32 int8 quants, dx, sx and 8 int32 of eight a group (Gp groups).
-  constexpr int64_t kRowBytes = 32 + 4 + 4 + 32;
+  // Per x row and group: 32 bytes of xq and of xp, dx, sx, and half a pair's 8 int32 of eight.
+  constexpr int64_t kRowBytes = 32 + 32 + 4 + 4 + 16;
   std::unique_ptr<uint8_t[]> store(new uint8_t[M * Gp * kRowBytes]);
   std::unique_ptr<XRow[]> xs(new XRow[M]);
   for (int64_t m = 0; m < M; ++m) {
     uint8_t* p = store.get() + m * Gp * kRowBytes;
-    xs[m] = {(int8_t*)p, (float*)(p + 32 * Gp), (float*)(p + 36 * Gp), (int32_t*)(p + 40 * Gp)};
+    xs[m] = {(int8_t*)p, (int8_t*)(p + 32 * Gp), (float*)(p + 64 * Gp), (float*)(p + 68 * Gp),
+             (int32_t*)(p + 72 * Gp)};
     quantize_row(x + m * ldx, G, Gp, xs[m]);
   }
   if (num_threads > 1 && M * K * N >= (1 << 17)) {
