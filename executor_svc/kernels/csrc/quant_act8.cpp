@@ -139,28 +139,18 @@ inline __m256i q4_pair_dot(__m256i raw, __m256i xlo, __m256i xhi) {
 inline void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
 
 // R consecutive weight rows (their d in sb, m in mb: R rows of Gp floats) against one quantized
-// x row: y[r] for r < R. sc: 4 * R * Gp floats of scratch (each group's d * dx, 4 copies of it
-// for the Q4 pairs' lanes).
+// x row: y[r] for r < R. sc: R * Gp floats of scratch (each group's d * dx).
 template <int kType, int R>
 inline void rows_pass(const XRow& x, int64_t G, int64_t Gp, const uint8_t* w, int64_t row_bytes,
                       const float* sb, const float* mb, float* sc, const float* bias, float* y) {
   constexpr bool kQ4 = kType != kQ8_0;
   constexpr int64_t kQBytes = kQ4 ? 16 : 32;
   constexpr int64_t kBlock = kType == kQ8_0 ? 34 : kType == kQ4_0 ? 18 : 20;
-  const int64_t ld = kQ4 ? 4 * Gp : Gp;  // floats a row in sc
+  const int64_t ld = Gp;  // floats a row in sc
   for (int r = 0; r < R; ++r)
-    for (int64_t g = 0; g < Gp; g += 8) {
-      const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(sb + r * Gp + g), _mm256_loadu_ps(x.dx + g));
-      if constexpr (kQ4) {  // pair lanes: [s_2p x4 | s_2p+1 x4], four pairs
-        for (int k = 0; k < 4; ++k) {
-          const __m256i idx = _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1,
-                                                2 * k + 1, 2 * k + 1);
-          _mm256_storeu_ps(sc + r * ld + 4 * g + 8 * k, _mm256_permutevar8x32_ps(s, idx));
-        }
-      } else {
-        _mm256_storeu_ps(sc + r * ld + g, s);
-      }
-    }
+    for (int64_t g = 0; g < Gp; g += 8)
+      _mm256_storeu_ps(sc + r * ld + g,
+                       _mm256_mul_ps(_mm256_loadu_ps(sb + r * Gp + g), _mm256_loadu_ps(x.dx + g)));
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const char* ahead = (const char*)w + kAheadBlocks * R * row_bytes;
@@ -174,6 +164,7 @@ inline void rows_pass(const XRow& x, int64_t G, int64_t Gp, const uint8_t* w, in
       const __m256i eight = kType == kQ4_0 ? _mm256_loadu_si256((const __m256i*)(x.eight + 8 * p))
                                            : _mm256_setzero_si256();
       const bool whole = 2 * p + 1 < G;  // else the row's last group alone (no read past it)
+      const __m256i pair_lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const uint8_t* q = w + r * row_bytes + 2 * p * kQBytes;
@@ -181,7 +172,10 @@ inline void rows_pass(const XRow& x, int64_t G, int64_t Gp, const uint8_t* w, in
                                   : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)q));
         __m256i d = q4_pair_dot(raw, xlo, xhi);
         if constexpr (kType == kQ4_0) d = _mm256_sub_epi32(d, eight);
-        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(sc + r * ld + 8 * p), _mm256_cvtepi32_ps(d),
+        // [s_2p x4 | s_2p+1 x4] from the two floats
+        const __m256 s2 = _mm256_castps128_ps256(
+            _mm_castpd_ps(_mm_load_sd((const double*)(sc + r * ld + 2 * p))));
+        acc[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s2, pair_lanes), _mm256_cvtepi32_ps(d),
                                  acc[r]);
       }
     }
@@ -221,7 +215,7 @@ template <int kType, int R>
 inline void block(const XRow* xs, int64_t M, int64_t ldy, int64_t G, int64_t Gp,
                   const uint8_t* w, int64_t row_bytes, const float* bias, float* y, float* buf) {
   constexpr int64_t kQBytes = kType == kQ8_0 ? 32 : 16;
-  float *sb = buf, *mb = buf + R * Gp, *sc = buf + 2 * R * Gp;  // sc: 4 * R * Gp
+  float *sb = buf, *mb = buf + R * Gp, *sc = buf + 2 * R * Gp;
   for (int r = 0; r < R; ++r) {
     halves(w + r * row_bytes + G * kQBytes, G, Gp, sb + r * Gp);
     if (kType == kQ4_1) halves(w + r * row_bytes + G * (kQBytes + 2), G, Gp, mb + r * Gp);
@@ -233,7 +227,7 @@ inline void block(const XRow* xs, int64_t M, int64_t ldy, int64_t G, int64_t Gp,
 template <int kType>
 void work(const XRow* xs, int64_t M, int64_t G, int64_t Gp, const uint8_t* w, int64_t N,
           int64_t row_bytes, const float* bias, float* y, int64_t ldy) {
-  std::unique_ptr<float[]> buf(new float[6 * kOut * Gp]);
+  std::unique_ptr<float[]> buf(new float[3 * kOut * Gp]);
   const int64_t blocks = N / kOut;
 #pragma omp for schedule(static)
   for (int64_t i = 0; i < blocks; ++i)
