@@ -7,7 +7,8 @@ fraction of positions whose fp32 argmax stays the argmax; then the decode time p
 greedy tokens after it, one thread, and how many of those greedy tokens equal fp32's before the
 first difference. ``--gguf FILE`` (the GGUF the directory was de-quantized from) adds the GGUF
 run as-is and with ``LLMSERVE_QUANT_ACT=int8`` (activations quantized to int8 per group), and
-``--quantization int8`` with int8 activations.
+``--quantization int8`` with int8 activations; ``--hf`` transformers' own fp32 run of the
+directory (its decode time is ``generate``'s, not comparable).
 
     taskset -c 0 .venv/bin/python benchmarks/quant_drift.py \\
         ~/.cache/llmserve/smollm2-135m-instruct/SmolLM2-135M-Instruct
@@ -56,11 +57,13 @@ def run(
     (default ``model_dir``; the tokenizer is ``model_dir``'s)."""
     from transformers import AutoTokenizer
 
+    from executor_svc.api.server import resolve_model
+
     ids = AutoTokenizer.from_pretrained(model_dir)(TEXT).input_ids
     blocks = -(-(len(ids) + decode_tokens + 1) // BLOCK)
     os.environ["LLMSERVE_QUANT_ACT"] = quant_act  # read as the quantized weights load
     runner = ModelRunner(  # float32: dtype auto is bf16 on a CPU with AVX512-BF16 or AMX
-        model or model_dir,
+        resolve_model(model)[0] if model else model_dir,
         num_device_blocks=blocks + 1,
         swap_space_gib=0.01,
         quantization=quantization,
@@ -87,12 +90,32 @@ def run(
     return logprobs, top1, statistics.median(times), seq.token_ids[len(ids) :]
 
 
+def run_hf(model_dir: str, decode_tokens: int):
+    """``run``'s numbers from transformers itself (fp32, the reference the GGUF tests use)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(TEXT, return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].float()
+        logprobs = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].tolist()
+        top1 = logits.argmax(-1).tolist()
+        t0 = time.perf_counter()
+        out = model.generate(
+            ids, do_sample=False, max_new_tokens=decode_tokens + 1,
+            min_new_tokens=decode_tokens + 1, pad_token_id=0,
+        )  # fmt: skip
+        ms = (time.perf_counter() - t0) * 1000 / (decode_tokens + 1)
+    return logprobs, top1, ms, out[0, ids.shape[1] :].tolist()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model_dir")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gguf", default=None, help="the GGUF file model_dir came from")
+    parser.add_argument("--hf", action="store_true", help="also transformers' own fp32 forward")
     args = parser.parse_args()
     torch.set_num_threads(1)
     d, n, r = args.model_dir, args.decode_tokens, args.repeats
@@ -102,6 +125,8 @@ def main() -> None:
         modes["int8, int8 act"] = lambda: run(d, "int8", n, r, quant_act="int8")
         modes["gguf"] = lambda: run(d, None, n, r, model=args.gguf)
         modes["gguf, int8 act"] = lambda: run(d, None, n, r, model=args.gguf, quant_act="int8")
+    if args.hf:
+        modes["hf transformers"] = lambda: run_hf(d, n)
     results = {name: fn() for name, fn in modes.items()}
     ref_lp, ref_top, ref_ms, ref_out = results["fp32"]
     print(f"{len(ref_lp)} scored tokens; decode: {args.decode_tokens} tokens, 1 thread")
