@@ -15,7 +15,8 @@ the number is decode time / 128 in ms/token, the prompt's prefill reported apart
   group of 32, integer dot products; kernels/quant.py), reported against llama.cpp and fp32.
 * llama.cpp: ``llama-cpp-python`` in a venv of its own (``--llamacpp-python``, never a dependency
   of llmserve), run as a subprocess with ``n_threads=1``: ``eval`` of the prompt, then
-  ``sample`` (greedy) + ``eval`` per token.
+  ``sample`` (greedy) + ``eval`` per token. Repeat ``--llamacpp-python LABEL=PATH`` for several
+  builds in one run (e.g. ``native=...`` and ``avx2=...``); each is an engine "llama.cpp LABEL".
 
 Engines alternate ``--repeats`` times and medians are shown, so load from other processes hits
 all alike; the decode's CPU time (``time.process_time`` of each engine's process) is shown too,
@@ -141,7 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", required=True)
     parser.add_argument("--fp32-dir", default=None)
-    parser.add_argument("--llamacpp-python", default=None)
+    parser.add_argument("--llamacpp-python", action="append", default=[])
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--out-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -172,9 +173,10 @@ def main() -> None:
         engines["llmserve int8"] = lambda: ours(
             args.fp32_dir, args.prompt_len, args.out_len, args.batch, "int8"
         )
-    if args.llamacpp_python:
-        engines["llama.cpp"] = lambda: llamacpp(
-            args.llamacpp_python, args.gguf, args.prompt_len, args.out_len
+    for spec in args.llamacpp_python:
+        label, _, python = spec.rpartition("=")
+        engines[f"llama.cpp {label}".strip()] = lambda python=python: llamacpp(
+            python, args.gguf, args.prompt_len, args.out_len
         )
     results: dict[str, list[dict[str, float]]] = {k: [] for k in engines}
     for r in range(args.repeats):
