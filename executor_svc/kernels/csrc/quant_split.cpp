@@ -67,7 +67,7 @@ constexpr int kRows = 4;  // x rows per register tile (many rows)
 constexpr int kCols = 4;  // weight rows per register tile: kRows * kCols accumulators
 constexpr int kFew = 8;   // at most this many rows go through one pass
 #else
-constexpr int kOut = 6;  // 16 ymm registers: accumulators of two, x, the decoded group (4-8 tried)
+constexpr int kOut = 4;  // 16 ymm: 4 accumulators of two, x, the decoded group (6 and 8 slower)
 constexpr int kRows = 4;
 constexpr int kCols = 1;
 constexpr int kFew = 4;
