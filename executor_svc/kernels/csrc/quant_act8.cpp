@@ -8,7 +8,8 @@
 //
 // A row's quantization depends on that row alone, and every output element is one fixed chain,
 // so a row gives the same bits whatever the other rows of the call, the threads, or the library
-// variant (only AVX2 instructions are used, integer sums are exact in any order):
+// variant (256-bit AVX2 code everywhere, vpdpbusd for vpmaddubsw + vpmaddwd where the variant
+// has AVX-512 VNNI; integer sums are exact in any order):
 //   per group g of x: a = max |x_i|, dx = a / 127, xq_i = nearest-even(x_i * (127 / a)) (0 when
 //     a = 0); Q4_1 also sx = dx * sum_i xq_i (one rounding)
 //   q_i: Q8_0's int8, Q4_0's nibble - 8, Q4_1's nibble; s_g = d_g * dx_g (one rounding)
@@ -58,8 +59,14 @@ inline float hsum8(__m256 a) {
 }
 
 // Lane j = the sum of products of bytes 4j..4j+3 (u unsigned, s signed), exact.
+// With AVX-512 VNNI (the avx512bf16 variant) one vpdpbusd: the same sums, as vpmaddubsw's int16
+// pair sums never saturate here (at most 2 * 128 * 127).
 inline __m256i dot4(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
 // One x row quantized, Gp groups (G rounded up to 8; the extra ones zero): xq (32 bytes a
@@ -132,8 +139,12 @@ inline __m256i q8_dot(const uint8_t* q, __m256i xv) {
 inline __m256i q4_pair_dot(__m256i raw, __m256i xlo, __m256i xhi) {
   const __m256i m = _mm256_set1_epi8(0x0F);
   const __m256i lo = _mm256_and_si256(raw, m), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi);
+#else
   const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
   return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+#endif
 }
 
 inline void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
