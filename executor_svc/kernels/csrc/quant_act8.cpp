@@ -118,7 +118,8 @@ void quantize_row(const float* x, int64_t G, int64_t Gp, XRow r) {
   for (int64_t p = 0; p < Gp / 2; ++p) {
     const __m256i a = _mm256_loadu_si256((const __m256i*)(r.xq + 64 * p));
     const __m256i b = _mm256_loadu_si256((const __m256i*)(r.xq + 64 * p + 32));
-    const __m256i lo = _mm256_permute2x128_si256(a, b, 0x20), hi = _mm256_permute2x128_si256(a, b, 0x31);
+    const __m256i lo = _mm256_permute2x128_si256(a, b, 0x20);
+    const __m256i hi = _mm256_permute2x128_si256(a, b, 0x31);
     _mm256_storeu_si256((__m256i*)(r.xp + 64 * p), lo);
     _mm256_storeu_si256((__m256i*)(r.xp + 64 * p + 32), hi);
     const __m256i ones = _mm256_set1_epi8(1);
@@ -142,7 +143,8 @@ inline __m256i q4_pair_dot(__m256i raw, __m256i xlo, __m256i xhi) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi);
 #else
-  const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+  const __m256i p16 =
+      _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
   return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 #endif
 }

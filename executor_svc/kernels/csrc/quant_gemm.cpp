@@ -210,7 +210,8 @@ void run(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, in
     }
 #pragma omp for schedule(static)
     for (int64_t n = blocks * kDecodeRows; n < N; ++n)
-      row_dots<D, 1>(x, sxp, groups, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr, y + n);
+      row_dots<D, 1>(x, sxp, groups, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr,
+                     y + n);
   } else {
     // Row blocks of x that stay in L2 (kXBytes) while every weight row passes over them; a
     // block is whole tiles, so each row is computed by the same tile or single-row code
