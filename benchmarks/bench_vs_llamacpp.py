@@ -11,9 +11,12 @@ the number is decode time / 128 in ms/token, the prompt's prefill reported apart
   or AMX); ``--bf16`` adds it in bfloat16.
 * ``--int8``: the fp32 directory again with ``--quantization int8`` (its matrices as Q8_0 blocks
   at load), reported against fp32.
+* ``--act8``: the GGUF again with ``LLMSERVE_QUANT_ACT=int8`` (activations quantized to int8 per
+  group of 32, integer dot products; kernels/quant.py), reported against llama.cpp and fp32.
 * llama.cpp: ``llama-cpp-python`` in a venv of its own (``--llamacpp-python``, never a dependency
   of llmserve), run as a subprocess with ``n_threads=1``: ``eval`` of the prompt, then
-  ``sample`` (greedy) + ``eval`` per token.
+  ``sample`` (greedy) + ``eval`` per token. Repeat ``--llamacpp-python LABEL=PATH`` for several
+  builds in one run (e.g. ``native=...`` and ``avx2=...``); each is an engine "llama.cpp LABEL".
 
 Engines alternate ``--repeats`` times and medians are shown, so load from other processes hits
 all alike; the decode's CPU time (``time.process_time`` of each engine's process) is shown too,
@@ -72,19 +75,29 @@ def ours(
     batch: int = 1,
     quantization: str | None = None,
     dtype: str = "auto",
+    quant_act: str = "fp32",
 ) -> dict[str, float]:
-    """Prefill + greedy decode with ModelRunner; ``batch`` copies of the prompt decode together."""
+    """Prefill + greedy decode with ModelRunner; ``batch`` copies of the prompt decode together;
+    ``quant_act``: LLMSERVE_QUANT_ACT while the model loads (its QuantWeights keep it)."""
     from executor_svc.api.server import resolve_model
 
     model_dir, _ = resolve_model(model)
     blocks = -(-(prompt_len + out_len + 1) // BLOCK_SIZE)
-    runner = ModelRunner(
-        model_dir,
-        num_device_blocks=blocks * batch + 1,
-        swap_space_gib=0.01,
-        quantization=quantization,
-        dtype=dtype,
-    )
+    saved = os.environ.get("LLMSERVE_QUANT_ACT")
+    os.environ["LLMSERVE_QUANT_ACT"] = quant_act
+    try:
+        runner = ModelRunner(
+            model_dir,
+            num_device_blocks=blocks * batch + 1,
+            swap_space_gib=0.01,
+            quantization=quantization,
+            dtype=dtype,
+        )
+    finally:
+        if saved is None:
+            del os.environ["LLMSERVE_QUANT_ACT"]
+        else:
+            os.environ["LLMSERVE_QUANT_ACT"] = saved
     prompt = [(7 * i + 3) % 40000 + 100 for i in range(prompt_len)]
     params = SamplingParams(temperature=0.0)
     seqs = [
@@ -129,7 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", required=True)
     parser.add_argument("--fp32-dir", default=None)
-    parser.add_argument("--llamacpp-python", default=None)
+    parser.add_argument("--llamacpp-python", action="append", default=[])
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--out-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -138,9 +151,16 @@ def main() -> None:
         "--int8", action="store_true", help="also --fp32-dir with --quantization int8"
     )
     parser.add_argument("--bf16", action="store_true", help="also --fp32-dir in bfloat16")
+    parser.add_argument(
+        "--act8", action="store_true", help="also the GGUF with LLMSERVE_QUANT_ACT=int8"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     engines = {"llmserve gguf": lambda: ours(args.gguf, args.prompt_len, args.out_len, args.batch)}
+    if args.act8:
+        engines["llmserve gguf act8"] = lambda: ours(
+            args.gguf, args.prompt_len, args.out_len, args.batch, quant_act="int8"
+        )
     if args.fp32_dir:  # float32 forced: auto is bf16 on a CPU with AVX512-BF16 or AMX
         engines["llmserve fp32"] = lambda: ours(
             args.fp32_dir, args.prompt_len, args.out_len, args.batch, dtype="float32"
@@ -153,9 +173,10 @@ def main() -> None:
         engines["llmserve int8"] = lambda: ours(
             args.fp32_dir, args.prompt_len, args.out_len, args.batch, "int8"
         )
-    if args.llamacpp_python:
-        engines["llama.cpp"] = lambda: llamacpp(
-            args.llamacpp_python, args.gguf, args.prompt_len, args.out_len
+    for spec in args.llamacpp_python:
+        label, _, python = spec.rpartition("=")
+        engines[f"llama.cpp {label}".strip()] = lambda python=python: llamacpp(
+            python, args.gguf, args.prompt_len, args.out_len
         )
     results: dict[str, list[dict[str, float]]] = {k: [] for k in engines}
     for r in range(args.repeats):
@@ -177,12 +198,14 @@ def main() -> None:
             f"{med['llmserve fp32'] / med['llmserve int8']:.2f}x wall, "
             f"{cpu['llmserve fp32'] / cpu['llmserve int8']:.2f}x CPU time"
         )
-    for name in med:
-        if name not in ("llmserve gguf", "llmserve int8", "llmserve bf16"):
-            print(
-                f"llmserve gguf tokens/s vs {name}: {med[name] / med['llmserve gguf']:.2f}x wall, "
-                f"{cpu[name] / cpu['llmserve gguf']:.2f}x CPU time"
-            )
+    peers = [n for n in med if n not in ("llmserve int8", "llmserve bf16")]
+    for ours_name in ("llmserve gguf", "llmserve gguf act8"):
+        for name in peers:
+            if ours_name in med and not name.startswith("llmserve gguf"):
+                print(
+                    f"{ours_name} tokens/s vs {name}: {med[name] / med[ours_name]:.2f}x wall, "
+                    f"{cpu[name] / cpu[ours_name]:.2f}x CPU time"
+                )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ variable (``config.numerics``).
 | ``LLMSERVE_KERNEL_LIB`` | unset | ``kernels.library``: a library built ahead of time, used when there is no compiler |
 | ``CXX`` | ``g++``, else ``c++`` on PATH | ``kernels.library``: the compiler |
 | ``LLMSERVE_CPU_ISA`` | ``auto`` | ``kernels.library``: force a kernel variant (``avx2``, ``avx512``, ``avx512bf16``, ``amx``) |
+| ``LLMSERVE_QUANT_ACT`` | ``fp32`` | ``kernels.quant``: ``int8`` quantizes the activations of the Q8_0 / Q4_0 / Q4_1 matmuls to int8 per group of 32 (integer dot products, ``csrc/quant_act8.cpp``): faster, still step-invariant, but no longer within fp32 rounding of the de-quantized reference (drift: docs/benchmarks.md, "int8 activations") |
 | ``LLMSERVE_AUTO_CPU_DTYPE`` | unset | ``kernels.cpu_dtype``: ``float32``/``bfloat16`` fixes what ``--dtype auto`` is on a CPU (the test suite sets ``float32``) |
 | ``LLMSERVE_PREPACK`` | on | ``kernels.gemm``: ``0`` keeps plain weight matrices |
 | ``LLMSERVE_CPU_FUSED_DECODER`` | on | ``models.cpu_decoder``: ``0`` runs a CPU fp32 model's layers from Python, one kernel call at a time, instead of all in one call (``csrc/decoder.cpp``; the same bits either way) |
@@ -68,6 +69,15 @@ def cpu_isa() -> str | None:
     """``LLMSERVE_CPU_ISA``: the kernel library variant to load (``kernels.library.VARIANTS``);
     unset or ``auto``: the best one the CPU runs."""
     return os.environ.get("LLMSERVE_CPU_ISA", "").strip().lower() or None
+
+
+def quant_act() -> str:
+    """``LLMSERVE_QUANT_ACT``: the quantized matmuls' activations, ``fp32`` (the default, exact)
+    or ``int8``."""
+    value = os.environ.get("LLMSERVE_QUANT_ACT", "").strip().lower() or "fp32"
+    if value not in ("fp32", "int8"):
+        raise ValueError(f"LLMSERVE_QUANT_ACT={value!r}: expected fp32 or int8")
+    return value
 
 
 def auto_cpu_dtype() -> str | None:

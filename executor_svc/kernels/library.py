@@ -134,7 +134,8 @@ _OPTIONAL_SIGNATURES: dict[str, tuple[list, type]] = {
         ctypes.c_int,
     ),
     # csrc/quant_split.cpp (quant.py): Q8_0 / Q4_0 / Q4_1 in the split layout; the gemm's and
-    # the dequant's arguments as above; relayout: type, src, N, K, row_bytes, dst, to_split
+    # the dequant's arguments as above (the gemm's type or'ed with quant.ACT_INT8: int8
+    # activations, csrc/quant_act8.cpp); relayout: type, src, N, K, row_bytes, dst, to_split
     "llmserve_quant_gemm_split_f32": (
         [_i32, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _p, _i64, _i32],
         ctypes.c_int,

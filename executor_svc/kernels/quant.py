@@ -3,10 +3,13 @@ in their GGUF block layout in memory; activations and accumulation are fp32.
 
 Each output element is one fixed chain over the weight row's groups of 32 (the C++ file's
 header), the same for a decode row and for the same row inside a prefill, so quantized models
-keep the step-invariance promise. Activations are not quantized (llama.cpp quantizes them to
-int8 per block for its integer dot products): with fp32 activations the result is within fp32
-rounding of de-quantize-then-matmul, which is what transformers' GGUF loader computes, the
-reference greedy outputs are held to.
+keep the step-invariance promise. By default activations are not quantized: with fp32
+activations the result is within fp32 rounding of de-quantize-then-matmul, which is what
+transformers' GGUF loader computes, the reference greedy outputs are held to. Opt-in
+(``LLMSERVE_QUANT_ACT=int8``, or ``act="int8"``): the split types quantize each activation row
+to int8 per group of 32, as llama.cpp does, and multiply with integer dot products
+(``csrc/quant_act8.cpp``): faster, still one fixed chain per row (step-invariant), but drifting
+from that reference by the activations' rounding; the K-quants keep fp32 activations.
 
 ``QuantWeight`` is a ``gemm.PackedWeight``: a ``models.llama.Linear`` holding one in ``packed``
 runs it instead of its fp32 weight (``models/quant_linear.py`` builds them). It takes GGUF
@@ -22,6 +25,7 @@ from typing import Any
 
 import torch
 
+from executor_svc.config import envs
 from executor_svc.kernels import library
 
 # ggml type id -> (name, weights per block, bytes per block); every type this build reads.
@@ -38,6 +42,7 @@ TYPES: dict[int, tuple[str, int, int]] = {
 FLOAT_TYPES = frozenset({0, 1, 30})  # de-quantized to fp32 at load, run by the fp32 GEMM
 SPLIT_TYPES = frozenset({8, 2, 3})  # held in the split layout (csrc/quant_split.cpp)
 TYPE_IDS = {name: tid for tid, (name, _, _) in TYPES.items()}
+ACT_INT8 = 0x100  # or'ed into a split type's id for the kernel: int8 activations (quant_common.h)
 
 
 def type_name(type_id: int) -> str:
@@ -114,6 +119,8 @@ class QuantWeight:
     data: torch.Tensor  # [out_features, row_bytes] uint8
     type_id: int
     in_features: int
+    # "fp32" or "int8" (split types only; the K-quants always run fp32 activations)
+    act: str = field(default_factory=envs.quant_act)
     _fn: Any = field(init=False, repr=False)  # the kernel for this layout (ctypes function)
 
     def __post_init__(self) -> None:
@@ -124,6 +131,9 @@ class QuantWeight:
             type_name(self.type_id),
             self.in_features,
         )
+        assert self.act in ("fp32", "int8"), self.act
+        if not self.split:
+            self.act = "fp32"
         self.data = self.data.contiguous()
         lib = _lib()
         self._fn = lib.llmserve_quant_gemm_f32
@@ -134,6 +144,11 @@ class QuantWeight:
     @property
     def split(self) -> bool:
         return self.type_id in SPLIT_TYPES
+
+    @property
+    def kernel_type(self) -> int:
+        """The type id the kernel is called with (``ACT_INT8`` added in the int8 mode)."""
+        return self.type_id | (ACT_INT8 if self.act == "int8" else 0)
 
     @property
     def out_features(self) -> int:
@@ -166,7 +181,7 @@ class QuantWeight:
             ldx = k
         y = torch.empty(m, n, dtype=torch.float32)
         rc = self._fn(
-            self.type_id, x.data_ptr(), m, k, ldx, self.data.data_ptr(), n, self.data.shape[1],
+            self.kernel_type, x.data_ptr(), m, k, ldx, self.data.data_ptr(), n, self.data.shape[1],
             None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:

@@ -80,7 +80,8 @@ def _describe(linear: Any, k: int, n: int) -> _Linear | None:
         if packed.in_features != k or packed.out_features != n:
             return None
         kind = _QUANT_SPLIT if packed.split else _QUANT_BLOCKS
-        return _Linear(kind, packed.type_id, packed.data.data_ptr(), n, packed.data.shape[1], bias)
+        data = packed.data
+        return _Linear(kind, packed.kernel_type, data.data_ptr(), n, data.shape[1], bias)
     if packed is None and numerics.deterministic() and gemm.available():
         plain = w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
         if plain and w.shape == (k, n) and w.stride(1) == 1 and w.stride(0) >= n:

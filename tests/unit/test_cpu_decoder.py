@@ -1,8 +1,8 @@
 """The one-call CPU decoder (models/cpu_decoder.py over csrc/decoder.cpp) gives bit for bit the
 per-layer Python forward's logits, tokens and logprobs: every weight form it takes (fp32 panels,
-plain fp32 matrices, int8 / int4 blocks in the split layout, K-quant blocks), biases, a tied
-embedding, GQA, prefill chunks and decodes in random batches with swaps, recompute and prefix
-hits. Models it does not take (q/k norm, LoRA slots) keep the per-layer forward.
+plain fp32 matrices, int8 / int4 blocks in the split layout with fp32 or the opt-in int8
+activations, K-quant blocks), biases, a tied embedding, GQA, prefill chunks and decodes in random
+batches with swaps, recompute and prefix hits. Models it does not take (q/k norm, LoRA slots) keep the per-layer forward.
 
 Mutation check: a decoder that skips one layer's residual add is caught."""
 
@@ -80,7 +80,7 @@ def _compare(runners, monkeypatch, seed: int, shared_prefix: bool = True) -> Non
         assert not bad, f"{len(bad)} differences, first: {bad[:5]}"
 
 
-WEIGHTS = ["panels", "plain", "int8", "int4", "k-quants"]
+WEIGHTS = ["panels", "plain", "int8", "int4", "k-quants", "int4-act8"]
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)
@@ -98,6 +98,9 @@ def test_fused_decoder_equals_the_layer_by_layer_forward(tmp_path, monkeypatch, 
         )  # fmt: skip
     if weights == "plain":
         monkeypatch.setenv("LLMSERVE_PREPACK", "0")
+    if weights == "int4-act8":  # the opt-in int8 activations (kernels/quant.py)
+        monkeypatch.setenv("LLMSERVE_QUANT_ACT", "int8")
+        weights = "int4"
     kwargs = {"quantization": weights} if weights in ("int8", "int4") else {}
     runners = {fused: _runner(model_dir, **kwargs) for fused in (False, True)}
     if weights == "k-quants":

@@ -185,10 +185,14 @@ def test_batches_up_to_64(tmp_path, backend):
 
 
 @needs_kernel
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_weights_invariant_to_grouping(tmp_path, quantization):
+@pytest.mark.parametrize("quantization", ["int8", "int4", "int4-act8"])
+def test_quantized_weights_invariant_to_grouping(tmp_path, monkeypatch, quantization):
     """Weights kept as GGUF blocks (kernels/quant.py, the GGUF path's kernels): the same
-    property, for a GQA Llama and a Qwen2 with biases (every input size a multiple of 32)."""
+    property, for a GQA Llama and a Qwen2 with biases (every input size a multiple of 32);
+    ``-act8``: with the opt-in int8 activations (LLMSERVE_QUANT_ACT=int8)."""
+    if quantization.endswith("-act8"):
+        monkeypatch.setenv("LLMSERVE_QUANT_ACT", "int8")
+        quantization = quantization.removesuffix("-act8")
     for i, case in enumerate((CASES[0], CASES[1])):
         seed = 31 + i
         rng = random.Random(seed)

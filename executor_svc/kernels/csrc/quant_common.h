@@ -17,6 +17,8 @@ namespace quant {
 
 // ggml type ids (gguf.GGMLQuantizationType)
 enum : int { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kBF16 = 30 };
+// Or'ed into a split type's id: the matmul quantizes its activations to int8 (quant_act8.cpp).
+constexpr int kActInt8 = 0x100;
 
 inline v16 splat(float s) { return v16{} + s; }
 

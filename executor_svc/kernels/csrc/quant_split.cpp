@@ -50,6 +50,10 @@ using namespace llmserve::quant;
 extern "C" int llmserve_quant_dequant_f32(int type, const uint8_t* w, int64_t N, int64_t K,
                                           int64_t row_bytes, const int64_t* rows, int64_t num,
                                           float* out, int64_t ldo);
+extern "C" int llmserve_quant_gemm_act8_f32(int type, const float* x, int64_t M, int64_t K,
+                                            int64_t ldx, const uint8_t* w, int64_t N,
+                                            int64_t row_bytes, const float* bias, float* y,
+                                            int64_t ldy, int num_threads);
 
 namespace {
 
@@ -63,7 +67,7 @@ constexpr int kRows = 4;  // x rows per register tile (many rows)
 constexpr int kCols = 4;  // weight rows per register tile: kRows * kCols accumulators
 constexpr int kFew = 8;   // at most this many rows go through one pass
 #else
-constexpr int kOut = 4;  // 16 ymm registers: 4 accumulators of two, x, the decoded group
+constexpr int kOut = 4;  // 16 ymm: 4 accumulators of two, x, the decoded group (6 and 8 slower)
 constexpr int kRows = 4;
 constexpr int kCols = 1;
 constexpr int kFew = 4;
@@ -361,18 +365,23 @@ int dispatch(int type, F&& f) {
 }  // namespace
 
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias [N] when not null), W as
-// N split-layout rows of row_bytes bytes of `type` (Q8_0, Q4_0, Q4_1). Returns 0; 1 for
-// arguments it rejects, 2 for a type it does not take.
+// N split-layout rows of row_bytes bytes of `type` (Q8_0, Q4_0, Q4_1; with kActInt8 set, int8
+// activations: quant_act8.cpp). Returns 0; 1 for arguments it rejects, 2 for a type it does not
+// take.
 extern "C" int llmserve_quant_gemm_split_f32(int type, const float* x, int64_t M, int64_t K,
                                              int64_t ldx, const uint8_t* w, int64_t N,
                                              int64_t row_bytes, const float* bias, float* y,
                                              int64_t ldy, int num_threads) {
   if (M < 0 || K <= 0 || K % 32 || N <= 0 || ldx < K || ldy < N) return 1;
   const int nt = num_threads < 1 ? 1 : num_threads;
-  return dispatch(type, [&](auto d) {
+  return dispatch(type & ~kActInt8, [&](auto d) {
     using D = decltype(d);
     if (row_bytes != K / 32 * D::kBlockBytes) return 1;
-    if (M > 0) run<D>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt);
+    if (M == 0) return 0;
+    if (type & kActInt8)  // the opt-in int8-activation mode (quant_act8.cpp)
+      return llmserve_quant_gemm_act8_f32(D::kType, x, M, K, ldx, w, N, row_bytes, bias, y, ldy,
+                                          nt);
+    run<D>(x, M, K, ldx, w, N, row_bytes, bias, y, ldy, nt);
     return 0;
   });
 }

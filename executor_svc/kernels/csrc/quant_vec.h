@@ -43,23 +43,30 @@ inline vf to_vf(__m128i v) {
   const __m128i h = _mm_srli_si128(v, 8);
   return kSigned ? vf{ints8(v), ints8(h)} : vf{uints8(v), uints8(h)};
 }
+// 8 bytes at p as 8 int32 lanes (vpmovsxbd / vpmovzxbd straight from memory: no 128-bit
+// load and byte shift before the widening).
+inline __m256i ints8_at(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p));
+}
+inline __m256i uints8_at(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+}
 // The 32 quants of a Q8_0 group.
 inline void decode_q8(const uint8_t* q, vf& q0, vf& q1) {
-  const __m128i a = _mm_loadu_si128((const __m128i*)q), b = _mm_loadu_si128((const __m128i*)(q + 16));
-  q0 = {ints8(a), ints8(_mm_srli_si128(a, 8))};
-  q1 = {ints8(b), ints8(_mm_srli_si128(b, 8))};
+  q0 = {_mm256_cvtepi32_ps(ints8_at(q)), _mm256_cvtepi32_ps(ints8_at(q + 8))};
+  q1 = {_mm256_cvtepi32_ps(ints8_at(q + 16)), _mm256_cvtepi32_ps(ints8_at(q + 24))};
 }
-// The 32 nibbles of a Q4 group plus kOffset (exact small integers).
+// The 32 nibbles of a Q4 group plus kOffset (exact small integers): bytes widened to int32
+// lanes first, so a nibble is one and / shift of the lane.
 template <int kOffset>
 inline void decode_q4(const uint8_t* q, vf& q0, vf& q1) {
-  const __m128i v = _mm_loadu_si128((const __m128i*)q), m = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
-  q0 = {uints8(lo), uints8(_mm_srli_si128(lo, 8))};
-  q1 = {uints8(hi), uints8(_mm_srli_si128(hi, 8))};
-  if constexpr (kOffset != 0) {
-    q0 = vadd(q0, vsplat((float)kOffset));
-    q1 = vadd(q1, vsplat((float)kOffset));
-  }
+  const __m256i b0 = uints8_at(q), b1 = uints8_at(q + 8), m = _mm256_set1_epi32(0x0F);
+  const __m256i o = _mm256_set1_epi32(kOffset);  // added as integers (exact either way)
+  auto f = [&](__m256i v) {
+    return _mm256_cvtepi32_ps(kOffset != 0 ? _mm256_add_epi32(v, o) : v);
+  };
+  q0 = {f(_mm256_and_si256(b0, m)), f(_mm256_and_si256(b1, m))};
+  q1 = {f(_mm256_srli_epi32(b0, 4)), f(_mm256_srli_epi32(b1, 4))};
 }
 #else
 struct vf {
