@@ -2,7 +2,8 @@
 per-layer Python forward's logits, tokens and logprobs: every weight form it takes (fp32 panels,
 plain fp32 matrices, int8 / int4 blocks in the split layout with fp32 or the opt-in int8
 activations, K-quant blocks), biases, a tied embedding, GQA, prefill chunks and decodes in random
-batches with swaps, recompute and prefix hits. Models it does not take (q/k norm, LoRA slots) keep the per-layer forward.
+batches with swaps, recompute and prefix hits. Models it does not take (q/k norm, LoRA slots) keep
+the per-layer forward.
 
 Mutation check: a decoder that skips one layer's residual add is caught."""
 
