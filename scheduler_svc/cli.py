@@ -71,10 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--redis-min-replicas",
         type=int,
-        default=0,
+        default=envs.redis_min_replicas(),
         help="replicas that must acknowledge (WAIT) each step's writes before its tokens, "
         "finishes and aborts reach clients, and a new leader's epoch before it serves; one "
-        "round trip per step (default 0: the primary's reply is enough)",
+        "round trip per step (default $LLMSERVE_REDIS_MIN_REPLICAS or 0: the primary's reply "
+        "is enough)",
     )
     p.add_argument(
         "--redis-replica-timeout-ms",

@@ -13,6 +13,7 @@ __all__ = [
     "api_key",
     "failpoints",
     "local_model",
+    "redis_min_replicas",
     "redis_sentinel",
     "redis_sentinel_master",
     "redis_sentinel_password",
@@ -54,3 +55,8 @@ def redis_sentinel_password() -> str | None:
     """`LLMSERVE_REDIS_SENTINEL_PASSWORD`: the Sentinels' own password (requirepass), if any;
     an environment variable only, so it never shows in a process list."""
     return os.environ.get("LLMSERVE_REDIS_SENTINEL_PASSWORD") or None
+
+
+def redis_min_replicas() -> int:
+    """`LLMSERVE_REDIS_MIN_REPLICAS`: the default of --redis-min-replicas (0)."""
+    return int(os.environ.get("LLMSERVE_REDIS_MIN_REPLICAS") or 0)
