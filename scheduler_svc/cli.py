@@ -172,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
         "about 2 s of the leader's death and recovers every request",
     )
     p.add_argument(
+        "--leader-lease-ttl",
+        type=float,
+        default=2.0,
+        help="seconds the leader lease outlives its last renewal: how soon a standby takes over "
+        "a dead leader. With --redis-sentinel make it longer than a Redis failover "
+        "(down-after-milliseconds + ~1.5 s), or each failover also hands leadership over",
+    )
+    p.add_argument(
         "--routing",
         choices=ROUTING_POLICIES,
         default="kv",
@@ -271,6 +279,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         ),
         executor_tls_server_name=args.executor_tls_server_name,
         leader_election=args.leader_election,
+        lease_ttl_s=args.leader_lease_ttl,
         lora_modules=parse_lora_modules(args.lora_modules),
     )
 
@@ -383,6 +392,8 @@ def main(argv: list[str] | None = None) -> None:
             "--leader-election needs --redis-url or --redis-sentinel (the Redis every "
             "scheduler shares)"
         )
+    if args.leader_lease_ttl <= 0.5:
+        parser.error("--leader-lease-ttl must be above the 0.5 s renewal interval")
     if args.redis_min_replicas < 0 or args.redis_replica_timeout_ms <= 0:
         parser.error("--redis-min-replicas must be >= 0 and --redis-replica-timeout-ms > 0")
     if args.executor_tls_server_name and not args.tls_ca:
