@@ -8,8 +8,9 @@ bound) and are written, coalesced, as soon as it returns.
 With `--redis-min-replicas N` "acknowledged" means: the primary and N replicas hold it. After
 each batched write one barrier (`RequestStore.replicate`: a write and `WAIT`) waits for them;
 until they answer the batch stays queued exactly as in an outage (streams held, health says
-why), unless the store releases unreplicated writes (`--redis-degrade-unreplicated`). A failover
-then promotes a replica that holds every token any client was sent (docs/deployment.md).
+why), unless the store releases unreplicated writes (`--redis-degrade-unreplicated`). Sentinel
+promotes the most up-to-date reachable replica, so after a failover the new primary holds every
+token any client was sent (docs/redis-ha.md).
 """
 
 from __future__ import annotations
