@@ -11,7 +11,7 @@ SCHEDULER_PORT ?= 50051
 FRONTEND_PORT ?= 8000
 METRICS_PORT ?= 9400
 
-.PHONY: install run test test-deps test-unit lint format protos bench clean smoke vllm-venv bench-vllm
+.PHONY: install run run-ha test test-deps test-unit lint format protos bench clean smoke vllm-venv bench-vllm
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ install: $(STAMP)
 
 run: $(STAMP)
 	$(PY) -m scheduler_svc.local.launch --model $(MODEL) --host $(HOST) \
+		--executor-port $(EXECUTOR_PORT) --scheduler-port $(SCHEDULER_PORT) \
+		--frontend-port $(FRONTEND_PORT) --metrics-port $(METRICS_PORT)
+
+# As `make run`, with Redis as a primary, two replicas and three Sentinels (docs/redis-ha.md).
+run-ha: $(STAMP)
+	$(PY) -m scheduler_svc.local.launch --redis-ha --model $(MODEL) --host $(HOST) \
 		--executor-port $(EXECUTOR_PORT) --scheduler-port $(SCHEDULER_PORT) \
 		--frontend-port $(FRONTEND_PORT) --metrics-port $(METRICS_PORT)
 

@@ -120,6 +120,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--discover-executors find this executor",
     )
     p.add_argument(
+        "--redis-sentinel",
+        type=_sentinels,
+        default=envs.redis_sentinel(),
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="register in the Redis primary these Sentinels name, following it across "
+        "failovers (default $LLMSERVE_REDIS_SENTINEL); --redis-url then gives only "
+        "credentials, db and TLS",
+    )
+    p.add_argument(
+        "--redis-sentinel-master",
+        default=envs.redis_sentinel_master(),
+        help="the primary's name in the Sentinels' configuration (default "
+        "$LLMSERVE_REDIS_SENTINEL_MASTER or mymaster)",
+    )
+    p.add_argument(
         "--advertise-address",
         help="host:port schedulers should dial (default: --host:port, or this machine's "
         "address when --host is 0.0.0.0)",
@@ -180,6 +195,15 @@ def _lora_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> d
         return {"lora": LoraConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)}
     except ValueError as e:
         parser.error(f"--max-loras/--max-lora-rank/--max-cpu-loras: {e}")
+
+
+def _sentinels(text: str) -> tuple[tuple[str, int], ...]:
+    from executor_svc.api.redis_conn import parse_sentinels
+
+    try:
+        return parse_sentinels(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _write_port_file(path: Path, port: int) -> None:
@@ -283,11 +307,18 @@ def main(argv: list[str] | None = None) -> int:
     runner = server.servicer.loaded_runner
     log_numerics(runner.device.type if runner is not None else "cpu")
     registration = None
-    if args.redis_url:
+    if args.redis_url or args.redis_sentinel:
         from executor_svc.api.registry import ExecutorRegistration
 
         address = args.advertise_address or advertised_address(args.host, port)
-        registration = ExecutorRegistration(args.redis_url, server.servicer.instance_id, address)
+        registration = ExecutorRegistration(
+            args.redis_url,
+            server.servicer.instance_id,
+            address,
+            sentinels=args.redis_sentinel or (),
+            sentinel_master=args.redis_sentinel_master,
+            sentinel_password=envs.redis_sentinel_password(),
+        )
         registration.start()
         log.info("executor.registered", address=address, healthy=registration.healthy)
     if args.port_file is not None:

@@ -24,6 +24,7 @@ from scheduler_svc.engine.metrics import serve_metrics
 from scheduler_svc.engine.routing import ROUTING_POLICIES
 from scheduler_svc.logging import configure_logging
 from scheduler_svc.lora.registry import parse_lora_modules
+from scheduler_svc.state.connect import parse_sentinels
 
 log = structlog.get_logger(__name__)
 
@@ -52,6 +53,43 @@ def build_parser() -> argparse.ArgumentParser:
         "server is started with its data in --redis-dir)",
     )
     p.add_argument("--redis-dir", type=Path, default=Path(".cache/redis"))
+    p.add_argument(
+        "--redis-sentinel",
+        type=_sentinels,
+        default=envs.redis_sentinel(),
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="find the Redis primary through these Sentinels and follow it across failovers "
+        "(default $LLMSERVE_REDIS_SENTINEL); --redis-url then gives only credentials, db and "
+        "TLS (rediss://), and $LLMSERVE_REDIS_SENTINEL_PASSWORD the Sentinels' password",
+    )
+    p.add_argument(
+        "--redis-sentinel-master",
+        default=envs.redis_sentinel_master(),
+        help="the primary's name in the Sentinels' configuration (default "
+        "$LLMSERVE_REDIS_SENTINEL_MASTER or mymaster)",
+    )
+    p.add_argument(
+        "--redis-min-replicas",
+        type=int,
+        default=envs.redis_min_replicas(),
+        help="replicas that must acknowledge (WAIT) each step's writes before its tokens, "
+        "finishes and aborts reach clients, and a new leader's epoch before it serves; one "
+        "round trip per step (default $LLMSERVE_REDIS_MIN_REPLICAS or 0: the primary's reply "
+        "is enough)",
+    )
+    p.add_argument(
+        "--redis-replica-timeout-ms",
+        type=int,
+        default=500,
+        help="how long each WAIT waits for --redis-min-replicas replicas before it counts as "
+        "short (then health says so and the step is retried)",
+    )
+    p.add_argument(
+        "--redis-degrade-unreplicated",
+        action="store_true",
+        help="release a step that fewer than --redis-min-replicas replicas acknowledged in "
+        "time instead of holding its streams (metrics count each such step)",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-waiting", type=int, default=4096, help="waiting queue cap")
@@ -134,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
         "about 2 s of the leader's death and recovers every request",
     )
     p.add_argument(
+        "--leader-lease-ttl",
+        type=float,
+        default=2.0,
+        help="seconds the leader lease outlives its last renewal: how soon a standby takes over "
+        "a dead leader. With --redis-sentinel make it longer than a Redis failover "
+        "(down-after-milliseconds + ~1.5 s), or each failover also hands leadership over",
+    )
+    p.add_argument(
         "--routing",
         choices=ROUTING_POLICIES,
         default="kv",
@@ -175,6 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _sentinels(text: str) -> tuple[tuple[str, int], ...]:
+    try:
+        return parse_sentinels(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _speculative_config(text: str) -> SpeculativeConfig:
     try:
         return SpeculativeConfig.from_json(text)
@@ -189,6 +242,12 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         routing=args.routing,
         routing_prefill_weight=args.routing_prefill_weight,
         redis_url=redis_url,
+        redis_sentinels=args.redis_sentinel or (),
+        redis_sentinel_master=args.redis_sentinel_master,
+        redis_sentinel_password=envs.redis_sentinel_password(),
+        redis_min_replicas=args.redis_min_replicas,
+        redis_replica_timeout_ms=args.redis_replica_timeout_ms,
+        redis_degrade_unreplicated=args.redis_degrade_unreplicated,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,
@@ -220,6 +279,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         ),
         executor_tls_server_name=args.executor_tls_server_name,
         leader_election=args.leader_election,
+        lease_ttl_s=args.leader_lease_ttl,
         lora_modules=parse_lora_modules(args.lora_modules),
     )
 
@@ -227,7 +287,9 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
 async def run(args: argparse.Namespace) -> int:
     redis = None
     redis_url = args.redis_url
-    if not redis_url:
+    if args.redis_sentinel:
+        redis_url = redis_url or "redis://"  # only credentials, db and TLS count
+    elif not redis_url:
         from scheduler_svc.local.redis_server import RedisServer
 
         redis = RedisServer(data_dir=args.redis_dir)
@@ -325,8 +387,15 @@ def main(argv: list[str] | None = None) -> None:
         # One executor known under two names (a static alias and its registered address) could
         # end up with two block managers for one KV cache: pick one way of finding executors.
         parser.error("--discover-executors and --executor exclude each other")
-    if args.leader_election and not args.redis_url:
-        parser.error("--leader-election needs --redis-url (the Redis every scheduler shares)")
+    if args.leader_election and not (args.redis_url or args.redis_sentinel):
+        parser.error(
+            "--leader-election needs --redis-url or --redis-sentinel (the Redis every "
+            "scheduler shares)"
+        )
+    if args.leader_lease_ttl <= 0.5:
+        parser.error("--leader-lease-ttl must be above the 0.5 s renewal interval")
+    if args.redis_min_replicas < 0 or args.redis_replica_timeout_ms <= 0:
+        parser.error("--redis-min-replicas must be >= 0 and --redis-replica-timeout-ms > 0")
     if args.executor_tls_server_name and not args.tls_ca:
         parser.error("--executor-tls-server-name needs --tls-ca")
     if bool(args.tls_cert) != bool(args.tls_key):

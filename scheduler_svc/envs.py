@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["api_key", "failpoints", "local_model", "redis_url"]
+__all__ = [
+    "api_key",
+    "failpoints",
+    "local_model",
+    "redis_min_replicas",
+    "redis_sentinel",
+    "redis_sentinel_master",
+    "redis_sentinel_password",
+    "redis_url",
+]
 
 
 def api_key() -> str:
@@ -30,3 +39,24 @@ def local_model() -> str:
 def redis_url() -> str | None:
     """`REDIS_URL`: the Redis holding request state (None: start a loopback one)."""
     return os.environ.get("REDIS_URL")
+
+
+def redis_sentinel() -> str | None:
+    """`LLMSERVE_REDIS_SENTINEL`: Sentinels as host:port[,host:port...] (None: plain Redis)."""
+    return os.environ.get("LLMSERVE_REDIS_SENTINEL") or None
+
+
+def redis_sentinel_master() -> str:
+    """`LLMSERVE_REDIS_SENTINEL_MASTER`: the name the Sentinels monitor the primary under."""
+    return os.environ.get("LLMSERVE_REDIS_SENTINEL_MASTER") or "mymaster"
+
+
+def redis_sentinel_password() -> str | None:
+    """`LLMSERVE_REDIS_SENTINEL_PASSWORD`: the Sentinels' own password (requirepass), if any;
+    an environment variable only, so it never shows in a process list."""
+    return os.environ.get("LLMSERVE_REDIS_SENTINEL_PASSWORD") or None
+
+
+def redis_min_replicas() -> int:
+    """`LLMSERVE_REDIS_MIN_REPLICAS`: the default of --redis-min-replicas (0)."""
+    return int(os.environ.get("LLMSERVE_REDIS_MIN_REPLICAS") or 0)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import threading
 
-import redis
 from redis.exceptions import RedisError
+
+from executor_svc.api.redis_conn import connect
 
 __all__ = ["EXECUTORS_KEY", "ExecutorRegistration", "executor_key"]
 
@@ -34,18 +35,21 @@ class ExecutorRegistration:
 
     def __init__(
         self,
-        url: str,
+        url: str | None,
         instance_id: str,
         address: str,
         *,
         ttl_s: float = 10.0,
         interval_s: float = 2.0,
+        sentinels: tuple[tuple[str, int], ...] = (),
+        sentinel_master: str = "mymaster",
+        sentinel_password: str | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.address = address
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.interval_s = interval_s
-        self._redis = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._redis = connect(url, sentinels, sentinel_master, sentinel_password=sentinel_password)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.healthy = False

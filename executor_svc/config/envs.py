@@ -24,6 +24,9 @@ variable (``config.numerics``).
 | ``LLMSERVE_CUDA_INVARIANT`` | off | ``models.llama``, ``attention.triton_ops``, ``kernels.sampling``: ``1`` (with step-invariant numerics) runs CUDA linears through ``kernels.triton_gemm``, the Triton attention with fixed tiles and no context split, and the sampler's argmax/logsumexp through ``kernels.triton_sampling``: step-invariant on CUDA (the invariance test passed on an H200, fp32), at ~0.6x the default's serving throughput (docs/benchmarks.md, "CUDA") |
 | ``LLMSERVE_CACHE`` | ``~/.cache/llmserve`` | ``tools.demo_model``: where the demo checkpoint is built |
 | ``LLMSERVE_TP_SHM`` | on | ``parallel.group``: ``0`` keeps CPU tensor-parallel collectives on gloo (no shared memory segment) |
+| ``LLMSERVE_REDIS_SENTINEL`` | unset | ``cli``: Sentinels (host:port,...) the registry finds its Redis primary through (``--redis-sentinel``) |
+| ``LLMSERVE_REDIS_SENTINEL_MASTER`` | ``mymaster`` | ``cli``: the primary's name at the Sentinels |
+| ``LLMSERVE_REDIS_SENTINEL_PASSWORD`` | unset | ``cli``: the Sentinels' own password |
 | ``LLMSERVE_TP_PIN`` | on | ``parallel.group``: ``0`` leaves CPU tensor-parallel ranks unpinned (else each gets its share of the allowed cores) |
 """
 
@@ -139,3 +142,15 @@ def tp_shm() -> bool:
 def tp_pin() -> bool:
     """``LLMSERVE_TP_PIN``: ``0`` leaves CPU tensor-parallel ranks unpinned."""
     return os.environ.get("LLMSERVE_TP_PIN", "1").strip().lower() not in _FALSE
+
+
+def redis_sentinel() -> str | None:
+    return os.environ.get("LLMSERVE_REDIS_SENTINEL") or None
+
+
+def redis_sentinel_master() -> str:
+    return os.environ.get("LLMSERVE_REDIS_SENTINEL_MASTER") or "mymaster"
+
+
+def redis_sentinel_password() -> str | None:
+    return os.environ.get("LLMSERVE_REDIS_SENTINEL_PASSWORD") or None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.spec_decode import SpeculativeConfig
+from scheduler_svc.state.connect import RedisTarget
 
 __all__ = [
     "MAX_REQUEST_ID_LEN",
@@ -47,7 +48,18 @@ def public_id(req_id: str) -> str:
 @dataclass(slots=True)
 class EngineConfig:
     executor_addresses: list[str]
+    # The Redis holding request state; with redis_sentinels only its credentials, db and TLS
+    # count, and the primary is whichever the Sentinels name (state/connect.py).
     redis_url: str
+    redis_sentinels: tuple[tuple[str, int], ...] = ()
+    redis_sentinel_master: str = "mymaster"
+    redis_sentinel_password: str | None = None
+    # Replicas that must hold a step's writes before its tokens, finishes and aborts, or a new
+    # leader's epoch, are released (WAIT, state/persister.py); 0: no wait. Fewer in time: held,
+    # or released anyway with redis_degrade_unreplicated.
+    redis_min_replicas: int = 0
+    redis_replica_timeout_ms: int = 500
+    redis_degrade_unreplicated: bool = False
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_waiting: int = 4096
@@ -99,6 +111,15 @@ class EngineConfig:
     lease_ttl_s: float = 2.0
     # LoRA adapters registered at start (--lora-modules name=path): (name, PEFT directory).
     lora_modules: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def redis_target(self) -> RedisTarget:
+        return RedisTarget(
+            url=self.redis_url,
+            sentinels=self.redis_sentinels,
+            master=self.redis_sentinel_master,
+            sentinel_password=self.redis_sentinel_password,
+        )
 
 
 class AbortOutcome(enum.Enum):

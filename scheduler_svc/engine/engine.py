@@ -55,7 +55,13 @@ class Engine:
         self.config = config
         self.lifecycle = Lifecycle(config.leader_election)
         self.model = ModelInfo()
-        self.store = RequestStore(config.redis_url, finished_ttl_s=config.finished_ttl_s)
+        self.store = RequestStore(
+            config.redis_target,
+            finished_ttl_s=config.finished_ttl_s,
+            min_replicas=config.redis_min_replicas,
+            replica_timeout_ms=config.redis_replica_timeout_ms,
+        )
+        self.store.release_unreplicated = config.redis_degrade_unreplicated
         self.persister = Persister(
             self.store,
             max_backlog_steps=config.max_backlog_steps,
@@ -108,7 +114,14 @@ class Engine:
     async def _lead(self) -> None:
         """Stand by until this scheduler holds the leader lease, then start serving (connect,
         recover) with its epoch on every write; hold the lease until it is lost."""
-        lease = LeaderLease(self.config.redis_url, ttl_s=self.config.lease_ttl_s)
+        cfg = self.config
+        lease = LeaderLease(
+            cfg.redis_target,
+            ttl_s=cfg.lease_ttl_s,
+            min_replicas=cfg.redis_min_replicas,
+            replica_timeout_ms=cfg.redis_replica_timeout_ms,
+            release_unreplicated=cfg.redis_degrade_unreplicated,
+        )
         tasks: list[asyncio.Task] = []
         try:
             epoch = await lease.acquire()

@@ -84,7 +84,7 @@ class HealthMonitor:
         if self.redis_error is not None:
             return f"Redis refuses writes: {self.redis_error}"
         if not self.persister.healthy:
-            return "Redis refuses writes"
+            return self.persister.replication_shortfall or "Redis refuses writes"
         if not any(ex.healthy for ex in self.pool.executors):
             return "no executor is reachable"
         return None

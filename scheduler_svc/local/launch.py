@@ -1,6 +1,9 @@
 """`make run`: Redis (unless REDIS_URL is set), one executor and the scheduler, in the foreground.
 
-Ctrl-C (or SIGTERM) stops all of it: the scheduler drains, the executor and Redis exit.
+`make run-ha` (`--redis-ha`): instead of one Redis, a primary, two replicas and three Sentinels
+on loopback (scheduler_svc/local/redis_ha.py), the scheduler following Sentinel with
+`--redis-min-replicas 1` (docs/redis-ha.md). Ctrl-C (or SIGTERM) stops all of it: the scheduler
+drains, the executor and Redis exit.
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,6 +67,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--redis-dir", default=".cache/redis")
     p.add_argument(
+        "--redis-ha",
+        action="store_true",
+        help="Redis with 2 replicas and 3 Sentinels (data under --redis-dir/ha, empty at each "
+        "start: their ports are new each time) instead of one",
+    )
+    p.add_argument(
         "--metrics-port", type=int, default=0, help="scheduler /metrics; 0 = none (executor: +1)"
     )
     p.add_argument("--executor-arg", action="append", default=[], help="passed to the executor")
@@ -78,7 +88,27 @@ def main(argv: list[str] | None = None) -> None:
     executor_args = list(args.executor_arg) + speculative_executor_args(args.speculative_config)
     if args.metrics_port:
         executor_args += ["--metrics-port", str(args.metrics_port + 1)]
-    executor = start_executor(args.model, args.host, args.executor_port, executor_args)
+    redis_args: list[str] = []
+    ha = None
+    if args.redis_ha:
+        from scheduler_svc.local.redis_ha import MASTER, RedisHA
+
+        ha_dir = Path(args.redis_dir) / "ha"
+        shutil.rmtree(ha_dir, ignore_errors=True)  # Sentinel rewrites its config: start afresh
+        ha = RedisHA(ha_dir).start()
+        redis_args = ["--redis-url", "redis://", "--redis-sentinel", ha.sentinel_arg,
+                      "--redis-sentinel-master", MASTER, "--redis-min-replicas", "1"]  # fmt: skip
+        log.info("launch.redis_ha", sentinels=ha.sentinel_arg, primary=ha.primary().port)
+    try:
+        executor = start_executor(args.model, args.host, args.executor_port, executor_args)
+        serve(args, executor, redis_args)
+    finally:
+        if ha is not None:
+            ha.close()
+
+
+def serve(args: argparse.Namespace, executor: subprocess.Popen, redis_args: list[str]) -> None:
+    """Run the scheduler (and the frontend) in the foreground until Ctrl-C."""
     sched_args = scheduler_cli.build_parser().parse_args(
         [
             "--executor",
@@ -91,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
             args.redis_dir,
             *(["--metrics-port", str(args.metrics_port)] if args.metrics_port else []),
             *(["--speculative-config", args.speculative_config] if args.speculative_config else []),
+            *redis_args,
         ]  # fmt: skip
     )
     frontend = None

@@ -50,11 +50,18 @@ class RedisServer:
     """
 
     def __init__(
-        self, data_dir: str | Path | None = None, port: int = 0, *, appendfsync: str = "always"
+        self,
+        data_dir: str | Path | None = None,
+        port: int = 0,
+        *,
+        appendfsync: str = "always",
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         """`appendfsync`: "always" (default) fsyncs every write before replying, so an
         acknowledged token survives even a power cut; "everysec" (Redis's own default) survives
-        a Redis crash but may lose the last second of writes to a machine crash."""
+        a Redis crash but may lose the last second of writes to a machine crash. `extra_args`
+        go on the command line after ours (e.g. `--replicaof HOST PORT`)."""
+        self.extra_args = tuple(extra_args)
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always, everysec or no, not {appendfsync!r}")
         self.appendfsync = appendfsync
@@ -81,6 +88,7 @@ class RedisServer:
             "--protected-mode", "no",
             "--daemonize", "no",
             "--loglevel", "warning",
+            *self.extra_args,
         ]  # fmt: skip
         log = open(self.data_dir / "redis.log", "ab")  # noqa: SIM115 - owned by the process
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)

@@ -10,6 +10,12 @@
 
 Standbys try to take the lease every `poll_s`; with the defaults a dead leader is replaced
 within ttl_s + poll_s = 2.25 s, before recovery starts.
+
+With replicas (`min_replicas`, --redis-min-replicas) a new leader starts serving only once that
+many replicas acknowledged its epoch bump (`connect.wait_replicas`): a replica promoted by
+Sentinel then holds the newest epoch, so the fencing scripts on the new primary still refuse
+every deposed leader. A renewal needs no barrier: a renewal lost in a failover only makes the
+lease expire sooner on the new primary, and whoever takes it then bumps the epoch again.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ import contextlib
 import time
 import uuid
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
+
+from scheduler_svc.state.connect import RedisTarget, connect, wait_replicas
 
 log = structlog.get_logger(__name__)
 
@@ -55,11 +62,14 @@ return 0
 class LeaderLease:
     def __init__(
         self,
-        url: str,
+        target: RedisTarget | str,
         *,
         ttl_s: float = 2.0,
         renew_s: float = 0.5,
         poll_s: float = 0.25,
+        min_replicas: int = 0,
+        replica_timeout_ms: int = 500,
+        release_unreplicated: bool = False,
     ) -> None:
         if not 0 < renew_s < ttl_s:
             raise ValueError("the lease must be renewed more often than it expires")
@@ -67,9 +77,10 @@ class LeaderLease:
         self.ttl_ms = int(ttl_s * 1000)
         self.ttl_s, self.renew_s, self.poll_s = ttl_s, renew_s, poll_s
         self.epoch = 0
-        self._redis = aioredis.Redis.from_url(
-            url, socket_timeout=max(0.2, renew_s), socket_connect_timeout=max(0.2, renew_s)
-        )
+        self.min_replicas = min_replicas
+        self.replica_timeout_ms = replica_timeout_ms
+        self.release_unreplicated = release_unreplicated
+        self._redis = connect(target, timeout_s=max(0.2, renew_s))
         self._acquire = self._redis.register_script(_ACQUIRE_LUA)
         self._renew = self._redis.register_script(_RENEW_LUA)
         self._release = self._redis.register_script(_RELEASE_LUA)
@@ -87,7 +98,7 @@ class LeaderLease:
             except (RedisError, OSError) as e:
                 log.warning("leader.redis_unavailable", error=str(e))
                 epoch = 0
-            if epoch:
+            if epoch and await self._epoch_replicated(epoch):
                 self.epoch = epoch
                 log.info("leader.elected", epoch=epoch, node=self.node_id)
                 return epoch
@@ -95,6 +106,29 @@ class LeaderLease:
                 log.info("leader.standby", node=self.node_id)
                 logged = True
             await asyncio.sleep(self.poll_s)
+
+    async def _epoch_replicated(self, epoch: int) -> bool:
+        """Whether min_replicas replicas hold the epoch bump (and lease) just written; keeps
+        the lease renewed while waiting for them, for up to one lease lifetime."""
+        if not self.min_replicas:
+            return True
+        deadline = time.monotonic() + self.ttl_s
+        while time.monotonic() < deadline:
+            try:
+                acked = await wait_replicas(self._redis, self.min_replicas, self.replica_timeout_ms)
+                if acked >= self.min_replicas:
+                    return True
+                log.warning("leader.epoch_unreplicated", epoch=epoch, acked=acked,
+                            needed=self.min_replicas)  # fmt: skip
+                if self.release_unreplicated:
+                    return True
+                args = [self.node_id, self.ttl_ms, epoch]
+                if not await self._renew(keys=[LEADER_KEY, EPOCH_KEY], args=args):
+                    return False
+            except (RedisError, OSError) as e:
+                log.warning("leader.redis_unavailable", error=str(e))
+            await asyncio.sleep(self.poll_s)
+        return False
 
     async def hold(self) -> str:
         """Renew the lease until it is lost; returns why. A renewal that cannot reach Redis

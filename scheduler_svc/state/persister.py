@@ -4,6 +4,13 @@ Steps are written strictly in order by one task. A step's tokens reach client st
 after Redis acknowledged them (`on_ack` runs after the write), so nothing a client has seen can
 be lost. While Redis is down, steps queue up (the engine pauses once the backlog passes its
 bound) and are written, coalesced, as soon as it returns.
+
+With `--redis-min-replicas N` "acknowledged" means: the primary and N replicas hold it. After
+each batched write one barrier (`RequestStore.replicate`: a write and `WAIT`) waits for them;
+until they answer the batch stays queued exactly as in an outage (streams held, health says
+why), unless the store releases unreplicated writes (`--redis-degrade-unreplicated`). Sentinel
+promotes the most up-to-date reachable replica, so after a failover the new primary holds every
+token any client was sent (docs/redis-ha.md).
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ class PersisterStats:
     num_ops: int = 0
     write_time_s: float = 0.0
     num_failures: int = 0
+    num_unreplicated: int = 0  # barriers that fewer than min_replicas acknowledged in time
 
 
 class Persister:
@@ -81,6 +89,8 @@ class Persister:
         self._drained = asyncio.Event()
         self._drained.set()
         self.healthy = True
+        # Replicas that acknowledged the last barrier (None: no barrier, min_replicas is 0).
+        self.replicas_acked: int | None = None
         self.stats = PersisterStats()
         self._task: asyncio.Task | None = None
 
@@ -158,6 +168,9 @@ class Persister:
             t0 = time.perf_counter()
             try:
                 await self.store.write_step(appends, finishes, prompt_lps)
+                if not await self._replicated(len(batch)):
+                    await asyncio.sleep(self.retry_interval_s)
+                    continue  # held: written again (idempotent) with a fresh barrier
             except StoreFenced as e:
                 # Not ours to write any more: nothing queued may ever go out.
                 self.healthy = False
@@ -199,6 +212,33 @@ class Persister:
                     rec.acknowledged()
                 except Exception:  # one bad publication must not stop the writer
                     log.exception("persister.publish_failed")
+
+    async def _replicated(self, backlog: int) -> bool:
+        """After a write: whether its effects may be released (enough replicas hold it, or
+        the store releases what they do not)."""
+        need = self.store.min_replicas
+        if not need:
+            return True
+        acked = self.replicas_acked = await self.store.replicate()
+        if acked >= need:
+            return True
+        self.stats.num_unreplicated += 1
+        if self.store.release_unreplicated:
+            log.warning("store.unreplicated_released", acked=acked, needed=need)
+            return True
+        if self.healthy:
+            log.warning("store.unreplicated_held", acked=acked, needed=need, backlog=backlog)
+        self.stats.num_failures += 1
+        self.healthy = False
+        return False
+
+    @property
+    def replication_shortfall(self) -> str | None:
+        """Why the last barrier fell short, or None."""
+        acked, need = self.replicas_acked, self.store.min_replicas
+        if acked is None or acked >= need:
+            return None
+        return f"{acked} of {need} Redis replicas acknowledged the last write"
 
     def _failed(self, error: BaseException, backlog: int) -> None:
         """Note a failed write: logged once per outage (with the traceback when it is not a

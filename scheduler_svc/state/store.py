@@ -29,10 +29,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from scheduler_svc.core.request import FinishReason
+from scheduler_svc.state.connect import RedisTarget, connect, wait_replicas
 from scheduler_svc.state.leader import EPOCH_KEY
 from scheduler_svc.state.records import (
     FORMAT_VERSION,
@@ -160,21 +160,34 @@ MAX_CONNECTIONS = 256  # per scheduler process; Redis's own default limit is 10 
 class RequestStore:
     """Async Redis-backed store of requests; raises StoreUnavailable when Redis is down."""
 
-    def __init__(self, url: str, *, finished_ttl_s: float = 3600.0, timeout_s: float = 2.0):
-        self.url = url
+    def __init__(
+        self,
+        target: RedisTarget | str,
+        *,
+        finished_ttl_s: float = 3600.0,
+        timeout_s: float = 2.0,
+        min_replicas: int = 0,
+        replica_timeout_ms: int = 500,
+    ):
+        self.target = RedisTarget(url=target) if isinstance(target, str) else target
+        self.url = self.target.url
         self.finished_ttl_s = finished_ttl_s
+        # Replicas that must acknowledge a write before its effect is released (`replicate`);
+        # 0: none, nothing waits.
+        self.min_replicas = min_replicas
+        self.replica_timeout_ms = replica_timeout_ms
+        # Release effects that fewer replicas acknowledged in time (--redis-degrade-unreplicated)
+        # instead of holding them until enough do.
+        self.release_unreplicated = False
         # A bounded pool that makes a call wait for a free connection (up to timeout_s) rather
         # than fail: redis-py's default pool refuses call 101 at once ("Too many connections"),
         # which a burst of concurrent aborts or creates reaches on a slow machine.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url,
+        self._redis = connect(
+            self.target,
+            timeout_s=timeout_s,
             max_connections=MAX_CONNECTIONS,
-            timeout=timeout_s,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
             retry_on_timeout=False,
         )
-        self._redis = aioredis.Redis.from_pool(pool)  # closing it closes the pool
         self._append = self._redis.register_script(APPEND_LUA)
         self._create = self._redis.register_script(CREATE_LUA)
         self._batch = self._redis.register_script(BATCH_LUA)
@@ -205,6 +218,14 @@ class RequestStore:
         except (RedisError, OSError) as e:
             return str(e) or type(e).__name__
         return None
+
+    async def replicate(self) -> int:
+        """How many replicas hold every write made so far (`connect.wait_replicas`), waiting up
+        to replica_timeout_ms for min_replicas of them; raises StoreUnavailable."""
+        try:
+            return await wait_replicas(self._redis, self.min_replicas, self.replica_timeout_ms)
+        except (RedisError, OSError) as e:
+            raise _unavailable(e) from e
 
     async def create(self, rec: StoredRequest, *, honour_abort: bool = True) -> Created:
         """Store a new request unless the id exists. With `honour_abort`, an abort tombstone
@@ -252,7 +273,16 @@ class RequestStore:
         except (RedisError, OSError) as e:
             raise _unavailable(e) from e
         status = status.decode() if isinstance(status, bytes) else str(status)
-        return None if status == "tombstoned" else status
+        if status != "tombstoned":
+            return status
+        # The answer tells the client the abort will win: the tombstone must survive failover.
+        if self.min_replicas and not self.release_unreplicated:
+            acked = await self.replicate()
+            if acked < self.min_replicas:
+                raise StoreUnavailable(
+                    f"{acked} of {self.min_replicas} Redis replicas acknowledged the abort"
+                )
+        return None
 
     async def write_step(
         self,

@@ -286,3 +286,24 @@ def test_smoke_script_starts_and_documents_its_steps() -> None:
     assert proc.returncode == 0, proc.stderr
     for option in ("--no-build", "--compose", "--streams"):
         assert option in proc.stdout
+
+
+def test_ha_override_adds_replicas_and_sentinels_and_every_service_follows_them() -> None:
+    result = compose(
+        "config", "--format", "json", files=(COMPOSE_FILE, ROOT / "docker-compose.ha.yml")
+    )
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    for name in ("redis-replica-1", "redis-replica-2"):
+        command = services[name]["command"]
+        assert command[command.index("--replicaof") + 1 :][:2] == ["redis", "6379"], name
+    for name in ("sentinel-1", "sentinel-2", "sentinel-3"):
+        script = services[name]["command"][-1]
+        assert "sentinel monitor mymaster redis 6379 2" in script and "--sentinel" in script
+    for name in ("scheduler", "executor"):
+        env = services[name]["environment"]
+        assert env["LLMSERVE_REDIS_SENTINEL"] == (
+            "sentinel-1:26379,sentinel-2:26379,sentinel-3:26379"
+        ), name
+    assert services["scheduler"]["environment"]["LLMSERVE_REDIS_MIN_REPLICAS"] == "1"
+    assert "--min-replicas-to-write" in services["redis"]["command"]

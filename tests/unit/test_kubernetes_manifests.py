@@ -193,3 +193,20 @@ def test_executors_drain_within_the_termination_grace_period(gpu: bool) -> None:
     )
     # The kubelet SIGKILLs at the end of the grace period: drain, then the server's own grace.
     assert 0 < parsed.drain_timeout + parsed.grace < pod["terminationGracePeriodSeconds"]
+
+
+def test_the_ha_variant_runs_three_redis_and_three_sentinels_kept_through_drains() -> None:
+    docs = documents(ROOT / "deploy" / "kubernetes" / "ha" / "redis-ha.yaml")
+    sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    budgets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PodDisruptionBudget"}
+    scripts = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    for name in ("redis-ha", "redis-sentinel"):
+        assert sets[name]["spec"]["replicas"] == 3
+        assert services[name]["spec"]["clusterIP"] == "None"  # stable per-pod names
+        assert sets[name]["spec"]["serviceName"] == name
+        assert budgets[name]["spec"]["maxUnavailable"] == 1
+    assert "sentinel monitor mymaster" in scripts["sentinel.sh"]
+    assert "--replicaof" in scripts["redis.sh"] and "--appendonly yes" in scripts["redis.sh"]
+    # The base layout keeps its single Redis: the HA one is opt-in.
+    assert "redis" in by_kind("StatefulSet") and "redis-ha" not in by_kind("StatefulSet")
