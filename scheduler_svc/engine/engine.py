@@ -50,18 +50,24 @@ log = structlog.get_logger(__name__)
 __all__ = ["Engine"]
 
 
+def _request_store(config: EngineConfig) -> RequestStore:
+    """The state store, with the replica acknowledgement the configuration asks of its writes."""
+    store = RequestStore(
+        config.redis_target,
+        finished_ttl_s=config.finished_ttl_s,
+        min_replicas=config.redis_min_replicas,
+        replica_timeout_ms=config.redis_replica_timeout_ms,
+    )
+    store.release_unreplicated = config.redis_degrade_unreplicated
+    return store
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.lifecycle = Lifecycle(config.leader_election)
         self.model = ModelInfo()
-        self.store = RequestStore(
-            config.redis_target,
-            finished_ttl_s=config.finished_ttl_s,
-            min_replicas=config.redis_min_replicas,
-            replica_timeout_ms=config.redis_replica_timeout_ms,
-        )
-        self.store.release_unreplicated = config.redis_degrade_unreplicated
+        self.store = _request_store(config)
         self.persister = Persister(
             self.store,
             max_backlog_steps=config.max_backlog_steps,

@@ -201,12 +201,15 @@ class EngineMetrics:
         yield _gauge(model, "llmserve:redis_backlog_steps", "Engine steps waiting to be written "
                      "to Redis.", self.persister.backlog)  # fmt: skip
         if self.persister.store.min_replicas:  # --redis-min-replicas: the write barrier
-            yield _gauge(model, "llmserve:redis_replicas_acked", "Redis replicas that "
-                         "acknowledged the last write barrier.",
-                         self.persister.replicas_acked or 0)  # fmt: skip
-            yield _counter(model, "llmserve:redis_unreplicated_writes", "Write barriers fewer "
-                           "than --redis-min-replicas replicas acknowledged in time.",
-                           self.persister.stats.num_unreplicated)  # fmt: skip
+            yield from self._replication_families(model)
+
+    def _replication_families(self, model: str) -> Iterator[Metric]:
+        """How the replicas answer the per-step write barrier (issue 42)."""
+        yield _gauge(model, "llmserve:redis_replicas_acked", "Redis replicas that acknowledged "
+                     "the last write barrier.", self.persister.replicas_acked or 0)  # fmt: skip
+        yield _counter(model, "llmserve:redis_unreplicated_writes", "Write barriers fewer than "
+                       "--redis-min-replicas replicas acknowledged in time.",
+                       self.persister.stats.num_unreplicated)  # fmt: skip
 
     def _executor_families(self, model: str, executors: list) -> Iterator[Metric]:
         """Per executor: steps, busy time, steps planned ahead, prefix cache."""
