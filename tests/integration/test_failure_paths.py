@@ -24,6 +24,7 @@ from tests.support.api_helpers import (
     collect,
     generate,
     mixed_workload,
+    reference_run,
     run_in_threads,
     stream_in_threads,
     stub_for,
@@ -62,21 +63,6 @@ def wait_health(address: str, want: int, timeout: float = 20.0) -> float:
             return time.monotonic() - t0
         time.sleep(0.05)
     raise AssertionError(f"health did not become {want} within {timeout}s (is {health(address)})")
-
-
-def reference_run(address: str, reqs: list[pb.GenerateRequest]) -> list[Collected]:
-    """The undisturbed run of `reqs` (under other ids), for comparison."""
-    channel, stub = stub_for(address)
-    refs = []
-    for r in reqs:
-        ref = pb.GenerateRequest()
-        ref.CopyFrom(r)
-        ref.request_id = "ref-" + r.request_id
-        refs.append(ref)
-    out = run_in_threads([lambda r=r: collect(stub.Generate(r, timeout=120)) for r in refs])
-    channel.close()
-    assert all(o.error is None for o in out)
-    return out
 
 
 def assert_same(got: Collected, ref: Collected, what: str) -> None:

@@ -21,9 +21,8 @@ import redis
 from protos import scheduler_pb2 as pb
 from tests.support.api_helpers import (
     Collected,
-    collect,
     mixed_workload,
-    run_in_threads,
+    reference_run,
     stream_in_threads,
     stub_for,
 )
@@ -37,21 +36,6 @@ MAX_TOKENS = 160
 # The mutation check (docs/deployment.md): LLMSERVE_TEST_MIN_REPLICAS=0 runs this test without
 # the acknowledged-write barrier.
 MIN_REPLICAS = os.environ.get("LLMSERVE_TEST_MIN_REPLICAS", "1")
-
-
-def reference_run(address: str, reqs: list[pb.GenerateRequest]) -> list[Collected]:
-    """The undisturbed run of `reqs` under other ids."""
-    channel, stub = stub_for(address)
-    refs = []
-    for r in reqs:
-        ref = pb.GenerateRequest()
-        ref.CopyFrom(r)
-        ref.request_id = "ref-" + r.request_id
-        refs.append(ref)
-    out = run_in_threads([lambda r=r: collect(stub.Generate(r, timeout=120)) for r in refs])
-    channel.close()
-    assert all(o.error is None for o in out)
-    return out
 
 
 def wait_tokens(results: list[Collected], at_least: int, timeout: float = 60) -> None:

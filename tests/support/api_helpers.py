@@ -123,6 +123,21 @@ def run_in_threads(fns) -> list:
     return results
 
 
+def reference_run(address: str, reqs: list[pb.GenerateRequest]) -> list[Collected]:
+    """The undisturbed run of `reqs` (under other ids), for comparison."""
+    channel, stub = stub_for(address)
+    refs = []
+    for r in reqs:
+        ref = pb.GenerateRequest()
+        ref.CopyFrom(r)
+        ref.request_id = "ref-" + r.request_id
+        refs.append(ref)
+    out = run_in_threads([lambda r=r: collect(stub.Generate(r, timeout=120)) for r in refs])
+    channel.close()
+    assert all(o.error is None for o in out)
+    return out
+
+
 def mixed_workload(
     prefix: str, num: int, max_tokens: int, *, rng_seed: int, max_prompt_len: int = 20
 ) -> list[pb.GenerateRequest]:
