@@ -20,7 +20,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
 from tests.support.api_helpers import (
     Collected,
@@ -32,35 +31,12 @@ from tests.support.api_helpers import (
 )
 from tests.support.redis_ha import RedisHA
 from tests.support.stack import Stack, tiny_model_dir
-from tests.support.standby import SERVING, Scheduler, follow_channel
+from tests.support.standby import SERVING, Scheduler, follow_channel, resuming_client
 
 pytestmark = pytest.mark.timeout(300)
 
 NUM_STREAMS = 24
 MAX_TOKENS = 120
-
-
-def resuming_client(
-    schedulers: tuple[Scheduler, ...], req: pb.GenerateRequest, got: Collected, codes: list
-) -> None:
-    """Generate, and after any broken call Resume from the last token received."""
-    deadline = time.monotonic() + 180
-    with follow_channel(*schedulers) as channel:
-        stub = pb_grpc.SchedulerStub(channel)
-        while 0 not in got.finish and time.monotonic() < deadline:
-            try:
-                if not got.messages:
-                    stream = stub.Generate(req, timeout=120, wait_for_ready=True)
-                else:
-                    resume = pb.ResumeRequest(
-                        request_id=req.request_id, from_token_index=len(got.tokens[0])
-                    )
-                    stream = stub.Resume(resume, timeout=120, wait_for_ready=True)
-                for msg in stream:
-                    got.add(msg)
-            except grpc.RpcError as e:
-                codes.append(e.code())
-                time.sleep(0.05)
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from protos import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import Collected, collect, mixed_workload, run_in_threads
 from tests.support.stack import Stack, tiny_model_dir
-from tests.support.standby import LEADER_KEY, Scheduler, follow_channel
+from tests.support.standby import LEADER_KEY, Scheduler, follow_channel, resuming_client
 
 STATE_PREFIXES = (
     "llmserve:request:",
@@ -93,27 +93,11 @@ def test_the_standby_takes_over_a_killed_leader_under_50_streams(deployment) -> 
     results = [Collected() for _ in reqs]
     codes: list[grpc.StatusCode] = []
 
-    def client(i: int) -> None:
-        got, req = results[i], reqs[i]
-        deadline = time.monotonic() + 180
-        with follow_channel(leader, standby) as channel:
-            stub = pb_grpc.SchedulerStub(channel)
-            while 0 not in got.finish and time.monotonic() < deadline:
-                try:
-                    if not got.messages:
-                        stream = stub.Generate(req, timeout=120, wait_for_ready=True)
-                    else:
-                        resume = pb.ResumeRequest(
-                            request_id=req.request_id, from_token_index=len(got.tokens[0])
-                        )
-                        stream = stub.Resume(resume, timeout=120, wait_for_ready=True)
-                    for msg in stream:
-                        got.add(msg)
-                except grpc.RpcError as e:
-                    codes.append(e.code())
-                    time.sleep(0.05)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(reqs))]
+    pair = (leader, standby)
+    threads = [
+        threading.Thread(target=resuming_client, args=(pair, reqs[i], results[i], codes))
+        for i in range(len(reqs))
+    ]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60

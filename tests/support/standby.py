@@ -17,6 +17,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.async_client import channel_target
+from protos import scheduler_pb2 as pb
+from protos import scheduler_pb2_grpc as pb_grpc
+from tests.support.api_helpers import Collected
 from tests.support.stack import _env, _wait_port_file, stop_process
 
 LEADER_KEY = "llmserve:leader"
@@ -81,3 +84,26 @@ def follow_channel(*schedulers: Scheduler) -> grpc.Channel:
     """One channel over every scheduler's address; calls go to the SERVING one (the leader)."""
     target, options = channel_target(",".join(s.address for s in schedulers))
     return grpc.insecure_channel(target, options=options)
+
+
+def resuming_client(
+    schedulers: tuple[Scheduler, ...], req: pb.GenerateRequest, got: Collected, codes: list
+) -> None:
+    """Generate, and after any broken call Resume from the last token received."""
+    deadline = time.monotonic() + 180
+    with follow_channel(*schedulers) as channel:
+        stub = pb_grpc.SchedulerStub(channel)
+        while 0 not in got.finish and time.monotonic() < deadline:
+            try:
+                if not got.messages:
+                    stream = stub.Generate(req, timeout=120, wait_for_ready=True)
+                else:
+                    resume = pb.ResumeRequest(
+                        request_id=req.request_id, from_token_index=len(got.tokens[0])
+                    )
+                    stream = stub.Resume(resume, timeout=120, wait_for_ready=True)
+                for msg in stream:
+                    got.add(msg)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+                time.sleep(0.05)
