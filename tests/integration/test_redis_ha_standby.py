@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +30,7 @@ from tests.support.api_helpers import (
 )
 from tests.support.redis_ha import RedisHA
 from tests.support.stack import Stack, tiny_model_dir
-from tests.support.standby import SERVING, Scheduler, follow_channel, resuming_client
+from tests.support.standby import SERVING, Scheduler, follow_channel, resume_in_threads
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -81,18 +80,7 @@ def test_the_standby_takes_over_when_the_leader_and_the_redis_primary_die_togeth
         leader, standby = pair
         reference = reference_run(pair)
         reqs = mixed_workload("sb", NUM_STREAMS, MAX_TOKENS, rng_seed=5, max_prompt_len=16)
-        results = [Collected() for _ in reqs]
-        codes: list[grpc.StatusCode] = []
-        threads = [
-            threading.Thread(target=resuming_client, args=(pair, reqs[i], results[i], codes))
-            for i in range(len(reqs))
-        ]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while min(len(r.tokens.get(0, [])) for r in results) < 5:
-            assert time.monotonic() < deadline, "the streams did not start"
-            time.sleep(0.01)
+        results, codes, threads = resume_in_threads(pair, reqs, min_tokens=5)
         assert max(len(r.tokens.get(0, [])) for r in results) < MAX_TOKENS - 20
         killed = ha.kill_primary()
         leader.proc.kill()

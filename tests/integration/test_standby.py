@@ -27,9 +27,9 @@ from grpc_health.v1 import health_pb2
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.local.redis_server import RedisServer
-from tests.support.api_helpers import Collected, collect, mixed_workload, run_in_threads
+from tests.support.api_helpers import collect, mixed_workload, run_in_threads
 from tests.support.stack import Stack, tiny_model_dir
-from tests.support.standby import LEADER_KEY, Scheduler, follow_channel, resuming_client
+from tests.support.standby import LEADER_KEY, Scheduler, follow_channel, resume_in_threads
 
 STATE_PREFIXES = (
     "llmserve:request:",
@@ -90,20 +90,7 @@ def test_the_standby_takes_over_a_killed_leader_under_50_streams(deployment) -> 
         reference = run_in_threads(
             [lambda r=r: collect(stub.Generate(r, timeout=120)) for r in ref_reqs]
         )
-    results = [Collected() for _ in reqs]
-    codes: list[grpc.StatusCode] = []
-
-    pair = (leader, standby)
-    threads = [
-        threading.Thread(target=resuming_client, args=(pair, reqs[i], results[i], codes))
-        for i in range(len(reqs))
-    ]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while min(len(r.tokens.get(0, [])) for r in results) < 2:
-        assert time.monotonic() < deadline, "the streams did not start"
-        time.sleep(0.01)
+    results, codes, threads = resume_in_threads((leader, standby), reqs, min_tokens=2)
     holder = raw.get(LEADER_KEY)
     leader.proc.kill()
     killed_at = time.monotonic()

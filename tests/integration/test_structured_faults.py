@@ -16,7 +16,7 @@ from protos import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import Collected, collect, gen_request, run_in_threads, stub_for
 from tests.support.stack import Stack, make_stack, tiny_model_dir
-from tests.support.standby import Scheduler, follow_channel
+from tests.support.standby import Scheduler, follow_channel, resume_in_threads
 
 ARRAY = {
     "type": "array",
@@ -165,34 +165,7 @@ def test_standby_takeover_rebuilds_matchers_and_output_is_identical(tmp_path, re
             )
         check_valid(reference)
         run = requests("srun")
-        results = [Collected() for _ in run]
-
-        def client(i: int) -> None:
-            got, req = results[i], run[i]
-            deadline = time.monotonic() + 180
-            with follow_channel(leader, standby) as channel:
-                st = pb_grpc.SchedulerStub(channel)
-                while 0 not in got.finish and time.monotonic() < deadline:
-                    try:
-                        if not got.messages:
-                            stream = st.Generate(req, timeout=120, wait_for_ready=True)
-                        else:
-                            resume = pb.ResumeRequest(
-                                request_id=req.request_id, from_token_index=len(got.tokens[0])
-                            )
-                            stream = st.Resume(resume, timeout=120, wait_for_ready=True)
-                        for msg in stream:
-                            got.add(msg)
-                    except grpc.RpcError:
-                        time.sleep(0.05)
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(run))]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while min(len(r.tokens.get(0, [])) for r in results) < 2:
-            assert time.monotonic() < deadline, "the streams did not start"
-            time.sleep(0.01)
+        results, _, threads = resume_in_threads((leader, standby), run, min_tokens=2)
         leader.proc.kill()
         mid = [len(r.tokens.get(0, [])) for r in results]
         for t in threads:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -107,3 +108,25 @@ def resuming_client(
             except grpc.RpcError as e:
                 codes.append(e.code())
                 time.sleep(0.05)
+
+
+def resume_in_threads(
+    schedulers: tuple[Scheduler, ...], reqs: list[pb.GenerateRequest], *, min_tokens: int = 2
+) -> tuple[list[Collected], list[grpc.StatusCode], list[threading.Thread]]:
+    """One `resuming_client` per request in its own thread; return once every stream has
+    delivered `min_tokens` tokens (the threads keep collecting, and the status codes of the
+    broken calls they re-attached after go into the returned list)."""
+    results = [Collected() for _ in reqs]
+    codes: list[grpc.StatusCode] = []
+    threads = [
+        threading.Thread(target=resuming_client, args=(schedulers, r, results[i], codes))
+        for i, r in enumerate(reqs)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while min(len(r.tokens.get(0, [])) for r in results) < min_tokens:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the streams did not start")
+        time.sleep(0.01)
+    return results, codes, threads
