@@ -41,7 +41,7 @@ from scheduler_svc.api import convert  # noqa: E402
 from scheduler_svc.core.request import Request  # noqa: E402
 from scheduler_svc.core.sampling_params import SamplingParams  # noqa: E402
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from scheduler_svc.engine import step_message  # noqa: E402
+from scheduler_svc.engine.fleet import step_message  # noqa: E402
 from scheduler_svc.engine.step_results import process_step_outputs  # noqa: E402
 from scheduler_svc.engine.streams import EngineStep, RequestHandle  # noqa: E402
 from scheduler_svc.output.tokenizer import load_tokenizer  # noqa: E402

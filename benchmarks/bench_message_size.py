@@ -39,7 +39,7 @@ from bench_scheduler import bench_step  # noqa: E402
 from scheduler_svc.core.request import Request  # noqa: E402
 from scheduler_svc.core.sampling_params import SamplingParams  # noqa: E402
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from scheduler_svc.engine import step_message  # noqa: E402
+from scheduler_svc.engine.fleet import step_message  # noqa: E402
 
 NOTES = ROOT / "docs" / "bench-notes" / "message_size.md"
 BLOCK_SIZE = 16

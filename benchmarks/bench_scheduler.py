@@ -106,7 +106,7 @@ def main() -> None:
     args = ap.parse_args()
     build = None
     if args.proto:
-        from scheduler_svc.engine.step_message import execute_request
+        from scheduler_svc.engine.fleet.step_message import execute_request
 
         def build(out: SchedulerOutput) -> object:
             return execute_request(out, out.step_id)
@@ -139,7 +139,7 @@ def main() -> None:
             "Median and p99 of schedule() + update_from_output() in pure Python"
             + (
                 "; with `--proto` also with the engine's ExecuteModelRequest build "
-                "(scheduler_svc.engine.step_message.execute_request)"
+                "(scheduler_svc.engine.fleet.step_message.execute_request)"
                 if build
                 else ""
             )

@@ -1,6 +1,6 @@
 """Public API protobuf <-> the engine's records; no other module builds public messages.
 
-(The executor's step message is built on the engine's side, in engine/step_message.py.)
+(The executor's step message is built on the engine's side, in engine/fleet/step_message.py.)
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import structlog
 from scheduler_svc.core.errors import Unavailable
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.engine.config import AbortOutcome, public_id
-from scheduler_svc.engine.lifecycle import Lifecycle
+from scheduler_svc.engine.faults.lifecycle import Lifecycle
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.streams import EngineStep, RequestHandle
 from scheduler_svc.state.persister import Persister

@@ -32,10 +32,10 @@ from scheduler_svc.core.errors import QueueFull, Unavailable, ValidationError
 from scheduler_svc.core.pooling import PoolingParams, PoolingType, embed_request
 from scheduler_svc.core.request import Request, RequestStatus, req_id_of
 from scheduler_svc.engine.config import EngineConfig, scoped_id
-from scheduler_svc.engine.executor_handle import ExecutorHandle
-from scheduler_svc.engine.executors import ExecutorPool
+from scheduler_svc.engine.faults.lifecycle import Lifecycle
+from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
+from scheduler_svc.engine.fleet.executors import ExecutorPool
 from scheduler_svc.engine.key_usage import KeyUsage
-from scheduler_svc.engine.lifecycle import Lifecycle
 from scheduler_svc.engine.model import ModelInfo
 from scheduler_svc.output.tokenizer import encode_prompt
 

@@ -27,14 +27,14 @@ import structlog
 
 from scheduler_svc.engine.aborts import Aborts
 from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.engine.executors import ExecutorPool, IncompatibleExecutor
-from scheduler_svc.engine.faults import Faults
-from scheduler_svc.engine.health import HealthMonitor
+from scheduler_svc.engine.faults.faults import Faults
+from scheduler_svc.engine.faults.health import HealthMonitor
+from scheduler_svc.engine.faults.lifecycle import EngineState, Lifecycle
+from scheduler_svc.engine.faults.recovery import Recovery
+from scheduler_svc.engine.fleet.executors import ExecutorPool, IncompatibleExecutor
 from scheduler_svc.engine.key_usage import KeyUsage
-from scheduler_svc.engine.lifecycle import EngineState, Lifecycle
 from scheduler_svc.engine.metrics import EngineMetrics
 from scheduler_svc.engine.model import ModelInfo
-from scheduler_svc.engine.recovery import Recovery
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.requests import RequestFront
 from scheduler_svc.engine.step_loop import StepLoop

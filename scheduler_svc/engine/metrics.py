@@ -29,7 +29,7 @@ from prometheus_client.core import (
 )
 
 if TYPE_CHECKING:
-    from scheduler_svc.engine.executors import ExecutorPool
+    from scheduler_svc.engine.fleet.executors import ExecutorPool
     from scheduler_svc.engine.streams import RequestHandle
     from scheduler_svc.state.persister import Persister
 

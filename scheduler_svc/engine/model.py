@@ -9,7 +9,7 @@ from typing import Any
 
 from protos import executor_pb2 as epb
 from scheduler_svc import failpoints
-from scheduler_svc.engine.executor_handle import ExecutorHandle
+from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
 from scheduler_svc.output.detokenizer import token_byte_table
 from scheduler_svc.output.tokenizer import load_tokenizer
 

@@ -14,7 +14,7 @@ import structlog
 
 from scheduler_svc.core.request import RequestStatus, req_id_of
 from scheduler_svc.core.scheduler_output import NewSeqData
-from scheduler_svc.engine.executor_handle import ExecutorHandle
+from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
 from scheduler_svc.engine.key_usage import KeyUsage
 from scheduler_svc.engine.metrics import EngineMetrics
 from scheduler_svc.engine.streams import EngineStep, RequestHandle

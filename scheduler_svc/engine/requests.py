@@ -28,8 +28,8 @@ from scheduler_svc.engine.config import (
     scoped_id,
 )
 from scheduler_svc.engine.embeds import EmbedInput, EmbedRequests, EmbedResult
-from scheduler_svc.engine.executors import ExecutorPool
-from scheduler_svc.engine.lifecycle import Lifecycle
+from scheduler_svc.engine.faults.lifecycle import Lifecycle
+from scheduler_svc.engine.fleet.executors import ExecutorPool
 from scheduler_svc.engine.model import ModelInfo
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.server_info import server_info

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from scheduler_svc.engine.config import EngineConfig, ExecutorInfo, ServerInfo
-from scheduler_svc.engine.executor_handle import ExecutorHandle
+from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
 from scheduler_svc.engine.model import ModelInfo
 
 __all__ = ["server_info"]

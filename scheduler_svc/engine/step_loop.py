@@ -18,10 +18,10 @@ from protos import executor_pb2 as epb
 from scheduler_svc import failpoints
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.engine.executor_handle import ExecutorHandle, Sent
-from scheduler_svc.engine.executors import ExecutorPool
-from scheduler_svc.engine.faults import Faults
-from scheduler_svc.engine.lifecycle import Lifecycle
+from scheduler_svc.engine.faults.faults import Faults
+from scheduler_svc.engine.faults.lifecycle import Lifecycle
+from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle, Sent
+from scheduler_svc.engine.fleet.executors import ExecutorPool
 from scheduler_svc.engine.metrics import EngineMetrics
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.step_results import process_step_outputs

@@ -21,7 +21,7 @@ from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.spec_decode import SpeculativeConfig, take_draft_proposals
-from scheduler_svc.engine.step_message import execute_request
+from scheduler_svc.engine.fleet.step_message import execute_request
 
 
 @dataclass

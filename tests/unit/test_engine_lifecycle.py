@@ -7,8 +7,8 @@ import pytest
 
 from protos import executor_pb2 as epb
 from scheduler_svc.core.errors import Unavailable
-from scheduler_svc.engine.executor_handle import ExecutorHandle, ExecutorState
-from scheduler_svc.engine.lifecycle import EngineState, Lifecycle
+from scheduler_svc.engine.faults.lifecycle import EngineState, Lifecycle
+from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle, ExecutorState
 from tests.unit.test_scheduler import make_scheduler
 
 

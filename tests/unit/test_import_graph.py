@@ -8,8 +8,9 @@ module reads that class's attributes or calls back into it), and hiding the impo
 the circle. A package's `__init__` counts as imported by anything that imports a module inside
 it.
 
-Also checked here, on the engine (scheduler_svc/engine): `engine.py` stays a short coordinator
-and no function of the package grows past one screen.
+Also checked here, on the engine (scheduler_svc/engine): `engine.py` stays a short coordinator,
+no function of the package (subpackages included) grows past one screen, and its floors (the
+fleet, the request state, the fault handling, the request front) import only downwards.
 """
 
 from __future__ import annotations
@@ -181,3 +182,46 @@ def test_no_engine_function_is_longer_than_a_screen() -> None:
                 if num_lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({num_lines})")
     assert not long, long
+
+
+# The engine's floors, lowest first; a module imports engine modules of its own floor or lower
+# ones only. The fleet knows nothing of requests; the fault handling acts on the fleet and on the
+# request state it is handed, and the request front (every module not named here) calls it.
+ENGINE_FLOORS = (
+    ("config", ("scheduler_svc.engine.config",)),
+    ("fleet", ("scheduler_svc.engine.fleet",)),
+    (
+        "request state",
+        tuple(
+            f"scheduler_svc.engine.{m}"
+            for m in ("streams", "request_table", "key_usage", "metrics", "model")
+        ),
+    ),
+    ("faults", ("scheduler_svc.engine.faults",)),
+)
+
+
+def engine_floor(module: str) -> int | None:
+    """The floor's index (the request front is the last), None outside the engine."""
+    if module != "scheduler_svc.engine" and not module.startswith("scheduler_svc.engine."):
+        return None
+    for i, (_, prefixes) in enumerate(ENGINE_FLOORS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return len(ENGINE_FLOORS)
+
+
+def test_the_engine_floors_import_only_downwards() -> None:
+    upward = []
+    for m, deps in GRAPH.items():
+        floor = engine_floor(m)
+        if floor is None:
+            continue
+        upward += [(m, d) for d in deps if (engine_floor(d) or 0) > floor]
+    assert not upward, f"engine modules importing a floor above their own: {upward}"
+    # The rule bites: the fault handling really does sit on the request state and the fleet.
+    assert engine_floor("scheduler_svc.engine.faults.recovery") == 3
+    assert GRAPH["scheduler_svc.engine.faults.recovery"] >= {
+        "scheduler_svc.engine.request_table",
+        "scheduler_svc.engine.fleet.executors",
+    }

@@ -29,7 +29,7 @@ from scheduler_svc.core.request import Request
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.core.scheduler_output import SchedulerOutput
-from scheduler_svc.engine.step_message import executor_params
+from scheduler_svc.engine.fleet.step_message import executor_params
 from tests.support.model_factory import make_tiny_checkpoint
 
 HIDDEN = 8

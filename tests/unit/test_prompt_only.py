@@ -12,7 +12,7 @@ from executor_svc.runner.sampler import SamplingParams as ExecutorParams
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.engine.step_message import executor_params
+from scheduler_svc.engine.fleet.step_message import executor_params
 from tests.support.model_factory import make_tiny_checkpoint
 
 

@@ -1,4 +1,4 @@
-"""Routing across executors (scheduler_svc/engine/routing.py) over real scheduling cores.
+"""Routing across executors (scheduler_svc/engine/fleet/routing.py) over real scheduling cores.
 
 Each "executor" here is an ExecutorHandle with a real Scheduler core and no connection: routing
 reads only the cores (their prefix caches, blocks in use, waiting queues) and health flags.
@@ -11,8 +11,8 @@ import pytest
 from protos import executor_pb2 as epb
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.sampling_params import SamplingParams
-from scheduler_svc.engine.executors import ExecutorHandle, ExecutorState
-from scheduler_svc.engine.routing import Router, cached_prefix_blocks
+from scheduler_svc.engine.fleet.executors import ExecutorHandle, ExecutorState
+from scheduler_svc.engine.fleet.routing import Router, cached_prefix_blocks
 from tests.unit.test_scheduler import make_scheduler, step
 
 BS = 4

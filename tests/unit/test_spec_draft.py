@@ -305,7 +305,7 @@ def test_scheduler_asks_the_draft_and_takes_its_proposals() -> None:
     from scheduler_svc.core.request import Request
     from scheduler_svc.core.scheduler import Scheduler
     from scheduler_svc.core.spec_decode import take_draft_proposals
-    from scheduler_svc.engine.step_message import execute_request
+    from scheduler_svc.engine.fleet.step_message import execute_request
 
     sched = Scheduler(
         SchedulerConfig(

@@ -22,8 +22,8 @@ from protos import executor_pb2_grpc as epb_grpc
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.core.spec_decode import SpeculativeConfig, draft_executor_error
-from scheduler_svc.engine.executor_handle import ExecutorHandle, ExecutorState, Sent
-from scheduler_svc.engine.routing import Router
+from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle, ExecutorState, Sent
+from scheduler_svc.engine.fleet.routing import Router
 from scheduler_svc.state.store import RequestStore, StoreUnavailable
 
 if TYPE_CHECKING:

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import structlog
 
-from scheduler_svc.engine.executor_handle import ExecutorHandle
-from scheduler_svc.engine.executors import ExecutorPool
-from scheduler_svc.engine.lifecycle import Lifecycle
+from scheduler_svc.engine.faults.lifecycle import Lifecycle
+from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
+from scheduler_svc.engine.fleet.executors import ExecutorPool
 from scheduler_svc.state.persister import Persister
 from scheduler_svc.state.store import RequestStore
 

@@ -12,10 +12,10 @@ import structlog
 
 from protos import executor_pb2 as epb
 from scheduler_svc.core.scheduler_output import SchedulerOutput
-from scheduler_svc.engine.executor_handle import ExecutorHandle
-from scheduler_svc.engine.executors import ExecutorPool
-from scheduler_svc.engine.lifecycle import Lifecycle
-from scheduler_svc.engine.recovery import Recovery
+from scheduler_svc.engine.faults.lifecycle import Lifecycle
+from scheduler_svc.engine.faults.recovery import Recovery
+from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
+from scheduler_svc.engine.fleet.executors import ExecutorPool
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.streams import EngineStep
 from scheduler_svc.state.persister import Persister

@@ -22,8 +22,8 @@ import structlog
 from scheduler_svc.core.lora import stored_lora
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.sampling_params import SamplingParams
-from scheduler_svc.engine.executor_handle import ExecutorHandle
-from scheduler_svc.engine.executors import ExecutorPool
+from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
+from scheduler_svc.engine.fleet.executors import ExecutorPool
 from scheduler_svc.engine.metrics import EngineMetrics
 from scheduler_svc.engine.model import ModelInfo
 from scheduler_svc.engine.request_table import RequestTable

@@ -28,7 +28,7 @@ from scheduler_svc.core.lora import LoraRef, lora_root_hash
 from scheduler_svc.core.request import Request
 
 if TYPE_CHECKING:
-    from scheduler_svc.engine.executor_handle import ExecutorHandle
+    from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
 
 __all__ = ["ROUTING_POLICIES", "Router", "cached_prefix_blocks"]
 

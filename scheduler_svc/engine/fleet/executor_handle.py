@@ -16,7 +16,7 @@ from protos import executor_pb2 as epb
 from protos import executor_pb2_grpc as epb_grpc
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_output import SchedulerOutput
-from scheduler_svc.engine.step_message import execute_request
+from scheduler_svc.engine.fleet.step_message import execute_request
 
 __all__ = ["ExecutorHandle", "ExecutorState", "Sent"]
 
