@@ -74,7 +74,7 @@ RUN pip install --no-deps . && rm -rf build *.egg-info
 USER llmserve
 # Bake the demo checkpoint into the image (a few seconds) so `--model demo` starts at once and
 # every scaled executor replica serves identical weights.
-RUN python -c "from executor_svc.tools.demo_model import ensure_demo_model; print(ensure_demo_model())"
+RUN python -c "from executor_svc.demo.demo_model import ensure_demo_model; print(ensure_demo_model())"
 RUN python -c "from executor_svc.kernels import library; print('cpu kernel:', library.available())"
 
 # gRPC: scheduler 50051, executor 50061; HTTP: frontend 8000, metrics 9400 (scheduler) 9401 (executor).

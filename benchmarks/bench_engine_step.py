@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from executor_svc.tools.demo_model import ensure_demo_model  # noqa: E402
+from executor_svc.demo.demo_model import ensure_demo_model  # noqa: E402
 from protos import executor_pb2 as epb  # noqa: E402
 from scheduler_svc.api import convert  # noqa: E402
 from scheduler_svc.core.request import Request  # noqa: E402

@@ -218,7 +218,7 @@ def main() -> None:
 
     model_dir = args.model_dir
     if model_dir is None:
-        from executor_svc.tools.demo_model import ensure_demo_model
+        from executor_svc.demo.demo_model import ensure_demo_model
 
         model_dir = ensure_demo_model(Path("/tmp/llmserve-bench"), size="demo", seed=0)
     tok = AutoTokenizer.from_pretrained(model_dir)

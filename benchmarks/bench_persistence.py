@@ -38,7 +38,7 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from executor_svc.tools.demo_model import ensure_demo_model  # noqa: E402
+from executor_svc.demo.demo_model import ensure_demo_model  # noqa: E402
 from scheduler_svc.core.sampling_params import SamplingParams  # noqa: E402
 from scheduler_svc.engine import Engine, EngineConfig, GenerateInput  # noqa: E402
 from scheduler_svc.local.redis_server import RedisServer  # noqa: E402

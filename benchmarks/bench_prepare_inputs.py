@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from executor_svc.api.seq_state import BlockTable  # noqa: E402
+from executor_svc.demo.demo_model import ensure_demo_model  # noqa: E402
 from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
 from executor_svc.runner.sampler import SamplingParams  # noqa: E402
-from executor_svc.tools.demo_model import ensure_demo_model  # noqa: E402
 
 BLOCK_SIZE = 16
 

@@ -167,7 +167,7 @@ def main() -> None:
     ap.add_argument("--model", choices=["demo", "tiny"], default="demo")
     ap.add_argument("--skip-e2e", action="store_true")
     args = ap.parse_args()
-    from executor_svc.tools.demo_model import ensure_demo_model
+    from executor_svc.demo.demo_model import ensure_demo_model
 
     model_dir = Path(ensure_demo_model(Path("/tmp/llmserve-bench"), size=args.model, seed=0))
     in_process(model_dir, args.num_requests)

@@ -52,7 +52,7 @@ def env() -> dict[str, str]:
 
 
 def build_model(cache: Path) -> Path:
-    from executor_svc.tools.demo_model import build_demo_model
+    from executor_svc.demo.demo_model import build_demo_model
 
     out = cache / "smollm-135m-random"
     if not (out / "model.safetensors").exists():

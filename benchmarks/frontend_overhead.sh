@@ -5,8 +5,8 @@
 #   benchmarks/frontend_overhead.sh MODEL_DIR [NUM_PROMPTS] [CONCURRENCY] [ROUNDS]
 #
 # MODEL_DIR is a checkpoint directory; build one offline with e.g.
-#   .venv/bin/python -m executor_svc.tools.demo_model /tmp/demo            (what `make run` serves)
-#   .venv/bin/python -m executor_svc.tools.demo_model /tmp/smol --set hidden_size=576 ...
+#   .venv/bin/python -m executor_svc.demo.demo_model /tmp/demo            (what `make run` serves)
+#   .venv/bin/python -m executor_svc.demo.demo_model /tmp/smol --set hidden_size=576 ...
 # VLLM_PY=/path/to/venv/bin/python also runs `vllm serve` (a separate venv, not a dependency),
 # with VLLM_ARGS added (e.g. "--dtype float32"; vLLM downcasts fp32 checkpoints to bf16 on CPU).
 # STEP_LOG=1: the executor logs every step (debug), summarised by benchmarks/step_log_stats.py;

@@ -74,7 +74,7 @@ for step in $steps; do
     [ "$step" = serve-eager ] && extra=(--enforce-eager)
     work=$(mktemp -d)
     # shellcheck disable=SC2086 # SHAPE is a list of options
-    $PY -m executor_svc.tools.demo_model "$work/llama3-8b-shape" --no-weights $SHAPE \
+    $PY -m executor_svc.demo.demo_model "$work/llama3-8b-shape" --no-weights $SHAPE \
       --set initializer_range=0.02 >/dev/null
     log="$OUT/$step.log"
     $PY -m executor_svc --model "$work/llama3-8b-shape" --device "$DEVICE" --dtype bfloat16 \

@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from executor_svc.demo.demo_model import build_demo_model  # noqa: E402
 from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
 from executor_svc.runner.sampler import SamplingParams  # noqa: E402
-from executor_svc.tools.demo_model import build_demo_model  # noqa: E402
 
 LLAMA3_8B = {
     "hidden_size": 4096,

@@ -2,7 +2,7 @@
 """Where a mixed CPU step goes: 25 decodes with contexts of 120-900 tokens plus two 200-token
 prefills on a model directory, timed, then the top ops of one step under torch.profiler.
 
-    .venv/bin/python -m executor_svc.tools.demo_model /tmp/demo
+    .venv/bin/python -m executor_svc.demo.demo_model /tmp/demo
     PYTHONPATH=. .venv/bin/python benchmarks/profile_mixed_step.py /tmp/demo
 """
 

@@ -373,7 +373,7 @@ def _tensor_parallel_error(args: argparse.Namespace) -> str | None:
     from executor_svc.runner.tp_launcher import tensor_parallel_error
 
     if str(args.model) == "demo":
-        from executor_svc.tools.demo_model import COMMON_CONFIG, SIZES
+        from executor_svc.demo.demo_model import COMMON_CONFIG, SIZES
 
         config = {**COMMON_CONFIG, **SIZES["demo"]}
     else:

@@ -23,7 +23,7 @@ from frontend_svc.metrics import HTTPMetrics
 from frontend_svc.responses_api import router as responses_router
 from frontend_svc.serving import ClientGone
 from frontend_svc.state import FrontendState
-from frontend_svc.tools.protocol import ToolConfig
+from frontend_svc.tool_calling.protocol import ToolConfig
 
 log = structlog.get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """`POST /v1/chat/completions`: one call's answer as an object that owns its choices (texts,
 logprobs, finishes), fed the run's deltas and shaped as stream chunks or one body. The chat
 template is applied by the scheduler. With tools, each choice's text is read as content and
-tool calls by the call's parser (tools/stream.py): whole at the end, or delta by delta."""
+tool calls by the call's parser (tool_calling/stream.py): whole at the end, or delta by delta."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from client.errors import LLMServeError
 from client.outputs import StreamDelta
 from frontend_svc.auth import caller_key
 from frontend_svc.errors import APIError
+from frontend_svc.logprobs import chat_logprobs, prompt_logprobs, usage
 from frontend_svc.protocol import ChatCompletionRequest
-from frontend_svc.responses import chat_logprobs, prompt_logprobs, usage
 from frontend_svc.serving import Run, request_id_from, respond, sse
 from frontend_svc.serving import token_texts as _token_texts
 from frontend_svc.state import FrontendState
-from frontend_svc.tools.protocol import ToolPlan
-from frontend_svc.tools.stream import ToolCallStream, extract
-from frontend_svc.tools.structured import name_param
+from frontend_svc.structured_output import name_param
+from frontend_svc.tool_calling.protocol import ToolPlan
+from frontend_svc.tool_calling.stream import ToolCallStream, extract
 
 router = APIRouter()
 

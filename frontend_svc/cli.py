@@ -15,8 +15,8 @@ import uvicorn
 from client.envs import address as default_address
 from frontend_svc.app import create_app
 from frontend_svc.auth import load_api_keys
-from frontend_svc.tools.parsers import load_plugin, parser_names
-from frontend_svc.tools.protocol import ToolConfig
+from frontend_svc.tool_calling.parsers import load_plugin, parser_names
+from frontend_svc.tool_calling.protocol import ToolConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-parser-plugin",
         type=Path,
         help="a Python file that registers tool call parsers "
-        "(@frontend_svc.tools.parsers.register_tool_parser)",
+        "(@frontend_svc.tool_calling.parsers.register_tool_parser)",
     )
     return p
 

@@ -20,18 +20,18 @@ from client.prompts import to_prompt
 from frontend_svc.auth import caller_key
 from frontend_svc.echo import prompt_echo_logprobs
 from frontend_svc.errors import APIError
-from frontend_svc.protocol import CompletionRequest
-from frontend_svc.responses import (
+from frontend_svc.logprobs import (
     best_candidates,
     completion_logprobs,
     cumulative_logprob,
     prompt_logprobs,
     usage,
 )
+from frontend_svc.protocol import CompletionRequest
 from frontend_svc.serving import Run, request_id_from, respond, sse
 from frontend_svc.serving import token_texts as _token_texts
 from frontend_svc.state import FrontendState
-from frontend_svc.tools.structured import name_param
+from frontend_svc.structured_output import name_param
 
 router = APIRouter()
 

@@ -4,8 +4,8 @@ translation into the scheduler's sampling parameters.
 Fields follow the OpenAI API reference; vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
 include_stop_str_in_output, priority) are accepted in the body as vLLM accepts them, and so
-are the structured-output fields (tools/structured.py). Unknown fields are ignored, as vLLM
-does. Tools and tool_choice: tools/protocol.py.
+are the structured-output fields (structured_output.py). Unknown fields are ignored, as vLLM
+does. Tools and tool_choice: tool_calling/protocol.py.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from client.params import SamplingParams
 from client.prompts import ChatPrompt, InfillPrompt
 from frontend_svc.errors import bad_request
-from frontend_svc.tools.models import Tool, ToolCall, ToolChoice
-from frontend_svc.tools.protocol import ToolConfig, ToolPlan, plan_tools
-from frontend_svc.tools.structured import StructuredFields
+from frontend_svc.structured_output import StructuredFields
+from frontend_svc.tool_calling.models import Tool, ToolCall, ToolChoice
+from frontend_svc.tool_calling.protocol import ToolConfig, ToolPlan, plan_tools
 
 
 class StreamOptions(BaseModel):

@@ -14,7 +14,7 @@ from client.prompts import PromptInput
 from frontend_svc.errors import APIError
 from frontend_svc.generation import retrying
 from frontend_svc.serving import Run
-from frontend_svc.tools.protocol import ToolConfig
+from frontend_svc.tool_calling.protocol import ToolConfig
 
 # A scheduler that restarts should be reached again quickly, not after gRPC's default back-off
 # (which grows to two minutes).

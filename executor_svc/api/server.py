@@ -34,7 +34,7 @@ def resolve_model(model: str | Path) -> tuple[Path, str]:
     """The checkpoint directory and the name Describe reports for it."""
     if str(model) == DEMO_MODEL:
         # Built once into $LLMSERVE_CACHE (or ~/.cache/llmserve) and reused afterwards.
-        from executor_svc.tools.demo_model import ensure_demo_model
+        from executor_svc.demo.demo_model import ensure_demo_model
 
         return ensure_demo_model(), DEMO_MODEL
     path = Path(model).expanduser()

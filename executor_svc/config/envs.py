@@ -22,7 +22,7 @@ variable (``config.numerics``).
 | ``LLMSERVE_MAX_GRAPH_BATCH`` | ``256`` | ``runner.cuda_graphs``: the largest decode batch replayed from a CUDA graph |
 | ``LLMSERVE_CUDA_FUSED`` | on | ``models.llama``: ``0`` runs RMSNorm, SiLU-and-multiply and rope as plain torch ops on CUDA instead of the fused Triton kernels (``kernels.triton_elementwise``) |
 | ``LLMSERVE_CUDA_INVARIANT`` | off | ``models.llama``, ``attention.triton_ops``, ``kernels.sampling``: ``1`` (with step-invariant numerics) runs CUDA linears through ``kernels.triton_gemm``, the Triton attention with fixed tiles and no context split, and the sampler's argmax/logsumexp through ``kernels.triton_sampling``: step-invariant on CUDA (the invariance test passed on an H200, fp32), at ~0.6x the default's serving throughput (docs/benchmarks.md, "CUDA") |
-| ``LLMSERVE_CACHE`` | ``~/.cache/llmserve`` | ``tools.demo_model``: where the demo checkpoint is built |
+| ``LLMSERVE_CACHE`` | ``~/.cache/llmserve`` | ``demo.demo_model``: where the demo checkpoint is built |
 | ``LLMSERVE_TP_SHM`` | on | ``parallel.group``: ``0`` keeps CPU tensor-parallel collectives on gloo (no shared memory segment) |
 | ``LLMSERVE_REDIS_SENTINEL`` | unset | ``cli``: Sentinels (host:port,...) the registry finds its Redis primary through (``--redis-sentinel``) |
 | ``LLMSERVE_REDIS_SENTINEL_MASTER`` | ``mymaster`` | ``cli``: the primary's name at the Sentinels |

@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from executor_svc.tools import demo_model
-from executor_svc.tools.demo_model import build_demo_model, ensure_demo_model
+from executor_svc.demo import demo_model
+from executor_svc.demo.demo_model import build_demo_model, ensure_demo_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,7 +102,7 @@ def test_same_seed_is_byte_identical_across_processes_and_other_seed_differs(
     again = tmp_path / "again"
     env = {**os.environ, "PYTHONHASHSEED": "12345", "HF_HUB_OFFLINE": "1"}
     subprocess.run(
-        [sys.executable, "-m", "executor_svc.tools.demo_model", str(again), "--size", "tiny"],
+        [sys.executable, "-m", "executor_svc.demo.demo_model", str(again), "--size", "tiny"],
         cwd=REPO_ROOT,
         env=env,
         check=True,

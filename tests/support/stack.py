@@ -150,7 +150,7 @@ def tiny_model_dir(root: Path) -> Path:
 def demo_model_dir(root: Path, size: str = "demo") -> Path:
     """The demo checkpoint of `size` under `root` ("demo": what `python -m executor_svc` serves
     by default), built on first use."""
-    from executor_svc.tools.demo_model import ensure_demo_model
+    from executor_svc.demo.demo_model import ensure_demo_model
 
     return ensure_demo_model(root, size=size, seed=0)
 

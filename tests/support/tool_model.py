@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from executor_svc.tools.demo_model import COMMON_CONFIG, _write_config, make_weights
+from executor_svc.demo.demo_model import COMMON_CONFIG, _write_config, make_weights
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 

@@ -1,6 +1,6 @@
 """The Responses API body's translation (frontend_svc/responses_protocol.py), the objects and
 events made of its output (responses_api.py), and best_of's choice among candidates
-(responses.py), without a server."""
+(logprobs.py), without a server."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from frontend_svc.errors import APIError
-from frontend_svc.responses import best_candidates
+from frontend_svc.logprobs import best_candidates
 from frontend_svc.responses_api import ResponseEvents, ResponseOutput
 from frontend_svc.responses_protocol import ResponsesRequest
 

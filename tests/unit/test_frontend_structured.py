@@ -11,7 +11,7 @@ import pytest
 from client.structured import StructuredOutput
 from frontend_svc.errors import APIError
 from frontend_svc.protocol import ChatCompletionRequest, CompletionRequest
-from frontend_svc.tools.protocol import ToolConfig
+from frontend_svc.tool_calling.protocol import ToolConfig
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -32,7 +32,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def compiler(tmp_path_factory) -> GrammarCompiler:
-    from executor_svc.tools.demo_model import ensure_demo_model
+    from executor_svc.demo.demo_model import ensure_demo_model
 
     model_dir = ensure_demo_model(Path(tmp_path_factory.mktemp("m")), size="tiny", seed=0)
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from executor_svc.demo.demo_model import build_demo_model
 from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence
-from executor_svc.tools.demo_model import build_demo_model
 
 
 def _logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:

@@ -38,8 +38,8 @@ from transformers import (
 )
 
 from executor_svc.api.service import TOKENIZER_FILE_NAMES
+from executor_svc.demo.demo_model import ensure_demo_model
 from executor_svc.runner.loader import tokenizer_class_name
-from executor_svc.tools.demo_model import ensure_demo_model
 from scheduler_svc.output.tokenizer import (
     encode_chat,
     encode_prompt,

@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from frontend_svc.tools.parsers import parser_class, parser_names, register_tool_parser
-from frontend_svc.tools.parsers.base import Scan, ToolParser
-from frontend_svc.tools.parsers.forced import CallListParser, NamedCallParser
-from frontend_svc.tools.stream import ToolCallStream, extract
+from frontend_svc.tool_calling.parsers import parser_class, parser_names, register_tool_parser
+from frontend_svc.tool_calling.parsers.base import Scan, ToolParser
+from frontend_svc.tool_calling.parsers.forced import CallListParser, NamedCallParser
+from frontend_svc.tool_calling.stream import ToolCallStream, extract
 
 HERMES = parser_class("hermes")()
 LLAMA = parser_class("llama3_json")()
@@ -177,11 +177,11 @@ def test_parsers_are_pluggable():
 
 
 def test_a_plugin_file_registers_a_parser(tmp_path):
-    from frontend_svc.tools.parsers import load_plugin
+    from frontend_svc.tool_calling.parsers import load_plugin
 
     plugin = tmp_path / "my_parser.py"
     plugin.write_text(
-        "from frontend_svc.tools.parsers import Scan, ToolParser, register_tool_parser\n\n"
+        "from frontend_svc.tool_calling.parsers import Scan, ToolParser, register_tool_parser\n\n"
         "@register_tool_parser('test_plugin')\n"
         "class Mine(ToolParser):\n"
         "    def scan(self, text, final):\n"

@@ -15,10 +15,10 @@ from typing import Any
 
 from client.structured import StructuredOutput
 from frontend_svc.errors import bad_request
-from frontend_svc.tools.models import NamedToolChoice, Tool, ToolChoice
-from frontend_svc.tools.parsers import ToolParser, parser_class
-from frontend_svc.tools.parsers.forced import CallListParser, NamedCallParser
-from frontend_svc.tools.schema import call_list_schema, parameters_schema
+from frontend_svc.tool_calling.models import NamedToolChoice, Tool, ToolChoice
+from frontend_svc.tool_calling.parsers import ToolParser, parser_class
+from frontend_svc.tool_calling.parsers.forced import CallListParser, NamedCallParser
+from frontend_svc.tool_calling.schema import call_list_schema, parameters_schema
 
 
 @dataclass(slots=True)

@@ -4,9 +4,9 @@ calls is dropped. The last call may lack its closing tag (the model stopped righ
 
 from __future__ import annotations
 
-from frontend_svc.tools.parsers import register_tool_parser
-from frontend_svc.tools.parsers.base import Scan, ToolParser, hold_back
-from frontend_svc.tools.parsers.json_scan import Malformed, scan_call, skip_ws, valid_call
+from frontend_svc.tool_calling.parsers import register_tool_parser
+from frontend_svc.tool_calling.parsers.base import Scan, ToolParser, hold_back
+from frontend_svc.tool_calling.parsers.json_scan import Malformed, scan_call, skip_ws, valid_call
 
 START, END = "<tool_call>", "</tool_call>"
 _ARG_KEYS = ("arguments", "parameters")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from frontend_svc.tools.parsers.base import PartialCall
+from frontend_svc.tool_calling.parsers.base import PartialCall
 
 _WS = " \t\n\r"
 _SCALAR_END = ",}]" + _WS

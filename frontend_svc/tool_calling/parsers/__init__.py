@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from frontend_svc.tools.parsers.base import PartialCall, Scan, ToolParser
+from frontend_svc.tool_calling.parsers.base import PartialCall, Scan, ToolParser
 
 __all__ = [
     "PartialCall",
@@ -24,7 +24,10 @@ __all__ = [
 P = TypeVar("P", bound=type[ToolParser])
 _PARSERS: dict[str, type[ToolParser]] = {}
 # Modules of the parsers that ship with the frontend, imported on first look-up.
-_BUILTIN = ("frontend_svc.tools.parsers.hermes", "frontend_svc.tools.parsers.llama3_json")
+_BUILTIN = (
+    "frontend_svc.tool_calling.parsers.hermes",
+    "frontend_svc.tool_calling.parsers.llama3_json",
+)
 
 
 def register_tool_parser(name: str) -> Callable[[P], P]:

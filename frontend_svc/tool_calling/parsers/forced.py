@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from frontend_svc.tools.parsers.base import PartialCall, Scan, ToolParser
-from frontend_svc.tools.parsers.json_scan import Malformed, scan_call, skip_ws, valid_call
+from frontend_svc.tool_calling.parsers.base import PartialCall, Scan, ToolParser
+from frontend_svc.tool_calling.parsers.json_scan import Malformed, scan_call, skip_ws, valid_call
 
 _ARG_KEYS = ("parameters", "arguments")
 

@@ -21,7 +21,7 @@ so every id the model can emit decodes. Above that (e.g. the SmolLM-135M benchma
 exist only as embedding / lm_head rows. That is fine for timing (benchmarks feed token ids),
 but such a model can sample ids the tokenizer cannot decode, so do not serve it for text.
 
-CLI: ``python -m executor_svc.tools.demo_model OUT_DIR [--seed N] [--size demo|tiny] [--set K=V ...]``.
+CLI: ``python -m executor_svc.demo.demo_model OUT_DIR [--seed N] [--size demo|tiny] [--set K=V ...]``.
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def generate_corpus(seed: int, num_sentences: int) -> Iterator[str]:
 
 
 def _word_lists() -> dict[str, list[str]]:
-    text = resources.files("executor_svc.tools").joinpath("data/demo_words.json").read_text("utf-8")
+    text = resources.files("executor_svc.demo").joinpath("data/demo_words.json").read_text("utf-8")
     return {k: v for k, v in json.loads(text).items() if isinstance(v, list)}
 
 
@@ -438,7 +438,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m executor_svc.tools.demo_model",
+        prog="python -m executor_svc.demo.demo_model",
         description="Write the offline demo Llama checkpoint (random weights, local BPE).",
     )
     parser.add_argument("out_dir", type=Path)

@@ -4,9 +4,9 @@ separated by `;`. Output that does not start with `{` is content, all of it."""
 
 from __future__ import annotations
 
-from frontend_svc.tools.parsers import register_tool_parser
-from frontend_svc.tools.parsers.base import Scan, ToolParser
-from frontend_svc.tools.parsers.json_scan import Malformed, scan_call, skip_ws, valid_call
+from frontend_svc.tool_calling.parsers import register_tool_parser
+from frontend_svc.tool_calling.parsers.base import Scan, ToolParser
+from frontend_svc.tool_calling.parsers.json_scan import Malformed, scan_call, skip_ws, valid_call
 
 PYTHON_TAG = "<|python_tag|>"
 _ARG_KEYS = ("parameters", "arguments")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from frontend_svc.errors import bad_request
-from frontend_svc.tools.models import FunctionDefinition
+from frontend_svc.tool_calling.models import FunctionDefinition
 
 # What a function without `parameters` takes: no arguments.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}

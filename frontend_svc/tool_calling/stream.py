@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from frontend_svc.tools.parsers.base import PartialCall, Scan, ToolParser
+from frontend_svc.tool_calling.parsers.base import PartialCall, Scan, ToolParser
 
 
 def call_id() -> str:

@@ -1,5 +1,5 @@
-"""Scheduler stream deltas -> OpenAI response objects (completions and chat, whole or chunked),
-and best_of's choice among candidates."""
+"""The logprob fields of OpenAI choices (completions and chat, whole or chunked) made from
+scheduler stream deltas, best_of's choice among candidates by cumulative logprob, and usage."""
 
 from __future__ import annotations
 

@@ -1,1 +1,0 @@
-"""Build tools outside the serving path: the offline demo checkpoint (``demo_model``)."""
