@@ -1,13 +1,14 @@
 """`LLM`: vLLM's offline API on top of llmserve.
 
-`LLM(model="demo")` (or a checkpoint directory) starts a private stack as child processes: an
-executor on the model and a scheduler with its own embedded Redis, each on a port the OS picks,
-with their data in a temporary directory. `LLM(address="host:port")` uses a running scheduler
-instead. `generate()` and `chat()` return RequestOutputs in prompt order. `close()`, leaving a
-`with` block or the interpreter exiting stops whatever was started.
+`LLM(model="demo")` (or a checkpoint directory) starts a private stack as a child process: the
+local launcher (`python -m scheduler_svc.local.launch`, what `make run` runs), which starts an
+executor on the model and runs a scheduler with its own embedded Redis, each on a port the OS
+picks, with their data in a temporary directory. `LLM(address="host:port")` uses a running
+scheduler instead. `generate()` and `chat()` return RequestOutputs in prompt order. `close()`,
+leaving a `with` block or the interpreter exiting stops whatever was started.
 
-The client never imports the services: they are started as `python -m executor_svc` and
-`python -m scheduler_svc`, exactly as an operator would run them.
+The client never imports the services: it runs their launcher as a command, exactly as an
+operator would.
 """
 
 from __future__ import annotations
@@ -48,12 +49,14 @@ def _wait_port(path: Path, proc: subprocess.Popen, timeout: float, what: str, lo
 
 
 def _stop(procs: list[subprocess.Popen], workdir: Path | None) -> None:
-    """Scheduler first (it drains and stops its Redis), then the executor; then the files."""
+    """The launcher stops its scheduler first (it drains and stops its Redis), then its
+    executor; then the files go."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=20)
+                # The scheduler's stop ends within 25 s (its watchdog), the executor's within 15.
+                proc.wait(timeout=45)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -78,19 +81,15 @@ class LLM:
         checkpoint is also handed to the executor as --speculative-model)."""
         self._procs: list[subprocess.Popen] = []
         self._finalizer = None
-        if speculative_config is not None:
-            scheduler_args = [
-                *scheduler_args,
-                "--speculative-config",
-                json.dumps(speculative_config),
-            ]
-            if speculative_config.get("method") == "draft_model":
-                model_arg = ["--speculative-model", str(speculative_config.get("model", ""))]
-                executor_args = [*executor_args, *model_arg]
         if address is None:
-            address = self._start_stack(
-                model, list(executor_args), list(scheduler_args), startup_timeout, log_level
-            )
+            launch_args = [
+                *(f"--executor-arg={a}" for a in executor_args),
+                *(f"--scheduler-arg={a}" for a in scheduler_args),
+            ]
+            if speculative_config is not None:
+                # The launcher hands a draft_model's checkpoint to the executor as well.
+                launch_args += ["--speculative-config", json.dumps(speculative_config)]
+            address = self._start_stack(model, launch_args, startup_timeout, log_level)
         self.address = address
         self._client = LLMClient(address, timeout=60)
         try:
@@ -101,40 +100,25 @@ class LLM:
         self.model = self._client.server_info().model
 
     def _start_stack(
-        self,
-        model: str,
-        executor_args: list[str],
-        scheduler_args: list[str],
-        timeout: float,
-        log_level: str,
+        self, model: str, launch_args: list[str], timeout: float, log_level: str
     ) -> str:
         workdir = Path(tempfile.mkdtemp(prefix="llmserve-llm-"))
         env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
-        # Stopped in reverse order of starting: the scheduler before the executor.
         self._finalizer = weakref.finalize(self, _stop, self._procs, workdir)
         log = workdir / "llmserve.log"
+        port_file = workdir / "scheduler.port"
         with open(log, "ab") as out:
-            executor = subprocess.Popen(
+            launcher = subprocess.Popen(
                 [
-                    sys.executable, "-m", "executor_svc", "--model", model, "--port", "0",
-                    "--port-file", str(workdir / "executor.port"), "--log-level", log_level,
-                    *executor_args,
+                    sys.executable, "-m", "scheduler_svc.local.launch", "--model", model,
+                    "--executor-port", "0", "--scheduler-port", "0", "--frontend-port", "0",
+                    "--redis-dir", str(workdir / "redis"), "--log-level", log_level,
+                    f"--scheduler-arg=--port-file={port_file}", *launch_args,
                 ],  # fmt: skip
                 env=env, stdout=out, stderr=out,
             )  # fmt: skip
-            self._procs.insert(0, executor)
-            eport = _wait_port(workdir / "executor.port", executor, timeout, "executor", log)
-            scheduler = subprocess.Popen(
-                [
-                    sys.executable, "-m", "scheduler_svc", "--executor", f"127.0.0.1:{eport}",
-                    "--redis-dir", str(workdir / "redis"), "--port", "0",
-                    "--port-file", str(workdir / "scheduler.port"), "--log-level", log_level,
-                    *scheduler_args,
-                ],  # fmt: skip
-                env=env, stdout=out, stderr=out,
-            )  # fmt: skip
-            self._procs.insert(0, scheduler)
-            sport = _wait_port(workdir / "scheduler.port", scheduler, timeout, "scheduler", log)
+        self._procs.append(launcher)
+        sport = _wait_port(port_file, launcher, timeout, "local stack", log)
         return f"127.0.0.1:{sport}"
 
     # ---- vLLM's offline API ------------------------------------------------------------------

@@ -1,15 +1,18 @@
-"""`make run`: Redis (unless REDIS_URL is set), one executor and the scheduler, in the foreground.
+"""The one way to start a local stack: Redis (unless REDIS_URL is set), one executor and the
+scheduler, in the foreground. `make run` runs it, and so does the client's offline `LLM` (as a
+child process, on ports the OS picks: `--executor-port 0 --scheduler-port 0 --frontend-port 0`).
 
 `make run-ha` (`--redis-ha`): instead of one Redis, a primary, two replicas and three Sentinels
 on loopback (scheduler_svc/local/redis_ha.py), the scheduler following Sentinel with
 `--redis-min-replicas 1` (docs/redis-ha.md). Ctrl-C (or SIGTERM) stops all of it: the scheduler
-drains, the executor and Redis exit.
+drains, the executor and Redis exit. The scheduler runs in this process, through its own command
+line (`scheduler_svc.cli.main`), so it checks its flags and exits with its status as
+`llmserve-scheduler` would.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import shutil
 import signal
@@ -29,20 +32,42 @@ from scheduler_svc.logging import configure_logging
 log = structlog.get_logger(__name__)
 
 
-def start_executor(model: str, host: str, port: int, extra: list[str]) -> subprocess.Popen:
-    port_file = Path(tempfile.mkdtemp(prefix="llmserve-launch-")) / "executor.port"
+def start_executor(
+    model: str, host: str, port: int, extra: list[str]
+) -> tuple[subprocess.Popen, int]:
+    """The executor as a child process, and its port (`port` 0: the one the OS picked), once it
+    has loaded the model (the first run builds the demo)."""
+    workdir = Path(tempfile.mkdtemp(prefix="llmserve-launch-"))
+    port_file = workdir / "executor.port"
     cmd = [
         sys.executable, "-m", "executor_svc",
         "--model", model, "--host", host, "--port", str(port),
         "--port-file", str(port_file), *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd)
-    # The executor writes its port file once the model is loaded (first run builds the demo).
-    while not port_file.exists():
-        if proc.poll() is not None:
-            raise SystemExit(f"executor exited with code {proc.returncode}")
-        time.sleep(0.2)
-    return proc
+    try:
+        # The executor writes the file (write, then rename) once it listens.
+        while not port_file.exists():
+            if proc.poll() is not None:
+                raise SystemExit(f"executor exited with code {proc.returncode}")
+            time.sleep(0.2)
+        return proc, int(port_file.read_text())
+    except BaseException:
+        stop_process(proc, timeout=15)  # a stop during start-up stops what was started
+        raise
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, then SIGKILL if it is still there after `timeout` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def speculative_executor_args(speculative_config: str | None) -> list[str]:
@@ -56,12 +81,17 @@ def speculative_executor_args(speculative_config: str | None) -> list[str]:
     return ["--speculative-model", config.model] if config.uses_draft else []
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llmserve-launch", description=__doc__)
     p.add_argument("--model", default=envs.local_model())
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--executor-port", type=int, default=50061)
-    p.add_argument("--scheduler-port", type=int, default=50051)
+    p.add_argument("--executor-port", type=int, default=50061, help="0 = one the OS picks")
+    p.add_argument(
+        "--scheduler-port",
+        type=int,
+        default=50051,
+        help="0 = one the OS picks (find it with --scheduler-arg=--port-file=PATH)",
+    )
     p.add_argument(
         "--frontend-port", type=int, default=8000, help="OpenAI-compatible HTTP; 0 = none"
     )
@@ -75,17 +105,42 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--metrics-port", type=int, default=0, help="scheduler /metrics; 0 = none (executor: +1)"
     )
+    p.add_argument(
+        "--log-level", default="info", help="this launcher's, the executor's and the scheduler's"
+    )
     p.add_argument("--executor-arg", action="append", default=[], help="passed to the executor")
+    p.add_argument(
+        "--scheduler-arg",
+        action="append",
+        default=[],
+        help="passed to the scheduler, after the launcher's own (so it wins), e.g. "
+        "--scheduler-arg=--max-num-seqs=64",
+    )
     p.add_argument(
         "--speculative-config",
         default=None,
         help="the scheduler's --speculative-config; a draft_model's checkpoint is also passed to "
         "the executor (--speculative-model)",
     )
-    args = p.parse_args(argv)
-    configure_logging("info")
+    return p
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.frontend_port and not args.scheduler_port:
+        parser.error("the frontend needs a fixed --scheduler-port (or --frontend-port 0)")
+    configure_logging(args.log_level)
+    # SIGTERM (how the offline LLM stops this) stops the executor too, even before the
+    # scheduler's own handler is installed.
+    signal.signal(signal.SIGTERM, _interrupt)
     log.info("launch.executor_starting", model=args.model)
-    executor_args = list(args.executor_arg) + speculative_executor_args(args.speculative_config)
+    executor_args = ["--log-level", args.log_level, *args.executor_arg]
+    executor_args += speculative_executor_args(args.speculative_config)
     if args.metrics_port:
         executor_args += ["--metrics-port", str(args.metrics_port + 1)]
     redis_args: list[str] = []
@@ -100,30 +155,34 @@ def main(argv: list[str] | None = None) -> None:
                       "--redis-sentinel-master", MASTER, "--redis-min-replicas", "1"]  # fmt: skip
         log.info("launch.redis_ha", sentinels=ha.sentinel_arg, primary=ha.primary().port)
     try:
-        executor = start_executor(args.model, args.host, args.executor_port, executor_args)
-        serve(args, executor, redis_args)
+        executor, executor_port = start_executor(
+            args.model, args.host, args.executor_port, executor_args
+        )
+        serve(args, executor, executor_port, redis_args)
     finally:
         if ha is not None:
             ha.close()
 
 
-def serve(args: argparse.Namespace, executor: subprocess.Popen, redis_args: list[str]) -> None:
-    """Run the scheduler (and the frontend) in the foreground until Ctrl-C."""
-    sched_args = scheduler_cli.build_parser().parse_args(
-        [
-            "--executor",
-            f"{args.host}:{args.executor_port}",
-            "--host",
-            args.host,
-            "--port",
-            str(args.scheduler_port),
-            "--redis-dir",
-            args.redis_dir,
-            *(["--metrics-port", str(args.metrics_port)] if args.metrics_port else []),
-            *(["--speculative-config", args.speculative_config] if args.speculative_config else []),
-            *redis_args,
-        ]  # fmt: skip
-    )
+def scheduler_argv(
+    args: argparse.Namespace, executor_port: int, redis_args: list[str]
+) -> list[str]:
+    """The scheduler's command line; `--scheduler-arg`s last, so that they win."""
+    return [
+        "--executor", f"{args.host}:{executor_port}", "--host", args.host,
+        "--port", str(args.scheduler_port), "--redis-dir", args.redis_dir,
+        "--log-level", args.log_level,
+        *(["--metrics-port", str(args.metrics_port)] if args.metrics_port else []),
+        *(["--speculative-config", args.speculative_config] if args.speculative_config else []),
+        *redis_args, *args.scheduler_arg,
+    ]  # fmt: skip
+
+
+def serve(
+    args: argparse.Namespace, executor: subprocess.Popen, executor_port: int, redis_args: list[str]
+) -> None:
+    """Run the scheduler (and the frontend) in the foreground until Ctrl-C or SIGTERM."""
+    sched_argv = scheduler_argv(args, executor_port, redis_args)
     frontend = None
     if args.frontend_port:
         frontend = subprocess.Popen(
@@ -139,35 +198,30 @@ def serve(args: argparse.Namespace, executor: subprocess.Popen, redis_args: list
                 f"{args.host}:{args.scheduler_port}",
             ]  # fmt: skip
         )
-    print(
-        f"\nllmserve is up: scheduler on {args.host}:{args.scheduler_port} "
-        f'(try: .venv/bin/llmserve generate "Hello" --stream)'
-        + (f", OpenAI API on http://{args.host}:{args.frontend_port}/v1" if frontend else "")
-        + (
-            f", metrics on http://{args.host}:{args.metrics_port}/metrics (executor: "
-            f"{args.metrics_port + 1})"
-            if args.metrics_port
-            else ""
+    if args.scheduler_port:
+        print(
+            f"\nllmserve is up: scheduler on {args.host}:{args.scheduler_port} "
+            f'(try: .venv/bin/llmserve generate "Hello" --stream)'
+            + (f", OpenAI API on http://{args.host}:{args.frontend_port}/v1" if frontend else "")
+            + (
+                f", metrics on http://{args.host}:{args.metrics_port}/metrics (executor: "
+                f"{args.metrics_port + 1})"
+                if args.metrics_port
+                else ""
+            )
+            + ". Ctrl-C stops it.\n",
+            flush=True,
         )
-        + ". Ctrl-C stops it.\n",
-        flush=True,
-    )
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(scheduler_cli.run(sched_args))
+            scheduler_cli.main(sched_argv)
     finally:
-        if frontend is not None and frontend.poll() is None:
-            frontend.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                frontend.wait(timeout=10)
-        if executor.poll() is None:
-            executor.send_signal(signal.SIGTERM)
-            try:
-                executor.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                executor.kill()
+        if frontend is not None:
+            stop_process(frontend, timeout=10)
+        stop_process(executor, timeout=15)
         log.info("launch.stopped")
 
 
 if __name__ == "__main__":
-    main()
+    with contextlib.suppress(KeyboardInterrupt):  # stopped during start-up: nothing to add
+        main()
