@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument(
         "--proto",
         action="store_true",
-        help="also time the engine's ExecuteModelRequest build (scheduler_svc.api.convert)",
+        help="also time the engine's ExecuteModelRequest build (engine/fleet/step_message.py)",
     )
     args = ap.parse_args()
     build = None
