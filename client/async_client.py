@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import envs
+import client.envs as envs
 from client.embeddings import EmbeddingOutput, build_embed_request, embeddings_from_proto
 from client.errors import LLMServeError
 from client.outputs import (

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from client import envs
+import client.envs as envs
 from client.bench.dispatch import send_on_schedule
 from client.bench.metrics import RequestRecord
 from client.bench.workloads import BenchRequest
