@@ -13,7 +13,6 @@ The client never imports the services: they are started as `python -m executor_s
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -25,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import client.envs as envs
 from client.embeddings import EmbeddingOutput
 from client.outputs import LoraAdapterInfo, RequestOutput
 from client.params import SamplingParams
@@ -109,7 +109,7 @@ class LLM:
         log_level: str,
     ) -> str:
         workdir = Path(tempfile.mkdtemp(prefix="llmserve-llm-"))
-        env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+        env = envs.child_environment({"HF_HUB_OFFLINE": "1"})
         # Stopped in reverse order of starting: the scheduler before the executor.
         self._finalizer = weakref.finalize(self, _stop, self._procs, workdir)
         log = workdir / "llmserve.log"
