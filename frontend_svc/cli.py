@@ -117,7 +117,7 @@ async def serve(config: FrontendConfig, tools: ToolConfig) -> None:
     sock.listen(512)  # connections made after the port file appears wait, never fail
     # httptools parses HTTP in C (h11, uvicorn's fallback, is pure Python); the event loop stays
     # asyncio's own, which grpc.aio is built for.
-    config = uvicorn.Config(
+    http_config = uvicorn.Config(
         app,
         http="httptools",
         loop="asyncio",
@@ -127,7 +127,7 @@ async def serve(config: FrontendConfig, tools: ToolConfig) -> None:
         ssl_certfile=str(config.tls_cert) if config.tls_cert else None,
         ssl_keyfile=str(config.tls_key) if config.tls_key else None,
     )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(http_config)
     if config.port_file is not None:
         port = sock.getsockname()[1]
         tmp = config.port_file.with_suffix(".tmp")
