@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import dataclasses
 import faulthandler
 import os
 import signal
@@ -13,89 +13,35 @@ import threading
 
 import structlog
 
-from scheduler_svc import envs
 from scheduler_svc.api.auth import load_api_keys
 from scheduler_svc.api.server import SchedulerServer
 from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.engine import EngineConfig
 from scheduler_svc.engine.metrics import serve_metrics
 from scheduler_svc.flags import build_parser
 from scheduler_svc.logging import configure_logging
-from scheduler_svc.lora.registry import parse_lora_modules
+from scheduler_svc.settings import SchedulerSettings
 
 log = structlog.get_logger(__name__)
 
 
-def config_from_args(args: argparse.Namespace, redis_url: str) -> EngineConfig:
-    return EngineConfig(
-        executor_addresses=[] if args.discover_executors else args.executor or ["127.0.0.1:50061"],
-        discover_executors=args.discover_executors,
-        routing=args.routing,
-        routing_prefill_weight=args.routing_prefill_weight,
-        redis_url=redis_url,
-        redis_sentinels=args.redis_sentinel or (),
-        redis_sentinel_master=args.redis_sentinel_master,
-        redis_sentinel_password=envs.redis_sentinel_password(),
-        redis_min_replicas=args.redis_min_replicas,
-        redis_replica_timeout_ms=args.redis_replica_timeout_ms,
-        redis_degrade_unreplicated=args.redis_degrade_unreplicated,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_waiting=args.max_waiting,
-        max_requests_per_key=args.max_requests_per_key,
-        max_queued_tokens_per_key=args.max_queued_tokens_per_key,
-        policy=args.policy,
-        preemption_mode=args.preemption_mode,
-        enable_prefix_caching=not args.no_prefix_caching,
-        async_scheduling=not args.no_async_scheduling,
-        speculative=args.speculative_config,
-        watermark=args.watermark,
-        max_logprobs=args.max_logprobs,
-        finished_ttl_s=args.finished_ttl,
-        abort_ahead_ttl_s=args.abort_ahead_ttl,
-        max_backlog_steps=args.max_backlog_steps,
-        executor_failover_s=args.executor_failover,
-        health_interval_s=args.health_interval,
-        num_device_blocks=args.num_device_blocks,
-        num_cpu_blocks=args.num_cpu_blocks,
-        max_model_len=args.max_model_len,
-        executor_tls=(
-            (
-                args.tls_ca.read_bytes(),
-                args.tls_cert.read_bytes() if args.tls_cert else None,
-                args.tls_key.read_bytes() if args.tls_key else None,
-            )
-            if args.tls_ca
-            else None
-        ),
-        executor_tls_server_name=args.executor_tls_server_name,
-        leader_election=args.leader_election,
-        lease_ttl_s=args.leader_lease_ttl,
-        lora_modules=parse_lora_modules(args.lora_modules),
-    )
-
-
-async def run(args: argparse.Namespace) -> int:
+async def run(settings: SchedulerSettings) -> int:
     redis = None
-    redis_url = args.redis_url
-    if args.redis_sentinel:
-        redis_url = redis_url or "redis://"  # only credentials, db and TLS count
-    elif not redis_url:
+    engine, server_settings = settings.engine, settings.server
+    if not engine.redis_url:
         from scheduler_svc.local.redis_server import RedisServer
 
-        redis = RedisServer(data_dir=args.redis_dir)
+        redis = RedisServer(data_dir=settings.redis_dir)
         redis.start()
-        redis_url = redis.url
-        log.info("redis.started", url=redis_url, data_dir=str(args.redis_dir))
-    api_keys = load_api_keys(args.api_key_file)
-    tls = (args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None
+        engine = dataclasses.replace(engine, redis_url=redis.url)
+        log.info("redis.started", url=redis.url, data_dir=str(settings.redis_dir))
+    api_keys = load_api_keys(server_settings.api_key_file, server_settings.env_api_key)
     server = SchedulerServer(
-        config_from_args(args, redis_url),
-        args.host,
-        args.port,
+        engine,
+        server_settings.host,
+        server_settings.port,
         api_keys=api_keys,
-        tls=tls,
-        reflection=not args.no_reflection,
+        tls=server_settings.tls,
+        reflection=server_settings.reflection,
     )
     if api_keys:
         log.info("auth.enabled", num_keys=len(api_keys))
@@ -111,11 +57,12 @@ async def run(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, on_signal)
     try:
         port = await server.start()
-        if args.metrics_port is not None:
-            metrics_port = serve_metrics(server.engine.metrics, args.host, args.metrics_port)
-            log.info("metrics.listening", host=args.host, port=metrics_port)
-        if args.port_file:
-            args.port_file.write_text(str(port))
+        host, metrics_port = server_settings.host, server_settings.metrics_port
+        if metrics_port is not None:
+            metrics_port = serve_metrics(server.engine.metrics, host, metrics_port)
+            log.info("metrics.listening", host=host, port=metrics_port)
+        if server_settings.port_file:
+            server_settings.port_file.write_text(str(port))
         lost = asyncio.create_task(server.engine.lifecycle.leadership_lost.wait())
         stopping = asyncio.create_task(stop.wait())
         failed = asyncio.create_task(server.engine.lifecycle.failed.wait())
@@ -204,9 +151,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ValueError as e:
         parser.error(str(e))
-    configure_logging(args.log_level, json=args.log_json)
+    settings = SchedulerSettings.from_args(args)
+    configure_logging(settings.server.log_level, json=settings.server.log_json)
     with contextlib.suppress(KeyboardInterrupt):
-        code = asyncio.run(run(args))
+        code = asyncio.run(run(settings))
     if code:
         sys.exit(code)
 

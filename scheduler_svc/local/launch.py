@@ -25,6 +25,7 @@ from scheduler_svc import cli as scheduler_cli
 from scheduler_svc import envs
 from scheduler_svc.core.spec_decode import SpeculativeConfig
 from scheduler_svc.logging import configure_logging
+from scheduler_svc.settings import SchedulerSettings
 
 log = structlog.get_logger(__name__)
 
@@ -154,7 +155,7 @@ def serve(args: argparse.Namespace, executor: subprocess.Popen, redis_args: list
     )
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(scheduler_cli.run(sched_args))
+            asyncio.run(scheduler_cli.run(SchedulerSettings.from_args(sched_args)))
     finally:
         if frontend is not None and frontend.poll() is None:
             frontend.send_signal(signal.SIGTERM)
