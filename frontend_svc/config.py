@@ -5,7 +5,8 @@ The frontend is a client of the scheduler's public API, so its variables are the
 (``client/envs.py``): ``LLMSERVE_ADDRESS`` (default of ``--scheduler``), ``LLMSERVE_API_KEY`` (a
 key callers may use, and the one the frontend calls the scheduler with) and ``LLMSERVE_TLS_CA``
 (default of ``--scheduler-tls-ca``). This module is the only one of the frontend that asks for
-them (tests/unit/test_config_env.py).
+them, and it passes what it found on explicitly; no frontend module reads ``os.environ``
+(tests/unit/test_config_env.py).
 """
 
 from __future__ import annotations
