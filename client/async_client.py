@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import envs
+import client.envs as envs
 from client.embeddings import EmbeddingOutput, build_embed_request, embeddings_from_proto
 from client.errors import LLMServeError
 from client.outputs import (
@@ -127,10 +127,11 @@ class AsyncLLMClient:
     ):
         """`api_key` defaults to $LLMSERVE_API_KEY; sent as `authorization: Bearer <key>`.
         `tls_ca` (default $LLMSERVE_TLS_CA): connect over TLS, trusting this CA file (PEM)."""
-        tls_ca = tls_ca if tls_ca is not None else envs.tls_ca()
+        env = envs.ClientConfig.from_env()
+        tls_ca = tls_ca if tls_ca is not None else env.tls_ca
         self._tls_ca = Path(tls_ca).read_bytes() if tls_ca else None
-        self.address = address or envs.address()
-        self.api_key = api_key if api_key is not None else envs.api_key()
+        self.address = address or env.address
+        self.api_key = api_key if api_key is not None else env.api_key
         self.timeout = timeout
         self.stream_timeout = stream_timeout
         self._channel_options = [*_CHANNEL_OPTIONS, *channel_options]

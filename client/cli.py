@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from client import structured
+import client.structured as structured
 from client.bench.cli import add_bench_parser, run_bench
 from client.envs import address as default_address
 from client.errors import run_guarded

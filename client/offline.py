@@ -14,7 +14,6 @@ operator would.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -26,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import client.envs as envs
 from client.embeddings import EmbeddingOutput
 from client.outputs import LoraAdapterInfo, RequestOutput
 from client.params import SamplingParams
@@ -103,7 +103,7 @@ class LLM:
         self, model: str, launch_args: list[str], timeout: float, log_level: str
     ) -> str:
         workdir = Path(tempfile.mkdtemp(prefix="llmserve-llm-"))
-        env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+        env = envs.child_environment({"HF_HUB_OFFLINE": "1"})
         self._finalizer = weakref.finalize(self, _stop, self._procs, workdir)
         log = workdir / "llmserve.log"
         port_file = workdir / "scheduler.port"

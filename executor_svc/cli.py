@@ -8,12 +8,14 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from executor_svc.api.server import ExecutorServer
 from executor_svc.config import envs, numerics
 from executor_svc.config.logs import configure_logging
+from executor_svc.config.settings import ENVIRONMENT_HELP, SECTIONS, ExecutorConfig
 
 log = structlog.get_logger(__name__)
 
@@ -40,50 +42,60 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="llmserve-executor",
         description="llmserve executor: model weights, paged KV cache, one step per ExecuteModel.",
+        epilog=ENVIRONMENT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="demo", help='checkpoint directory, or "demo" (default)')
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50061, help="0 picks a free port")
-    p.add_argument(
-        "--port-file",
-        type=Path,
-        help="write the bound port here once the executor is ready (for launchers and tests)",
-    )
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument(
-        "--num-device-blocks",
-        type=int,
-        default=None,
-        help="KV cache blocks on the device (default: profile free memory)",
-    )
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--swap-space", type=float, default=1.0, help="CPU swap pool size in GiB")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument(
+    # One group per section of ExecutorConfig (config/settings.py), named as the section.
+    for name, (_, about) in SECTIONS.items():
+        FLAG_GROUPS[name](p.add_argument_group(name, about))
+    return p
+
+
+def _model_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--model", default="demo", help='checkpoint directory, or "demo" (default)')
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument(
         "--quantization",
         default=None,
         choices=["int8", "int4"],
         help="quantize a checkpoint's matrices at load (group-wise, 32 weights a group: int8 = "
         "Q8_0, int4 = Q4_1 with an int8 lm_head; models/quant_linear.py); CPU only",
     )
-    p.add_argument(
+    g.add_argument(
         "--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"]
     )
-    p.add_argument(
+    g.add_argument(
         "--load-format",
         default="auto",
         choices=["auto", "dummy"],
         help="dummy: seeded random weights of the checkpoint's shape, read from config.json "
-        "alone (benchmarks of model shapes without their weights)",
+        "alone (benchmarks of model shapes without their weights); wins over "
+        "$LLMSERVE_LOAD_FORMAT, also in tensor-parallel workers",
     )
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="CUDA: run every step eagerly (no CUDA graphs for decode batches)",
+    g.add_argument(
+        "--speculative-model",
+        default=None,
+        help="a draft checkpoint (same tokenizer, fewer layers) for the scheduler's "
+        '--speculative-config \'{"method": "draft_model", ...}\'; not with TP > 1',
     )
-    p.add_argument(
+    g.add_argument("--max-model-len", type=int, default=None)
+
+
+def _cache_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument(
+        "--num-device-blocks",
+        type=int,
+        default=None,
+        help="KV cache blocks on the device (default: profile free memory)",
+    )
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--swap-space", type=float, default=1.0, help="CPU swap pool size in GiB")
+
+
+def _compute_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -91,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="split the model over N ranks: this process and N-1 workers it starts (gloo on "
         "the CPU, NCCL on CUDA with one device per rank); N must divide the attention heads",
     )
-    p.add_argument(
+    g.add_argument(
         "--deterministic",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -100,26 +112,81 @@ def build_parser() -> argparse.ArgumentParser:
         "were batched, chunked, preempted or recovered. --no-deterministic lets the CPU matmuls "
         "pick oneDNN's kernels by shape (see README, 'Exact outputs')",
     )
-    p.add_argument(
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run every step eagerly (no CUDA graphs for decode batches; as "
+        "$LLMSERVE_ENFORCE_EAGER=1)",
+    )
+    g.add_argument(
         "--cpu-threads",
         type=int,
         default=None,
         help="torch intra-op threads for CPU inference (default: torch's choice); on a small "
         "host shared with the scheduler, 1 per executor avoids threads waiting on a busy core",
     )
-    p.add_argument(
+    g.add_argument(
         "--cpu-cores",
         metavar="LIST",
         help="run this executor on these CPU cores only, e.g. 0-3,8 (Linux): its compute "
         "threads keep them to themselves when the scheduler runs on others (as vLLM's "
         "VLLM_CPU_OMP_THREADS_BIND); without --cpu-threads, one thread per core",
     )
-    p.add_argument(
+
+
+def _server_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=50061, help="0 picks a free port")
+    g.add_argument(
+        "--port-file",
+        type=Path,
+        help="write the bound port here once the executor is ready (for launchers and tests)",
+    )
+    g.add_argument(
+        "--advertise-address",
+        help="host:port schedulers should dial (default: --host:port, or this machine's "
+        "address when --host is 0.0.0.0)",
+    )
+    g.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="seconds in-flight calls get to finish once the server stops",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=20.0,
+        help="on SIGTERM/SIGINT: seconds to keep running the sequences it holds (schedulers "
+        "send it nothing new) before stopping; what is left is recomputed elsewhere. 0: stop "
+        "at once. A second signal stops at once",
+    )
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics over HTTP at /metrics on this port (0: any free port; "
+        "default: off)",
+    )
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _tls_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--tls-cert", type=Path, help="serve TLS with this certificate chain (PEM)")
+    g.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
+    g.add_argument(
+        "--tls-ca",
+        type=Path,
+        help="accept only clients (schedulers) with a certificate this CA signed (mutual TLS)",
+    )
+
+
+def _registry_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
         "--redis-url",
         help="register in this Redis (heartbeat) so schedulers started with "
         "--discover-executors find this executor",
     )
-    p.add_argument(
+    g.add_argument(
         "--redis-sentinel",
         type=_sentinels,
         default=envs.redis_sentinel(),
@@ -128,73 +195,36 @@ def build_parser() -> argparse.ArgumentParser:
         "failovers (default $LLMSERVE_REDIS_SENTINEL); --redis-url then gives only "
         "credentials, db and TLS",
     )
-    p.add_argument(
+    g.add_argument(
         "--redis-sentinel-master",
         default=envs.redis_sentinel_master(),
         help="the primary's name in the Sentinels' configuration (default "
         "$LLMSERVE_REDIS_SENTINEL_MASTER or mymaster)",
     )
-    p.add_argument(
-        "--advertise-address",
-        help="host:port schedulers should dial (default: --host:port, or this machine's "
-        "address when --host is 0.0.0.0)",
-    )
-    p.add_argument(
-        "--grace",
-        type=float,
-        default=5.0,
-        help="seconds in-flight calls get to finish once the server stops",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=20.0,
-        help="on SIGTERM/SIGINT: seconds to keep running the sequences it holds (schedulers "
-        "send it nothing new) before stopping; what is left is recomputed elsewhere. 0: stop "
-        "at once. A second signal stops at once",
-    )
-    p.add_argument(
-        "--speculative-model",
-        default=None,
-        help="a draft checkpoint (same tokenizer, fewer layers) for the scheduler's "
-        '--speculative-config \'{"method": "draft_model", ...}\'; not with TP > 1',
-    )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--tls-cert", type=Path, help="serve TLS with this certificate chain (PEM)")
-    p.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
-    p.add_argument(
-        "--tls-ca",
-        type=Path,
-        help="accept only clients (schedulers) with a certificate this CA signed (mutual TLS)",
-    )
-    p.add_argument(
+
+
+def _lora_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
         "--enable-lora",
         action="store_true",
         help="serve LoRA adapters (the scheduler names each sequence's PEFT directory)",
     )
-    p.add_argument("--max-loras", type=int, default=4, help="distinct adapters in one step")
-    p.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank")
-    p.add_argument(
+    g.add_argument("--max-loras", type=int, default=4, help="distinct adapters in one step")
+    g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank")
+    g.add_argument(
         "--max-cpu-loras", type=int, default=16, help="adapters kept loaded on the host (LRU)"
     )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        help="serve Prometheus metrics over HTTP at /metrics on this port (0: any free port; "
-        "default: off)",
-    )
-    return p
 
 
-def _lora_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
-    if not args.enable_lora:
-        return {}
-    from executor_svc.lora.manager import LoraConfig
-
-    try:
-        return {"lora": LoraConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)}
-    except ValueError as e:
-        parser.error(f"--max-loras/--max-lora-rank/--max-cpu-loras: {e}")
+FLAG_GROUPS = {
+    "model": _model_flags,
+    "cache": _cache_flags,
+    "compute": _compute_flags,
+    "server": _server_flags,
+    "tls": _tls_flags,
+    "registry": _registry_flags,
+    "lora": _lora_flags,
+}
 
 
 def _sentinels(text: str) -> tuple[tuple[str, int], ...]:
@@ -206,6 +236,19 @@ def _sentinels(text: str) -> tuple[tuple[str, int], ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _lora_config(config: ExecutorConfig, parser: argparse.ArgumentParser) -> Any:
+    """The LoRA manager's configuration (``lora.manager.LoraConfig``), or None without LoRA."""
+    lora = config.lora
+    if not lora.enable_lora:
+        return None
+    from executor_svc.lora.manager import LoraConfig
+
+    try:
+        return LoraConfig(lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras)
+    except ValueError as e:
+        parser.error(f"--max-loras/--max-lora-rank/--max-cpu-loras: {e}")
+
+
 def _write_port_file(path: Path, port: int) -> None:
     # Write then rename, so a reader polling for the file never sees it empty.
     tmp = path.with_name(path.name + ".tmp")
@@ -215,120 +258,140 @@ def _write_port_file(path: Path, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_ca and not args.tls_cert):
-        parser.error("--tls-cert and --tls-key go together; --tls-ca needs them")
-    if args.drain_timeout < 0 or args.grace < 0:
-        parser.error("--drain-timeout and --grace are seconds >= 0")
-    tls = None
-    if args.tls_cert:
-        ca = args.tls_ca.read_bytes() if args.tls_ca else None
-        tls = (args.tls_cert.read_bytes(), args.tls_key.read_bytes(), ca)
-    if args.speculative_model and args.tensor_parallel_size > 1:
-        parser.error("--speculative-model does not run with --tensor-parallel-size > 1 yet")
-    tp_error = _tensor_parallel_error(args)
-    if tp_error is not None:
-        parser.error(tp_error)
-    cores = None
-    if args.cpu_cores is not None:
-        try:
-            cores = parse_cpu_list(args.cpu_cores)
-        except ValueError as e:
-            parser.error(f"--cpu-cores: {e}")
-        online = set(range(os.cpu_count() or 1))
-        if not cores <= online:
-            parser.error(
-                f"--cpu-cores: {format_cpu_list(cores - online)} not available to this process "
-                f"(this machine has {format_cpu_list(online)})"
-            )
-        try:
-            # Every thread there is now (the calling one alone sets only itself), and every
-            # thread started later (torch's, gRPC's, the tensor-parallel workers') inherits
-            # the set. It may leave the set this process was started with (taskset).
-            for tid in os.listdir("/proc/self/task"):
-                os.sched_setaffinity(int(tid), cores)
-        except OSError as e:  # a container's cpuset without those cores
-            parser.error(f"--cpu-cores: cannot run on {format_cpu_list(cores)}: {e}")
-    configure_logging(args.log_level)
-    # Read by the runner through config.envs, as tensor-parallel workers (processes of their
-    # own) read them from the environment they inherit.
-    os.environ["LLMSERVE_LOAD_FORMAT"] = args.load_format
-    if args.enforce_eager:
-        os.environ["LLMSERVE_ENFORCE_EAGER"] = "1"
-    if args.deterministic is not None:
-        numerics.set_deterministic(args.deterministic)
-        # Tensor-parallel workers are processes of their own: they read the environment.
-        envs.export_deterministic(args.deterministic)
-    threads = args.cpu_threads or (len(cores) if cores else None)
+    config = ExecutorConfig.from_args(parser.parse_args(argv))
+    _check(config, parser)
+    lora = _lora_config(config, parser)
+    cores = _pin_cores(config.compute.cpu_cores, parser)
+    configure_logging(config.server.log_level)
+    # What the flags say over the variables, for this process's runner and kernels; rank 0
+    # hands the same object to its tensor-parallel workers (runner/tp_launcher.py).
+    envs.install(config.runtime)
+    if config.compute.deterministic is not None:
+        numerics.set_deterministic(config.compute.deterministic)
+    threads = config.compute.cpu_threads or (len(cores) if cores else None)
     if threads:
         import torch
 
         torch.set_num_threads(threads)
+    return _serve(config, _build_server(config, lora))
+
+
+def _check(config: ExecutorConfig, parser: argparse.ArgumentParser) -> None:
+    """Usage errors, each a one-line exit 2 before anything starts."""
+    tls, server = config.tls, config.server
+    if bool(tls.tls_cert) != bool(tls.tls_key) or (tls.tls_ca and not tls.tls_cert):
+        parser.error("--tls-cert and --tls-key go together; --tls-ca needs them")
+    if server.drain_timeout < 0 or server.grace < 0:
+        parser.error("--drain-timeout and --grace are seconds >= 0")
+    if config.model.speculative_model and config.compute.tensor_parallel_size > 1:
+        parser.error("--speculative-model does not run with --tensor-parallel-size > 1 yet")
+    tp_error = _tensor_parallel_error(config)
+    if tp_error is not None:
+        parser.error(tp_error)
+
+
+def _pin_cores(cpu_cores: str | None, parser: argparse.ArgumentParser) -> set[int] | None:
+    """Run this process on ``--cpu-cores`` (None: where it was started)."""
+    if cpu_cores is None:
+        return None
+    try:
+        cores = parse_cpu_list(cpu_cores)
+    except ValueError as e:
+        parser.error(f"--cpu-cores: {e}")
+    online = set(range(os.cpu_count() or 1))
+    if not cores <= online:
+        parser.error(
+            f"--cpu-cores: {format_cpu_list(cores - online)} not available to this process "
+            f"(this machine has {format_cpu_list(online)})"
+        )
+    try:
+        # Every thread there is now (the calling one alone sets only itself), and every
+        # thread started later (torch's, gRPC's, the tensor-parallel workers') inherits
+        # the set. It may leave the set this process was started with (taskset).
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), cores)
+    except OSError as e:  # a container's cpuset without those cores
+        parser.error(f"--cpu-cores: cannot run on {format_cpu_list(cores)}: {e}")
+    return cores
+
+
+def _build_server(config: ExecutorConfig, lora: Any) -> ExecutorServer:
+    model, cache = config.model, config.cache
     server = ExecutorServer(
-        args.model,
-        args.host,
-        args.port,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_device_blocks=args.num_device_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        swap_space_gib=args.swap_space,
-        max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
-        **({"quantization": args.quantization} if args.quantization else {}),
-        **({"speculative_model": args.speculative_model} if args.speculative_model else {}),
-        tls=tls,
-        tensor_parallel_size=args.tensor_parallel_size,
-        log_level=args.log_level,
-        **_lora_kwargs(args, parser),
+        model.model,
+        config.server.host,
+        config.server.port,
+        device=model.device,
+        dtype=model.dtype,
+        block_size=cache.block_size,
+        num_device_blocks=cache.num_device_blocks,
+        gpu_memory_utilization=cache.gpu_memory_utilization,
+        swap_space_gib=cache.swap_space,
+        max_model_len=model.max_model_len,
+        attention_backend=model.attention_backend,
+        **({"quantization": model.quantization} if model.quantization else {}),
+        **({"speculative_model": model.speculative_model} if model.speculative_model else {}),
+        tls=config.tls.credentials(),
+        tensor_parallel_size=config.compute.tensor_parallel_size,
+        log_level=config.server.log_level,
+        **({"lora": lora} if lora is not None else {}),
     )
-    server.install_signal_handlers(args.grace, args.drain_timeout)
-    if args.metrics_port is not None:
+    server.install_signal_handlers(config.server.grace, config.server.drain_timeout)
+    if config.server.metrics_port is not None:
         from executor_svc.api.metrics import ExecutorMetrics, serve_metrics
 
         metrics = ExecutorMetrics(server.servicer)
         server.servicer.on_step = metrics.observe_step
-        metrics_port = serve_metrics(metrics, args.host, args.metrics_port)
-        log.info("metrics.listening", host=args.host, port=metrics_port)
+        metrics_port = serve_metrics(metrics, config.server.host, config.server.metrics_port)
+        log.info("metrics.listening", host=config.server.host, port=metrics_port)
+    return server
+
+
+def _serve(config: ExecutorConfig, server: ExecutorServer) -> int:
+    """Bind, load, register, and serve until stopped; the process's exit code."""
+    host, model = config.server.host, config.model.model
     try:
         port = server.start()
     except OSError as e:
-        log.error("executor.bind_failed", host=args.host, port=args.port, error=str(e))
+        log.error("executor.bind_failed", host=host, port=config.server.port, error=str(e))
         return 1
-    print(f"llmserve-executor listening on {args.host}:{port}", flush=True)
+    print(f"llmserve-executor listening on {host}:{port}", flush=True)
     try:
         server.load()
     except Exception as e:
-        log.exception("executor.load_failed", model=str(args.model))
-        print(f"llmserve-executor: could not load {args.model}: {e}", file=sys.stderr)
+        log.exception("executor.load_failed", model=str(model))
+        print(f"llmserve-executor: could not load {model}: {e}", file=sys.stderr)
         server.stop(0)
         return 1
     runner = server.servicer.loaded_runner
     log_numerics(runner.device.type if runner is not None else "cpu")
-    registration = None
-    if args.redis_url or args.redis_sentinel:
-        from executor_svc.api.registry import ExecutorRegistration
-
-        address = args.advertise_address or advertised_address(args.host, port)
-        registration = ExecutorRegistration(
-            args.redis_url,
-            server.servicer.instance_id,
-            address,
-            sentinels=args.redis_sentinel or (),
-            sentinel_master=args.redis_sentinel_master,
-            sentinel_password=envs.redis_sentinel_password(),
-        )
-        registration.start()
-        log.info("executor.registered", address=address, healthy=registration.healthy)
-    if args.port_file is not None:
-        _write_port_file(args.port_file, port)
+    registration = _register(config, server, port) if config.registry.enabled else None
+    if config.server.port_file is not None:
+        _write_port_file(config.server.port_file, port)
     try:
         server.wait()
     finally:
         if registration is not None:
             registration.stop()
     return 0
+
+
+def _register(config: ExecutorConfig, server: ExecutorServer, port: int) -> Any:
+    from executor_svc.api.registry import ExecutorRegistration
+
+    reg = config.registry
+    address = config.server.advertise_address or advertised_address(config.server.host, port)
+    registration = ExecutorRegistration(
+        reg.redis_url,
+        server.servicer.instance_id,
+        address,
+        sentinels=reg.redis_sentinel or (),
+        sentinel_master=reg.redis_sentinel_master,
+        sentinel_password=reg.redis_sentinel_password,
+    )
+    registration.start()
+    log.info("executor.registered", address=address, healthy=registration.healthy)
+    return registration
 
 
 def log_numerics(device_type: str = "cpu") -> None:
@@ -365,25 +428,26 @@ def log_numerics(device_type: str = "cpu") -> None:
         log.info("executor.numerics", deterministic=True, step_invariant=True)
 
 
-def _tensor_parallel_error(args: argparse.Namespace) -> str | None:
+def _tensor_parallel_error(config: ExecutorConfig) -> str | None:
     """A usage error for a --tensor-parallel-size the model or the machine cannot take (checked
     before the port opens; a model that cannot be read is reported by the load as before)."""
-    if args.tensor_parallel_size == 1:
+    world_size, model = config.compute.tensor_parallel_size, config.model.model
+    if world_size == 1:
         return None
     from executor_svc.runner.tp_launcher import tensor_parallel_error
 
-    if str(args.model) == "demo":
+    if str(model) == "demo":
         from executor_svc.demo.demo_model import COMMON_CONFIG, SIZES
 
-        config = {**COMMON_CONFIG, **SIZES["demo"]}
+        hf_config = {**COMMON_CONFIG, **SIZES["demo"]}
     else:
         try:
-            config = json.loads((Path(args.model).expanduser() / "config.json").read_text())
+            hf_config = json.loads((Path(model).expanduser() / "config.json").read_text())
         except (OSError, ValueError):
-            config = None
-    if config is None:
-        return None if args.tensor_parallel_size > 1 else "--tensor-parallel-size must be >= 1"
-    return tensor_parallel_error(config, args.tensor_parallel_size, args.device)
+            hf_config = None
+    if hf_config is None:
+        return None if world_size > 1 else "--tensor-parallel-size must be >= 1"
+    return tensor_parallel_error(hf_config, world_size, config.model.device)
 
 
 def advertised_address(host: str, port: int) -> str:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from starlette.requests import Request
 
-from client import envs
 from frontend_svc.errors import APIError
 
 __all__ = ["api_key_asgi", "caller_key", "load_api_keys"]
@@ -20,11 +19,12 @@ __all__ = ["api_key_asgi", "caller_key", "load_api_keys"]
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
-def load_api_keys(key_file: Path | None = None) -> list[str]:
-    """The keys, $LLMSERVE_API_KEY first, then the file's in order."""
+def load_api_keys(key_file: Path | None = None, env_key: str | None = None) -> list[str]:
+    """The keys, ``env_key`` ($LLMSERVE_API_KEY, from the config) first, then the file's in
+    order."""
     keys = []
-    if value := envs.api_key():
-        keys.append(value)
+    if env_key:
+        keys.append(env_key)
     if key_file is not None:
         for line in key_file.read_text().splitlines():
             line = line.strip()

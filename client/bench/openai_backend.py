@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from client import envs
+import client.envs as envs
 from client.bench.dispatch import send_on_schedule
 from client.bench.metrics import RequestRecord
 from client.bench.workloads import BenchRequest
@@ -40,7 +39,7 @@ class OpenAIBackend:
             self.base_url += "/v1"
         self.model_dir = model_dir
         # $LLMSERVE_API_KEY (this project's) or $OPENAI_API_KEY; servers without keys ignore it.
-        api_key = api_key or envs.api_key() or os.environ.get("OPENAI_API_KEY")
+        api_key = api_key or envs.api_key() or envs.openai_api_key()
         self.api_key = api_key or "EMPTY"
         self._openai = openai
         sync = openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0)

@@ -13,13 +13,13 @@ are pinned to) and ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import client.envs as envs
 from client.bench.metrics import RequestRecord
 from client.bench.workloads import BenchRequest
 
@@ -95,12 +95,13 @@ class VLLMBackend:
                     }
                 )
             )
-            env = dict(os.environ)
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", self.cpu_cores)
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))  # whole GiB only
-            env.setdefault("HF_HUB_OFFLINE", "1")
+            defaults = {
+                "VLLM_CPU_OMP_THREADS_BIND": self.cpu_cores,
+                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),  # whole GiB only
+                "HF_HUB_OFFLINE": "1",
+            }
             # Its own virtualenv only: no llmserve paths leaking into vLLM's imports.
-            env.pop("PYTHONPATH", None)
+            env = envs.child_environment(defaults, drop=("PYTHONPATH",))
             subprocess.run(
                 [self.python, str(RUNNER), str(job), str(result)],
                 env=env,

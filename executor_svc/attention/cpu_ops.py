@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from executor_svc.attention import torch_ops
+import executor_svc.attention.torch_ops as torch_ops
 from executor_svc.kernels import library
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from executor_svc.attention import torch_invariant
+import executor_svc.attention.torch_invariant as torch_invariant
 from executor_svc.config import numerics
 
 if TYPE_CHECKING:

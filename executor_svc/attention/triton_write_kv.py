@@ -6,11 +6,11 @@ Triton backend, ``triton_ops``, which re-exports it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from executor_svc.config import envs
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -19,7 +19,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def interpreting() -> bool:
     # Read at call time: the env var decides how @triton.jit behaved at import, and the check
     # only gates which devices the wrappers accept.
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return envs.triton_interpret()
 
 
 def check_device(tensors: dict[str, torch.Tensor]) -> None:

@@ -1,2 +1,3 @@
-"""Process-wide settings, the lowest floor: every environment variable (``envs``), the numerics
-mode (``numerics``) and the log format (``logs``). Imports nothing of the executor."""
+"""Process-wide settings, the lowest floor: the configuration object (``settings``), every
+environment variable (``envs``), the numerics mode (``numerics``) and the log format (``logs``).
+Imports nothing of the executor."""

@@ -1,9 +1,12 @@
-"""Every environment variable the executor reads, in one place.
+"""Every environment variable the executor reads, in one place: the only module of the executor
+that touches ``os.environ`` (tests/unit/test_config_env.py checks it).
 
-Each is read when asked, not at import: the CLI sets ``LLMSERVE_DETERMINISTIC`` for the
-tensor-parallel workers it starts, and tests set variables after import. Flags, command-line
-options and these variables do not overlap: the CLI's ``--[no-]deterministic`` wins over the
-variable (``config.numerics``).
+Each is read when asked, not at import: tests set variables after import. Three of them have a
+command-line flag too (``--load-format``, ``--enforce-eager``, ``--[no-]deterministic``); the CLI
+puts what the flags say into a ``RuntimeFlags`` (``install``), which wins over the variable, and
+rank 0 hands the same object to its tensor-parallel workers (``runtime_flags().to_json()`` on
+their command line): nothing writes the environment to pass settings on. The one write left is
+``use_loopback_for_gloo``: gloo reads its network interface from ``GLOO_SOCKET_IFNAME`` only.
 
 | variable | default | read by |
 | --- | --- | --- |
@@ -28,25 +31,55 @@ variable (``config.numerics``).
 | ``LLMSERVE_REDIS_SENTINEL_MASTER`` | ``mymaster`` | ``cli``: the primary's name at the Sentinels |
 | ``LLMSERVE_REDIS_SENTINEL_PASSWORD`` | unset | ``cli``: the Sentinels' own password |
 | ``LLMSERVE_TP_PIN`` | on | ``parallel.group``: ``0`` leaves CPU tensor-parallel ranks unpinned (else each gets its share of the allowed cores) |
+| ``TRITON_INTERPRET`` | off | ``attention.triton_write_kv``: Triton's own switch (its interpreter); here only whether the Triton wrappers accept CPU tensors |
+| ``XDG_CACHE_HOME`` | ``~/.cache`` | ``kernels.library``: under it ``llmserve/kernels`` when ``LLMSERVE_KERNEL_DIR`` is unset |
 """
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 _FALSE = ("0", "false", "no", "off")
 
 
+@dataclass(frozen=True, slots=True)
+class RuntimeFlags:
+    """What the executor's command line says over the environment, for this process and the
+    tensor-parallel workers it starts; None: the variable (or its default) decides."""
+
+    load_format: str | None = None  # --load-format, over LLMSERVE_LOAD_FORMAT
+    enforce_eager: bool | None = None  # --enforce-eager, over LLMSERVE_ENFORCE_EAGER
+    deterministic: bool | None = None  # --[no-]deterministic, over LLMSERVE_DETERMINISTIC
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RuntimeFlags:
+        return cls(**json.loads(text))
+
+
+_flags = RuntimeFlags()
+
+
+def install(flags: RuntimeFlags) -> None:
+    """Make ``flags`` this process's (the CLI, once, before loading; a TP worker, with rank 0's)."""
+    global _flags
+    _flags = flags
+
+
+def runtime_flags() -> RuntimeFlags:
+    return _flags
+
+
 def deterministic() -> bool:
     """``LLMSERVE_DETERMINISTIC``: step-invariant numerics unless 0/false/no/off."""
+    if _flags.deterministic is not None:
+        return _flags.deterministic
     return os.environ.get("LLMSERVE_DETERMINISTIC", "1").strip().lower() not in _FALSE
-
-
-def export_deterministic(enabled: bool) -> None:
-    """Set ``LLMSERVE_DETERMINISTIC`` for the processes this one starts (tensor-parallel
-    workers read the mode from their environment)."""
-    os.environ["LLMSERVE_DETERMINISTIC"] = "1" if enabled else "0"
 
 
 def cpu_kernel_enabled() -> bool:
@@ -111,11 +144,15 @@ def cache_dir() -> Path:
 
 def load_format() -> str:
     """``LLMSERVE_LOAD_FORMAT``: ``auto`` (read the checkpoint) or ``dummy`` (random weights)."""
+    if _flags.load_format is not None:
+        return _flags.load_format
     return os.environ.get("LLMSERVE_LOAD_FORMAT", "auto").strip().lower() or "auto"
 
 
 def enforce_eager() -> bool:
     """``LLMSERVE_ENFORCE_EAGER``: on (1/true/yes/on) means no CUDA graphs."""
+    if _flags.enforce_eager is not None:
+        return _flags.enforce_eager
     return os.environ.get("LLMSERVE_ENFORCE_EAGER", "0").strip().lower() not in (*_FALSE, "")
 
 
@@ -154,3 +191,24 @@ def redis_sentinel_master() -> str:
 
 def redis_sentinel_password() -> str | None:
     return os.environ.get("LLMSERVE_REDIS_SENTINEL_PASSWORD") or None
+
+
+def triton_interpret() -> bool:
+    """``TRITON_INTERPRET``: Triton runs its kernels in its interpreter (CPU tensors allowed)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def child_environment(pythonpath_first: str) -> dict[str, str]:
+    """The environment for a process this one starts (a tensor-parallel worker): this one's,
+    with ``pythonpath_first`` ahead on ``PYTHONPATH`` so it imports this same source tree."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath_first, env.get("PYTHONPATH")]))
+    return env
+
+
+def use_loopback_for_gloo() -> None:
+    """Every tensor-parallel rank runs on this host: gloo should talk over loopback whatever the
+    hostname resolves to. gloo takes its interface from ``GLOO_SOCKET_IFNAME`` alone, so this
+    is the one place the executor writes its environment (an explicit setting is kept); the
+    workers inherit it through ``child_environment``."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import executor_svc.models.cpu_decoder as cpu_decoder
 from executor_svc.attention import AttentionBackend, AttentionMetadata
 from executor_svc.config import envs, numerics
 from executor_svc.kernels import elementwise, gemm
-from executor_svc.models import cpu_decoder
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (key_cache, value_cache)
 

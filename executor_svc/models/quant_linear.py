@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
+import executor_svc.models.cpu_decoder as cpu_decoder
 from executor_svc.kernels import quant
-from executor_svc.models import cpu_decoder
 
 SCHEMES = {"int8": quant.TYPE_IDS["Q8_0"], "int4": quant.TYPE_IDS["Q4_1"]}
 

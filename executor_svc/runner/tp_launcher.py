@@ -23,6 +23,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from executor_svc.config import envs
 from executor_svc.parallel.group import TPGroup, close_group, init_group, tp_shape_error
 from executor_svc.runner.loader import resolve_device
 
@@ -83,18 +84,16 @@ class TPWorkers:
     def start(self) -> TPGroup:
         """Start the workers and join the group with them (returns once all have joined)."""
         if sys.platform.startswith("linux"):
-            # Every rank is on this host: talk over loopback whatever the hostname resolves to.
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            envs.use_loopback_for_gloo()
         device = worker_device(self.runner_kwargs.get("device", "auto"), 0)
         self._store = dist.TCPStore(
             "127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False
         )
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")])
-        )
+        env = envs.child_environment(str(PACKAGE_ROOT))
         # A LoRA config goes as its fields (tp_worker builds it again).
         kwargs = json.dumps(self.runner_kwargs, default=dataclasses.asdict)
+        # The command line's settings (--load-format, ...) go as an object, not as variables.
+        flags = envs.runtime_flags().to_json()
         for rank in range(1, self.world_size):
             cmd = [
                 sys.executable, "-m", "executor_svc.runner.tp_worker",
@@ -102,6 +101,7 @@ class TPWorkers:
                 "--store-port", str(self._store.port), "--parent-pid", str(os.getpid()),
                 "--model-dir", self.model_dir, "--runner-kwargs", kwargs,
                 "--cpu-threads", str(torch.get_num_threads()), "--log-level", self.log_level,
+                "--runtime-flags", flags,
             ]  # fmt: skip
             proc = subprocess.Popen(cmd, env=env)
             self.procs[rank] = proc

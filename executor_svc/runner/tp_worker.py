@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runner-kwargs", default="{}", help="ModelRunner keyword arguments (JSON)")
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--runtime-flags",
+        default="{}",
+        help="rank 0's config.envs.RuntimeFlags (JSON): its command line's settings",
+    )
     return p
 
 
@@ -99,8 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(args.parent_pid)
     # Ctrl-C reaches the whole process group; rank 0 decides how the executor stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from executor_svc.config import envs
     from executor_svc.config.logs import configure_logging
 
+    # Before anything reads them: the numerics mode, the load format and the like are rank 0's.
+    envs.install(envs.RuntimeFlags.from_json(args.runtime_flags))
     configure_logging(args.log_level)
     structlog.contextvars.bind_contextvars(tp_rank=args.rank)
     if args.cpu_threads:

@@ -15,16 +15,15 @@ from typing import Any
 
 import grpc
 
-from scheduler_svc import envs
-
 __all__ = ["ApiKeyInterceptor", "bearer_token", "key_name", "load_api_keys"]
 
 
-def load_api_keys(key_file: Path | None = None) -> dict[str, str]:
-    """{key: name} from `LLMSERVE_API_KEY` and the key file (names default to key-N)."""
+def load_api_keys(key_file: Path | None = None, env_key: str = "") -> dict[str, str]:
+    """{key: name} from `env_key` (`LLMSERVE_API_KEY`, from the settings; named "default") and
+    the key file (names default to key-N)."""
     keys: dict[str, str] = {}
-    if value := envs.api_key():
-        keys[value] = "default"
+    if env_key:
+        keys[env_key] = "default"
     if key_file is not None:
         for n, line in enumerate(key_file.read_text().splitlines(), start=1):
             line = line.strip()

@@ -172,3 +172,22 @@ def test_seeded_sampling_equals_tp1(case: TPCase) -> None:
     tp2, tp1 = run_both(case, lambda d: d.generate(prompts, 12, params))
     assert tp2 == tp1
     assert len({tuple(t) for t in tp2.values()}) == 3
+
+
+def test_the_command_lines_settings_reach_the_workers(tmp_path: Path) -> None:
+    """--load-format dummy on a checkpoint without weights: rank 1 loads it only if rank 0
+    handed it the flag (as a RuntimeFlags on its command line; nothing is written into the
+    environment it inherits, and the variable is not set here)."""
+    from executor_svc.tools.demo_model import build_demo_model
+
+    model_dir = build_demo_model(tmp_path / "shape", size="tiny", weights=False)
+    assert not list(model_dir.glob("*.safetensors"))
+    env = {"LLMSERVE_LOAD_FORMAT": "auto", "LLMSERVE_DETERMINISTIC": "1"}
+    args = [*TP_ARGS, "--load-format", "dummy", "--no-deterministic"]
+    with (
+        executor_subprocess(model_dir, tmp_path, *args, env=env) as (_, port),
+        executor_channel(port) as stub,
+    ):
+        assert stub.Describe(pb.DescribeRequest()).tensor_parallel_size == 2
+    log = (tmp_path / "executor.log").read_text()
+    assert "tp.worker_ready" in log

@@ -44,3 +44,44 @@ def test_step_invariant_numerics_default_on_and_env_turns_them_off(env, expected
     assert numerics.deterministic() is expected
     numerics.set_deterministic(not expected)
     assert numerics.deterministic() is (not expected)
+
+
+def test_every_flag_lands_in_the_config_section_of_its_help_group(monkeypatch):
+    """--help's groups are ExecutorConfig's sections: each flag of a group is a field of that
+    section, and the config built from a command line carries what it said."""
+    from dataclasses import fields
+
+    from executor_svc.cli import build_parser
+    from executor_svc.config.settings import SECTIONS, ExecutorConfig
+
+    parser = build_parser()
+    groups = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
+    for name, (section, _) in SECTIONS.items():
+        assert groups[name] <= {f.name for f in fields(section)}, name
+    monkeypatch.setenv("LLMSERVE_REDIS_SENTINEL_PASSWORD", "s3cret")
+    args = parser.parse_args(
+        ["--block-size", "32", "--load-format", "dummy", "--no-deterministic", "--enable-lora"]
+    )
+    config = ExecutorConfig.from_args(args)
+    assert config.cache.block_size == 32
+    assert config.lora.enable_lora is True
+    assert config.registry.redis_sentinel_password == "s3cret"
+    assert config.runtime.load_format == "dummy"
+    assert config.runtime.deterministic is False
+    assert config.runtime.enforce_eager is None  # not given: $LLMSERVE_ENFORCE_EAGER decides
+
+
+def test_runtime_flags_win_over_the_environment_and_travel_as_json(monkeypatch):
+    """What rank 0 hands its tensor-parallel workers instead of writing os.environ."""
+    from executor_svc.config import envs
+
+    monkeypatch.setenv("LLMSERVE_LOAD_FORMAT", "dummy")
+    monkeypatch.setenv("LLMSERVE_ENFORCE_EAGER", "1")
+    monkeypatch.setattr(envs, "_flags", envs.RuntimeFlags())
+    assert envs.load_format() == "dummy" and envs.enforce_eager() is True
+    flags = envs.RuntimeFlags(load_format="auto", enforce_eager=None, deterministic=False)
+    envs.install(envs.RuntimeFlags.from_json(flags.to_json()))
+    assert envs.runtime_flags() == flags
+    assert envs.load_format() == "auto"
+    assert envs.enforce_eager() is True  # not set by a flag: the variable still decides
+    assert envs.deterministic() is False

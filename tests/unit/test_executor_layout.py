@@ -20,7 +20,7 @@ FLOORS = {
     "lora": 3,  # the adapter table and batched apply; installs itself on models' layers by duck type
     "runner": 4,
     "api": 5,
-    "tools": 1,  # the demo builder: imports config only; api and cli import it lazily
+    "demo": 1,  # the demo builder: imports config only; api and cli import it lazily
     "cli": 6,
     "__main__": 7,
 }

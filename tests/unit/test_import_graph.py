@@ -5,8 +5,12 @@ Imports are read with `ast`: every `import` and `from ... import`, including one
 functions (a deferred import that hides a circle is still a circle) and those under
 `if TYPE_CHECKING:`: an annotation naming the class that calls you is a dependency on it (the
 module reads that class's attributes or calls back into it), and hiding the import only hides
-the circle. A package's `__init__` counts as imported by anything that imports a module inside
-it.
+the circle. A package's `__init__` is a module of its own, with its own imports: anything that
+imports a module inside the package runs it, and `from pkg import name` reads the package's
+namespace, so it depends on `pkg/__init__.py` even from inside `pkg` (name a sibling by its own
+module, `from pkg.sibling import ...`, to depend on that sibling alone). Only the implicit run of
+one's own enclosing packages is not an edge: every module has it, and the package cannot import
+anything that does not exist yet.
 
 Also checked here, on the engine (scheduler_svc/engine): `engine.py` stays a short coordinator,
 no function of the package (subpackages included) grows past one screen, and its floors (the
@@ -51,16 +55,24 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            # `from base import x` reads base's namespace: an edge to base's own module (its
+            # __init__ when a package), an enclosing package of this module included.
+            if base in known and base != name:
+                out.add(base)
         for target in targets:
-            # The deepest known module the target names, plus every package on the way.
+            # The deepest known module the target names, plus every package on the way
+            # (importing pkg.mod runs pkg/__init__.py first) except this module's own
+            # enclosing packages, which are running already.
             parts = target.split(".")
             for i in range(1, len(parts) + 1):
                 candidate = ".".join(parts[:i])
-                if candidate in known and candidate != name:
+                if (
+                    candidate in known
+                    and candidate != name
+                    and not name.startswith(candidate + ".")
+                ):
                     out.add(candidate)
-    # A module inside a package also runs that package's __init__ first; that is not an
-    # edge from the module to its own parents, so drop ancestors.
-    return {m for m in out if not name.startswith(m + ".")}
+    return out
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -153,6 +165,27 @@ def test_the_checker_sees_a_circle() -> None:
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     # The engine's request front builds the core's requests (engine.py did before issue 25).
     assert GRAPH["scheduler_svc.engine.requests"] >= {"scheduler_svc.core.request"}
+
+
+def test_the_checker_counts_a_package_init_as_a_module(tmp_path: Path) -> None:
+    """`from pkg import sibling` inside pkg reads pkg/__init__.py: with an __init__ that imports
+    the module, that is a circle; `from pkg.sibling import x` is not."""
+    init = tmp_path / "__init__.py"
+    init.write_text("from pkg.mod import f\n")
+    via_package = tmp_path / "mod.py"
+    via_package.write_text("from pkg import other\n")
+    known = {"pkg", "pkg.mod", "pkg.other"}
+    graph = {
+        "pkg": imports_of("pkg", init, known),
+        "pkg.mod": imports_of("pkg.mod", via_package, known),
+    }
+    assert graph == {"pkg": {"pkg.mod"}, "pkg.mod": {"pkg", "pkg.other"}}
+    assert find_cycles(graph) == [["pkg", "pkg.mod"]]
+    via_package.write_text("from pkg.other import g\nimport pkg.other\n")
+    assert imports_of("pkg.mod", via_package, known) == {"pkg.other"}
+    # A deferred import inside the package's own __init__ counts too.
+    init.write_text("def load():\n    from pkg import mod\n")
+    assert imports_of("pkg", init, known) == {"pkg.mod"}
 
 
 def test_the_checker_counts_imports_for_type_checking(tmp_path: Path) -> None:

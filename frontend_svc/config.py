@@ -1,0 +1,69 @@
+"""The frontend's configuration: one typed object, ``FrontendConfig``, built once by the CLI from
+its flags and the environment, and handed to the app.
+
+The frontend is a client of the scheduler's public API, so its variables are the client's
+(``client/envs.py``): ``LLMSERVE_ADDRESS`` (default of ``--scheduler``), ``LLMSERVE_API_KEY`` (a
+key callers may use, and the one the frontend calls the scheduler with) and ``LLMSERVE_TLS_CA``
+(default of ``--scheduler-tls-ca``). This module is the only one of the frontend that asks for
+them, and it passes what it found on explicitly; no frontend module reads ``os.environ``
+(tests/unit/test_config_env.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from client.envs import ClientConfig
+
+ENVIRONMENT_HELP = """\
+environment (flags win where both exist):
+  LLMSERVE_ADDRESS    the scheduler's host:port (--scheduler; default 127.0.0.1:50051)
+  LLMSERVE_API_KEY    an API key callers may use; the frontend's own key for the scheduler
+  LLMSERVE_TLS_CA     trust this CA for TLS to the scheduler (--scheduler-tls-ca)
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    # server
+    host: str
+    port: int
+    port_file: Path | None
+    log_level: str
+    tls_cert: Path | None
+    tls_key: Path | None
+    # scheduler
+    scheduler: str  # one address, or several comma-separated (leader election)
+    scheduler_tls_ca: str | None
+    served_model_name: str | None
+    resume_timeout_s: float
+    # auth: $LLMSERVE_API_KEY first, then --api-key-file's keys in order
+    api_key_file: Path | None
+    env_api_key: str | None
+    # tools
+    enable_auto_tool_choice: bool
+    tool_call_parser: str | None
+    tool_parser_plugin: Path | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FrontendConfig:
+        env = ClientConfig.from_env()
+        return cls(
+            host=args.host,
+            port=args.port,
+            port_file=args.port_file,
+            log_level=args.log_level,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            scheduler=args.scheduler or env.address,
+            scheduler_tls_ca=str(args.scheduler_tls_ca) if args.scheduler_tls_ca else env.tls_ca,
+            served_model_name=args.served_model_name,
+            resume_timeout_s=args.resume_timeout,
+            api_key_file=args.api_key_file,
+            env_api_key=env.api_key,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            tool_parser_plugin=args.tool_parser_plugin,
+        )
