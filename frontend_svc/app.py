@@ -34,7 +34,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         where = ".".join(loc)
         param = param or where or None
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        # An unknown field is named as such: it asked for something this server does not do.
+        msg = (
+            "unknown field, not supported"
+            if err.get("type") == "extra_forbidden"
+            else err.get("msg")
+        )
+        parts.append(f"{where}: {msg}" if where else str(msg))
     return "; ".join(parts) or "invalid request", param
 
 

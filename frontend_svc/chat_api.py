@@ -88,6 +88,8 @@ class ChatAnswer:
         return usage(self.run.num_prompt_tokens, sum(self.run.streams[0].forwarded))
 
     def _chunk(self, choices: list, **extra: Any) -> str:
+        if self.body.continuous_usage and "usage" not in extra:
+            extra["usage"] = self._usage()  # what the stream has counted so far (as vLLM)
         return sse(
             {
                 "id": self.rid,

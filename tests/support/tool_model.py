@@ -1,5 +1,6 @@
-"""A tiny Llama checkpoint that writes known texts: tool calls in the Hermes format, for
-testing the frontend's tool-call path end to end with a real model behind it.
+"""A tiny Llama checkpoint that writes known texts: tool calls in the Hermes format, and
+reasoning in `<think>` tags, for testing the frontend's tool-call and reasoning paths end to
+end with a real model behind it.
 
 Its tokenizer is byte-level with no merges, plus one added token per piece of each script
 below. The weights make the model a bigram machine: every layer adds nothing to the residual
@@ -40,6 +41,10 @@ SCRIPTS: dict[str, list[str]] = {
         "\n</tool_call>",
     ],
     "plain_text": ["The weather", " is nice today."],
+    # Reasoning (`<think>` is one token, as in Qwen3's tokenizer): the tags also split across
+    # pieces, so a stream splits them.
+    "think_then_answer": ["<thi", "nk>\nA greeting", "; say hi.\n</", "think>\n\nHello", " there!"],
+    "think_then_json": ["<think>", "Which city? Paris.", "</think>", '\n\n{"city": ', '"Paris"}'],
 }
 DEFAULT_SCRIPT = "single_call"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 @dataclass(slots=True)
@@ -39,6 +39,15 @@ class ToolParser(ABC):
     @abstractmethod
     def scan(self, text: str, final: bool) -> Scan:
         """What `text` (the output so far, or all of it when `final`) certainly holds."""
+
+    def call_structures(self, name: str, schema: dict[str, Any]) -> dict[str, Any] | None:
+        """How a call of `name` is written, as a structural tag's structure (`begin`, `schema`,
+        `end`) whose `begin` starts with `trigger`: what lets tool_choice "auto" hold strict
+        tools' arguments to their schemas. None: this format cannot be (strict tools under
+        "auto" are then refused)."""
+        return None
+
+    trigger: ClassVar[str] = ""
 
 
 def hold_back(text: str, marker: str) -> str:
