@@ -15,6 +15,7 @@ import uvicorn
 from client.envs import address as default_address
 from frontend_svc.app import create_app
 from frontend_svc.auth import load_api_keys
+from frontend_svc.reasoning import PARSERS
 from frontend_svc.tools.parsers import load_plugin, parser_names
 from frontend_svc.tools.protocol import ToolConfig
 
@@ -68,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Python file that registers tool call parsers "
         "(@frontend_svc.tools.parsers.register_tool_parser)",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=sorted(PARSERS),
+        help="split the model's <think> reasoning into reasoning_content: qwen3 (reasoning only "
+        "when the output opens <think>) or deepseek_r1 (the prompt opens it)",
+    )
     return p
 
 
@@ -93,6 +100,7 @@ async def serve(args: argparse.Namespace, tools: ToolConfig) -> None:
         api_keys=load_api_keys(args.api_key_file),
         scheduler_tls_ca=str(args.scheduler_tls_ca) if args.scheduler_tls_ca else None,
         tool_config=tools,
+        reasoning_parser=args.reasoning_parser,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
