@@ -22,6 +22,7 @@ from client.structured import StructuredOutput
 from frontend_svc.errors import bad_request
 from frontend_svc.generation import retrying
 from frontend_svc.tools.parsers.base import hold_back
+from frontend_svc.tools.schema import compact_json
 
 START, END = "<think>", "</think>"
 
@@ -107,10 +108,11 @@ def after_reasoning(
         # A structural tag leaves text outside its triggers free already.
         return constraint
     value = constraint.value
-    if constraint.kind == "json_schema":
-        answer = f"%json {value}"
-    elif constraint.kind == "json_object":
-        answer = '%json {"type": "object"}'
+    if constraint.kind in ("json_schema", "json_object"):
+        schema = json.loads(value) if constraint.kind == "json_schema" else {"type": "object"}
+        if isinstance(schema, dict):
+            schema = compact_json(schema)
+        answer = f"%json {json.dumps(schema, ensure_ascii=False)}"
     elif constraint.kind == "choice":
         answer = " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
     elif constraint.kind == "regex" and "/" not in value:

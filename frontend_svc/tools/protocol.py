@@ -18,7 +18,7 @@ from frontend_svc.errors import bad_request
 from frontend_svc.tools.models import FunctionDefinition, NamedToolChoice, Tool, ToolChoice
 from frontend_svc.tools.parsers import ToolParser, parser_class
 from frontend_svc.tools.parsers.forced import CallListParser, NamedCallParser
-from frontend_svc.tools.schema import call_list_schema, parameters_schema
+from frontend_svc.tools.schema import call_list_schema, compact_json, parameters_schema
 
 
 @dataclass(slots=True)
@@ -95,6 +95,7 @@ def _strict_calls(
     structures = []
     for f in functions:
         schema = parameters_schema(f) if f.strict else {"type": "object"}
+        schema = compact_json(schema)
         structure = parser.call_structures(f.name, schema)
         if structure is None:
             raise bad_request(

@@ -355,3 +355,44 @@ def test_auto_without_parallel_calls_reports_the_first(oai, model, vocab, stream
         for tc in chunk.choices[0].delta.tool_calls or []
     }
     assert indexes == {0}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_holds_a_strict_tools_arguments_to_its_schema(oai, model, stream):
+    """Under "auto" a strict tool's call is held to its parameters once the model starts it
+    (a structural tag on the parser's <tool_call>): the model, which writes Paris, can only
+    name Tokyo here. The non-strict tool beside it stays callable."""
+    strict = json.loads(json.dumps(WEATHER))
+    strict["function"]["strict"] = True
+    strict["function"]["parameters"]["properties"]["city"]["enum"] = ["Tokyo"]
+    # Greedy: past the forced arguments the model's logits are flat, and a sampled tail could
+    # start a second call that max_tokens cuts off (whose text the parser then gives back).
+    args = dict(model=model, messages=ASK, tools=[strict, TIME], max_tokens=48, temperature=0)
+    if not stream:
+        got = oai.chat.completions.create(**args)
+        assert calls_of(got.choices[0].message) == [
+            ("get_weather", {"city": "Tokyo", "unit": "celsius"})
+        ]
+        return
+    arguments = ""
+    for chunk in oai.chat.completions.create(**args, stream=True):
+        for call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            arguments += call.function.arguments or ""
+    assert json.loads(arguments) == {"city": "Tokyo", "unit": "celsius"}
+
+
+def test_a_strict_tool_under_auto_needs_a_parser_that_can_hold_it(llmserve_stack, tmp_path):
+    fe = Frontend.start(
+        tmp_path, llmserve_stack.address, "--enable-auto-tool-choice", "--tool-call-parser",
+        "llama3_json",
+    )  # fmt: skip
+    try:
+        fe.wait_healthy()
+        strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+        status, body = fe.request(
+            "POST", "/v1/chat/completions", {"messages": ASK, "tools": [strict], "max_tokens": 4}
+        )
+        assert status == 400 and body["error"]["param"] == "tools"
+        assert "llama3_json" in body["error"]["message"]
+    finally:
+        fe.stop()
