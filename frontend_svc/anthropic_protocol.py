@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from frontend_svc.errors import bad_request
-from frontend_svc.protocol import ChatCompletionRequest, ChatMessage
+from frontend_svc.protocol import ChatCompletionRequest, ChatMessage, chat_request
 from frontend_svc.tools.models import FunctionCall, FunctionDefinition, Tool, ToolCall
 
 
@@ -138,7 +138,7 @@ class MessagesRequest(_Conversation):
         """The chat request this one runs as."""
         if self.max_tokens < 1:
             raise bad_request(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        return ChatCompletionRequest(
+        return chat_request(
             model=self.model,
             messages=self.chat_messages(),
             max_tokens=self.max_tokens,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from client.params import SamplingParams
 from client.prompts import ChatPrompt, InfillPrompt
@@ -285,6 +285,18 @@ class ChatCompletionRequest(_Common):
             self.add_generation_prompt,
             tools=plan.tools if plan is not None else None,
         )
+
+
+def chat_request(**fields: Any) -> ChatCompletionRequest:
+    """A chat request another API's body translates into; what fails its checks is a 400 (the
+    other body's fields were checked, so the message names the chat field)."""
+    try:
+        return ChatCompletionRequest(**fields)
+    except ValidationError as e:
+        errors = e.errors()
+        where = ".".join(str(x) for x in errors[0]["loc"]) if errors else None
+        msg = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in errors)
+        raise bad_request(msg or "invalid request", where) from None
 
 
 class TokenizeRequest(BaseModel):

@@ -132,5 +132,15 @@ def test_deepseek_r1_reads_an_output_without_the_start_tag_as_reasoning(stack, v
         assert [(b.type, b.thinking) for b in final.content] == [
             (b.type, b.thinking) for b in whole.content
         ]
+        # And the Responses API with a reasoning item before the (here empty) message.
+        got = client.responses.create(model=model, input=ASK, max_output_tokens=64)
+        assert [i.type for i in got.output] == ["reasoning", "message"]
+        assert got.output[0].content[0].text == whole.content[0].thinking
+        assert got.output_text == ""
+        events = list(client.responses.create(model=model, input=ASK, max_output_tokens=64,
+                                              stream=True))  # fmt: skip
+        deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+        assert "".join(deltas) == whole.content[0].thinking
+        assert events[-1].response.output[0].content == got.output[0].content
     finally:
         fe.stop()

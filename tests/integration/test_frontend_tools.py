@@ -396,3 +396,64 @@ def test_a_strict_tool_under_auto_needs_a_parser_that_can_hold_it(llmserve_stack
         assert "llama3_json" in body["error"]["message"]
     finally:
         fe.stop()
+
+
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def test_responses_api_calls_tools_whole_and_streamed(oai, model):
+    """The Responses API reads calls as the chat route does: a function_call item after the
+    (empty) message; streamed, its events add up to the same item; the call's output goes
+    back as a function_call_output item."""
+    args = dict(model=model, input=ASK, tools=RESPONSES_TOOLS, max_output_tokens=48)
+    whole = oai.responses.create(**args)
+    assert [i.type for i in whole.output] == ["message", "function_call"]
+    call = whole.output[1]
+    assert (call.name, json.loads(call.arguments)) == (
+        "get_weather", {"city": "Paris", "unit": "celsius"},
+    )  # fmt: skip
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    events = list(oai.responses.create(**args, stream=True))
+    final = events[-1].response
+    assert [(i.type, getattr(i, "arguments", None)) for i in final.output] == [
+        (i.type, getattr(i, "arguments", None)) for i in whole.output
+    ]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == call.arguments
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.id for i in done] == [i.id for i in final.output]
+    assert done[1].call_id == final.output[1].call_id
+    back = [
+        *ASK,
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
+    ]  # fmt: skip
+    again = oai.responses.create(
+        model=model, input=back, tools=RESPONSES_TOOLS, max_output_tokens=48
+    )
+    chat = oai.chat.completions.create(
+        model=model, tools=TOOLS, max_tokens=48,
+        messages=[*ASK, {"role": "assistant", "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}],
+    )  # fmt: skip
+    assert again.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_responses_api_tool_choice_and_text_format(oai, model):
+    named = oai.responses.create(
+        model=model, input=ASK, tools=RESPONSES_TOOLS, max_output_tokens=64,
+        tool_choice={"type": "function", "name": "get_time"},
+    )  # fmt: skip
+    assert [(i.type, getattr(i, "name", None)) for i in named.output] == [
+        ("message", None), ("function_call", "get_time"),
+    ]  # fmt: skip
+    assert json.loads(named.output[1].arguments)["zone"] in ("Asia/Tokyo", "UTC")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "name": "ok", "schema": schema, "strict": True}
+    got = oai.responses.create(model=model, input=ASK, text={"format": fmt}, max_output_tokens=64)
+    assert set(json.loads(got.output_text)) == {"ok"}
+    assert got.text.format.type == "json_schema"
