@@ -276,3 +276,38 @@ def test_an_unknown_field_is_a_400_naming_it(frontend, path, vocab):
         "POST", path, {**_resolve(base, model_name, vocab), "no_such_field": 1}
     )
     assert status == 400 and "no_such_field" in json.dumps(body), body
+
+
+def _chunks(raw: str) -> list[dict]:
+    return [
+        json.loads(line[len("data: ") :])
+        for line in raw.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(frontend, path):
+    base = {"max_tokens": 40, "temperature": 0, "stream": True}
+    base |= {"messages": ASK} if path == "/v1/chat/completions" else {"prompt": "Hi\n"}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    status, raw = frontend.request("POST", path, {**base, "stream_options": options})
+    assert status == 200, raw
+    chunks = _chunks(raw)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all("usage" in c for c in chunks) and counts == sorted(counts)
+    prompt = {c["usage"]["prompt_tokens"] for c in chunks}
+    whole = frontend.request("POST", path, {**base, "stream": False})[1]
+    assert prompt == {whole["usage"]["prompt_tokens"]}
+    assert counts[-1] == whole["usage"]["completion_tokens"] > counts[0]
+    # Without it, only include_usage's closing chunk has usage.
+    status, raw = frontend.request(
+        "POST", path, {**base, "stream_options": {"include_usage": True}}
+    )
+    assert ["usage" in c for c in _chunks(raw)][-2:] == [False, True]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_chat_max_tokens_of_zero_is_a_400(frontend, field):
+    status, body = frontend.request("POST", "/v1/chat/completions", {"messages": ASK, field: 0})
+    assert status == 400 and body["error"]["param"] == field
