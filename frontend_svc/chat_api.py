@@ -7,6 +7,7 @@ answer that content, tool calls and structured outputs apply to."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ from starlette.requests import Request
 from client.errors import LLMServeError
 from client.outputs import StreamDelta
 from client.params import SamplingParams
+from client.structured import StructuredOutput
 from frontend_svc.auth import caller_key
 from frontend_svc.errors import APIError
 from frontend_svc.protocol import ChatCompletionRequest
@@ -27,6 +29,7 @@ from frontend_svc.state import FrontendState
 from frontend_svc.tools.protocol import ToolPlan
 from frontend_svc.tools.stream import ToolCallStream, extract
 from frontend_svc.tools.structured import name_param
+from frontend_svc.tools.tag_grammar import tag_grammar
 
 router = APIRouter()
 
@@ -43,6 +46,14 @@ async def prepare(
         # The constraint holds the answer after the reasoning, not the reasoning itself.
         tags = await state.reasoning_tags()
         params.structured_output = after_reasoning(params.structured_output, state.reasoning, tags)
+    so = params.structured_output
+    if plan.mode == "auto" and plan.parser is not None and so is not None and so is plan.constraint:
+        # Strict tools' structural tag, with markers that are special tokens named as such.
+        markers = [m for m in (plan.parser.trigger, plan.parser.end_marker) if m]
+        if special := await state.special_markers(markers):
+            params.structured_output = StructuredOutput(
+                "grammar", tag_grammar(json.loads(so.value), special)
+            )
     return lora, plan, params
 
 

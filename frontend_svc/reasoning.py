@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from client.async_client import AsyncLLMClient
 from client.structured import StructuredOutput
 from frontend_svc.errors import bad_request
-from frontend_svc.generation import retrying
 from frontend_svc.tools.parsers.base import hold_back
 from frontend_svc.tools.schema import compact_json
+from frontend_svc.tools.tag_grammar import special_markers
 
 START, END = "<think>", "</think>"
 
@@ -153,11 +153,6 @@ class TagRefs:
 
 
 async def tag_refs(client: AsyncLLMClient) -> TagRefs:
-    """The tags' names in a grammar for the served model's tokenizer (asked of the scheduler:
-    a tag that tokenizes to one token more than nothing is one token)."""
-    base = len((await retrying(lambda: client.tokenize("")))[0])
-    refs = []
-    for tag in (START, END):
-        ids, _ = await retrying(lambda tag=tag: client.tokenize(tag))
-        refs.append(tag if len(ids) == base + 1 else json.dumps(tag))
-    return TagRefs(*refs)
+    """The tags' names in a grammar for the served model's tokenizer."""
+    special = await special_markers(client, [START, END])
+    return TagRefs(*(t if t in special else json.dumps(t) for t in (START, END)))

@@ -16,6 +16,7 @@ from frontend_svc.generation import retrying
 from frontend_svc.reasoning import ReasoningParser, TagRefs, tag_refs
 from frontend_svc.serving import Run
 from frontend_svc.tools.protocol import ToolConfig
+from frontend_svc.tools.tag_grammar import special_markers
 
 # A scheduler that restarts should be reached again quickly, not after gRPC's default back-off
 # (which grows to two minutes).
@@ -41,6 +42,7 @@ class FrontendState:
         self.scheduler_address = scheduler_address
         self.reasoning = reasoning  # --reasoning-parser
         self._reasoning_tags: TagRefs | None = None
+        self._special: dict[str, bool] = {}
         self.tool_config = tool_config or ToolConfig()
         self.served_model_name = served_model_name
         self.resume_timeout_s = resume_timeout_s
@@ -82,6 +84,18 @@ class FrontendState:
             except LLMServeError as e:
                 raise APIError.from_llmserve(e) from None
         return self._reasoning_tags
+
+    async def special_markers(self, markers: list[str]) -> set[str]:
+        """Which of `markers` the served tokenizer has as special-looking tokens (asked once
+        per marker)."""
+        todo = [m for m in markers if m not in self._special]
+        if todo:
+            try:
+                found = await special_markers(self.client, todo)
+            except LLMServeError as e:
+                raise APIError.from_llmserve(e) from None
+            self._special.update({m: m in found for m in todo})
+        return {m for m in markers if self._special[m]}
 
     async def model_name(self) -> str:
         return self.served_model_name or (await self.info()).model

@@ -35,6 +35,10 @@ class ToolParser(ABC):
     # Special tokens a format needs to see in the text (e.g. Hermes' <tool_call>, which some
     # tokenizers mark special): False makes the request keep them (skip_special_tokens=False).
     skip_special_tokens: ClassVar[bool | None] = None
+    # Where a call starts and ends (what `call_structures` begins and ends with), for formats
+    # that have markers: "" otherwise.
+    trigger: ClassVar[str] = ""
+    end_marker: ClassVar[str] = ""
 
     @abstractmethod
     def scan(self, text: str, final: bool) -> Scan:
@@ -46,8 +50,6 @@ class ToolParser(ABC):
         tools' arguments to their schemas. None: this format cannot be (strict tools under
         "auto" are then refused)."""
         return None
-
-    trigger: ClassVar[str] = ""
 
 
 def hold_back(text: str, marker: str) -> str:

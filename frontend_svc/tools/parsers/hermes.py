@@ -18,7 +18,7 @@ _ARG_KEYS = ("arguments", "parameters")
 @register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
     skip_special_tokens = False  # Qwen's tokenizers mark <tool_call> special
-    trigger = START
+    trigger, end_marker = START, END
 
     def call_structures(self, name: str, schema: dict[str, Any]) -> dict[str, Any] | None:
         # The spacing the Hermes templates write (and the scheduler's compact JSON keeps).
