@@ -247,3 +247,17 @@ def test_max_tokens_is_required_and_keys_are_checked(claude, frontend, model):
         {"authorization": f"Bearer {KEY}"},
     )  # fmt: skip
     assert status == 200  # bearer works here too
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_scheduler_refusal_is_an_error_in_anthropics_shape(claude, model, stream):
+    """A tool schema the grammar engine cannot compile is refused by the scheduler before any
+    output: an HTTP 400 in Anthropic's shape, streamed or not."""
+    bad = {"name": "f", "input_schema": {"type": "no-such-type"}}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(
+            model=model, max_tokens=8, messages=ASK, tools=[bad],
+            tool_choice={"type": "tool", "name": "f"}, stream=stream,
+        )  # fmt: skip
+    error = _error(e.value)
+    assert error["type"] == "invalid_request_error" and "structured_output" in error["message"]
