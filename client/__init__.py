@@ -11,6 +11,7 @@ from client.envs import address as default_address
 from client.errors import LLMServeError
 from client.offline import LLM
 from client.outputs import (
+    AbortOutcome,
     CompletionOutput,
     ExecutorInfo,
     Logprob,
@@ -25,6 +26,7 @@ from client.prompts import ChatPrompt, InfillPrompt
 from client.sync_client import LLMClient
 
 __all__ = [
+    "AbortOutcome",
     "DEFAULT_ADDRESS",
     "AsyncLLMClient",
     "ChatPrompt",

@@ -18,6 +18,7 @@ import client.envs as envs
 from client.embeddings import EmbeddingOutput, build_embed_request, embeddings_from_proto
 from client.errors import LLMServeError
 from client.outputs import (
+    AbortOutcome,
     LoraAdapterInfo,
     RequestOutput,
     RequestState,
@@ -177,13 +178,14 @@ class AsyncLLMClient:
         except grpc.RpcError as err:
             raise LLMServeError.from_rpc_error(err, request_id=request_id) from None
 
-    async def abort(self, request_id: str) -> bool:
-        """True when the request was still active and is now aborted; False if it had finished,
-        or if no request had this id yet: then a request started with it within the server's
-        abort lifetime (60 s by default) ends at once as aborted. Either way, once this
-        returns, the request is final and reads (get_request, resume) show it."""
+    async def abort(self, request_id: str) -> AbortOutcome:
+        """ABORTED when the request was still active and is now aborted, FINISHED if it had
+        finished, PENDING if no request had this id yet: then a request started with it within
+        the server's abort lifetime (60 s by default) ends at once as aborted. Truthy only when
+        ABORTED. Either way, once this returns, the request is final and reads (get_request,
+        resume) show it."""
         resp = await self._unary("Abort", pb.AbortRequest(request_id=request_id), request_id)
-        return resp.aborted
+        return AbortOutcome.from_proto(resp)
 
     async def get_request(self, request_id: str) -> RequestState:
         req = pb.GetRequestRequest(request_id=request_id)

@@ -14,7 +14,7 @@ from client.bench.cli import add_bench_parser, run_bench
 from client.envs import address as default_address
 from client.errors import run_guarded
 from client.health import add_health_parser
-from client.outputs import RequestOutput, StreamDelta
+from client.outputs import AbortOutcome, RequestOutput, StreamDelta
 from client.params import SamplingParams
 from client.prompts import ChatPrompt
 from client.structured import StructuredOutput
@@ -134,10 +134,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+_ABORT_WORDS = {
+    AbortOutcome.ABORTED: "aborted",
+    AbortOutcome.FINISHED: "already finished",
+    AbortOutcome.PENDING: "not started yet: a request with this id will end aborted",
+}
+
+
 def cmd_abort(args: argparse.Namespace) -> int:
     with LLMClient(args.address, timeout=args.timeout) as client:
-        aborted = client.abort(args.request_id)
-    print("aborted" if aborted else "not active (finished, or not started: it will end aborted)")
+        outcome = client.abort(args.request_id)
+    print(_ABORT_WORDS[outcome])
     return 0
 
 

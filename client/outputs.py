@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -28,6 +29,26 @@ _STATUSES: dict[int, str] = {
 
 def finish_reason_str(value: int) -> str | None:
     return _FINISH_REASONS.get(value, "error")
+
+
+class AbortOutcome(enum.Enum):
+    """What `abort()` did. Truthy only for ABORTED, so code that read the old bool return
+    (`if client.abort(rid):`) keeps its meaning."""
+
+    ABORTED = "aborted"  # the request was active and is now aborted
+    # No request had this id (under the caller's key): a Generate with it within the server's
+    # abort lifetime (60 s by default) ends at once as aborted.
+    PENDING = "pending"
+    FINISHED = "finished"  # it had finished already; nothing changed
+
+    def __bool__(self) -> bool:
+        return self is AbortOutcome.ABORTED
+
+    @classmethod
+    def from_proto(cls, resp: pb.AbortResponse) -> AbortOutcome:
+        if resp.aborted:
+            return cls.ABORTED
+        return cls.PENDING if resp.pending else cls.FINISHED
 
 
 @dataclass(slots=True)

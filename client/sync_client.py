@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from client.async_client import AsyncLLMClient
 from client.embeddings import EmbeddingOutput
 from client.outputs import (
+    AbortOutcome,
     LoraAdapterInfo,
     RequestOutput,
     RequestState,
@@ -158,7 +159,7 @@ class LLMClient:
 
         return self._iterate(self._run(start()))
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> AbortOutcome:
         return self._run(self._async.abort(request_id))
 
     def get_request(self, request_id: str) -> RequestState:

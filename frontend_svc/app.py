@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from client.errors import LLMServeError
+from frontend_svc.anthropic_api import router as anthropic_router
 from frontend_svc.api import router
 from frontend_svc.auth import api_key_asgi
 from frontend_svc.chat_api import router as chat_router
@@ -20,6 +21,7 @@ from frontend_svc.embeddings import router as embeddings_router
 from frontend_svc.errors import APIError
 from frontend_svc.lora_api import router as lora_router
 from frontend_svc.metrics import HTTPMetrics
+from frontend_svc.reasoning import reasoning_parser as get_reasoning_parser
 from frontend_svc.responses_api import router as responses_router
 from frontend_svc.serving import ClientGone
 from frontend_svc.state import FrontendState
@@ -34,7 +36,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         where = ".".join(loc)
         param = param or where or None
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        # An unknown field is named as such: it asked for something this server does not do.
+        msg = (
+            "unknown field, not supported"
+            if err.get("type") == "extra_forbidden"
+            else err.get("msg")
+        )
+        parts.append(f"{where}: {msg}" if where else str(msg))
     return "; ".join(parts) or "invalid request", param
 
 
@@ -56,10 +64,12 @@ def create_app(
     api_keys: list[str] | None = None,
     scheduler_tls_ca: str | None = None,
     tool_config: ToolConfig | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """`api_keys`: when given, API calls need one of them; the first is used for the
     scheduler (unless $LLMSERVE_API_KEY names one). `tool_config`: tool_choice "auto"."""
     metrics = HTTPMetrics()
+    reasoning = get_reasoning_parser(reasoning_parser)
     keys = list(api_keys or [])
 
     @contextlib.asynccontextmanager
@@ -72,13 +82,14 @@ def create_app(
             api_key=keys[0] if keys else None,
             scheduler_tls_ca=scheduler_tls_ca,
             tool_config=tool_config,
+            reasoning=reasoning,
         )
         yield
         await app.state.frontend.close()
 
     app = FastAPI(title="llmserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.api_keys = keys
-    for r in (completions_router, chat_router, responses_router, router):
+    for r in (completions_router, chat_router, responses_router, anthropic_router, router):
         app.include_router(r)
     app.include_router(embeddings_router)  # /v1/embeddings (frontend_svc/embeddings.py)
     app.include_router(lora_router)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
@@ -87,22 +98,23 @@ def create_app(
     app.add_middleware(_ASGIMiddleware, wrap=metrics.asgi)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response_for(request.url.path)
 
     @app.exception_handler(LLMServeError)
-    async def scheduler_error(_: Request, exc: LLMServeError) -> JSONResponse:
-        return APIError.from_llmserve(exc).response()
+    async def scheduler_error(request: Request, exc: LLMServeError) -> JSONResponse:
+        return APIError.from_llmserve(exc).response_for(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return APIError(400, message, param=param).response()
+        return APIError(400, message, param=param).response_for(request.url.path)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        error = APIError(exc.status_code, str(exc.detail), type=kind)
+        return error.response_for(request.url.path)
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, exc: ClientGone) -> Response:
@@ -111,7 +123,8 @@ def create_app(
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("frontend.internal_error", path=request.url.path)
-        return APIError(500, "internal error", type="server_error").response()
+        error = APIError(500, "internal error", type="server_error")
+        return error.response_for(request.url.path)
 
     @app.get("/health")
     async def health(request: Request):

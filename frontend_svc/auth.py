@@ -1,4 +1,5 @@
-"""API keys on the HTTP API: `Authorization: Bearer <key>`, or 401 in the OpenAI error shape.
+"""API keys on the HTTP API: `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's
+SDK), or 401 in the API's error shape.
 
 The same keys as the scheduler's (`LLMSERVE_API_KEY`, `--api-key-file`: one key per line,
 optionally followed by a name). `/health` and `/metrics` stay open. The frontend calls the
@@ -38,7 +39,9 @@ def caller_key(request: Request) -> str | None:
     if not request.app.state.api_keys:
         return None
     scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
+    if scheme.lower() == "bearer":
+        return token.strip()
+    return request.headers.get("x-api-key", "").strip() or None
 
 
 def _valid(keys: list[str], token: bytes) -> bool:
@@ -59,14 +62,19 @@ def api_key_asgi(keys: list[str]):
             if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
                 await app(scope, receive, send)
                 return
-            value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            headers = dict(scope["headers"])
+            value = headers.get(b"authorization", b"")
             scheme, _, token = value.strip().partition(b" ")
-            if scheme.lower() == b"bearer" and _valid(keys, token.strip()):
+            if scheme.lower() != b"bearer":
+                # Anthropic's SDK sends its key as x-api-key.
+                token = headers.get(b"x-api-key", b"")
+            if token and _valid(keys, token.strip()):
                 await app(scope, receive, send)
                 return
-            message = "invalid API key" if value else "missing API key (Authorization: Bearer)"
+            given = value or headers.get(b"x-api-key")
+            message = "invalid API key" if given else "missing API key (Authorization: Bearer)"
             error = APIError(401, message, type="authentication_error", code="invalid_api_key")
-            await error.response()(scope, receive, send)
+            await error.response_for(scope["path"])(scope, receive, send)
 
         return call
 

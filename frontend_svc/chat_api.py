@@ -1,10 +1,13 @@
 """`POST /v1/chat/completions`: one call's answer as an object that owns its choices (texts,
 logprobs, finishes), fed the run's deltas and shaped as stream chunks or one body. The chat
 template is applied by the scheduler. With tools, each choice's text is read as content and
-tool calls by the call's parser (tool_calling/stream.py): whole at the end, or delta by delta."""
+tool calls by the call's parser (tool_calling/stream.py): whole at the end, or delta by delta. With
+`--reasoning-parser`, the reasoning is split off first (reasoning.py) and the rest is the
+answer that content, tool calls and structured outputs apply to."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -13,18 +16,45 @@ from starlette.requests import Request
 
 from client.errors import LLMServeError
 from client.outputs import StreamDelta
+from client.params import SamplingParams
+from client.structured import StructuredOutput
 from frontend_svc.auth import caller_key
 from frontend_svc.errors import APIError
 from frontend_svc.logprobs import chat_logprobs, prompt_logprobs, usage
 from frontend_svc.protocol import ChatCompletionRequest
+from frontend_svc.reasoning import ReasoningStream, after_reasoning
 from frontend_svc.serving import Run, request_id_from, respond, sse
 from frontend_svc.serving import token_texts as _token_texts
 from frontend_svc.state import FrontendState
 from frontend_svc.structured_output import name_param
 from frontend_svc.tool_calling.protocol import ToolPlan
 from frontend_svc.tool_calling.stream import ToolCallStream, extract
+from frontend_svc.tool_calling.tag_grammar import tag_grammar
 
 router = APIRouter()
+
+
+async def prepare(
+    body: ChatCompletionRequest, state: FrontendState
+) -> tuple[str, ToolPlan, SamplingParams]:
+    """A chat call's LoRA adapter, tool plan and sampling parameters (also the Messages API's,
+    which runs as a chat call)."""
+    lora = await state.check_model(body.model)
+    plan = body.plan(state.tool_config)
+    params = body.to_params(await state.max_model_len(), plan)
+    if state.reasoning is not None:
+        # The constraint holds the answer after the reasoning, not the reasoning itself.
+        tags = await state.reasoning_tags()
+        params.structured_output = after_reasoning(params.structured_output, state.reasoning, tags)
+    so = params.structured_output
+    if plan.mode == "auto" and plan.parser is not None and so is not None and so is plan.constraint:
+        # Strict tools' structural tag, with markers that are special tokens named as such.
+        markers = [m for m in (plan.parser.trigger, plan.parser.end_marker) if m]
+        if special := await state.special_markers(markers):
+            params.structured_output = StructuredOutput(
+                "grammar", tag_grammar(json.loads(so.value), special)
+            )
+    return lora, plan, params
 
 
 class ChatAnswer:
@@ -42,6 +72,11 @@ class ChatAnswer:
     ) -> None:
         self.body, self.state, self.run, self.n, self.model = body, state, run, n, model
         self.plan = plan
+        self.reasoning = state.reasoning
+        # Streamed choices' reasoning splitters (with --reasoning-parser only).
+        self.thinkers = (
+            {j: ReasoningStream(self.reasoning) for j in range(n)} if self.reasoning else {}
+        )
         # Streamed choices' tool-call readers (tool modes with a parser only).
         self.readers = (
             {j: ToolCallStream(plan.parser, plan.max_calls) for j in range(n)}
@@ -58,9 +93,7 @@ class ChatAnswer:
     @classmethod
     async def begin(cls, body: ChatCompletionRequest, request: Request) -> ChatAnswer:
         state: FrontendState = request.app.state.frontend
-        lora = await state.check_model(body.model)
-        plan = body.plan(state.tool_config)
-        params = body.to_params(await state.max_model_len(), plan)
+        lora, plan, params = await prepare(body, state)
         base = request_id_from(request)
         run = state.start_run(
             base, [body.chat(plan)], params, body.priority, caller_key(request), lora
@@ -88,6 +121,8 @@ class ChatAnswer:
         return usage(self.run.num_prompt_tokens, sum(self.run.streams[0].forwarded))
 
     def _chunk(self, choices: list, **extra: Any) -> str:
+        if self.body.continuous_usage and "usage" not in extra:
+            extra["usage"] = self._usage()  # what the stream has counted so far (as vLLM)
         return sse(
             {
                 "id": self.rid,
@@ -115,33 +150,48 @@ class ChatAnswer:
             out.append(self._choice_chunk(d, {"role": "assistant", "content": ""}))
         lp = await self._logprobs(d)
         content = {"content": lp} if lp is not None else None
+        reasoning, text = self._split(d)
+        deltas = [{"reasoning_content": reasoning}] if reasoning else []
         reader = self.readers.get(d.index)
         if reader is None:
-            if d.text or lp:
-                out.append(self._choice_chunk(d, {"content": d.text}, content))
+            if text or (lp and not deltas):
+                deltas.append({"content": text})
             num_calls = 0
         else:
-            out.extend(self._tool_chunks(d, reader, content))
+            deltas += self._tool_deltas(text, d.finished, reader)
             num_calls = reader.num_calls
+        if not deltas and lp is not None:
+            deltas = [{}]
+        # The delta's logprobs ride on its first chunk.
+        out += [
+            self._choice_chunk(d, delta, content if k == 0 else None)
+            for k, delta in enumerate(deltas)
+        ]
         if d.finished:
             reason = self._finish_reason(d.finish_reason, num_calls)
             end = {"finish_reason": reason, "stop_reason": d.stop_reason}
             out.append(self._choice_chunk(d, {}, **end))
         return out
 
-    def _tool_chunks(self, d: StreamDelta, reader: ToolCallStream, logprobs: Any) -> list[str]:
-        """A delta's text as content and tool-call chunks; its logprobs ride on the first."""
-        text, calls = reader.feed(d.text)
+    def _split(self, d: StreamDelta) -> tuple[str, str]:
+        """A streamed delta's (reasoning, answer) text: all answer without a reasoning parser."""
+        thinker = self.thinkers.get(d.index)
+        if thinker is None:
+            return "", d.text
+        reasoning, text = thinker.feed(d.text)
         if d.finished:
-            more_text, more_calls = reader.finish()
-            text, calls = text + more_text, calls + more_calls
-        deltas = ([{"content": text}] if text else []) + [{"tool_calls": [c]} for c in calls]
-        if not deltas and logprobs is not None:
-            deltas = [{}]
-        return [
-            self._choice_chunk(d, delta, logprobs if k == 0 else None)
-            for k, delta in enumerate(deltas)
-        ]
+            more_reasoning, more_text = thinker.finish()
+            reasoning, text = reasoning + more_reasoning, text + more_text
+        return reasoning, text
+
+    @staticmethod
+    def _tool_deltas(text: str, finished: bool, reader: ToolCallStream) -> list[dict]:
+        """Answer text as content and tool-call deltas."""
+        content, calls = reader.feed(text)
+        if finished:
+            more_content, more_calls = reader.finish()
+            content, calls = content + more_content, calls + more_calls
+        return ([{"content": content}] if content else []) + [{"tool_calls": [c]} for c in calls]
 
     async def add(self, i: int, d: StreamDelta) -> None:
         """Fold one delta into the whole answer (non-streaming)."""
@@ -158,9 +208,13 @@ class ChatAnswer:
         """The non-streaming body, once every delta is in."""
         choices = []
         for j in range(self.n):
-            message: dict[str, Any] = {"role": "assistant", "content": self.texts[j]}
+            text = self.texts[j]
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.reasoning is not None:
+                message["reasoning_content"], text = self.reasoning.split(text)
+                message["content"] = text
             if self.plan.parser is not None:
-                found = extract(self.plan.parser, self.texts[j], self.plan.max_calls)
+                found = extract(self.plan.parser, text, self.plan.max_calls)
                 message["content"] = found.content
                 if found.tool_calls:
                     message["tool_calls"] = found.tool_calls

@@ -15,6 +15,7 @@ import uvicorn
 from frontend_svc.app import create_app
 from frontend_svc.auth import load_api_keys
 from frontend_svc.config import ENVIRONMENT_HELP, FrontendConfig
+from frontend_svc.reasoning import PARSERS
 from frontend_svc.tool_calling.parsers import load_plugin, parser_names
 from frontend_svc.tool_calling.protocol import ToolConfig
 
@@ -64,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         "$LLMSERVE_API_KEY, API calls need 'Authorization: Bearer <key>'",
     )
     _tool_flags(p.add_argument_group("tools", "tool calling"))
+    reasoning = p.add_argument_group("reasoning", "reasoning output")
+    reasoning.add_argument(
+        "--reasoning-parser",
+        choices=sorted(PARSERS),
+        help="split the model's <think> reasoning into reasoning_content: qwen3 (reasoning only "
+        "when the output opens <think>) or deepseek_r1 (the prompt opens it)",
+    )
     return p
 
 
@@ -110,6 +118,7 @@ async def serve(config: FrontendConfig, tools: ToolConfig) -> None:
         api_keys=load_api_keys(config.api_key_file, config.env_api_key),
         scheduler_tls_ca=config.scheduler_tls_ca,
         tool_config=tools,
+        reasoning_parser=config.reasoning_parser,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -142,7 +142,9 @@ class CompletionAnswer:
             "finish_reason": d.finish_reason,
             "stop_reason": d.stop_reason,
         }
-        return [sse(self._envelope([choice]))]
+        # continuous_usage_stats: the usage so far on every chunk (as vLLM).
+        extra = {"usage": self._usage()} if self.body.continuous_usage else {}
+        return [sse(self._envelope([choice], **extra))]
 
     async def add(self, i: int, d: StreamDelta) -> None:
         """Fold one delta into the whole answer (non-streaming)."""

@@ -46,6 +46,8 @@ class FrontendConfig:
     enable_auto_tool_choice: bool
     tool_call_parser: str | None
     tool_parser_plugin: Path | None
+    # reasoning
+    reasoning_parser: str | None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FrontendConfig:
@@ -66,4 +68,5 @@ class FrontendConfig:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             tool_parser_plugin=args.tool_parser_plugin,
+            reasoning_parser=args.reasoning_parser,
         )

@@ -2,9 +2,9 @@
 
 Body: `input` (a string, a list of strings, a token-id list, or a list of token-id lists),
 `model`, `encoding_format` ("float" or "base64": little-endian float32, as OpenAI), `dimensions`
-(keep the first components), `user` (accepted, unused, as vLLM); vLLM's extras `normalize`
+(keep the first components), `user` (a label, accepted as vLLM does: the allow-list of docs/openai.md); vLLM's extras `normalize`
 (default true) and `priority`, and `pooling` ("last", the default for decoder models as in
-vLLM, or "mean"). Unknown fields are ignored, as vLLM does. The call is idempotent and nothing
+vLLM, or "mean"). An unknown field is a 400 naming it. The call is idempotent and nothing
 of it is stored, so a scheduler restart mid-call is retried here, transparently.
 """
 
@@ -32,7 +32,7 @@ router = APIRouter()
 
 
 class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     input: str | list[str] | list[int] | list[list[int]]
     model: str | None = None

@@ -1,5 +1,6 @@
 """Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}` with the
-HTTP status a client of the OpenAI API expects for it."""
+HTTP status a client of the OpenAI API expects for it; on Anthropic's routes (/v1/messages),
+in Anthropic's: `{"type": "error", "error": {"type", "message"}}`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,22 @@ _BY_GRPC: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
+
+
+# HTTP status -> Anthropic's error type.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 class APIError(Exception):
@@ -54,6 +71,17 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
+
+    def anthropic_body(self) -> dict:
+        """The error in the shape of Anthropic's Messages API (/v1/messages)."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response_for(self, path: str) -> JSONResponse:
+        """The response in the shape of the API `path` belongs to."""
+        if is_anthropic(path):
+            return JSONResponse(self.anthropic_body(), status_code=self.status)
+        return self.response()
 
     @classmethod
     def from_llmserve(cls, err: LLMServeError) -> APIError:

@@ -4,15 +4,21 @@ translation into the scheduler's sampling parameters.
 Fields follow the OpenAI API reference; vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
 include_stop_str_in_output, priority) are accepted in the body as vLLM accepts them, and so
-are the structured-output fields (structured_output.py). Unknown fields are ignored, as vLLM
-does. Tools and tool_choice: tool_calling/protocol.py.
+are the structured-output fields (structured_output.py). Tools and tool_choice:
+tool_calling/protocol.py.
+
+Unlike vLLM, an unknown field is a 400 naming it (`extra="forbid"`): a client that asked for
+something must hear that it was not done. The few fields that clients send and that mean
+nothing here are declared below with the values accepted (the allow-list, docs/openai.md):
+`user`, `safety_identifier` and `prompt_cache_key` (labels; the prefix cache needs no key),
+`store` and `service_tier` only with the values that ask for nothing.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from client.params import SamplingParams
 from client.prompts import ChatPrompt, InfillPrompt
@@ -23,11 +29,14 @@ from frontend_svc.tool_calling.protocol import ToolConfig, ToolPlan, plan_tools
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    # vLLM's: the usage so far on every chunk (guidellm asks for it).
+    continuous_usage_stats: bool = False
 
 
 class _Common(StructuredFields):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = 1
@@ -38,7 +47,13 @@ class _Common(StructuredFields):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # The allow-list: labels a client may send that change nothing of the output.
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # Only the values that ask for nothing: nothing is stored, there is one service tier.
+    store: Literal[False] | None = None
+    service_tier: Literal["auto", "default"] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extra sampling fields.
@@ -108,6 +123,10 @@ class _Common(StructuredFields):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -172,21 +191,31 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a "tool" message: the call it answers
+    # An earlier answer's reasoning, handed to the template (Qwen3's reads it).
+    reasoning_content: str | None = None
+    # What an assistant message returned by the openai client holds when sent back as is;
+    # only the empty values, which say nothing.
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: list[Any] | None = Field(default=None, max_length=0)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id:
@@ -216,6 +245,8 @@ class ChatCompletionRequest(_Common):
     # OpenAI's deprecated spelling of tools: not honoured, so a 400.
     functions: Any = None
     function_call: Any = None
+    # Output other than text: only the value that asks for text.
+    modalities: list[Literal["text"]] | None = None
 
     def plan(self, config: ToolConfig) -> ToolPlan:
         for name in ("functions", "function_call"):
@@ -226,6 +257,10 @@ class ChatCompletionRequest(_Common):
     def to_params(self, max_model_len: int, plan: ToolPlan | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise bad_request(f"{name} must be at least 1, got {value}", name)
         max_tokens = self.max_completion_tokens or self.max_tokens
         # As vLLM: with no limit, generate until the model's maximum length.
         params = self.sampling_params(max_tokens or max_model_len, None)
@@ -252,8 +287,20 @@ class ChatCompletionRequest(_Common):
         )
 
 
+def chat_request(**fields: Any) -> ChatCompletionRequest:
+    """A chat request another API's body translates into; what fails its checks is a 400 (the
+    other body's fields were checked, so the message names the chat field)."""
+    try:
+        return ChatCompletionRequest(**fields)
+    except ValidationError as e:
+        errors = e.errors()
+        where = ".".join(str(x) for x in errors[0]["loc"]) if errors else None
+        msg = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in errors)
+        raise bad_request(msg or "invalid request", where) from None
+
+
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -262,6 +309,6 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]

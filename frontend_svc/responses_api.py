@@ -1,8 +1,9 @@
 """`POST /v1/responses`: OpenAI's Responses API for text in and out, on the chat path (the
 chat template applied by the scheduler, the same resilient stream through scheduler restarts).
 
-A response holds one output item, the assistant message, with one `output_text` part. Nothing is
-stored (`store` must be false), so a response cannot be fetched or continued later.
+A response holds the assistant message (one `output_text` part), and before it a reasoning item
+(with `--reasoning-parser`), after it one function_call item per tool call (responses_items.py).
+Nothing is stored (`store` must be false), so a response cannot be fetched or continued later.
 """
 
 from __future__ import annotations
@@ -19,12 +20,17 @@ from starlette.requests import Request
 from client.errors import LLMServeError
 from client.outputs import StreamDelta
 from client.params import SamplingParams
-from client.prompts import ChatPrompt
 from frontend_svc.auth import caller_key
+from frontend_svc.chat_api import prepare
 from frontend_svc.errors import APIError
+from frontend_svc.protocol import ChatCompletionRequest
+from frontend_svc.reasoning import ReasoningParser
+from frontend_svc.responses_items import ItemStream, whole_items
 from frontend_svc.responses_protocol import ResponsesRequest
 from frontend_svc.serving import Run, collect, request_id_from, start, stream_response
 from frontend_svc.state import FrontendState
+from frontend_svc.structured_output import name_param
+from frontend_svc.tool_calling.protocol import ToolPlan
 
 router = APIRouter()
 
@@ -58,6 +64,9 @@ class ResponseOutput:
     text: str = ""
     finish_reason: str | None = None
     finished_at: int | None = None
+    plan: ToolPlan | None = None
+    reasoning: ReasoningParser | None = None
+    call_ids: list[str] | None = None  # a stream's ids of its calls
 
     def add(self, d: StreamDelta) -> None:
         self.text += d.text
@@ -71,22 +80,28 @@ class ResponseOutput:
             return "in_progress"
         return _STATUS.get(self.finish_reason, ("failed", None))[0]
 
-    def message(self) -> dict[str, Any]:
-        done = self.finish_reason is not None
+    def message(self, text: str = "", done: bool = False) -> dict[str, Any]:
+        # A message has no "cancelled" or "failed": any response that did not complete holds
+        # an incomplete one; one closed while the response runs on (calls follow) is complete.
+        status = "completed" if self.status in ("completed", "in_progress") else "incomplete"
         return {
             "id": self.msg_id,
             "type": "message",
             "role": "assistant",
-            # A message has no "cancelled" or "failed": any response that did not complete
-            # holds an incomplete one.
-            "status": "in_progress"
-            if not done
-            else ("completed" if self.status == "completed" else "incomplete"),
-            "content": [self.part()] if done else [],
+            "status": status if done else "in_progress",
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if done else [],
         }
 
-    def part(self) -> dict[str, Any]:
-        return {"type": "output_text", "text": self.text, "annotations": []}
+    def items(self) -> list[dict[str, Any]]:
+        base = self.msg_id.removeprefix("msg_")
+        return whole_items(
+            self.text,
+            base,
+            lambda text: self.message(text, True),
+            self.reasoning,
+            self.plan,
+            self.call_ids,
+        )
 
     def usage(self) -> dict[str, Any]:
         input_tokens = self.run.num_prompt_tokens
@@ -116,16 +131,16 @@ class ResponseOutput:
             "instructions": self.body.instructions,
             "max_output_tokens": self.body.max_output_tokens,
             "model": self.model,
-            "output": [self.message()] if done else [],
-            "parallel_tool_calls": False,
+            "output": self.items() if done else [],
+            "parallel_tool_calls": self.body.parallel_tool_calls is not False,
             "previous_response_id": None,
             "reasoning": None,
             "store": False,
             "temperature": self.params.temperature,
             "top_p": self.params.top_p,
-            "text": {"format": {"type": "text"}},
-            "tool_choice": "none",
-            "tools": [],
+            "text": {"format": (self.body.text or {}).get("format") or {"type": "text"}},
+            "tool_choice": self.body.tool_choice or ("auto" if self.body.tools else "none"),
+            "tools": self.body.tools or [],
             "truncation": "disabled",
             "usage": self.usage() if done else None,
             "metadata": self.body.metadata,
@@ -139,15 +154,15 @@ class ResponseEvents:
     def __init__(self, out: ResponseOutput) -> None:
         self.out = out
         self.sequence_number = 0
+        self.items = ItemStream(
+            out.msg_id.removeprefix("msg_"), self.event, out.message, out.reasoning, out.plan
+        )
 
     def event(self, type: str, **fields: Any) -> str:
         data = {"type": type, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
         payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
         return f"event: {type}\ndata: {payload}\n\n"
-
-    def _at(self) -> dict[str, Any]:
-        return {"item_id": self.out.msg_id, "output_index": 0, "content_index": 0}
 
     async def of(self, _: int | None, d: StreamDelta | None) -> list[str]:
         out = self.out
@@ -158,30 +173,14 @@ class ResponseEvents:
             events += [
                 self.event("response.created", response=out.response()),
                 self.event("response.in_progress", response=out.response()),
-                self.event("response.output_item.added", output_index=0, item=out.message()),
-                self.event(
-                    "response.content_part.added",
-                    **self._at(),
-                    part={"type": "output_text", "text": "", "annotations": []},
-                ),
             ]
         if d is not None:
             out.add(d)
-            if d.text:
-                events.append(
-                    self.event(
-                        "response.output_text.delta", **self._at(), delta=d.text, logprobs=[]
-                    )
-                )
-            return events
-        status = out.status
-        return [
-            *events,
-            self.event("response.output_text.done", **self._at(), text=out.text, logprobs=[]),
-            self.event("response.content_part.done", **self._at(), part=out.part()),
-            self.event("response.output_item.done", output_index=0, item=out.message()),
-            self.event(_LAST_EVENT.get(status, "response.completed"), response=out.response()),
-        ]
+            return events + self.items.feed(d.text, d.finished)
+        events += self.items.end()
+        out.call_ids = self.items.call_ids
+        last = _LAST_EVENT.get(out.status, "response.completed")
+        return [*events, self.event(last, response=out.response())]
 
     def error(self, err: APIError) -> list[str]:
         body = err.body()["error"]
@@ -192,18 +191,21 @@ class ResponseEvents:
 async def create_response(body: ResponsesRequest, request: Request):
     state: FrontendState = request.app.state.frontend
     body.check_supported()
-    lora = await state.check_model(body.model)
-    params = body.to_params(await state.max_model_len())
-    prompt = ChatPrompt(body.messages())
+    chat = body.to_chat()
+    lora, plan, params = await prepare(chat, state)
     base = request_id_from(request)
-    run = state.start_run(base, [prompt], params, 0, caller_key(request), lora)
+    run = state.start_run(base, [chat.chat(plan)], params, 0, caller_key(request), lora)
     out = ResponseOutput(
-        body, params, run, f"resp_{base}", f"msg_{base}", model=await state.model_name()
-    )
+        body, params, run, f"resp_{base}", f"msg_{base}", model=await state.model_name(),
+        plan=plan, reasoning=state.reasoning,
+    )  # fmt: skip
 
     if body.stream:
         events = ResponseEvents(out)
-        first, rest = await start(run, request)
+        try:
+            first, rest = await start(run, request)
+        except APIError as e:
+            raise _named(e, plan, chat) from None
         return stream_response(run, first, rest, events.of, on_error=events.error, done="")
 
     async def on_delta(_: int, d: StreamDelta) -> None:
@@ -212,5 +214,12 @@ async def create_response(body: ResponsesRequest, request: Request):
     try:
         await collect(run, request, on_delta)
     except LLMServeError as e:
-        raise APIError.from_llmserve(e) from None
+        raise _named(APIError.from_llmserve(e), plan, chat) from None
     return JSONResponse(out.response())
+
+
+def _named(err: APIError, plan: ToolPlan, chat: ChatCompletionRequest) -> APIError:
+    """A constraint the scheduler refused, named by the Responses API's field."""
+    if plan.constraint is not None:
+        return name_param(err, "tool_choice")
+    return name_param(err, "text.format" if chat.structured_output()[1] else None)

@@ -1,11 +1,13 @@
 """The body of `POST /v1/responses` (OpenAI's Responses API, text in and out) as this frontend
 accepts it, and its translation into the chat path's messages and sampling parameters.
 
-Unlike the chat and completions bodies, every field is checked: the Responses API has many
-features a stateless text server cannot honour (stored responses, tools, reasoning, structured
-output), and a client that asked for one must hear so rather than get plain text back. A field
-sent as null, or with the one value that asks for nothing (`tools: []`, `background: false`,
-`truncation: "disabled"`, ...), is accepted.
+Every field is checked: the Responses API has many features a stateless server cannot honour
+(stored responses, built-in tools, background runs), and a client that asked for one must hear
+so rather than get plain text back. A field sent as null, or with the one value that asks for
+nothing (`background: false`, `truncation: "disabled"`, ...), is accepted. Function tools,
+`tool_choice`, `parallel_tool_calls` and `text.format` (json_object, json_schema) run through
+the chat path's machinery; input items may be messages, function calls, their outputs, and
+reasoning items (handed to the next assistant message as its reasoning).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from client.params import SamplingParams
 from frontend_svc.errors import bad_request
-from frontend_svc.protocol import ChatCompletionRequest, ChatMessage
+from frontend_svc.protocol import ChatCompletionRequest, chat_request
 
 # Input roles -> the chat template's: OpenAI ranks `developer` instructions as `system` ones,
 # and the templates we serve know only the latter.
@@ -27,9 +29,6 @@ _TEXT_PARTS = frozenset({"input_text", "output_text"})
 _MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status"})
 # Fields this frontend does not implement, with the values that ask for nothing of them.
 _NOOP_VALUES: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),  # with no tools, "auto" chooses none
-    "parallel_tool_calls": (False, True),  # without tools there is nothing to call at all
     "include": ([],),
     "background": (False,),
     "truncation": ("disabled",),
@@ -54,6 +53,9 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         """400 naming the first field asking for something this server does not do."""
@@ -67,12 +69,8 @@ class ResponsesRequest(BaseModel):
                 continue
             raise bad_request(f"{name} is not supported by this server", name)
         for key, value in (self.text or {}).items():
-            plain = key == "format" and (value is None or value == {"type": "text"})
-            if not plain and value is not None:
-                raise bad_request(
-                    f"text.{key} is not supported by this server (only plain text output)",
-                    f"text.{key}",
-                )
+            if key != "format" and value is not None:
+                raise bad_request(f"text.{key} is not supported by this server", f"text.{key}")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise bad_request(
                 f"max_output_tokens must be >= 1, got {self.max_output_tokens}",
@@ -85,7 +83,7 @@ class ResponsesRequest(BaseModel):
                 "metadata",
             )
 
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self) -> list[dict[str, Any]]:
         """The chat messages: `instructions` as a system message first, then the input."""
         out = (
             [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
@@ -94,20 +92,132 @@ class ResponsesRequest(BaseModel):
             return [*out, {"role": "user", "content": self.input}]
         if not self.input:
             raise bad_request("input must not be empty", "input")
+        reasoning: list[str] = []  # reasoning items waiting for their assistant message
         for i, item in enumerate(self.input):
-            out.append(_message(item, f"input[{i}]"))
+            where = f"input[{i}]"
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind in _ITEMS:
+                _ITEMS[kind](out, reasoning, _checked(item, kind, where))
+                continue
+            message = _message(item, where)
+            if message["role"] == "assistant" and reasoning:
+                message["reasoning_content"] = "\n".join(reasoning)
+                reasoning.clear()
+            out.append(message)
         return out
 
-    def to_params(self, max_model_len: int) -> SamplingParams:
-        # The chat path's own translation, so that the same input samples the same way there.
-        chat = ChatCompletionRequest(
-            messages=[ChatMessage(role="user", content="")],
+    def to_chat(self) -> ChatCompletionRequest:
+        """The chat request this one runs as, so that the same input samples the same way."""
+        return chat_request(
+            model=self.model,
+            messages=self.messages(),
             max_tokens=self.max_output_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             stream=self.stream,
+            tools=_chat_tools(self.tools),
+            tool_choice=_chat_tool_choice(self.tool_choice),
+            parallel_tool_calls=self.parallel_tool_calls,
+            response_format=_response_format((self.text or {}).get("format")),
         )
-        return chat.to_params(max_model_len)
+
+    def to_params(self, max_model_len: int) -> SamplingParams:
+        return self.to_chat().to_params(max_model_len)
+
+
+# Fields of the non-message input items, by type.
+_ITEM_KEYS = {
+    "function_call": ({"call_id", "name", "arguments"}, {"type", "id", "status"}),
+    "function_call_output": ({"call_id", "output"}, {"type", "id", "status"}),
+    "reasoning": (set(), {"type", "id", "summary", "content", "encrypted_content", "status"}),
+}
+
+
+def _checked(item: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
+    required, optional = _ITEM_KEYS[kind]
+    for key in item.keys() - required - optional:
+        raise bad_request(f"{where}.{key} is not supported by this server", f"{where}.{key}")
+    for key in required - item.keys():
+        raise bad_request(f"{where} ({kind}) needs {key}", f"{where}.{key}")
+    if item.get("encrypted_content"):
+        raise bad_request(
+            f"{where}.encrypted_content cannot be read by this server", f"{where}.encrypted_content"
+        )
+    return item
+
+
+def _function_call(out: list[dict[str, Any]], reasoning: list[str], item: dict[str, Any]) -> None:
+    # Calls in a row (after the assistant's text, if any) are one assistant message's calls.
+    call = {
+        "id": item["call_id"],
+        "type": "function",
+        "function": {"name": item["name"], "arguments": item["arguments"]},
+    }
+    if out and out[-1]["role"] == "assistant":
+        out[-1].setdefault("tool_calls", []).append(call)
+        return
+    message: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [call]}
+    if reasoning:
+        message["reasoning_content"] = "\n".join(reasoning)
+        reasoning.clear()
+    out.append(message)
+
+
+def _call_output(out: list[dict[str, Any]], _: list[str], item: dict[str, Any]) -> None:
+    output = item["output"]
+    if not isinstance(output, str):
+        raise bad_request("function_call_output.output must be a string", "input")
+    out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+
+
+def _reasoning(_: list[dict[str, Any]], reasoning: list[str], item: dict[str, Any]) -> None:
+    for part in item.get("content") or []:
+        if isinstance(part, dict) and isinstance(part.get("text"), str):
+            reasoning.append(part["text"])
+
+
+_ITEMS = {
+    "function_call": _function_call,
+    "function_call_output": _call_output,
+    "reasoning": _reasoning,
+}
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Function tools in the chat shape (the Responses API's are flat)."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise bad_request(
+                f"tools[{i}].type {str(tool.get('type'))[:32]!r} is not supported (only "
+                "function tools)",
+                f"tools[{i}].type",
+            )
+        function = {k: v for k, v in tool.items() if k != "type"}
+        out.append({"type": "function", "function": function})
+    return out or None
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad_request("tool_choice must be none, auto, required or a function", "tool_choice")
+
+
+def _response_format(fmt: Any) -> dict[str, Any] | None:
+    """text.format as chat's response_format."""
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object" and len(fmt) == 1:
+        return {"type": "json_object"}
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        spec = {k: v for k, v in fmt.items() if k != "type"}
+        return {"type": "json_schema", "json_schema": spec}
+    raise bad_request("text.format must be text, json_object or json_schema", "text.format")
 
 
 def _message(item: Any, where: str) -> dict[str, str]:

@@ -13,8 +13,10 @@ from client.params import SamplingParams
 from client.prompts import PromptInput
 from frontend_svc.errors import APIError
 from frontend_svc.generation import retrying
+from frontend_svc.reasoning import ReasoningParser, TagRefs, tag_refs
 from frontend_svc.serving import Run
 from frontend_svc.tool_calling.protocol import ToolConfig
+from frontend_svc.tool_calling.tag_grammar import special_markers
 
 # A scheduler that restarts should be reached again quickly, not after gRPC's default back-off
 # (which grows to two minutes).
@@ -35,8 +37,12 @@ class FrontendState:
         api_key: str | None = None,
         scheduler_tls_ca: str | None = None,
         tool_config: ToolConfig | None = None,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         self.scheduler_address = scheduler_address
+        self.reasoning = reasoning  # --reasoning-parser
+        self._reasoning_tags: TagRefs | None = None
+        self._special: dict[str, bool] = {}
         self.tool_config = tool_config or ToolConfig()
         self.served_model_name = served_model_name
         self.resume_timeout_s = resume_timeout_s
@@ -69,6 +75,27 @@ class FrontendState:
             except LLMServeError as e:
                 raise APIError.from_llmserve(e) from None
         return self._info
+
+    async def reasoning_tags(self) -> TagRefs:
+        """How a grammar names the served tokenizer's reasoning tags (asked once)."""
+        if self._reasoning_tags is None:
+            try:
+                self._reasoning_tags = await tag_refs(self.client)
+            except LLMServeError as e:
+                raise APIError.from_llmserve(e) from None
+        return self._reasoning_tags
+
+    async def special_markers(self, markers: list[str]) -> set[str]:
+        """Which of `markers` the served tokenizer has as special-looking tokens (asked once
+        per marker)."""
+        todo = [m for m in markers if m not in self._special]
+        if todo:
+            try:
+                found = await special_markers(self.client, todo)
+            except LLMServeError as e:
+                raise APIError.from_llmserve(e) from None
+            self._special.update({m: m in found for m in todo})
+        return {m for m in markers if self._special[m]}
 
     async def model_name(self) -> str:
         return self.served_model_name or (await self.info()).model

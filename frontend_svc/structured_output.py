@@ -15,14 +15,14 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from client.structured import StructuredOutput
 from frontend_svc.errors import APIError, bad_request
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str | None = None
     description: str | None = None
     schema_: Any = Field(default=None, alias="schema")
@@ -31,10 +31,18 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    # structural_tag's own fields (structures, triggers, format) travel as extras.
+    # structural_tag's own fields (structures, triggers, format) travel as extras; any other
+    # type has none.
     model_config = ConfigDict(extra="allow")
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _no_extras(self) -> ResponseFormat:
+        extra = sorted(self.model_extra or {})
+        if extra and self.type != "structural_tag":
+            raise ValueError(f"unknown field(s) for type {self.type!r}: {', '.join(extra)}")
+        return self
 
 
 class StructuredOutputsField(BaseModel):

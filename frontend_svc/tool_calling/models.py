@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -17,16 +17,18 @@ class FunctionDefinition(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
 class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     name: str
 
 
 class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     type: Literal["function"] = "function"
     function: FunctionName
 
@@ -35,7 +37,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     name: str
     arguments: str = ""
 
@@ -43,7 +45,7 @@ class FunctionCall(BaseModel):
 class ToolCall(BaseModel):
     """A call in an assistant message the client sends back."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall

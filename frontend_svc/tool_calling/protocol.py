@@ -15,10 +15,10 @@ from typing import Any
 
 from client.structured import StructuredOutput
 from frontend_svc.errors import bad_request
-from frontend_svc.tool_calling.models import NamedToolChoice, Tool, ToolChoice
+from frontend_svc.tool_calling.models import FunctionDefinition, NamedToolChoice, Tool, ToolChoice
 from frontend_svc.tool_calling.parsers import ToolParser, parser_class
 from frontend_svc.tool_calling.parsers.forced import CallListParser, NamedCallParser
-from frontend_svc.tool_calling.schema import call_list_schema, parameters_schema
+from frontend_svc.tool_calling.schema import call_list_schema, compact_json, parameters_schema
 
 
 @dataclass(slots=True)
@@ -66,7 +66,8 @@ def plan_tools(
             )
         parser = parser_class(config.tool_call_parser)()
         max_calls = 1 if parallel_tool_calls is False else None
-        return ToolPlan("auto", dumped, parser=parser, max_calls=max_calls)
+        constraint = _strict_calls([t.function for t in tools], parser)
+        return ToolPlan("auto", dumped, constraint, parser, max_calls)
     functions = [t.function for t in tools]
     if choice == "required":
         schema = call_list_schema(functions, parallel=parallel_tool_calls is not False)
@@ -80,3 +81,28 @@ def plan_tools(
     schema = parameters_schema(function)
     constraint = StructuredOutput("json_schema", json.dumps(schema, ensure_ascii=False))
     return ToolPlan("named", dumped, constraint, NamedCallParser(name))
+
+
+def _strict_calls(
+    functions: list[FunctionDefinition], parser: ToolParser
+) -> StructuredOutput | None:
+    """Under "auto", strict tools' arguments held to their schemas: a structural tag whose
+    trigger is the parser's start of a call, so text outside calls stays free. Once one tool is
+    strict every tool gets a structure (the others any JSON object), since a call of a tool
+    left out could not be written at all after the trigger."""
+    if not any(f.strict for f in functions):
+        return None
+    structures = []
+    for f in functions:
+        schema = parameters_schema(f) if f.strict else {"type": "object"}
+        schema = compact_json(schema)
+        structure = parser.call_structures(f.name, schema)
+        if structure is None:
+            raise bad_request(
+                f'strict tools under tool_choice "auto" are not supported with the '
+                f'{parser.name!r} tool call parser; use tool_choice "required" or a named tool',
+                "tools",
+            )
+        structures.append(structure)
+    tag = {"type": "structural_tag", "structures": structures, "triggers": [parser.trigger]}
+    return StructuredOutput("structural_tag", json.dumps(tag, ensure_ascii=False))

@@ -48,3 +48,12 @@ def call_list_schema(functions: list[FunctionDefinition], *, parallel: bool) -> 
     if defs:
         schema["$defs"] = defs
     return schema
+
+
+def compact_json(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` asking llguidance for compact JSON (", " and ": ", no free whitespace), as the
+    scheduler asks of a json_schema constraint, where a schema sits inside a grammar (a
+    structural tag, the reasoning grammar) and would otherwise let a model pad with whitespace
+    without end. A schema's own x-guidance options win."""
+    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return {"x-guidance": options, **schema}

@@ -14,7 +14,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import LLMClient, LLMServeError, SamplingParams
+from client import AbortOutcome, LLMClient, LLMServeError, SamplingParams
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.frontend import Frontend
 from tests.support.stack import make_stack
@@ -141,7 +141,7 @@ def test_an_abort_by_another_key_never_ends_the_request(secured):
     ):
         stream = alice.stream([5, 6, 7], long, request_id="contested")
         first = next(stream)
-        assert bob.abort("contested") is False  # nothing of bob's was active
+        assert bob.abort("contested") is AbortOutcome.PENDING  # nothing of bob's exists
         rest = list(stream)
         tokens = list(first.token_ids) + [t for d in rest for t in d.token_ids]
         assert len(tokens) == 300 and rest[-1].finish_reason == "length"
@@ -225,7 +225,7 @@ def test_per_key_limits_are_resource_exhausted_for_that_key_only(limited):
         assert "unfinished requests" in e.value.message
         (theirs,) = bob.generate([8, 9], SamplingParams(max_tokens=2), use_tqdm=False)
         assert theirs.outputs[0].token_ids
-        assert alice.abort("alice-long")
+        assert alice.abort("alice-long") is AbortOutcome.ABORTED
         for _ in stream:
             pass
         (again,) = alice.generate([8, 9], SamplingParams(max_tokens=2), use_tqdm=False)

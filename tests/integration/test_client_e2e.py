@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client import AsyncLLMClient, LLMClient, LLMServeError, SamplingParams
+from client import AbortOutcome, AsyncLLMClient, LLMClient, LLMServeError, SamplingParams
 
 stack = pytest.importorskip(
     "tests.support.stack", reason="tests/stack.py (llmserve_stack) not there yet"
@@ -100,10 +100,10 @@ def test_abort_and_get_request(client: LLMClient) -> None:
     stream = client.stream(prompt, long, request_id=request_id)
     first = next(stream)
     assert first.request_id == request_id
-    assert client.abort(request_id) is True
+    assert client.abort(request_id) is AbortOutcome.ABORTED
     rest = list(stream)
     assert rest and rest[-1].finish_reason == "abort"
-    assert client.abort(request_id) is False
+    assert client.abort(request_id) is AbortOutcome.FINISHED
     state = client.get_request(request_id)
     assert state.finished and state.prompt_token_ids == prompt
     assert state.outputs[0].finish_reason == "abort"

@@ -155,10 +155,12 @@ def test_accepted_fields_are_echoed(oai, model):
     ("extra", "param"),
     [
         ({"store": True}, "store"),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tool_choice": "required"}, "tool_choice"),  # without tools, as on chat
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"text": {"format": {"type": "grammar"}}}, "text.format"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
         ({"background": True}, "background"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
@@ -167,7 +169,8 @@ def test_accepted_fields_are_echoed(oai, model):
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"input": []}, "input"),
         ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
-        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].type"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        ({"input": [{"type": "file_search_call", "id": "x"}]}, "input[0].type"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input[0].content[0].type",

@@ -355,3 +355,105 @@ def test_auto_without_parallel_calls_reports_the_first(oai, model, vocab, stream
         for tc in chunk.choices[0].delta.tool_calls or []
     }
     assert indexes == {0}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_holds_a_strict_tools_arguments_to_its_schema(oai, model, stream):
+    """Under "auto" a strict tool's call is held to its parameters once the model starts it
+    (a structural tag on the parser's <tool_call>): the model, which writes Paris, can only
+    name Tokyo here. The non-strict tool beside it stays callable."""
+    strict = json.loads(json.dumps(WEATHER))
+    strict["function"]["strict"] = True
+    strict["function"]["parameters"]["properties"]["city"]["enum"] = ["Tokyo"]
+    # Greedy: past the forced arguments the model's logits are flat, and a sampled tail could
+    # start a second call that max_tokens cuts off (whose text the parser then gives back).
+    args = dict(model=model, messages=ASK, tools=[strict, TIME], max_tokens=48, temperature=0)
+    if not stream:
+        got = oai.chat.completions.create(**args)
+        assert calls_of(got.choices[0].message) == [
+            ("get_weather", {"city": "Tokyo", "unit": "celsius"})
+        ]
+        return
+    arguments = ""
+    for chunk in oai.chat.completions.create(**args, stream=True):
+        for call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            arguments += call.function.arguments or ""
+    assert json.loads(arguments) == {"city": "Tokyo", "unit": "celsius"}
+
+
+def test_a_strict_tool_under_auto_needs_a_parser_that_can_hold_it(llmserve_stack, tmp_path):
+    fe = Frontend.start(
+        tmp_path, llmserve_stack.address, "--enable-auto-tool-choice", "--tool-call-parser",
+        "llama3_json",
+    )  # fmt: skip
+    try:
+        fe.wait_healthy()
+        strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+        status, body = fe.request(
+            "POST", "/v1/chat/completions", {"messages": ASK, "tools": [strict], "max_tokens": 4}
+        )
+        assert status == 400 and body["error"]["param"] == "tools"
+        assert "llama3_json" in body["error"]["message"]
+    finally:
+        fe.stop()
+
+
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def test_responses_api_calls_tools_whole_and_streamed(oai, model):
+    """The Responses API reads calls as the chat route does: a function_call item after the
+    (empty) message; streamed, its events add up to the same item; the call's output goes
+    back as a function_call_output item."""
+    args = dict(model=model, input=ASK, tools=RESPONSES_TOOLS, max_output_tokens=48)
+    whole = oai.responses.create(**args)
+    assert [i.type for i in whole.output] == ["message", "function_call"]
+    call = whole.output[1]
+    assert (call.name, json.loads(call.arguments)) == (
+        "get_weather", {"city": "Paris", "unit": "celsius"},
+    )  # fmt: skip
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    events = list(oai.responses.create(**args, stream=True))
+    final = events[-1].response
+    assert [(i.type, getattr(i, "arguments", None)) for i in final.output] == [
+        (i.type, getattr(i, "arguments", None)) for i in whole.output
+    ]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == call.arguments
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.id for i in done] == [i.id for i in final.output]
+    assert done[1].call_id == final.output[1].call_id
+    back = [
+        *ASK,
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
+    ]  # fmt: skip
+    again = oai.responses.create(
+        model=model, input=back, tools=RESPONSES_TOOLS, max_output_tokens=48
+    )
+    chat = oai.chat.completions.create(
+        model=model, tools=TOOLS, max_tokens=48,
+        messages=[*ASK, {"role": "assistant", "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}],
+    )  # fmt: skip
+    assert again.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_responses_api_tool_choice_and_text_format(oai, model):
+    named = oai.responses.create(
+        model=model, input=ASK, tools=RESPONSES_TOOLS, max_output_tokens=64,
+        tool_choice={"type": "function", "name": "get_time"},
+    )  # fmt: skip
+    assert [(i.type, getattr(i, "name", None)) for i in named.output] == [
+        ("message", None), ("function_call", "get_time"),
+    ]  # fmt: skip
+    assert json.loads(named.output[1].arguments)["zone"] in ("Asia/Tokyo", "UTC")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "name": "ok", "schema": schema, "strict": True}
+    got = oai.responses.create(model=model, input=ASK, text={"format": fmt}, max_output_tokens=64)
+    assert set(json.loads(got.output_text)) == {"ok"}
+    assert got.text.format.type == "json_schema"

@@ -178,7 +178,7 @@ def test_the_command_lines_settings_reach_the_workers(tmp_path: Path) -> None:
     """--load-format dummy on a checkpoint without weights: rank 1 loads it only if rank 0
     handed it the flag (as a RuntimeFlags on its command line; nothing is written into the
     environment it inherits, and the variable is not set here)."""
-    from executor_svc.tools.demo_model import build_demo_model
+    from executor_svc.demo.demo_model import build_demo_model
 
     model_dir = build_demo_model(tmp_path / "shape", size="tiny", weights=False)
     assert not list(model_dir.glob("*.safetensors"))

@@ -1,5 +1,6 @@
-"""A tiny Llama checkpoint that writes known texts: tool calls in the Hermes format, for
-testing the frontend's tool-call path end to end with a real model behind it.
+"""A tiny Llama checkpoint that writes known texts: tool calls in the Hermes format, and
+reasoning in `<think>` tags, for testing the frontend's tool-call and reasoning paths end to
+end with a real model behind it.
 
 Its tokenizer is byte-level with no merges, plus one added token per piece of each script
 below. The weights make the model a bigram machine: every layer adds nothing to the residual
@@ -13,7 +14,9 @@ the script's next piece wherever else it appears.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -21,6 +24,8 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from executor_svc.demo.demo_model import COMMON_CONFIG, _write_config, make_weights
+from scheduler_svc.local.redis_server import RedisServer
+from tests.support.stack import Stack
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
@@ -40,6 +45,10 @@ SCRIPTS: dict[str, list[str]] = {
         "\n</tool_call>",
     ],
     "plain_text": ["The weather", " is nice today."],
+    # Reasoning (`<think>` is one token, as in Qwen3's tokenizer): the tags also split across
+    # pieces, so a stream splits them.
+    "think_then_answer": ["<thi", "nk>\nA greeting", "; say hi.\n</", "think>\n\nHello", " there!"],
+    "think_then_json": ["<think>", "Which city? Paris.", "</think>", '\n\n{"city": ', '"Paris"}'],
 }
 DEFAULT_SCRIPT = "single_call"
 
@@ -154,3 +163,31 @@ def _script_weights(weights: dict[str, torch.Tensor], tok: Tokenizer, eos: int) 
         head[chain[0]] += (1.0 if name == DEFAULT_SCRIPT else 0.5) * _MARGIN * unit[newline]
         for a, b in zip(chain, chain[1:], strict=False):
             head[b] += _MARGIN * unit[a]
+
+
+@contextlib.contextmanager
+def tool_stack(tmp: Path) -> Iterator[Stack]:
+    """Redis, an executor and a scheduler serving the tool model built under `tmp`."""
+    redis = RedisServer(data_dir=tmp / "redis")
+    redis.start()
+    stack = Stack(
+        workdir=tmp,
+        model_dir=build_tool_model(tmp / "model"),
+        redis=redis,
+        executor_args=["--num-device-blocks", "512", "--swap-space", "0.05"],
+    )
+    try:
+        stack.start_executor()
+        stack.start_scheduler()
+        yield stack
+    except BaseException:
+        print(stack.logs())
+        raise
+    finally:
+        stack.stop()
+        redis.close()
+
+
+def script_bias(tok: Tokenizer, name: str) -> dict[str, float]:
+    """The logit_bias (OpenAI's shape) that makes the model write SCRIPTS[name]."""
+    return {str(tok.token_to_id(SCRIPTS[name][0])): SCRIPT_BIAS}

@@ -14,6 +14,7 @@ from frontend_svc.errors import APIError
 from frontend_svc.logprobs import best_candidates
 from frontend_svc.responses_api import ResponseEvents, ResponseOutput
 from frontend_svc.responses_protocol import ResponsesRequest
+from frontend_svc.tool_calling.protocol import ToolConfig
 
 
 def make_request(**fields) -> ResponsesRequest:
@@ -77,7 +78,6 @@ def test_fields_asking_for_nothing_are_accepted(fields):
     ("fields", "param"),
     [
         ({"store": True}, "store"),
-        ({"tool_choice": "required"}, "tool_choice"),
         ({"text": {"verbosity": "low"}}, "text.verbosity"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ],
@@ -127,11 +127,48 @@ def test_finish_reasons_map_to_response_statuses(finish_reason, status, message_
     events.sequence_number = 5  # the opening events were sent
     sent = asyncio.run(events.of(None, None))
     assert sent[-1].startswith(f"event: {last_event}\n")
+    # No text came: the end opens and closes the (empty) message item before the last event.
+    assert len(sent) == 6 and "response.output_item.added" in sent[0]
     # A scheduler error mid-stream is an `error` event, numbered after the others.
     (err,) = events.error(APIError(503, "no executor", type="service_unavailable"))
     name, data = err.strip().split("\n")
     assert name == "event: error"
     assert json.loads(data.removeprefix("data: ")) == {
-        "type": "error", "sequence_number": 9, "code": "503", "message": "no executor",
+        "type": "error", "sequence_number": 5 + len(sent), "code": "503", "message": "no executor",
         "param": None,
     }  # fmt: skip
+
+
+def test_tools_tool_choice_and_text_format_become_the_chat_requests():
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}
+    fmt = {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": True}
+    chat = make_request(
+        tools=[tool], tool_choice={"type": "function", "name": "f"}, parallel_tool_calls=False,
+        text={"format": fmt},
+    ).to_chat()  # fmt: skip
+    assert chat.tools[0].function.name == "f" and chat.tools[0].function.strict is True
+    assert chat.tool_choice.function.name == "f" and chat.parallel_tool_calls is False
+    assert chat.response_format.json_schema.schema_ == {"type": "object"}
+    with pytest.raises(APIError) as e:  # tool_choice without tools, as on the chat route
+        make_request(tool_choice="required").to_chat().plan(ToolConfig())
+    assert e.value.param == "tool_choice"
+
+
+def test_function_calls_their_outputs_and_reasoning_items_become_messages():
+    req = make_request(
+        input=[
+            {"role": "user", "content": "Weather?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [],
+             "content": [{"type": "reasoning_text", "text": "Look it up."}]},
+            {"type": "function_call", "call_id": "call_1", "name": "w", "arguments": "{}"},
+            {"type": "function_call", "call_id": "call_2", "name": "t", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        ]
+    )  # fmt: skip
+    call = {"type": "function", "function": {"name": "w", "arguments": "{}"}, "id": "call_1"}
+    assert req.messages() == [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Look it up.",
+         "tool_calls": [call, {**call, "id": "call_2", "function": {"name": "t", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 @dataclass(slots=True)
@@ -35,10 +35,21 @@ class ToolParser(ABC):
     # Special tokens a format needs to see in the text (e.g. Hermes' <tool_call>, which some
     # tokenizers mark special): False makes the request keep them (skip_special_tokens=False).
     skip_special_tokens: ClassVar[bool | None] = None
+    # Where a call starts and ends (what `call_structures` begins and ends with), for formats
+    # that have markers: "" otherwise.
+    trigger: ClassVar[str] = ""
+    end_marker: ClassVar[str] = ""
 
     @abstractmethod
     def scan(self, text: str, final: bool) -> Scan:
         """What `text` (the output so far, or all of it when `final`) certainly holds."""
+
+    def call_structures(self, name: str, schema: dict[str, Any]) -> dict[str, Any] | None:
+        """How a call of `name` is written, as a structural tag's structure (`begin`, `schema`,
+        `end`) whose `begin` starts with `trigger`: what lets tool_choice "auto" hold strict
+        tools' arguments to their schemas. None: this format cannot be (strict tools under
+        "auto" are then refused)."""
+        return None
 
 
 def hold_back(text: str, marker: str) -> str:

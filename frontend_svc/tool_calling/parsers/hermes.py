@@ -4,6 +4,9 @@ calls is dropped. The last call may lack its closing tag (the model stopped righ
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from frontend_svc.tool_calling.parsers import register_tool_parser
 from frontend_svc.tool_calling.parsers.base import Scan, ToolParser, hold_back
 from frontend_svc.tool_calling.parsers.json_scan import Malformed, scan_call, skip_ws, valid_call
@@ -15,6 +18,12 @@ _ARG_KEYS = ("arguments", "parameters")
 @register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
     skip_special_tokens = False  # Qwen's tokenizers mark <tool_call> special
+    trigger, end_marker = START, END
+
+    def call_structures(self, name: str, schema: dict[str, Any]) -> dict[str, Any] | None:
+        # The spacing the Hermes templates write (and the scheduler's compact JSON keeps).
+        begin = f'{START}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+        return {"begin": begin, "schema": schema, "end": f"}}\n{END}"}
 
     def scan(self, text: str, final: bool) -> Scan:
         first = text.find(START)
