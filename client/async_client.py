@@ -293,11 +293,14 @@ class AsyncLLMClient:
         detached: bool = False,
         priority: int = 0,
         lora_adapter: str = "",
+        timeout_s: float | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Start (or attach to, when `request_id` is active) a request and yield its deltas.
 
         Leaving the iteration early aborts the request unless `detached` is set.
         `lora_adapter`: the name of a loaded LoRA adapter ("" = the base model).
+        `timeout_s`: its deadline, in seconds from arrival: still waiting then, the stream
+        raises DEADLINE_EXCEEDED; running, it finishes with finish_reason "deadline".
         """
         req = build_request(
             to_prompt(prompt),
@@ -306,6 +309,7 @@ class AsyncLLMClient:
             priority=priority,
             detached=detached,
             lora_adapter=lora_adapter,
+            timeout_s=timeout_s,
         )
         call = self._get_stub().Generate(req, timeout=self.stream_timeout)
         return self._iterate(call, request_id)

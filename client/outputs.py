@@ -17,6 +17,7 @@ _FINISH_REASONS: dict[int, str | None] = {
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
     pb.FINISH_REASON_ERROR: "error",
+    pb.FINISH_REASON_DEADLINE: "deadline",
 }
 _STATUSES: dict[int, str] = {
     pb.REQUEST_STATUS_UNSPECIFIED: "unspecified",
@@ -122,7 +123,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None
+    finish_reason: str | None = None  # "stop", "length", "abort", "error", "deadline" or None
     stop_reason: str | None = None  # the stop string or stop token id that ended it
 
     @property

@@ -140,6 +140,7 @@ def build_request(
     priority: int = 0,
     detached: bool = False,
     lora_adapter: str = "",
+    timeout_s: float | None = None,
 ) -> pb.GenerateRequest:
     req = pb.GenerateRequest(
         request_id=request_id or "",
@@ -147,6 +148,7 @@ def build_request(
         priority=priority,
         detached=detached,
         lora_adapter=lora_adapter,
+        timeout_s=timeout_s,
     )
     if isinstance(prompt, str):
         req.text = prompt

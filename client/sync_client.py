@@ -139,6 +139,7 @@ class LLMClient:
         detached: bool = False,
         priority: int = 0,
         lora_adapter: str = "",
+        timeout_s: float | None = None,
     ) -> Iterator[StreamDelta]:
         async def start() -> AsyncIterator[StreamDelta]:
             # The gRPC call must be created on the client's loop.
@@ -149,6 +150,7 @@ class LLMClient:
                 detached=detached,
                 priority=priority,
                 lora_adapter=lora_adapter,
+                timeout_s=timeout_s,
             )
 
         return self._iterate(self._run(start()))

@@ -29,7 +29,14 @@ from frontend_svc.errors import APIError
 from frontend_svc.generation import retrying
 from frontend_svc.protocol import ChatCompletionRequest
 from frontend_svc.reasoning import ReasoningStream
-from frontend_svc.serving import Run, collect, request_id_from, start, stream_response
+from frontend_svc.serving import (
+    Run,
+    collect,
+    request_id_from,
+    request_timeout,
+    start,
+    stream_response,
+)
 from frontend_svc.state import FrontendState
 from frontend_svc.tool_calling.protocol import ToolPlan
 from frontend_svc.tool_calling.stream import ToolCallStream, extract
@@ -81,8 +88,9 @@ class MessageAnswer:
         chat = body.to_chat()
         lora, plan, params = await prepare(chat, state)
         run = state.start_run(
-            request_id_from(request), [chat.chat(plan)], params, 0, caller_key(request), lora
-        )
+            request_id_from(request), [chat.chat(plan)], params, 0, caller_key(request), lora,
+            timeout_s=request_timeout(request, body.timeout),
+        )  # fmt: skip
         answer = cls(body, chat, state, run)
         answer.plan = plan
         if plan.parser is not None:

@@ -133,6 +133,7 @@ class MessagesRequest(_Conversation):
     stream: bool = False
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
+    timeout: float | None = None  # ours: seconds, as on chat (protocol.py)
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat request this one runs as."""

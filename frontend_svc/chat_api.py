@@ -23,7 +23,7 @@ from frontend_svc.errors import APIError
 from frontend_svc.logprobs import chat_logprobs, prompt_logprobs, usage
 from frontend_svc.protocol import ChatCompletionRequest
 from frontend_svc.reasoning import ReasoningStream, after_reasoning
-from frontend_svc.serving import Run, request_id_from, respond, sse
+from frontend_svc.serving import Run, request_id_from, request_timeout, respond, sse
 from frontend_svc.serving import token_texts as _token_texts
 from frontend_svc.state import FrontendState
 from frontend_svc.structured_output import name_param
@@ -96,8 +96,9 @@ class ChatAnswer:
         lora, plan, params = await prepare(body, state)
         base = request_id_from(request)
         run = state.start_run(
-            base, [body.chat(plan)], params, body.priority, caller_key(request), lora
-        )
+            base, [body.chat(plan)], params, body.priority, caller_key(request), lora,
+            timeout_s=request_timeout(request, body.timeout),
+        )  # fmt: skip
         return cls(body, state, run, params.n, lora or await state.model_name(), base, plan)
 
     def error(self, e: LLMServeError | APIError) -> APIError:

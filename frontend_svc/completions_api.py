@@ -28,7 +28,7 @@ from frontend_svc.logprobs import (
     usage,
 )
 from frontend_svc.protocol import CompletionRequest
-from frontend_svc.serving import Run, request_id_from, respond, sse
+from frontend_svc.serving import Run, request_id_from, request_timeout, respond, sse
 from frontend_svc.serving import token_texts as _token_texts
 from frontend_svc.state import FrontendState
 from frontend_svc.structured_output import name_param
@@ -79,7 +79,9 @@ class CompletionAnswer:
         prompts = [to_prompt(p) for p in body.prompts()]
         base = request_id_from(request)
         params = body.to_params()
-        run = state.start_run(base, prompts, params, body.priority, caller_key(request), lora)
+        timeout_s = request_timeout(request, body.timeout)
+        run = state.start_run(base, prompts, params, body.priority, caller_key(request), lora,
+                              timeout_s=timeout_s)  # fmt: skip
         model = lora or await state.model_name()
         echo = [await state.prompt_text(p) if body.echo else "" for p in prompts]
         toks = []

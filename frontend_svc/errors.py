@@ -20,7 +20,8 @@ _BY_GRPC: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    # The request's deadline passed before it produced anything (its `timeout`).
+    grpc.StatusCode.DEADLINE_EXCEEDED: (408, "timeout"),
 }
 
 
@@ -30,6 +31,7 @@ _ANTHROPIC_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",

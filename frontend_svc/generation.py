@@ -72,9 +72,11 @@ class ResilientStream:
         priority: int = 0,
         resume_timeout_s: float = 60.0,
         lora_adapter: str = "",
+        timeout_s: float | None = None,
     ) -> None:
         self.client = client
         self.lora_adapter = lora_adapter
+        self.timeout_s = timeout_s
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -102,6 +104,7 @@ class ResilientStream:
                     priority=self.priority,
                     detached=True,
                     lora_adapter=self.lora_adapter,
+                    timeout_s=self.timeout_s,
                 )
             try:
                 async for delta in source:
@@ -115,6 +118,10 @@ class ResilientStream:
                     self.forwarded[i] = delta.token_offset + len(delta.token_ids)
                     if delta.finished:
                         self.finished[i] = True
+                    if delta.finish_reason == "deadline":
+                        # Cut short by its deadline: to OpenAI's and Anthropic's clients that
+                        # is a truncated output, "length" ("max_tokens"); docs/openai.md.
+                        delta.finish_reason = "length"
                     yield delta
                 if not all(self.finished):
                     raise LLMServeError(grpc.StatusCode.UNAVAILABLE, "stream ended early")

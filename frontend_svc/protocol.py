@@ -67,6 +67,9 @@ class _Common(StructuredFields):
     include_stop_str_in_output: bool = False
     priority: int = 0
     prompt_logprobs: int | None = None
+    # Seconds the request may take from arrival (serving.request_timeout; the scheduler's
+    # engine/deadlines.py): waiting past it is a 408, running past it finishes as "length".
+    timeout: float | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.prompt_logprobs is not None and self.stream:

@@ -27,7 +27,14 @@ from frontend_svc.protocol import ChatCompletionRequest
 from frontend_svc.reasoning import ReasoningParser
 from frontend_svc.responses_items import ItemStream, whole_items
 from frontend_svc.responses_protocol import ResponsesRequest
-from frontend_svc.serving import Run, collect, request_id_from, start, stream_response
+from frontend_svc.serving import (
+    Run,
+    collect,
+    request_id_from,
+    request_timeout,
+    start,
+    stream_response,
+)
 from frontend_svc.state import FrontendState
 from frontend_svc.structured_output import name_param
 from frontend_svc.tool_calling.protocol import ToolPlan
@@ -194,7 +201,9 @@ async def create_response(body: ResponsesRequest, request: Request):
     chat = body.to_chat()
     lora, plan, params = await prepare(chat, state)
     base = request_id_from(request)
-    run = state.start_run(base, [chat.chat(plan)], params, 0, caller_key(request), lora)
+    timeout_s = request_timeout(request, body.timeout)
+    run = state.start_run(base, [chat.chat(plan)], params, 0, caller_key(request), lora,
+                          timeout_s=timeout_s)  # fmt: skip
     out = ResponseOutput(
         body, params, run, f"resp_{base}", f"msg_{base}", model=await state.model_name(),
         plan=plan, reasoning=state.reasoning,

@@ -56,6 +56,7 @@ class ResponsesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    timeout: float | None = None  # seconds; as on chat (protocol.py)
 
     def check_supported(self) -> None:
         """400 naming the first field asking for something this server does not do."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from client.errors import LLMServeError
 from client.outputs import StreamDelta
 from client.params import SamplingParams
 from client.prompts import PromptInput
-from frontend_svc.errors import APIError
+from frontend_svc.errors import APIError, bad_request
 from frontend_svc.generation import ResilientStream, retrying
 
 log = structlog.get_logger(__name__)
@@ -29,6 +30,8 @@ _background: set[asyncio.Task] = set()
 
 # An id a client may choose (X-Request-Id / Idempotency-Key): printable, bounded.
 MAX_ID_LEN = 200
+# The scheduler's bound on a timeout (scheduler_svc/engine/deadlines.py: a week).
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def request_id_from(request: Request) -> str:
@@ -36,6 +39,32 @@ def request_id_from(request: Request) -> str:
     if rid and len(rid) <= MAX_ID_LEN and rid.isprintable():
         return rid
     return uuid.uuid4().hex
+
+
+def request_timeout(request: Request, body_timeout: float | None) -> float | None:
+    """The request's deadline in seconds from arrival: the shorter of the body's `timeout` and
+    the X-Request-Timeout header (None: neither; the scheduler's --request-timeout may apply)."""
+    given = [_checked_timeout(body_timeout, "timeout")] if body_timeout is not None else []
+    header = request.headers.get("x-request-timeout")
+    if header is not None:
+        try:
+            value = float(header)
+        except ValueError:
+            raise bad_request(
+                f"X-Request-Timeout must be a number of seconds, got {header[:32]!r}",
+                "X-Request-Timeout",
+            ) from None
+        given.append(_checked_timeout(value, "X-Request-Timeout"))
+    return min(given) if given else None
+
+
+def _checked_timeout(value: float, what: str) -> float:
+    # The scheduler checks it too (INVALID_ARGUMENT); here the 400 can name the field.
+    if not math.isfinite(value) or value <= 0 or value > MAX_TIMEOUT_S:
+        raise bad_request(
+            f"{what} must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {value}", what
+        )
+    return value
 
 
 @dataclass
@@ -56,6 +85,7 @@ class Run:
         priority: int,
         resume_timeout_s: float,
         lora_adapter: str = "",
+        timeout_s: float | None = None,
     ) -> Run:
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         streams = [
@@ -67,6 +97,7 @@ class Run:
                 priority=priority,
                 resume_timeout_s=resume_timeout_s,
                 lora_adapter=lora_adapter,
+                timeout_s=timeout_s,
             )  # fmt: skip
             for rid, p in zip(ids, prompts, strict=True)
         ]

@@ -169,6 +169,7 @@ class FrontendState:
         priority: int,
         api_key: str | None = None,
         lora_adapter: str = "",
+        timeout_s: float | None = None,
     ) -> Run:
         return Run.start(
             self.client_for(api_key),
@@ -178,6 +179,7 @@ class FrontendState:
             priority=priority,
             resume_timeout_s=self.resume_timeout_s,
             lora_adapter=lora_adapter,
+            timeout_s=timeout_s,
         )
 
     async def close(self) -> None:

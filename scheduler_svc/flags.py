@@ -9,6 +9,7 @@ from pathlib import Path
 
 from scheduler_svc import envs
 from scheduler_svc.core.spec_decode import SpeculativeConfig
+from scheduler_svc.engine.deadlines import check_timeout
 from scheduler_svc.engine.fleet.routing import ROUTING_POLICIES
 from scheduler_svc.state.connect import parse_sentinels
 
@@ -89,6 +90,14 @@ def _scheduling_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-waiting", type=int, default=4096, help="waiting queue cap")
+    g.add_argument(
+        "--request-timeout",
+        type=_timeout,
+        default=None,
+        help="seconds from arrival after which a request ends (waiting: DEADLINE_EXCEEDED; "
+        "running: finished with the tokens so far); a request's own shorter timeout wins "
+        "(default: none)",
+    )
     g.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
     g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -273,4 +282,11 @@ def _speculative_config(text: str) -> SpeculativeConfig:
     try:
         return SpeculativeConfig.from_json(text)
     except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _timeout(text: str) -> float:
+    try:
+        return check_timeout(float(text), "--request-timeout")
+    except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None

@@ -90,6 +90,7 @@ def engine_config(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         max_logprobs=args.max_logprobs,
         finished_ttl_s=args.finished_ttl,
         abort_ahead_ttl_s=args.abort_ahead_ttl,
+        request_timeout_s=args.request_timeout,
         max_backlog_steps=args.max_backlog_steps,
         executor_failover_s=args.executor_failover,
         health_interval_s=args.health_interval,

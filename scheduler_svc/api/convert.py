@@ -13,6 +13,7 @@ from protos import scheduler_pb2 as pb
 from scheduler_svc.core.request import FinishReason, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams, ValidationError
 from scheduler_svc.engine.config import GenerateInput, ServerInfo, public_id
+from scheduler_svc.engine.deadlines import check_timeout
 from scheduler_svc.output.tokenizer import Conversation
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ _FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+    FinishReason.DEADLINE: pb.FINISH_REASON_DEADLINE,
 }
 _STATUS = {
     RequestStatus.WAITING: pb.REQUEST_STATUS_WAITING,
@@ -82,6 +84,8 @@ def generate_input_from_proto(r: pb.GenerateRequest) -> GenerateInput:
     inp = GenerateInput(
         req_id=r.request_id, params=params, priority=r.priority, lora_adapter=r.lora_adapter
     )
+    if r.HasField("timeout_s"):
+        inp.timeouts = (check_timeout(r.timeout_s),)
     if kind == "text":
         inp.text = r.text
     elif kind == "token_ids":

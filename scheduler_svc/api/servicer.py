@@ -22,9 +22,10 @@ from scheduler_svc.api import convert, embed
 from scheduler_svc.api.auth import bearer_token, key_name
 from scheduler_svc.api.rpc_guard import Malformed, RateLimitedLog, reject_malformed
 from scheduler_svc.core.errors import EngineError, NotFound, QueueFull, Unavailable, ValidationError
+from scheduler_svc.core.request import FinishReason
 from scheduler_svc.engine.client import EngineClient
-from scheduler_svc.engine.config import AbortOutcome, scoped_id
-from scheduler_svc.engine.streams import RequestHandle
+from scheduler_svc.engine.config import AbortOutcome, public_id, scoped_id
+from scheduler_svc.engine.streams import EngineEvent, RequestHandle
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +74,16 @@ def _rpc(empty: Callable[[], T | None]) -> Callable[[Method[T]], Method[T | None
     return wrap
 
 
+def _deadline_before_output(event: EngineEvent) -> bool:
+    """A sequence ended by its deadline with no token: the call ends DEADLINE_EXCEEDED (a
+    request that got further finishes normally, FINISH_REASON_DEADLINE)."""
+    return (
+        event.finish_reason == FinishReason.DEADLINE
+        and not event.token_offset
+        and not event.token_ids
+    )
+
+
 def _nothing() -> None:
     return None
 
@@ -119,6 +130,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> tuple[RequestHandle, bool]:
         inp = convert.generate_input_from_proto(request)
         inp.owner = self._owner(context)
+        remaining = context.time_remaining()
+        if remaining is not None and not request.detached:
+            # The call's own deadline ends the call anyway (and so, attached, the request):
+            # as a request deadline it ends cleanly, and is stored (engine/deadlines.py).
+            inp.timeouts += (max(0.0, remaining),)
         return await self.engine.submit(inp)
 
     async def Resume(
@@ -157,6 +173,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         finished_normally = False
         try:
             async for event in handle.events(from_index):
+                if _deadline_before_output(event):
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"request {public_id(handle.req_id)!r} passed its deadline before it "
+                        "produced a token",
+                    )
                 yield convert.event_to_proto(handle, event)
             finished_normally = True
         except EngineError as e:

@@ -24,6 +24,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    FINISHED_DEADLINE = 7  # its deadline passed while it ran (engine/deadlines.py)
 
     @staticmethod
     def is_finished(status: int) -> bool:
@@ -39,6 +40,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+    DEADLINE = "deadline"
 
 
 _FINISH_REASONS = {
@@ -46,6 +48,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_DEADLINE: FinishReason.DEADLINE,
 }
 
 

@@ -75,6 +75,9 @@ class EngineConfig:
     finished_ttl_s: float = 3600.0
     # How long an abort of an id not known yet waits in Redis for its Generate (engine/aborts.py).
     abort_ahead_ttl_s: float = 60.0
+    # Deadline of every request that gives none shorter, in seconds from arrival; None = off
+    # (engine/deadlines.py).
+    request_timeout_s: float | None = None
     max_backlog_steps: int = 1024
     step_timeout_s: float = 120.0
     # Plan and send the next decode step while the executor runs the current one (see
@@ -144,6 +147,9 @@ class GenerateInput:
     priority: int = 0
     owner: str = ""  # the API key's name when keys are on: ids are scoped to it (scoped_id)
     lora_adapter: str = ""  # a loaded LoRA adapter's name; "" = the base model
+    # Seconds from arrival it may take: its own timeout and its call's remaining gRPC deadline
+    # (each checked, None = not given); the engine applies the earliest (engine/deadlines.py).
+    timeouts: tuple[float | None, ...] = ()
 
 
 @dataclass(slots=True)

@@ -83,6 +83,8 @@ class EngineMetrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.success: dict[str, int] = {}
+        # Requests ended by their deadline, by where they were then ("waiting", "running").
+        self.deadline_exceeded: dict[str, int] = {}
         self.recovered = 0
         self.failovers = 0
         self.ttft = BulkHistogram(TTFT_BUCKETS)
@@ -171,14 +173,11 @@ class EngineMetrics:
                        self.prompt_tokens)  # fmt: skip
         yield _counter(model, "llmserve:generation_tokens", "Generated tokens.",
                        self.generation_tokens)  # fmt: skip
-        success = CounterMetricFamily(
-            "llmserve:request_success",
-            "Finished requests, by finish reason.",
-            labels=["model_name", "finished_reason"],
-        )
-        for reason, count in sorted(self.success.items()):
-            success.add_metric([model, reason], count)
-        yield success
+        yield _by_label(model, "llmserve:request_success", "Finished requests, by finish "
+                        "reason.", "finished_reason", self.success)  # fmt: skip
+        yield _by_label(model, "llmserve:request_deadline_exceeded", "Requests ended by their "
+                        "deadline, by whether they had been scheduled.", "phase",
+                        self.deadline_exceeded)  # fmt: skip
         for hist, name, doc in (
             (self.ttft, "time_to_first_token_seconds", "Time to first token."),
             (self.itl, "inter_token_latency_seconds", "Time between consecutive tokens."),
@@ -262,6 +261,15 @@ def _gauge(model: str, name: str, doc: str, value: float) -> GaugeMetricFamily:
     fam = GaugeMetricFamily(name, doc, labels=["model_name"])
     fam.add_metric([model], value)
     return fam
+
+
+def _by_label(
+    model: str, name: str, doc: str, label: str, counts: dict[str, int]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=["model_name", label])
+    for value, count in sorted(counts.items()):
+        family.add_metric([model, value], count)
+    return family
 
 
 def _counter(model: str, name: str, doc: str, value: float) -> CounterMetricFamily:

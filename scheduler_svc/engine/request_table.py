@@ -8,7 +8,7 @@ then it must stay resumable from memory. Only this table adds and drops entries.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import structlog
 
@@ -29,6 +29,8 @@ class RequestTable:
         self.usage = usage
         self.metrics = metrics
         self._requests: dict[str, RequestHandle] = {}  # active (unfinished or unacknowledged)
+        # Called with every request added, admitted or recovered (e.g. engine/deadlines.py).
+        self.on_add: list[Callable[[RequestHandle], None]] = []
 
     @property
     def handles(self) -> Mapping[str, RequestHandle]:
@@ -53,6 +55,8 @@ class RequestTable:
 
     def add(self, handle: RequestHandle) -> None:
         self._requests[handle.req_id] = handle
+        for hook in self.on_add:
+            hook(handle)
 
     def started(self, new_seqs: Iterable[NewSeqData], now: float) -> None:
         """Sequences sent in full: first scheduled, or again after a preemption. A request's

@@ -27,6 +27,7 @@ from scheduler_svc.engine.config import (
     public_id,
     scoped_id,
 )
+from scheduler_svc.engine.deadlines import request_deadline
 from scheduler_svc.engine.embeds import EmbedInput, EmbedRequests, EmbedResult
 from scheduler_svc.engine.faults.lifecycle import Lifecycle
 from scheduler_svc.engine.fleet.executors import ExecutorPool
@@ -108,6 +109,7 @@ class RequestFront:
         handle = RequestHandle(
             req_id, prompt, inp.params, inp.priority, arrival_time=time.time(), lora=lora
         )
+        handle.deadline = request_deadline(handle.arrival_time, inp, self.config)
         # Held until the handle is registered: an abort of this id waits for that rather than
         # finding neither a handle nor a stored request (engine/aborts.py).
         with self.aborts.creating.hold(req_id):
@@ -135,6 +137,7 @@ class RequestFront:
             arrival_time=handle.arrival_time,
             n=handle.params.n,
             lora=stored_lora(handle.lora),
+            deadline=handle.deadline,
         )
         try:
             return await self.store.create(record)

@@ -18,6 +18,7 @@ from protos import executor_pb2 as epb
 from scheduler_svc import failpoints
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.engine.deadlines import Deadlines
 from scheduler_svc.engine.faults.faults import Faults
 from scheduler_svc.engine.faults.lifecycle import Lifecycle
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle, Sent
@@ -69,6 +70,8 @@ class StepLoop:
         # Structured outputs: each step's token masks, and ending a sequence whose grammar is
         # complete (scheduler_svc/grammar).
         self.structured = structured
+        # Ends requests past their deadline once per step (engine/deadlines.py).
+        self.deadlines = Deadlines(table, persister, metrics)
         # A step's embedding vectors go here (engine/embeds.py: EmbedRequests.on_pooled).
         self.on_pooled: Callable[[ExecutorHandle, list[epb.PooledOutput]], None] = _no_pooling
         # Chosen once: True from a step means there was nothing to do.
@@ -88,6 +91,7 @@ class StepLoop:
                 continue
             ex.wake.clear()
             async with ex.lock:
+                self.deadlines.expire(ex)
                 idle = await self.step(ex)
             if idle:
                 self.persister.kick()
@@ -163,6 +167,7 @@ class StepLoop:
             and not ex.draining
             and ex.num_lock_waiters == 0
             and not self.persister.over_backlog
+            and not self.deadlines.due()
         )
 
     def _send(self, ex: ExecutorHandle, out: SchedulerOutput, after_step_id: int) -> Sent:

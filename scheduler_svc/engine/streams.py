@@ -142,6 +142,7 @@ class RequestHandle:
         self.params = params
         self.priority = priority
         self.arrival_time = arrival_time
+        self.deadline = 0.0  # absolute time it ends by, 0.0 = none (engine/deadlines.py)
         self.n = params.n
         self.executor: Any = None
         self.states: list[SequenceOutputState] = []
@@ -167,7 +168,9 @@ class RequestHandle:
     @classmethod
     def from_stored(cls, rec: StoredRequest, params: SamplingParams) -> RequestHandle:
         lora = LoraRef(*rec.lora) if rec.lora else None
-        return cls(rec.req_id, rec.prompt_token_ids, params, rec.priority, rec.arrival_time, lora)
+        handle = cls(rec.req_id, rec.prompt_token_ids, params, rec.priority, rec.arrival_time, lora)
+        handle.deadline = rec.deadline  # the original one: a restart never extends it
+        return handle
 
     def init_outputs(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int) -> None:
         self.states = [

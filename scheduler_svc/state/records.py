@@ -49,6 +49,9 @@ class StoredRequest:
     error: str = ""
     prompt_logprobs: list[Any] | None = None  # JSON entries, prompt positions 1.. (if asked)
     lora: list[str] | None = None  # [name, path] of its LoRA adapter; None: the base model
+    # Absolute (epoch seconds) time it ends by, 0.0 = none; stored so that a recovered request
+    # keeps the deadline it arrived with (engine/deadlines.py).
+    deadline: float = 0.0
 
 
 @dataclass(slots=True)
@@ -96,4 +99,5 @@ def decode_record(req_id: str, fields: dict[bytes, bytes]) -> StoredRequest:
         error=f.get("error", ""),
         prompt_logprobs=json.loads(f["prompt_logprobs"]) if "prompt_logprobs" in f else None,
         lora=json.loads(f["lora"]) if "lora" in f else None,
+        deadline=float(f.get("deadline", 0.0)),
     )

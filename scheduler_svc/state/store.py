@@ -246,6 +246,8 @@ class RequestStore:
         }
         if rec.lora is not None:
             mapping["lora"] = json.dumps(rec.lora)
+        if rec.deadline:  # absent = none: records of earlier versions read the same
+            mapping["deadline"] = repr(rec.deadline)
         args: list[Any] = [
             self.epoch,
             rec.req_id,

@@ -164,6 +164,7 @@ class Recovery:
                 arrival_time=handle.arrival_time,
                 n=handle.n,
                 lora=stored_lora(handle.lora),
+                deadline=handle.deadline,
             )
             await self.store.create(rec, honour_abort=False)  # it runs: no abort may end it
             await self.store.rewrite_outputs(handle.req_id, handle.acked_outputs())
