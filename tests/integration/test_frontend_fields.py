@@ -100,6 +100,8 @@ def _sampling(bias) -> dict:
         "guided_decoding_backend": ({}, {"guided_decoding_backend": "xgrammar"}),
         "guided_whitespace_pattern": ({}, {"guided_whitespace_pattern": " "}),
         "max_tokens": ({}, {"max_tokens": 2}),
+        # Honoured in tests/integration/test_deadlines.py (it needs a queue to wait in).
+        "timeout": ({}, {"timeout": -1}),
     }
 
 
@@ -169,6 +171,7 @@ RESPONSES = {
     "tools": ({}, {"tools": RESPONSES_TOOLS}),
     "tool_choice": ({"tools": RESPONSES_TOOLS}, {"tool_choice": "none"}),
     "parallel_tool_calls": ({"tools": RESPONSES_TOOLS}, {"parallel_tool_calls": False}),
+    "timeout": ({}, {"timeout": -1}),
 }
 _CONVERSATION = {
     "model": ({}, {"model": "nope"}),
@@ -190,6 +193,7 @@ MESSAGES = {
     "stream": ({}, {"stream": True}),
     "metadata": LABEL,
     "service_tier": ({}, {"service_tier": "priority"}),
+    "timeout": ({}, {"timeout": -1}),
 }
 # count_tokens: tool_choice does not change the prompt (as in Anthropic's API); it is checked.
 COUNT_TOKENS = {**_CONVERSATION, "tool_choice": ({}, {"tool_choice": {"type": "any"}})}
