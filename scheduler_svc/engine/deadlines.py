@@ -93,13 +93,15 @@ class Deadlines:
         # Due, but held by another executor when found: that executor's next check ends them.
         self._overdue: list[RequestHandle] = []
 
-    def due(self) -> bool:
-        """Whether some request's deadline has passed (so no step may be planned ahead)."""
-        return bool(self._overdue) or self.heap.due(time.time())
+    def due(self, ex: ExecutorHandle) -> bool:
+        """Whether `ex` may hold a request past its deadline (then it plans no step ahead, so
+        that its next check comes after the step in flight). Overdue requests of other
+        executors (one that is down, say) do not hold it back."""
+        return self.heap.due(time.time()) or any(h.executor is ex for h in self._overdue)
 
     def expire(self, ex: ExecutorHandle) -> None:
         """End `ex`'s requests that are past their deadline (its lock held, between steps)."""
-        if not self.due():
+        if not self.due(ex):
             return
         mine = self._take(ex, time.time())
         if not mine:

@@ -167,7 +167,7 @@ class StepLoop:
             and not ex.draining
             and ex.num_lock_waiters == 0
             and not self.persister.over_backlog
-            and not self.deadlines.due()
+            and not self.deadlines.due(ex)
         )
 
     def _send(self, ex: ExecutorHandle, out: SchedulerOutput, after_step_id: int) -> Sent:
