@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
@@ -39,6 +40,7 @@ __all__ = ["MAX_TIMEOUT_S", "DeadlineHeap", "Deadlines", "check_timeout", "reque
 # Longer than any generation, short enough that `arrival + timeout` stays an exact float and a
 # typo (a timeout in milliseconds, say) is refused rather than meaning "never".
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+_MIN_COMPACT = 1024  # heap entries below which stale ones are never worth a pass
 
 
 def check_timeout(value: float, what: str = "timeout_s") -> float:
@@ -74,6 +76,11 @@ class DeadlineHeap:
     def due(self, now: float) -> bool:
         return bool(self._heap) and self._heap[0][0] <= now
 
+    def keep(self, wanted: Callable[[str], bool]) -> None:
+        """Drop the entries of requests not `wanted` (finished ones), in O(n)."""
+        self._heap = [e for e in self._heap if wanted(e[1])]
+        heapq.heapify(self._heap)
+
     def pop_due(self, now: float) -> list[str]:
         out = []
         while self._heap and self._heap[0][0] <= now:
@@ -89,9 +96,17 @@ class Deadlines:
         self.persister = persister
         self.metrics = metrics
         self.heap = DeadlineHeap()
-        table.on_add.append(self.heap.push)  # admitted and recovered requests alike
+        table.on_add.append(self._add)  # admitted and recovered requests alike
         # Due, but held by another executor when found: that executor's next check ends them.
         self._overdue: list[RequestHandle] = []
+
+    def _add(self, handle: RequestHandle) -> None:
+        self.heap.push(handle)
+        # Requests that finish before their deadline leave their entry behind; with a long
+        # server default those would pile up, so past twice the requests held (amortised
+        # O(1) per push) the heap keeps only the held ones.
+        if len(self.heap) > 2 * len(self.table) + _MIN_COMPACT:
+            self.heap.keep(self.table.__contains__)
 
     def due(self, ex: ExecutorHandle) -> bool:
         """Whether `ex` may hold a request past its deadline (then it plans no step ahead, so

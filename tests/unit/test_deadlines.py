@@ -55,6 +55,15 @@ def test_the_heap_yields_due_ids_earliest_first_and_skips_requests_without_one()
     assert heap.pop_due(30.0) == ["c"]
 
 
+def test_the_heap_drops_entries_of_requests_no_longer_held() -> None:
+    heap = DeadlineHeap()
+    for i in range(10):
+        heap.push(_handle(f"r{i}", 100.0 - i))
+    heap.keep(lambda req_id: req_id in {"r2", "r7"})
+    assert len(heap) == 2
+    assert heap.pop_due(1000.0) == ["r7", "r2"]
+
+
 def test_the_stored_deadline_reads_back_and_old_records_have_none() -> None:
     fields = {b"v": b"1", b"prompt": b"[1, 2]", b"params": b"{}", b"deadline": b"1234.5"}
     assert decode_record("r", fields).deadline == 1234.5
