@@ -225,3 +225,24 @@ def test_a_bad_http_timeout_is_a_400_naming_it(frontend, body, headers, param):
     status, err = frontend.request("POST", "/v1/completions", body, headers)
     assert status == 400, err
     assert err["error"]["param"] == param, err
+
+
+def test_the_server_default_bounds_every_request(api, stack):
+    """--request-timeout applies to a request that gives none, and a longer timeout of its own
+    does not extend it. (Last in the module: it restarts the scheduler with the flag.)"""
+    stack.scheduler_args += ["--request-timeout", "0.2"]
+    stack.kill_scheduler()
+    stack.start_scheduler()
+    channel, fresh = stub_for(stack.address)
+    try:
+        for own in (None, 30.0):
+            req = gen_request(PROMPT, max_tokens=LONG, ignore_eos=True, temperature=0)
+            if own is not None:
+                req.timeout_s = own
+            got = collect(fresh.Generate(req, timeout=60))
+            if got.error is not None:  # no token yet at 0.2 s (a loaded machine)
+                assert got.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, got.error
+            else:  # without the default it would run to the model's length, "length"
+                assert got.finish == {0: pb.FINISH_REASON_DEADLINE}, (own, got.finish)
+    finally:
+        channel.close()
