@@ -230,9 +230,16 @@ class RequestStore:
         """None when Redis accepts a write now, else why not (health checks use this: a Redis
         that answers PING may still refuse every write)."""
         try:
-            await self._redis.set(HEALTH_PROBE_KEY, "1", px=60_000)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.set(HEALTH_PROBE_KEY, "1", px=60_000)
+                _, acked = await execute_acknowledged(
+                    pipe, self.min_replicas, self.replica_timeout_ms
+                )
         except (RedisError, OSError) as e:
             return str(e) or type(e).__name__
+        # Even idle: a new request would be held for the replicas (create), then refused.
+        if acked < self.min_replicas and not self.release_unreplicated:
+            return f"{acked} of {self.min_replicas} Redis replicas acknowledged a write"
         return None
 
     async def replicate(self) -> int:
