@@ -9,9 +9,9 @@ JSON schema (`response_format`), some with n = 2. Each client sends its request 
 one HTTP stream; the frontend re-attaches to the scheduler behind it (`Resume`) whenever the
 scheduler goes away. `--redis-min-replicas 1`: every token a client gets is on a replica first.
 
-Why this test cannot show a lost token with the barrier turned off (LLMSERVE_TEST_MIN_REPLICAS
-unset here on purpose): a scheduler that lost tokens in Redis recomputes them, and greedy and
-seeded outputs are exact, so a client re-attaching from where it was sees the same tokens.
+This is not the mutation check (LLMSERVE_TEST_MIN_REPLICAS=0 runs it without the barrier):
+tokens Redis lost are recomputed by the next leader, and greedy and seeded outputs are exact,
+so a client re-attaching from where it was gets the same tokens whether or not they survived.
 The loss itself, tokens a client got missing on the promoted replica, is what
 test_redis_ha_streams.py checks (and fails with --redis-min-replicas 0).
 """
@@ -19,6 +19,7 @@ test_redis_ha_streams.py checks (and fails with --redis-min-replicas 0).
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -33,6 +34,7 @@ from tests.support.standby import SERVING, Scheduler, leader_and_standby
 pytestmark = pytest.mark.timeout(300)
 
 NUM_STREAMS = 100
+MIN_REPLICAS = os.environ.get("LLMSERVE_TEST_MIN_REPLICAS", "1")
 MAX_TOKENS = 40
 SCHEMA = {
     "type": "object",
@@ -144,7 +146,8 @@ def wait_leader_on_new_primary(
 
 
 def test_http_streams_through_two_primary_kills_and_a_leader_kill_are_unchanged(tmp_path):
-    with leader_and_standby(tmp_path, num_device_blocks=1024) as (ha, stack, pair):
+    topology = leader_and_standby(tmp_path, num_device_blocks=1024, min_replicas=MIN_REPLICAS)
+    with topology as (ha, stack, pair):
         fe = Frontend.start(tmp_path / "fe", ",".join(s.address for s in pair),
                             "--resume-timeout", "120")  # fmt: skip
         try:

@@ -138,11 +138,11 @@ def resume_in_threads(
 
 @contextlib.contextmanager
 def leader_and_standby(
-    tmp_path: Path, *extra: str, num_device_blocks: int = 512
+    tmp_path: Path, *extra: str, num_device_blocks: int = 512, min_replicas: str = "1"
 ) -> Iterator[tuple[RedisHA, Stack, tuple[Scheduler, Scheduler]]]:
     """Redis HA (1 primary, 2 replicas, 3 Sentinels), one executor on the tiny demo model, and a
-    leader and a standby on --redis-sentinel with --redis-min-replicas 1; `extra` goes to both
-    schedulers. `--max-backlog-steps 8` makes the engine pause during a failover instead of
+    leader and a standby on --redis-sentinel with --redis-min-replicas 1 (or `min_replicas`);
+    `extra` goes to both schedulers. `--max-backlog-steps 8` makes the engine pause during a failover instead of
     generating far ahead in memory, so a kill lands mid-stream."""
     ha = RedisHA(tmp_path / "redis-ha").start()
     stack = Stack(
@@ -154,7 +154,7 @@ def leader_and_standby(
     schedulers: list[Scheduler] = []
     try:
         stack.start_executor()
-        args = ("--redis-sentinel", ha.sentinel_arg, "--redis-min-replicas", "1",
+        args = ("--redis-sentinel", ha.sentinel_arg, "--redis-min-replicas", min_replicas,
                 "--max-backlog-steps", "8", *extra)  # fmt: skip
         url = "redis://"  # with Sentinels only credentials and db count
         # Fixed ports: a leader that loses its lease restarts as a standby in the same process,
