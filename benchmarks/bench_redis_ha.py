@@ -13,7 +13,7 @@ gets after it is taken; the killed node then comes back as a replica. Prints eve
 p50 / p90 / p99 (nearest rank).
 
     python benchmarks/bench_redis_ha.py [--streams 64] [--tokens 128] [--rounds 2]
-    python benchmarks/bench_redis_ha.py --failovers 12 [--down-after-ms 1000]
+    python benchmarks/bench_redis_ha.py --failovers 12 [--down-after-ms 1500]
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--failovers", type=int, default=0, help="measure N failovers instead")
-    p.add_argument("--down-after-ms", type=int, default=1000, help="Sentinel's, for --failovers")
+    p.add_argument("--down-after-ms", type=int, default=1500, help="Sentinel's, for --failovers")
     args = p.parse_args()
     if args.failovers:
         with tempfile.TemporaryDirectory(prefix="bench-redis-failover-") as tmp:
