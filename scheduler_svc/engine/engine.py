@@ -77,11 +77,10 @@ class Engine:
         self.metrics = EngineMetrics(self.pool, self.persister, config.preemption_mode)
         usage = KeyUsage(config.max_requests_per_key, config.max_queued_tokens_per_key)
         self.table = RequestTable(usage, self.metrics)
-        self.recovery = Recovery(
-            self.table, self.pool, self.persister, self.store, self.model, self.metrics
-        )
-        faults = Faults(self.table, self.pool, self.persister, self.recovery, self.lifecycle)
         structured = StructuredOutputs(self.model, self.table.handles)  # grammars, token masks
+        self.recovery = Recovery(self.table, self.pool, self.persister, self.store, self.model,
+                                 self.metrics, structured.grammar_done)  # fmt: skip
+        faults = Faults(self.table, self.pool, self.persister, self.recovery, self.lifecycle)
         self.steps = StepLoop(config, self.lifecycle, self.pool, self.table, self.persister,
                               faults, self.metrics, structured)  # fmt: skip
         self.health = HealthMonitor(

@@ -9,8 +9,9 @@ are appended.
 
 A sequence ends with reason "stop" as soon as its grammar is complete (`is_done`, checked by
 the engine after each token), without a step to sample the EOS that the mask would then force;
-should it get past that (a recovery between the two), the mask allows only EOS and the ordinary
-EOS check ends it. EOS is allowed only where the grammar accepts; max_tokens still cuts (the
+a recovery that finds the completing token stored without its finish ends it the same way
+(engine/recovery.py). Should anything still get past that, the mask allows only EOS and the
+ordinary EOS check ends it (one token more than an undisturbed run). EOS is allowed only where the grammar accepts; max_tokens still cuts (the
 output may then be incomplete, as in vLLM).
 """
 

@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from scheduler_svc.core.errors import NotFound, ValidationError
 from scheduler_svc.lora.registry import LoraRegistry
+from scheduler_svc.state.connect import execute_acknowledged
 from scheduler_svc.state.store import RequestStore, StoreUnavailable
 
 LORA_ADAPTERS_KEY = "llmserve:lora_adapters"
@@ -24,22 +25,37 @@ log = structlog.get_logger(__name__)
 
 
 class LoraAdapterStore:
-    """The ``llmserve:lora_adapters`` hash, on the request store's Redis connection."""
+    """The ``llmserve:lora_adapters`` hash, on the request store's Redis connection.
+
+    A client told that an adapter is loaded (or unloaded) may use it (or count on it being
+    gone) on the next leader too, so with --redis-min-replicas each change is acknowledged by
+    that many replicas before the answer, like a step's tokens: an unacknowledged one raises
+    StoreUnavailable and the client is told to retry (the write is idempotent)."""
 
     def __init__(self, store: RequestStore) -> None:
+        self._store = store
         self._redis = store.redis
 
     async def save(self, name: str, path: str) -> None:
-        try:
-            await self._redis.hset(LORA_ADAPTERS_KEY, name, path)
-        except (RedisError, OSError) as e:
-            raise StoreUnavailable(f"redis unavailable: {e}") from e
+        await self._write("HSET", LORA_ADAPTERS_KEY, name, path)
 
     async def delete(self, name: str) -> None:
+        await self._write("HDEL", LORA_ADAPTERS_KEY, name)
+
+    async def _write(self, *command: str) -> None:
+        store = self._store
         try:
-            await self._redis.hdel(LORA_ADAPTERS_KEY, name)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.execute_command(*command)
+                _, acked = await execute_acknowledged(
+                    pipe, store.min_replicas, store.replica_timeout_ms
+                )
         except (RedisError, OSError) as e:
             raise StoreUnavailable(f"redis unavailable: {e}") from e
+        if acked < store.min_replicas and not store.release_unreplicated:
+            raise StoreUnavailable(
+                f"{acked} of {store.min_replicas} Redis replicas acknowledged the change"
+            )
 
     async def load_all(self) -> dict[str, str]:
         try:

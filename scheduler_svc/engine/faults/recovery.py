@@ -16,11 +16,13 @@ prefill. Outputs continue exactly: greedy is deterministic, and seeded sampling 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 
 from scheduler_svc.core.lora import stored_lora
-from scheduler_svc.core.request import Request
+from scheduler_svc.core.request import Request, RequestStatus, Sequence
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
 from scheduler_svc.engine.fleet.executors import ExecutorPool
@@ -62,8 +64,10 @@ class Recovery:
         store: RequestStore,
         model: ModelInfo,
         metrics: EngineMetrics,
+        grammar_done: Callable[[Sequence, dict[str, Any]], bool] | None = None,
     ) -> None:
         self.table = table
+        self.grammar_done = grammar_done  # structured outputs: is this grammar complete?
         self.pool = pool
         self.persister = persister
         self.store = store
@@ -88,17 +92,34 @@ class Recovery:
             handle = RequestHandle.from_stored(rec, SamplingParams.from_dict(rec.params))
             handle.replay_outputs(m.tokenizer, m.eos_token_ids, m.max_model_len, rec)
             self.table.add(handle)
+            # From what clients may have seen (acknowledged), not more: nothing else survived.
+            req, record = resumed_request(handle, handle.acked_outputs()), EngineStep()
+            self._end_complete_grammars(handle, req, record)
             if handle.all_finished:
                 # It had produced its last token before the crash; its finish was not written.
-                record = EngineStep()
                 self.table.finish(handle, record)
                 self.persister.submit(record)
                 continue
-            # From what clients may have seen (acknowledged), not more: nothing else survived.
-            self.enqueue(handle, resumed_request(handle, handle.acked_outputs()))
+            self.persister.submit(record)  # a sequence of n > 1 that ended above, if any
+            self.enqueue(handle, req)
             self.table.usage.admitted(handle)
             self.metrics.recovered += 1
             log.info("request.resumed", req_id=rec.req_id, num_output_tokens=handle.num_acked)
+
+    def _end_complete_grammars(
+        self, handle: RequestHandle, req: Request, record: EngineStep
+    ) -> None:
+        """A constrained sequence whose stored tokens already complete its grammar ends here
+        with reason stop, as it did live in the step of its last token: only its finish, a
+        separate write after the tokens, was lost. Recomputing it instead would sample the EOS
+        its mask then forces: one token more than an undisturbed run."""
+        spec = handle.params.structured_output
+        if spec is None or self.grammar_done is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished and self.grammar_done(seq, spec):
+                handle.finish_seq(seq.index, RequestStatus.FINISHED_STOPPED, None, record)
+                seq.status = RequestStatus.FINISHED_STOPPED
 
     def rebuild_core(self, ex: ExecutorHandle) -> None:
         """Give `ex` a fresh scheduler core sized from its current Describe and queue its
