@@ -19,11 +19,11 @@ from scheduler_svc.api.auth import load_api_keys
 from scheduler_svc.api.server import SchedulerServer
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.spec_decode import SpeculativeConfig
-from scheduler_svc.engine import EngineConfig
+from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.fleet.routing import ROUTING_POLICIES
 from scheduler_svc.engine.metrics import serve_metrics
+from scheduler_svc.features.lora.registry import parse_lora_modules
 from scheduler_svc.logging import configure_logging
-from scheduler_svc.lora.registry import parse_lora_modules
 from scheduler_svc.state.connect import parse_sentinels
 
 log = structlog.get_logger(__name__)

@@ -1,7 +1,6 @@
-"""The engine: the asyncio layer around the scheduling core (see engine.py's docstring)."""
+"""The engine: the asyncio layer around the scheduling core (see engine.py's docstring).
 
-from scheduler_svc.engine.client import EngineClient
-from scheduler_svc.engine.config import EngineConfig, GenerateInput
-from scheduler_svc.engine.engine import Engine
-
-__all__ = ["Engine", "EngineClient", "EngineConfig", "GenerateInput"]
+Import from the modules (``engine.engine``, ``engine.config``, ``engine.client``): this file
+imports nothing, so that the feature folders (scheduler_svc/features) may use the engine's
+request state without an import circle through the package.
+"""

@@ -1,0 +1,53 @@
+"""Speculative decoding's reply on the scheduler's hooks: the executor's draws after each
+proposal (and a draft model's proposals) go to the core's verification, and each speculating
+sequence's accepted run goes through the stop checks token by token."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from scheduler_svc.core.request import RequestStatus, Sequence
+from scheduler_svc.core.spec_decode import take_draft_proposals
+from scheduler_svc.features.base import Feature, StepReply
+
+__all__ = ["SpecDecode"]
+
+
+class SpecDecode(Feature):
+    name = "spec_decode"
+
+    def on_reply(self, requests: Mapping[str, Any], reply: StepReply) -> None:
+        out = reply.out
+        if not out.spec_token_ids:
+            return
+        sampled = reply.resp.sampled
+        take_draft_proposals(out, {s.seq_id: list(s.draft_token_ids) for s in sampled})
+        reply.drawn = {
+            s.seq_id: [x.token_id for x in s.spec_sampled] for s in sampled if s.spec_sampled
+        }
+        reply.takers = dict.fromkeys(out.spec_token_ids, take_verified)
+
+
+def take_verified(handle: Any, seq: Sequence, reply: StepReply) -> RequestStatus | None:
+    """A speculating sequence's accepted run, token by token through the stop checks; tokens
+    after one that ends it are dropped from the core's copy too (they never reach a client)."""
+    s = reply.sampled(seq.seq_id)
+    n = reply.out.spec_num_accepted[seq.seq_id] + 1
+    tokens = seq.token_ids
+    start = len(tokens) - n
+    entries = [s, *s.spec_sampled[: n - 1]]
+    with_logprobs = handle.params.logprobs is not None
+    record = reply.record
+    for j in range(n):
+        e = entries[j]
+        if with_logprobs:
+            status = handle.process_token(
+                seq.index, tokens[start + j], e.logprob, e.top_logprobs, record
+            )
+        else:
+            status = handle.process_token(seq.index, tokens[start + j], 0.0, (), record)
+        if status is not None:
+            del tokens[start + j + 1 :]
+            return status
+    return None
