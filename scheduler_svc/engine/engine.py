@@ -172,7 +172,7 @@ class Engine:
             if self.model.tokenizer is None:
                 await self.model.load_tokenizer(handle)
         self.model.set_limits(self.pool.executors[0].describe, self.config.max_model_len)
-        # The features' own durable state (live-loaded LoRA adapters) before anything is served.
+        # The features' own durable state (live-loaded adapters) before anything is served.
         await self.features.recover()
         await self.recovery.recover()
         # Start-up built long-lived objects (tokenizer, tables, recovered requests): move them out

@@ -264,7 +264,8 @@ class RequestFront:
     def server_info(self) -> ServerInfo:
         self.lifecycle.check()
         info = server_info(self.pool.executors, self.config, self.model)
-        info.lora_adapters = self.features.get("lora").adapters()
+        for hook in self.features.server_info:
+            hook(info)
         return info
 
 

@@ -6,9 +6,10 @@ collects the Redis append and the acknowledged-stream delta. Sequences the stop 
 finished in the scheduler core at once (their blocks are free for the next step); the core
 reports the requests that ended with them once per step (`take_finished_requests`).
 
-Features take part through two hooks and name nothing here (scheduler_svc/features): `on_reply`
-runs before the tokens (prompt logprobs, speculation's draws and accepted runs), and each
-request's `take` was chosen once when it was admitted (logprobs, prompt-only, grammar complete).
+Features take part through two hooks and are named nowhere here (scheduler_svc/features):
+`on_reply` runs before the tokens (what else the reply carries, and a run of verified tokens
+gets its own taker for the step), and each request's `take` was chosen once when it was
+admitted (with or without logprobs, or a feature's).
 This runs once per step for every running sequence, so it is kept to plain loops over plain
 data.
 """

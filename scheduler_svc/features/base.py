@@ -13,15 +13,16 @@ feature. The hooks, and who calls them:
 | step message | ``step_message`` | the fleet's ``ExecutorHandle.send`` |
 | apply reply | ``on_reply`` (before the tokens), ``after_reply`` | ``process_step_outputs``, ``StepLoop`` |
 | persist/recover | ``stored_fields``, ``recover`` (async) | ``RequestFront``/``Recovery``, ``Engine`` start |
+| server info | ``server_info`` | ``RequestFront.server_info`` |
 
-The scheduling budget of a step (LoRA's distinct adapters, speculation's extra query
-positions) stays in the scheduling core (core/lora.py, core/spec_decode.py): the core imports
-nothing outside itself, so it is configured, not hooked.
+What a feature changes in a step's scheduling budget (distinct adapters per step, extra query
+positions) stays in the scheduling core, which imports nothing outside itself: there it is
+configured (core/config.py), not hooked.
 
 Cost: ``Features`` lists, per hook, only the features that override it, once; a hook nobody
 uses is an empty tuple. Per sequence, the reply loop calls one ``Taker`` per sampled sequence:
 chosen once per request when it is admitted (``RequestHandle.take``), or for this step only by
-a feature (``StepReply.takers``: a speculating sequence's accepted run).
+a feature (``StepReply.takers``: a run of several tokens verified in one step).
 
 This module imports nothing of the engine (the core and protos only): features and the engine's
 request state both depend on it.
@@ -51,6 +52,7 @@ RequestHandle = Any  # engine.streams.RequestHandle: the one owner of a request'
 EngineStep = Any  # engine.streams.EngineStep: what one step produced (writes, deltas)
 GenerateInput = Any  # engine.config.GenerateInput
 ExecutorHandle = Any  # engine.fleet.executor_handle.ExecutorHandle
+ServerInfo = Any  # engine.config.ServerInfo
 
 
 class StepReply:
@@ -137,6 +139,11 @@ class Feature:
     async def recover(self) -> None:
         """At start, before stored requests resume (the feature's own durable state)."""
 
+    # ------------------------------------------------------------------ server info
+
+    def server_info(self, info: ServerInfo) -> None:
+        """Fill the feature's fields of GetServerInfo's answer."""
+
 
 def _overrides(feature: Feature, hook: str) -> bool:
     return getattr(type(feature), hook) is not getattr(Feature, hook)
@@ -162,6 +169,7 @@ class Features:
         self.after_reply: tuple[Callable[[ExecutorHandle, Any], None], ...] = having("after_reply")
         self._stored_fields = having("stored_fields")
         self._recover = having("recover")
+        self.server_info: tuple[Callable[[ServerInfo], None], ...] = having("server_info")
         # What adds the features' fields to a step message (None: no feature does), passed to
         # the fleet's ExecutorHandle.send.
         self.step_message = _chain(having("step_message"))

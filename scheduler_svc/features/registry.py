@@ -45,5 +45,5 @@ def build_features(
         Pooling(embeds),
     ]
     if config.speculative is not None:
-        features.append(SpecDecode())
+        features.append(SpecDecode(config.speculative, pool))
     return Features(features)

@@ -86,6 +86,6 @@ class Lora(Feature):
         self.loras.unload(name)
         log.info("lora.unloaded", name=name)
 
-    def adapters(self) -> list[tuple[str, str, int]]:
-        """name, path, rank of each adapter served (GetServerInfo)."""
-        return [(a.ref.name, a.ref.path, a.rank) for a in self.loras.adapters()]
+    def server_info(self, info: Any) -> None:
+        info.lora_adapters = [(a.ref.name, a.ref.path, a.rank) for a in self.loras.adapters()]
+        info.max_loras = self.pool.executors[0].describe.max_loras  # the executors' slots

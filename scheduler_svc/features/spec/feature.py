@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from scheduler_svc.core.request import RequestStatus, Sequence
-from scheduler_svc.core.spec_decode import take_draft_proposals
+from scheduler_svc.core.spec_decode import SpeculativeConfig, take_draft_proposals
 from scheduler_svc.features.base import Feature, StepReply
 
 __all__ = ["SpecDecode"]
@@ -16,6 +16,20 @@ __all__ = ["SpecDecode"]
 
 class SpecDecode(Feature):
     name = "spec_decode"
+
+    def __init__(self, config: SpeculativeConfig, pool: Any) -> None:
+        self.config = config
+        self.pool = pool  # engine.fleet.executors.ExecutorPool: each core's counters
+
+    def server_info(self, info: Any) -> None:
+        """Counters summed over the executors' cores."""
+        stats = [ex.sched.spec.stats for ex in self.pool.executors if ex.sched.spec is not None]
+        drafted = sum(s.num_draft_tokens for s in stats)
+        accepted = sum(s.num_accepted_tokens for s in stats)
+        info.spec_decode_acceptance_rate = accepted / drafted if drafted else 0.0
+        info.num_speculative_tokens = self.config.num_speculative_tokens
+        info.spec_decode_num_draft_tokens = drafted
+        info.spec_decode_num_accepted_tokens = accepted
 
     def on_reply(self, requests: Mapping[str, Any], reply: StepReply) -> None:
         out = reply.out
