@@ -58,14 +58,14 @@ class ChatAnswer:
     @classmethod
     async def begin(cls, body: ChatCompletionRequest, request: Request) -> ChatAnswer:
         state: FrontendState = request.app.state.frontend
-        lora = await state.check_model(body.model)
+        variant = await state.check_model(body.model)
         plan = body.plan(state.tool_config)
         params = body.to_params(await state.max_model_len(), plan)
         base = request_id_from(request)
         run = state.start_run(
-            base, [body.chat(plan)], params, body.priority, caller_key(request), lora
+            base, [body.chat(plan)], params, body.priority, caller_key(request), variant
         )
-        return cls(body, state, run, params.n, lora or await state.model_name(), base, plan)
+        return cls(body, state, run, params.n, variant or await state.model_name(), base, plan)
 
     def error(self, e: LLMServeError | APIError) -> APIError:
         err = e if isinstance(e, APIError) else APIError.from_llmserve(e)

@@ -192,11 +192,11 @@ class ResponseEvents:
 async def create_response(body: ResponsesRequest, request: Request):
     state: FrontendState = request.app.state.frontend
     body.check_supported()
-    lora = await state.check_model(body.model)
+    variant = await state.check_model(body.model)
     params = body.to_params(await state.max_model_len())
     prompt = ChatPrompt(body.messages())
     base = request_id_from(request)
-    run = state.start_run(base, [prompt], params, 0, caller_key(request), lora)
+    run = state.start_run(base, [prompt], params, 0, caller_key(request), variant)
     out = ResponseOutput(
         body, params, run, f"resp_{base}", f"msg_{base}", model=await state.model_name()
     )
