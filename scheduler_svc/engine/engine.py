@@ -105,6 +105,7 @@ class Engine:
         )  # fmt: skip
         self.client.features = self.steps.features = self.recovery.features = features
         self.table.admit = features.admit
+        self.metrics.feature_families = features.metrics
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -13,7 +13,7 @@ feature. The hooks, and who calls them:
 | step message | ``step_message`` | the fleet's ``ExecutorHandle.send`` |
 | apply reply | ``on_reply`` (before the tokens), ``after_reply`` | ``process_step_outputs``, ``StepLoop`` |
 | persist/recover | ``stored_fields``, ``recover`` (async) | ``RequestFront``/``Recovery``, ``Engine`` start |
-| server info | ``server_info`` | ``RequestFront.server_info`` |
+| metrics, server info | ``metrics``, ``server_info`` | ``EngineMetrics.collect``, ``RequestFront.server_info`` |
 
 What a feature changes in a step's scheduling budget (distinct adapters per step, extra query
 positions) stays in the scheduling core, which imports nothing outside itself: there it is
@@ -139,7 +139,12 @@ class Feature:
     async def recover(self) -> None:
         """At start, before stored requests resume (the feature's own durable state)."""
 
-    # ------------------------------------------------------------------ server info
+    # ------------------------------------------------------------------ metrics, server info
+
+    def metrics(self, model: str, cores: list[Any], stats: list[Any]) -> Iterable[Any]:
+        """Prometheus metric families of the feature (``cores``: each executor's scheduling
+        core; ``stats``: their ``get_stats()``), labelled with ``model``."""
+        return ()
 
     def server_info(self, info: ServerInfo) -> None:
         """Fill the feature's fields of GetServerInfo's answer."""
@@ -170,6 +175,7 @@ class Features:
         self._stored_fields = having("stored_fields")
         self._recover = having("recover")
         self.server_info: tuple[Callable[[ServerInfo], None], ...] = having("server_info")
+        self.metrics: tuple[Callable[[str, list, list], Iterable[Any]], ...] = having("metrics")
         # What adds the features' fields to a step message (None: no feature does), passed to
         # the fleet's ExecutorHandle.send.
         self.step_message = _chain(having("step_message"))

@@ -77,9 +77,9 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # 9/5/4/2/2 (scheduler/executor/frontend/client/protos). The executor's numbers are main's:
 # its own plug-ins (executor_svc/features) bring them down.
 LIMITS: dict[str, dict[str, int]] = {
-    "lora": {"scheduler_svc": 25, "executor_svc": 20, "frontend_svc": 2, "client": 6, "protos": 2},
+    "lora": {"scheduler_svc": 24, "executor_svc": 20, "frontend_svc": 2, "client": 6, "protos": 2},
     "speculative": {
-        "scheduler_svc": 16,
+        "scheduler_svc": 15,
         "executor_svc": 9,
         "frontend_svc": 0,
         "client": 3,

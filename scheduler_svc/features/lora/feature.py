@@ -7,16 +7,18 @@ is the scheduling core's (core/lora.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
+from prometheus_client.core import Metric
 
 from scheduler_svc.core.errors import Unavailable, ValidationError
 from scheduler_svc.core.lora import stored_lora
 from scheduler_svc.features.base import Feature
 from scheduler_svc.features.lora.durable import LoraAdapterStore, restore_live_adapters
 from scheduler_svc.features.lora.registry import LoraRegistry, load_on_executors
+from scheduler_svc.features.metric_families import counter, gauge
 from scheduler_svc.state.store import RequestStore, StoreUnavailable
 
 log = structlog.get_logger(__name__)
@@ -85,6 +87,14 @@ class Lora(Feature):
             raise Unavailable("request store (Redis) is unavailable; the adapter stays") from e
         self.loras.unload(name)
         log.info("lora.unloaded", name=name)
+
+    def metrics(self, model: str, cores: list[Any], stats: list[Any]) -> Iterator[Metric]:
+        """How often the steps' adapters were not in an executor's device slots (core/lora.py)."""
+        yield counter(model, "llmserve:lora_loads", "LoRA adapters the steps had to load onto "
+                      "an executor's device slots.", sum(s.num_lora_loads for s in stats))  # fmt: skip
+        yield gauge(model, "llmserve:lora_adapters_in_step", "Distinct LoRA adapters in the "
+                    "latest step (summed over executors).",
+                    sum(s.num_loras_in_step for s in stats))  # fmt: skip
 
     def server_info(self, info: Any) -> None:
         info.lora_adapters = [(a.ref.name, a.ref.path, a.rank) for a in self.loras.adapters()]

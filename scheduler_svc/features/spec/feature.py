@@ -4,12 +4,15 @@ sequence's accepted run goes through the stop checks token by token."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from scheduler_svc.core.request import RequestStatus, Sequence
 from scheduler_svc.core.spec_decode import SpeculativeConfig, take_draft_proposals
 from scheduler_svc.features.base import Feature, StepReply
+from scheduler_svc.features.metric_families import counter
 
 __all__ = ["SpecDecode"]
 
@@ -20,6 +23,30 @@ class SpecDecode(Feature):
     def __init__(self, config: SpeculativeConfig, pool: Any) -> None:
         self.config = config
         self.pool = pool  # engine.fleet.executors.ExecutorPool: each core's counters
+
+    def metrics(self, model: str, cores: list[Any], stats: list[Any]) -> Iterator[Metric]:
+        """Counters under vLLM's spec_decode names, summed over the executors' cores."""
+        spec_stats = [c.spec.stats for c in cores if c.spec is not None]
+        if not spec_stats:
+            return
+        for name, doc, attr in (
+            ("llmserve:spec_decode_num_drafts", "Verifying steps of a sequence.", "num_drafts"),
+            ("llmserve:spec_decode_num_draft_tokens", "Tokens proposed.", "num_draft_tokens"),
+            ("llmserve:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+             "num_accepted_tokens"),
+        ):  # fmt: skip
+            yield counter(model, name, doc, sum(getattr(s, attr) for s in spec_stats))
+        per_pos = CounterMetricFamily(
+            "llmserve:spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by position in the proposal.",
+            labels=["model_name", "position"],
+        )
+        for pos in range(max(len(s.accepted_per_pos) for s in spec_stats)):
+            count = sum(
+                s.accepted_per_pos[pos] for s in spec_stats if pos < len(s.accepted_per_pos)
+            )
+            per_pos.add_metric([model, str(pos)], count)
+        yield per_pos
 
     def server_info(self, info: Any) -> None:
         """Counters summed over the executors' cores."""
