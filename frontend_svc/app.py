@@ -19,6 +19,7 @@ from frontend_svc.chat_api import router as chat_router
 from frontend_svc.completions_api import router as completions_router
 from frontend_svc.embeddings import router as embeddings_router
 from frontend_svc.errors import APIError
+from frontend_svc.lora_api import LoraAdapters
 from frontend_svc.lora_api import router as lora_router
 from frontend_svc.metrics import HTTPMetrics
 from frontend_svc.reasoning import reasoning_parser as get_reasoning_parser
@@ -84,6 +85,8 @@ def create_app(
             tool_config=tool_config,
             reasoning=reasoning,
         )
+        # Features serving other model names (frontend_svc/model_variants.py).
+        app.state.frontend.model_variants.append(LoraAdapters())
         yield
         await app.state.frontend.close()
 

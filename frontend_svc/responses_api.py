@@ -192,9 +192,9 @@ async def create_response(body: ResponsesRequest, request: Request):
     state: FrontendState = request.app.state.frontend
     body.check_supported()
     chat = body.to_chat()
-    lora, plan, params = await prepare(chat, state)
+    variant, plan, params = await prepare(chat, state)
     base = request_id_from(request)
-    run = state.start_run(base, [chat.chat(plan)], params, 0, caller_key(request), lora)
+    run = state.start_run(base, [chat.chat(plan)], params, 0, caller_key(request), variant)
     out = ResponseOutput(
         body, params, run, f"resp_{base}", f"msg_{base}", model=await state.model_name(),
         plan=plan, reasoning=state.reasoning,

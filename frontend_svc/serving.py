@@ -55,7 +55,7 @@ class Run:
         *,
         priority: int,
         resume_timeout_s: float,
-        lora_adapter: str = "",
+        fields: dict[str, Any] | None = None,
     ) -> Run:
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         streams = [
@@ -66,7 +66,7 @@ class Run:
                 params,
                 priority=priority,
                 resume_timeout_s=resume_timeout_s,
-                lora_adapter=lora_adapter,
+                fields=fields,
             )  # fmt: skip
             for rid, p in zip(ids, prompts, strict=True)
         ]

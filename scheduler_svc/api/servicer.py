@@ -226,6 +226,6 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def Embed(
         self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> pb.EmbedResponse:
-        """Each input as a prompt-only pooled request (engine/embeds.py); nothing is stored."""
+        """Each input as a prompt-only pooled request (features/pooling/embeds.py); nothing is stored."""
         inp = embed.embed_input_from_proto(request, self._owner(context))
         return embed.embed_result_to_proto(await self.engine.embed(inp))

@@ -1,7 +1,7 @@
 """LoRA in the scheduling core: which adapter a request runs with, the root of its prefix-cache
 hash chain (a hit never crosses adapters), and the per-step cap on distinct adapters.
 
-An adapter is (name, path): the registry (scheduler_svc/lora) resolves a name to its directory
+An adapter is (name, path): the registry (scheduler_svc/features/lora) resolves a name to its directory
 when a request arrives, and the pair travels with the request (Redis, the step message), so an
 adapter unloaded and loaded again from another directory is another adapter everywhere.
 """

@@ -185,7 +185,7 @@ class ServerInfo:
     # Every model llmserve loads is a decoder LLM: it generates, and its last hidden states pool
     # into embeddings (as vLLM's pooling runner does for decoder checkpoints).
     tasks: list[str] = field(default_factory=lambda: ["generate", "embed"])
-    hidden_size: int = 0  # the size of an embedding (engine/embeds.py)
+    hidden_size: int = 0  # the size of an embedding (features/pooling/embeds.py)
     # Speculative decoding (core/spec_decode.py), summed over executors; zeros when off.
     spec_decode_acceptance_rate: float = 0.0
     num_speculative_tokens: int = 0

@@ -8,7 +8,7 @@ then it must stay resumable from memory. Only this table adds and drops entries.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import structlog
 
@@ -29,6 +29,8 @@ class RequestTable:
         self.usage = usage
         self.metrics = metrics
         self._requests: dict[str, RequestHandle] = {}  # active (unfinished or unacknowledged)
+        # Called with each request entering the table, new or resumed (features' `admit`).
+        self.admit: tuple[Callable[[RequestHandle], None], ...] = ()
 
     @property
     def handles(self) -> Mapping[str, RequestHandle]:
@@ -52,6 +54,8 @@ class RequestTable:
         return [h for h in self._requests.values() if h.executor is ex]
 
     def add(self, handle: RequestHandle) -> None:
+        for admit in self.admit:  # the features' choice of how its results are applied
+            admit(handle)
         self._requests[handle.req_id] = handle
 
     def started(self, new_seqs: Iterable[NewSeqData], now: float) -> None:

@@ -26,7 +26,7 @@ from scheduler_svc.engine.metrics import EngineMetrics
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.step_results import process_step_outputs
 from scheduler_svc.engine.streams import EngineStep
-from scheduler_svc.grammar.structured import StructuredOutputs
+from scheduler_svc.features.base import NO_FEATURES, Features
 from scheduler_svc.state.persister import Persister
 
 __all__ = ["StepLoop"]
@@ -57,7 +57,7 @@ class StepLoop:
         persister: Persister,
         faults: Faults,
         metrics: EngineMetrics,
-        structured: StructuredOutputs | None = None,
+        features: Features = NO_FEATURES,
     ) -> None:
         self.step_timeout_s = config.step_timeout_s
         self.lifecycle = lifecycle
@@ -66,11 +66,9 @@ class StepLoop:
         self.persister = persister
         self.faults = faults
         self.metrics = metrics
-        # Structured outputs: each step's token masks, and ending a sequence whose grammar is
-        # complete (scheduler_svc/grammar).
-        self.structured = structured
-        # A step's embedding vectors go here (engine/embeds.py: EmbedRequests.on_pooled).
-        self.on_pooled: Callable[[ExecutorHandle, list[epb.PooledOutput]], None] = _no_pooling
+        # The optional features' hooks (scheduler_svc/features): what they add to each step's
+        # message, and what they take from its reply.
+        self.features = features
         # Chosen once: True from a step means there was nothing to do.
         self.step: Callable[[ExecutorHandle], Awaitable[bool]] = (
             self._step_ahead if config.async_scheduling else self._step_plain
@@ -166,8 +164,8 @@ class StepLoop:
         )
 
     def _send(self, ex: ExecutorHandle, out: SchedulerOutput, after_step_id: int) -> Sent:
-        masks = self.structured.add_masks if self.structured is not None else None
-        return ex.send(out, after_step_id, self.pool.epoch, self.step_timeout_s, masks)
+        add = self.features.step_message
+        return ex.send(out, after_step_id, self.pool.epoch, self.step_timeout_s, add)
 
     async def _complete_oldest(self, ex: ExecutorHandle, run: _Run) -> bool:
         """Wait for the oldest step in flight and apply its reply; False when the executor
@@ -204,10 +202,9 @@ class StepLoop:
         now: float,
         interval: float | None,
     ) -> None:
-        done = self.structured.grammar_done if self.structured is not None else None
-        process_step_outputs(ex.sched, self.table.handles, out, resp, record, done)
-        if resp.pooled:  # embedding inputs whose prompt completed (engine/embeds.py)
-            self.on_pooled(ex, list(resp.pooled))
+        process_step_outputs(ex.sched, self.table.handles, out, resp, record, self.features)
+        for hook in self.features.after_reply:
+            hook(ex, resp)
         self.table.started(out.new_seqs, now)
         num_sampled = len(resp.sampled) + len(resp.decode_token_ids)
         self.metrics.on_step(
@@ -222,7 +219,3 @@ class StepLoop:
         record = EngineStep()
         self.table.finish_ended_in_core(ex, record)
         self.persister.submit(record)
-
-
-def _no_pooling(ex: ExecutorHandle, pooled: list[epb.PooledOutput]) -> None:
-    raise RuntimeError("an executor returned pooled vectors, but no embedding call is wired")

@@ -16,6 +16,7 @@ from scheduler_svc.core.errors import Unavailable
 from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.request import FinishReason, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.features.base import Taker, take_logprobs, take_token
 from scheduler_svc.output.processor import OutputDelta, SequenceOutputState
 from scheduler_svc.state.persister import StepRecord
 from scheduler_svc.state.store import FinishRecord, StoredRequest, TokenAppend, tokens_key_bulk
@@ -147,6 +148,9 @@ class RequestHandle:
         self.states: list[SequenceOutputState] = []
         self.acked: list[SeqLog] = [SeqLog() for _ in range(self.n)]
         self.finished_in_engine = False
+        # How each step's result for it is applied; features may choose another when the
+        # request is admitted (scheduler_svc/features, `admit`).
+        self.take: Taker = take_token if params.logprobs is None else take_logprobs
         self.error = ""
         self._closed: str | None = None
         self._waiters: list[asyncio.Future[None]] = []
@@ -168,6 +172,12 @@ class RequestHandle:
     def from_stored(cls, rec: StoredRequest, params: SamplingParams) -> RequestHandle:
         lora = LoraRef(*rec.lora) if rec.lora else None
         return cls(rec.req_id, rec.prompt_token_ids, params, rec.priority, rec.arrival_time, lora)
+
+    def to_stored(self, fields: dict[str, Any]) -> StoredRequest:
+        """Its record in Redis; `fields`: what features keep with it (`stored_fields`)."""
+        return StoredRequest(req_id=self.req_id, prompt_token_ids=self.prompt_token_ids,
+                             params=self.params.to_dict(), priority=self.priority,
+                             arrival_time=self.arrival_time, n=self.n, **fields)  # fmt: skip
 
     def init_outputs(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int) -> None:
         self.states = [

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from executor_svc.api.registry import EXECUTORS_KEY, ExecutorRegistration
-from scheduler_svc.lora.durable import LORA_ADAPTERS_KEY, LoraAdapterStore
+from scheduler_svc.features.lora.durable import LORA_ADAPTERS_KEY, LoraAdapterStore
 from scheduler_svc.state.connect import RedisTarget, parse_sentinels
 from scheduler_svc.state.leader import EPOCH_KEY, LEADER_KEY, LeaderLease
 from scheduler_svc.state.persister import Persister, StepRecord

@@ -17,9 +17,14 @@ from executor_svc.runner.token_mask import decode_masks, unpack_rows
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.sampling_params import SamplingParams, ValidationError
 from scheduler_svc.core.scheduler_output import SchedulerOutput
-from scheduler_svc.grammar.bitmask import allowed_ids, decode_rows, encode_rows, pack_ids
-from scheduler_svc.grammar.compiler import GrammarCompiler
-from scheduler_svc.grammar.matchers import SeqMatchers
+from scheduler_svc.features.structured.bitmask import (
+    allowed_ids,
+    decode_rows,
+    encode_rows,
+    pack_ids,
+)
+from scheduler_svc.features.structured.compiler import GrammarCompiler
+from scheduler_svc.features.structured.matchers import SeqMatchers
 
 VOCAB = 512
 SCHEMA = {

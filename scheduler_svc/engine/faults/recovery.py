@@ -16,13 +16,10 @@ prefill. Outputs continue exactly: greedy is deterministic, and seeded sampling 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
 
 import structlog
 
-from scheduler_svc.core.lora import stored_lora
-from scheduler_svc.core.request import Request, RequestStatus, Sequence
+from scheduler_svc.core.request import Request
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
 from scheduler_svc.engine.fleet.executors import ExecutorPool
@@ -30,8 +27,9 @@ from scheduler_svc.engine.metrics import EngineMetrics
 from scheduler_svc.engine.model import ModelInfo
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.streams import EngineStep, RequestHandle
+from scheduler_svc.features.base import NO_FEATURES, Features
 from scheduler_svc.state.persister import Persister
-from scheduler_svc.state.store import RequestStore, StoredRequest, StoreUnavailable
+from scheduler_svc.state.store import RequestStore, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -64,15 +62,16 @@ class Recovery:
         store: RequestStore,
         model: ModelInfo,
         metrics: EngineMetrics,
-        grammar_done: Callable[[Sequence, dict[str, Any]], bool] | None = None,
     ) -> None:
         self.table = table
-        self.grammar_done = grammar_done  # structured outputs: is this grammar complete?
         self.pool = pool
         self.persister = persister
         self.store = store
         self.model = model
         self.metrics = metrics
+        self.features: Features = (
+            NO_FEATURES  # what they keep with a stored request, how they resume (set by the engine)
+        )
 
     def enqueue(self, handle: RequestHandle, req: Request) -> None:
         """Queue `req` (the core's side of `handle`) where the router sends it."""
@@ -94,7 +93,8 @@ class Recovery:
             self.table.add(handle)
             # From what clients may have seen (acknowledged), not more: nothing else survived.
             req, record = resumed_request(handle, handle.acked_outputs()), EngineStep()
-            self._end_complete_grammars(handle, req, record)
+            for resumed in self.features.resumed:  # e.g. a grammar its stored tokens complete
+                resumed(handle, req, record)
             if handle.all_finished:
                 # It had produced its last token before the crash; its finish was not written.
                 self.table.finish(handle, record)
@@ -105,21 +105,6 @@ class Recovery:
             self.table.usage.admitted(handle)
             self.metrics.recovered += 1
             log.info("request.resumed", req_id=rec.req_id, num_output_tokens=handle.num_acked)
-
-    def _end_complete_grammars(
-        self, handle: RequestHandle, req: Request, record: EngineStep
-    ) -> None:
-        """A constrained sequence whose stored tokens already complete its grammar ends here
-        with reason stop, as it did live in the step of its last token: only its finish, a
-        separate write after the tokens, was lost. Recomputing it instead would sample the EOS
-        its mask then forces: one token more than an undisturbed run."""
-        spec = handle.params.structured_output
-        if spec is None or self.grammar_done is None:
-            return
-        for seq in req.seqs:
-            if not seq.is_finished and self.grammar_done(seq, spec):
-                handle.finish_seq(seq.index, RequestStatus.FINISHED_STOPPED, None, record)
-                seq.status = RequestStatus.FINISHED_STOPPED
 
     def rebuild_core(self, ex: ExecutorHandle) -> None:
         """Give `ex` a fresh scheduler core sized from its current Describe and queue its
@@ -177,14 +162,6 @@ class Recovery:
     async def resync_store(self) -> None:
         """Rewrite every active request to Redis from memory (Redis lost acknowledged data)."""
         for handle in self.table:
-            rec = StoredRequest(
-                req_id=handle.req_id,
-                prompt_token_ids=handle.prompt_token_ids,
-                params=handle.params.to_dict(),
-                priority=handle.priority,
-                arrival_time=handle.arrival_time,
-                n=handle.n,
-                lora=stored_lora(handle.lora),
-            )
+            rec = handle.to_stored(self.features.stored_fields(handle))
             await self.store.create(rec, honour_abort=False)  # it runs: no abort may end it
             await self.store.rewrite_outputs(handle.req_id, handle.acked_outputs())

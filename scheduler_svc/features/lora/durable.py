@@ -15,7 +15,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from scheduler_svc.core.errors import NotFound, ValidationError
-from scheduler_svc.lora.registry import LoraRegistry
+from scheduler_svc.features.lora.registry import LoraRegistry
 from scheduler_svc.state.connect import execute_acknowledged
 from scheduler_svc.state.store import RequestStore, StoreUnavailable
 

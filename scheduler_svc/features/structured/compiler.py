@@ -16,7 +16,7 @@ import llguidance.hf
 from transformers import PreTrainedTokenizerBase
 
 from scheduler_svc.core.sampling_params import ValidationError
-from scheduler_svc.grammar.spec import check_spec, grammar_text, spec_key
+from scheduler_svc.features.structured.spec import check_spec, grammar_text, spec_key
 
 __all__ = ["GrammarCompiler"]
 

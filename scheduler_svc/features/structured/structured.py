@@ -14,8 +14,8 @@ from protos import executor_pb2 as epb
 from scheduler_svc.core.request import Sequence
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler_output import SchedulerOutput
-from scheduler_svc.grammar.compiler import GrammarCompiler
-from scheduler_svc.grammar.matchers import SeqMatchers
+from scheduler_svc.features.structured.compiler import GrammarCompiler
+from scheduler_svc.features.structured.matchers import SeqMatchers
 
 __all__ = ["StructuredOutputs"]
 

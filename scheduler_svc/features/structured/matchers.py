@@ -28,8 +28,8 @@ import structlog
 
 from scheduler_svc.core.request import Sequence
 from scheduler_svc.core.scheduler_output import SchedulerOutput
-from scheduler_svc.grammar.bitmask import encode_rows, pack_ids
-from scheduler_svc.grammar.compiler import GrammarCompiler
+from scheduler_svc.features.structured.bitmask import encode_rows, pack_ids
+from scheduler_svc.features.structured.compiler import GrammarCompiler
 
 __all__ = ["SeqMatchers", "StepMasks"]
 
