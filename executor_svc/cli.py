@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _lora_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     if not args.enable_lora:
         return {}
-    from executor_svc.lora.manager import LoraConfig
+    from executor_svc.features.lora.manager import LoraConfig
 
     try:
         return {"lora": LoraConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)}
