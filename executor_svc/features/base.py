@@ -1,5 +1,5 @@
-"""The executor's hook points for optional features (LoRA, speculative decoding, structured
-outputs, pooling, prompt logprobs), and the ordered set of them one executor runs.
+"""The executor's hook points for optional features, and the ordered set of them one executor
+runs.
 
 A feature is a folder under ``features/`` with one ``Feature`` subclass that overrides the hooks
 it uses; ``features/registry.py`` builds the list once at start-up from the configuration. The
@@ -81,7 +81,7 @@ class Step:
     # Lists the caller gave for what features return beside the samples, by feature name
     # (None: the caller does not want it).
     outputs: dict[str, list[Any] | None]
-    # Set by a feature that changes the model for this step (LoRA's adapter rows): the forward
+    # Set by a feature that changes the model for this step (adapter rows, say): the forward
     # then runs eagerly, never from a captured CUDA graph.
     eager: bool = False
 
@@ -144,7 +144,7 @@ class Feature:
         return False
 
     def before_inputs(self, step: Step) -> None:
-        """Before the batch is flattened (a draft model proposes here)."""
+        """Before the batch is flattened (a feature may add tokens to the views here)."""
 
     def sample_rows(
         self, seqs: Sequence[ScheduledSequence], sample_seq_indices: list[int], query_start_loc: Any

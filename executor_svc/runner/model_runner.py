@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from executor_svc.parallel.group import TPGroup
     from executor_svc.runner.sampler import Sampler, SamplingParams
 
+BlockPairs = list[tuple[int, int]]  # (src, dst) block ids of a cache operation
 MAX_PROFILE_SAMPLE_ROWS = 256  # logits rows in the CUDA profiling run (a large decode batch)
 
 
@@ -200,44 +201,49 @@ class ModelRunner:
     def execute(
         self,
         seqs: list[ScheduledSequence],
-        blocks_to_swap_out: list[tuple[int, int]],
-        blocks_to_swap_in: list[tuple[int, int]],
-        blocks_to_copy: list[tuple[int, int]],
+        blocks_to_swap_out: BlockPairs,
+        blocks_to_swap_in: BlockPairs,
+        blocks_to_copy: BlockPairs,
         prompt_logprobs: list | None = None,
         pooled: list | None = None,
     ) -> list[SampleResult]:
         """One step: cache operations, inputs, forward, sampling, with the hooks of the features
-        the step uses between them. The lists given receive what the features of those outputs
-        return beside the samples (prompt logprobs, embeddings of completed prompts)."""
+        the step uses between them; the lists given receive what those features return beside
+        the samples (prompt logprobs, the vectors of embedding prompts completed)."""
         outputs = {"prompt_logprobs": prompt_logprobs, "pooled": pooled}
         step = Step(seqs, self.features.active(seqs) if seqs else (), outputs)
-        batch = None
-        if self._send_step is not None:
-            batch = self._broadcast_step(
-                step, blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy
-            )
-        self._cache_ops(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
+        blocks = (blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
+        batch = self._broadcast_step(step, *blocks) if self._send_step is not None else None
+        self._cache_ops(*blocks)
         if not seqs:
             return []
-        t1 = time.perf_counter()
+        sample_idx, logits = self._forward_step(step, batch)
+        if not sample_idx:
+            return []
+        t0 = time.perf_counter()
+        results = self._sample_step(step, sample_idx, logits)
+        self.phase_seconds["sampling"] += time.perf_counter() - t0
+        return results
+
+    def _forward_step(
+        self, step: Step, batch: BatchInputs | None
+    ) -> tuple[list[int], torch.Tensor]:
+        """Inputs (``batch``: already flattened by rank 0's broadcast), forward and the logits of
+        the rows that sample."""
+        t0 = time.perf_counter()
         for f in step.active:
             f.before_inputs(step)
         if batch is None:
-            batch = self.prepare_inputs(seqs, features=step.active)
+            batch = self.prepare_inputs(step.seqs, features=step.active)
         sample_idx, logits = self._sample_logits(batch, self._forward(step, batch))
-        t2 = time.perf_counter()
-        self.phase_seconds["forward"] += t2 - t1
-        if not sample_idx:
-            return []
-        results = self._sample_step(step, sample_idx, logits)
-        self.phase_seconds["sampling"] += time.perf_counter() - t2
-        return results
+        self.phase_seconds["forward"] += time.perf_counter() - t0
+        return sample_idx, logits
 
     def _cache_ops(
         self,
-        blocks_to_swap_out: list[tuple[int, int]],
-        blocks_to_swap_in: list[tuple[int, int]],
-        blocks_to_copy: list[tuple[int, int]],
+        blocks_to_swap_out: BlockPairs,
+        blocks_to_swap_in: BlockPairs,
+        blocks_to_copy: BlockPairs,
     ) -> None:
         # Swap-out first: blocks it frees may be the very destinations of this step's swap-in or
         # copies. Copies last: a copy source may be a block just swapped in.
@@ -252,9 +258,9 @@ class ModelRunner:
     def _broadcast_step(
         self,
         step: Step,
-        blocks_to_swap_out: list[tuple[int, int]],
-        blocks_to_swap_in: list[tuple[int, int]],
-        blocks_to_copy: list[tuple[int, int]],
+        blocks_to_swap_out: BlockPairs,
+        blocks_to_swap_in: BlockPairs,
+        blocks_to_copy: BlockPairs,
     ) -> BatchInputs | None:
         """Rank 0: flatten the batch (what can reject the step happens before anything is sent)
         and send the step to the other ranks; returns the batch on this rank's device."""

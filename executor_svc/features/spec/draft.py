@@ -161,16 +161,14 @@ class DraftModel:
 
 def _draft_view(s: ScheduledSequence, token_ids: list[int], num_computed: int) -> Any:
     """The sequence as the draft computes it: ``token_ids`` from ``num_computed`` on, forward
-    only (no sampling params, proposals, mask or adapter)."""
+    only. What other features add to a view is left as it is: the draft's batch is flattened
+    and run with no feature's hooks (``prepare`` is ModelRunner.prepare_inputs without any)."""
     return dataclasses.replace(
         s,
         token_ids=token_ids,
         num_computed_tokens=num_computed,
         num_scheduled_tokens=len(token_ids) - num_computed,
         sampling_params=None,
-        token_mask=None,
         spec_token_ids=(),
         num_draft_tokens=0,
-        lora_name=None,
-        lora_path=None,
     )
