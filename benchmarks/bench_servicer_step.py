@@ -33,12 +33,14 @@ def worker(tree: str, batches: list[int], context: int, steps: int) -> None:
     import torch
 
     from executor_svc.api.service import ExecutorServicer
+    from executor_svc.config.logs import configure_logging
     from executor_svc.runner.model_runner import ModelRunner
     from executor_svc.tools.demo_model import ensure_demo_model
     from protos import executor_pb2 as pb
 
     assert Path(sys.modules["executor_svc"].__file__).is_relative_to(tree)
     torch.set_num_threads(1)
+    configure_logging("warning")  # step.done is a debug line a step
     warm = 5
     blocks_per_seq = -(-(context + warm + steps + 2) // BLOCK_SIZE)
     runner = ModelRunner(
