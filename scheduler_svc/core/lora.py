@@ -54,7 +54,7 @@ class LoraBudget:
 class LoraSlots:
     """The adapters the executor holds in its device slots, as the scheduler sees them: the
     ones the latest steps used, least recently used first, at most ``capacity`` (the executor's
-    device cache is an LRU of ``max_loras``, executor_svc/lora/manager.py). ``use`` counts the
+    device cache is an LRU of ``max_loras``, executor_svc/features/lora/manager.py). ``use`` counts the
     adapters a step must newly load onto the device (from its host cache or from disk)."""
 
     def __init__(self, capacity: int) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import structlog
 
 from executor_svc.config import envs
-from executor_svc.runner.gguf.reader import ARCHITECTURES, GGUFError, GGUFFile
+from executor_svc.features.gguf.reader import ARCHITECTURES, GGUFError, GGUFFile
 
 log = structlog.get_logger(__name__)
 

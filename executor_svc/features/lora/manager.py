@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from executor_svc.lora.layers import LoraGroup, LoraSlot, LoraStep, pack_adapter
-from executor_svc.lora.peft import (
+from executor_svc.features.lora.layers import LoraGroup, LoraSlot, LoraStep, pack_adapter
+from executor_svc.features.lora.peft import (
     LoraAdapter,
     LoraError,
     ModelShapes,

@@ -29,11 +29,11 @@ import numpy as np
 import structlog
 import torch
 
+from executor_svc.features.gguf.reader import GGUFError, GGUFFile, GGUFTensor
 from executor_svc.kernels import quant
 from executor_svc.models import LlamaForCausalLM
 from executor_svc.models.llama import Linear
 from executor_svc.models.parallel_layers import RowParallelLinear
-from executor_svc.runner.gguf.reader import GGUFError, GGUFFile, GGUFTensor
 
 log = structlog.get_logger(__name__)
 

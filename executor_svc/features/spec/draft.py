@@ -1,5 +1,5 @@
 """Speculative decoding's draft model: a smaller checkpoint with the target's vocabulary that
-proposes the tokens a step then verifies (runner/spec_verify.py).
+proposes the tokens a step then verifies (executor_svc/features/spec/verify.py).
 
 The draft has its own paged KV cache with the target's number of device blocks and block size,
 addressed by the same block tables and slot mapping: the scheduler allocates nothing more for
@@ -33,29 +33,25 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
+from executor_svc.features.base import LoadContext
 
-from executor_svc.attention import AttentionBackend
-from executor_svc.runner.kv_cache import KVCache, block_bytes
-from executor_svc.runner.loader import ModelInfo, load_model
-
-# model_runner's ScheduledSequence and BatchInputs (it imports this module).
+# model_runner's ScheduledSequence, BatchInputs and ModelInfo (features import no runner code:
+# what the draft needs of the runner comes in the LoadContext).
 ScheduledSequence = Any
+ModelInfo = Any
 PrepareInputs = Callable[[list[Any]], Any]
 
 __all__ = ["DraftModel", "draft_computed_after", "draft_mismatch_error", "load_draft"]
 
 
-def load_draft(
-    model_dir: str | Path | None, backend: AttentionBackend, target: ModelInfo, tp: Any
-) -> DraftModel | None:
+def load_draft(model_dir: str | Path | None, ctx: LoadContext) -> DraftModel | None:
     """The draft for ``--speculative-model`` (None without one); ValueError when it cannot
     serve the target."""
     if model_dir is None:
         return None
-    if tp is not None:
+    if ctx.tp is not None:
         raise ValueError("a draft model (--speculative-model) does not run with TP > 1")
-    return DraftModel(model_dir, backend, target, device=target.device, dtype=target.dtype)
+    return DraftModel(model_dir, ctx)
 
 
 def draft_mismatch_error(target: ModelInfo, draft: ModelInfo) -> str | None:
@@ -83,33 +79,32 @@ def draft_computed_after(num_known: int, num_draft: int, accepted: int) -> int:
 class DraftModel:
     """The draft model, its KV cache, and the k-step proposal loop."""
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        backend: AttentionBackend,
-        target: ModelInfo,
-        *,
-        device: torch.device,
-        dtype: str | torch.dtype,
-    ) -> None:
-        self.model, self.info = load_model(
-            model_dir, backend, device=device, dtype=dtype, max_model_len=target.max_model_len
+    def __init__(self, model_dir: str | Path, ctx: LoadContext) -> None:
+        target = ctx.info
+        self.model, self.info = ctx.load_model(
+            model_dir,
+            ctx.backend,
+            device=target.device,
+            dtype=target.dtype,
+            max_model_len=target.max_model_len,
         )
         error = draft_mismatch_error(target, self.info)
         if error is not None:
             raise ValueError(f"--speculative-model {model_dir}: {error}")
-        self.kv_cache: KVCache | None = None
+        self._new_kv_cache = ctx.new_kv_cache
+        self._block_bytes = ctx.block_bytes
+        self.kv_cache: Any = None  # runner.kv_cache.KVCache once allocated
 
     def block_bytes(self, block_size: int) -> int:
         """The draft's KV bytes per block (added to the target's when sizing the cache)."""
         i = self.info
-        return block_bytes(i.num_layers, block_size, i.num_kv_heads, i.head_dim, i.dtype)
+        return self._block_bytes(i.num_layers, block_size, i.num_kv_heads, i.head_dim, i.dtype)
 
     def allocate(self, num_device_blocks: int, block_size: int) -> None:
         """Its cache: as many device blocks as the target's, no swap space (a swapped-in
         sequence comes back as a NewSequence and catches up)."""
         i = self.info
-        self.kv_cache = KVCache(
+        self.kv_cache = self._new_kv_cache(
             num_layers=i.num_layers,
             num_kv_heads=i.num_kv_heads,
             head_dim=i.head_dim,
@@ -166,16 +161,14 @@ class DraftModel:
 
 def _draft_view(s: ScheduledSequence, token_ids: list[int], num_computed: int) -> Any:
     """The sequence as the draft computes it: ``token_ids`` from ``num_computed`` on, forward
-    only (no sampling params, proposals, mask or adapter)."""
+    only. What other features add to a view is left as it is: the draft's batch is flattened
+    and run with no feature's hooks (``prepare`` is ModelRunner.prepare_inputs without any)."""
     return dataclasses.replace(
         s,
         token_ids=token_ids,
         num_computed_tokens=num_computed,
         num_scheduled_tokens=len(token_ids) - num_computed,
         sampling_params=None,
-        token_mask=None,
         spec_token_ids=(),
         num_draft_tokens=0,
-        lora_name=None,
-        lora_path=None,
     )

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_svc.features.lora.peft import LoraAdapter
 from executor_svc.kernels import gemm
 from executor_svc.kernels import lora as lora_kernel
-from executor_svc.lora.peft import LoraAdapter
 
 
 def _mm(x: torch.Tensor, w: torch.Tensor | gemm.PackedWeight) -> torch.Tensor:
