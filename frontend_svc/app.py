@@ -14,6 +14,9 @@ from starlette.requests import Request
 from client.errors import LLMServeError
 from frontend_svc.api import router
 from frontend_svc.auth import api_key_asgi
+from frontend_svc.batch.routes import router as batch_router
+from frontend_svc.batch.service import close_batches, open_batches
+from frontend_svc.batch.settings import BatchSettings
 from frontend_svc.chat_api import router as chat_router
 from frontend_svc.completions_api import router as completions_router
 from frontend_svc.embeddings import router as embeddings_router
@@ -56,9 +59,11 @@ def create_app(
     api_keys: list[str] | None = None,
     scheduler_tls_ca: str | None = None,
     tool_config: ToolConfig | None = None,
+    batch: BatchSettings | None = None,
 ) -> FastAPI:
     """`api_keys`: when given, API calls need one of them; the first is used for the
-    scheduler (unless $LLMSERVE_API_KEY names one). `tool_config`: tool_choice "auto"."""
+    scheduler (unless $LLMSERVE_API_KEY names one). `tool_config`: tool_choice "auto".
+    `batch`: the Batch API's Redis and runner (frontend_svc/batch)."""
     metrics = HTTPMetrics()
     keys = list(api_keys or [])
 
@@ -73,7 +78,9 @@ def create_app(
             scheduler_tls_ca=scheduler_tls_ca,
             tool_config=tool_config,
         )
+        batches = await open_batches(app, batch or BatchSettings(), keys)
         yield
+        await close_batches(app, batches)
         await app.state.frontend.close()
 
     app = FastAPI(title="llmserve", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -82,6 +89,7 @@ def create_app(
         app.include_router(r)
     app.include_router(embeddings_router)  # /v1/embeddings (frontend_svc/embeddings.py)
     app.include_router(lora_router)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+    app.include_router(batch_router)  # /v1/files, /v1/batches (frontend_svc/batch)
     # Starlette runs the middleware added last first: metrics see the 401s too.
     app.add_middleware(_ASGIMiddleware, wrap=api_key_asgi(keys))
     app.add_middleware(_ASGIMiddleware, wrap=metrics.asgi)

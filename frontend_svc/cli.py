@@ -14,6 +14,7 @@ import uvicorn
 
 from frontend_svc.app import create_app
 from frontend_svc.auth import load_api_keys
+from frontend_svc.batch.flags import add_batch_flags
 from frontend_svc.config import ENVIRONMENT_HELP, FrontendConfig
 from frontend_svc.tool_calling.parsers import load_plugin, parser_names
 from frontend_svc.tool_calling.protocol import ToolConfig
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "$LLMSERVE_API_KEY, API calls need 'Authorization: Bearer <key>'",
     )
     _tool_flags(p.add_argument_group("tools", "tool calling"))
+    add_batch_flags(p)
     return p
 
 
@@ -110,6 +112,7 @@ async def serve(config: FrontendConfig, tools: ToolConfig) -> None:
         api_keys=load_api_keys(config.api_key_file, config.env_api_key),
         scheduler_tls_ca=config.scheduler_tls_ca,
         tool_config=tools,
+        batch=config.batch,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -12,16 +12,20 @@ them, and it passes what it found on explicitly; no frontend module reads ``os.e
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from client.envs import ClientConfig
+from frontend_svc.batch.flags import batch_settings
+from frontend_svc.batch.settings import BatchSettings
 
 ENVIRONMENT_HELP = """\
 environment (flags win where both exist):
   LLMSERVE_ADDRESS    the scheduler's host:port (--scheduler; default 127.0.0.1:50051)
   LLMSERVE_API_KEY    an API key callers may use; the frontend's own key for the scheduler
   LLMSERVE_TLS_CA     trust this CA for TLS to the scheduler (--scheduler-tls-ca)
+  LLMSERVE_REDIS_SENTINEL_PASSWORD  the Sentinels' own password (--redis-sentinel)
 """
 
 
@@ -46,6 +50,8 @@ class FrontendConfig:
     enable_auto_tool_choice: bool
     tool_call_parser: str | None
     tool_parser_plugin: Path | None
+    # the Batch API (frontend_svc/batch)
+    batch: BatchSettings
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FrontendConfig:
@@ -66,4 +72,5 @@ class FrontendConfig:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             tool_parser_plugin=args.tool_parser_plugin,
+            batch=batch_settings(args, os.environ.get("LLMSERVE_REDIS_SENTINEL_PASSWORD")),
         )

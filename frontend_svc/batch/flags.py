@@ -1,0 +1,73 @@
+"""The frontend's `batch` flags and the settings made of them."""
+
+from __future__ import annotations
+
+import argparse
+
+from frontend_svc.batch.redis_conn import parse_sentinels
+from frontend_svc.batch.settings import BatchSettings
+
+
+def _sentinels(text: str) -> tuple[tuple[str, int], ...]:
+    try:
+        return parse_sentinels(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_batch_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("batch", "the Batch API (/v1/files, /v1/batches); needs Redis")
+    g.add_argument(
+        "--redis-url",
+        help="the Redis holding files and batches (the scheduler's own); without it or "
+        "--redis-sentinel the Batch API answers 503",
+    )
+    g.add_argument(
+        "--redis-sentinel",
+        type=_sentinels,
+        default=(),
+        help="host:port[,host:port...] of Sentinels naming the primary (as the scheduler's)",
+    )
+    g.add_argument("--redis-sentinel-master", default="mymaster")
+    d = BatchSettings()
+    g.add_argument(
+        "--batch-max-file-mb",
+        type=float,
+        default=d.max_file_bytes / 2**20,
+        help="largest upload (files are kept whole in Redis)",
+    )
+    g.add_argument(
+        "--batch-max-concurrency",
+        type=int,
+        default=d.max_concurrency,
+        help="batch lines this frontend runs at once",
+    )
+    g.add_argument(
+        "--batch-priority",
+        type=int,
+        default=d.priority,
+        help="scheduler priority of batch lines (interactive requests: 0; it orders the queue "
+        "with the scheduler's --policy priority)",
+    )
+    g.add_argument(
+        "--batch-lease",
+        type=float,
+        default=d.lease_s,
+        help="seconds after which a batch whose frontend died is taken over",
+    )
+
+
+def batch_settings(args: argparse.Namespace, sentinel_password: str | None) -> BatchSettings:
+    if args.batch_max_concurrency < 1 or args.batch_max_file_mb <= 0 or args.batch_lease <= 0:
+        raise SystemExit("--batch-max-concurrency, --batch-max-file-mb, --batch-lease: > 0")
+    return BatchSettings(
+        redis_url=args.redis_url,
+        sentinels=args.redis_sentinel,
+        sentinel_master=args.redis_sentinel_master,
+        sentinel_password=sentinel_password,
+        max_file_bytes=int(args.batch_max_file_mb * 2**20),
+        max_concurrency=args.batch_max_concurrency,
+        priority=args.batch_priority,
+        lease_s=args.batch_lease,
+        poll_s=min(1.0, args.batch_lease / 4),
+    )

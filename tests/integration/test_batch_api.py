@@ -1,0 +1,180 @@
+"""The Batch API through the official `openai` client, on a real stack (Redis, executor,
+scheduler) and a frontend given the stack's Redis: per-line validation, outputs equal to the
+same requests sent interactively, cancel, and the completion window as a deadline."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import openai
+import pytest
+
+from tests.support.batches import canonical, jsonl, line_body, read_lines, wait_batch
+from tests.support.frontend import Frontend
+from tests.support.stack import llmserve_stack  # noqa: F401 - the fixture
+
+
+@pytest.fixture(scope="module")
+def batch_fe(llmserve_stack, tmp_path_factory):  # noqa: F811
+    fe = Frontend.start(
+        tmp_path_factory.mktemp("batch-fe"),
+        llmserve_stack.address,
+        "--redis-url", llmserve_stack.redis.url, "--batch-max-concurrency", "4",
+        "--batch-max-file-mb", "0.05",
+    )  # fmt: skip
+    try:
+        fe.wait_healthy()
+        yield fe
+    finally:
+        fe.stop()
+        assert "Traceback" not in fe.log(), fe.log()
+
+
+@pytest.fixture(scope="module")
+def boai(batch_fe):
+    return openai.OpenAI(base_url=f"{batch_fe.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def bmodel(boai) -> str:
+    return boai.models.list().data[0].id
+
+
+def _upload(oai, data: bytes):
+    return oai.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+
+
+def test_upload_reports_every_bad_line(boai):
+    good = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
+    rows = [
+        json.dumps(good),
+        "{not json",
+        json.dumps({**good, "custom_id": "b", "url": "/v1/images"}),
+        json.dumps({**good}),  # custom_id "a" again
+        json.dumps({**good, "custom_id": "c", "method": "GET"}),
+        json.dumps({**good, "custom_id": "d", "body": {"prompt": "x", "stream": True}}),
+        json.dumps({**good, "custom_id": ""}),
+    ]
+    with pytest.raises(openai.BadRequestError) as err:
+        _upload(boai, "\n".join(rows).encode())
+    message = err.value.body["message"]
+    for n in ("line 2: not JSON", "line 3: url must be one of", "line 4: custom_id 'a' is used"):
+        assert n in message
+    assert "(and 1 more)" in message  # six errors: the first five shown, then the count
+    assert err.value.body["param"] == "file"
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        boai.files.create(
+            file=("in.jsonl", io.BytesIO(json.dumps(good).encode())), purpose="fine-tune"
+        )
+    with pytest.raises(openai.APIStatusError) as big:
+        _upload(boai, b" " * 60_000)
+    assert big.value.status_code == 413
+    f = _upload(boai, json.dumps(good).encode())
+    assert (f.purpose, f.bytes) == ("batch", len(json.dumps(good)))
+    assert boai.files.retrieve(f.id).id == f.id
+    assert boai.files.content(f.id).content == json.dumps(good).encode()
+
+
+def test_create_refuses_what_it_cannot_honour(boai, bmodel):
+    f = _upload(boai, jsonl(bmodel, 1))
+    for kwargs, param in (
+        (dict(completion_window="forever"), "completion_window"),
+        (dict(endpoint="/v1/images"), "endpoint"),
+        (dict(extra_body={"priority": 3}), "priority"),
+    ):
+        args = dict(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        with pytest.raises(openai.BadRequestError) as err:
+            boai.batches.create(**{**args, **kwargs})
+        assert param in str(err.value.body)
+    with pytest.raises(openai.NotFoundError):
+        boai.batches.create(
+            input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h"
+        )
+
+
+def test_batch_lines_equal_interactive_answers(boai, bmodel, batch_fe):
+    n = 12
+    f = _upload(boai, jsonl(bmodel, n))
+    b = boai.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+        metadata={"job": "eq"},
+    )  # fmt: skip
+    assert b.status == "validating" and b.metadata == {"job": "eq"}
+    b = wait_batch(boai, b.id, {"completed", "failed"})
+    assert b.status == "completed", b
+    assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (
+        n,
+        n,
+        0,
+    )
+    assert b.error_file_id is None and b.completed_at >= b.in_progress_at >= b.created_at
+    out = read_lines(boai, b.output_file_id)
+    assert [x["custom_id"] for x in out] == [f"req-{i}" for i in range(n)]  # input order
+    for i, row in enumerate(out):
+        url, body = line_body(i, bmodel)
+        status, want = batch_fe.request("POST", url, body)
+        assert status == 200 and row["response"]["status_code"] == 200 and row["error"] is None
+        assert canonical(row["response"]["body"]) == canonical(want), (i, row, want)
+    listed = boai.batches.list(limit=100)
+    assert b.id in [x.id for x in listed.data]
+
+
+def test_failed_lines_go_to_the_error_file(boai, bmodel):
+    rows = [
+        {"custom_id": "ok", "method": "POST", "url": "/v1/completions",
+         "body": {"model": bmodel, "prompt": "hi", "max_tokens": 2}},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+         "body": {"model": bmodel, "prompt": "hi", "max_tokens": -3}},
+    ]  # fmt: skip
+    f = _upload(boai, "".join(json.dumps(r) + "\n" for r in rows).encode())
+    b = boai.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h")
+    b = wait_batch(boai, b.id, {"completed", "failed"})
+    assert (b.status, b.request_counts.completed, b.request_counts.failed) == ("completed", 1, 1)
+    (ok,) = read_lines(boai, b.output_file_id)
+    (bad,) = read_lines(boai, b.error_file_id)
+    assert ok["custom_id"] == "ok" and bad["custom_id"] == "bad"
+    assert bad["response"]["status_code"] == 400
+    assert "max_tokens" in json.dumps(bad["response"]["body"])
+
+
+def _long_batch(oai, model: str, n: int, window: str):
+    # Every line a completion of 256 tokens: long enough that a cancel or a short window comes
+    # while most still wait.
+    data = jsonl(model, n, max_tokens=256).replace(b'"/v1/embeddings"', b'"/v1/completions"')
+    data = data.replace(b'"input":', b'"max_tokens": 256, "ignore_eos": true, "prompt":')
+    f = _upload(oai, data)
+    return oai.batches.create(
+        input_file_id=f.id, endpoint="/v1/completions", completion_window=window
+    )
+
+
+def test_cancel_aborts_and_keeps_what_finished(boai, bmodel):
+    b = _long_batch(boai, bmodel, 40, "24h")
+    deadline = time.monotonic() + 120
+    while boai.batches.retrieve(b.id).request_counts.completed < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    c = boai.batches.cancel(b.id)
+    assert c.status in ("cancelling", "cancelled")
+    b = wait_batch(boai, b.id, {"cancelled"})
+    done = b.request_counts.completed
+    assert 2 <= done < 40 and b.request_counts.failed == 0 and b.cancelled_at >= b.cancelling_at
+    out, err = read_lines(boai, b.output_file_id), read_lines(boai, b.error_file_id)
+    assert len(out) == done and len(err) == 40 - done
+    assert {e["error"]["code"] for e in err} == {"batch_cancelled"}
+    assert sorted(x["custom_id"] for x in out + err) == sorted(f"req-{i}" for i in range(40))
+    with pytest.raises(openai.BadRequestError):
+        boai.batches.cancel(
+            wait_batch(boai, _long_batch(boai, bmodel, 1, "1h").id, {"completed"}).id
+        )
+
+
+def test_completion_window_expires_the_batch(boai, bmodel):
+    b = _long_batch(boai, bmodel, 60, "2s")
+    b = wait_batch(boai, b.id, {"expired", "completed"}, timeout=60)
+    assert b.status == "expired" and b.expired_at - b.created_at < 10
+    out, err = read_lines(boai, b.output_file_id), read_lines(boai, b.error_file_id)
+    assert len(out) == b.request_counts.completed and len(out) < 60
+    assert {e["error"]["code"] for e in err} == {"batch_expired"} and len(out) + len(err) == 60
