@@ -178,3 +178,42 @@ def test_completion_window_expires_the_batch(boai, bmodel):
     out, err = read_lines(boai, b.output_file_id), read_lines(boai, b.error_file_id)
     assert len(out) == b.request_counts.completed and len(out) < 60
     assert {e["error"]["code"] for e in err} == {"batch_expired"} and len(out) + len(err) == 60
+
+
+def test_a_batch_belongs_to_its_api_key(llmserve_stack, tmp_path_factory, bmodel):  # noqa: F811
+    tmp = tmp_path_factory.mktemp("batch-keys")
+    (tmp / "keys").write_text("key-one alice\nkey-two bob\n")
+    fe = Frontend.start(
+        tmp, llmserve_stack.address,
+        "--redis-url", llmserve_stack.redis.url, "--api-key-file", str(tmp / "keys"),
+    )  # fmt: skip
+    try:
+        fe.wait_healthy()
+        url = f"{fe.base_url}/v1"
+        alice = openai.OpenAI(base_url=url, api_key="key-one", max_retries=0)
+        bob = openai.OpenAI(base_url=url, api_key="key-two", max_retries=0)
+        f = _upload(alice, jsonl(bmodel, 3))
+        b = alice.batches.create(
+            input_file_id=f.id, endpoint="/v1/completions", completion_window="1h"
+        )
+        # The runner acts with alice's key, found among the frontend's keys by its digest.
+        b = wait_batch(alice, b.id, {"completed", "failed"})
+        assert (b.status, b.request_counts.completed) == ("completed", 3)
+        for call in (
+            lambda: bob.batches.retrieve(b.id),
+            lambda: bob.batches.cancel(b.id),
+            lambda: bob.files.retrieve(f.id),
+            lambda: bob.files.content(b.output_file_id),
+            lambda: bob.batches.create(
+                input_file_id=f.id, endpoint="/v1/completions", completion_window="1h"
+            ),
+        ):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        assert b.id not in [x.id for x in bob.batches.list().data]
+        assert b.id in [x.id for x in alice.batches.list().data]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="nope", max_retries=0).batches.list()
+    finally:
+        fe.stop()
+    assert "Traceback" not in fe.log(), fe.log()
