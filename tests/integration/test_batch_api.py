@@ -8,9 +8,11 @@ import io
 import json
 import time
 
+import grpc
 import openai
 import pytest
 
+from client import LLMClient, LLMServeError
 from tests.support.batches import canonical, jsonl, line_body, read_lines, wait_batch
 from tests.support.frontend import Frontend
 from tests.support.stack import llmserve_stack  # noqa: F401 - the fixture
@@ -94,9 +96,25 @@ def test_create_refuses_what_it_cannot_honour(boai, bmodel):
         )
 
 
+def _extra_lines(model: str) -> list[tuple[str, dict]]:
+    """Lines with several choices, logprobs and base64 vectors: answers with more moving parts."""
+    chat = {"model": model, "messages": [{"role": "user", "content": "Two tales"}]}
+    return [
+        ("/v1/chat/completions", {**chat, "n": 2, "temperature": 0.8, "seed": 7, "max_tokens": 6,
+                                  "logprobs": True, "top_logprobs": 2}),
+        ("/v1/completions", {"model": model, "prompt": "abc", "max_tokens": 5, "logprobs": 2,
+                             "temperature": 0.7, "seed": 3, "ignore_eos": True}),
+        ("/v1/embeddings", {"model": model, "input": ["one", "two"], "encoding_format": "base64"}),
+    ]  # fmt: skip
+
+
 def test_batch_lines_equal_interactive_answers(boai, bmodel, batch_fe):
-    n = 12
-    f = _upload(boai, jsonl(bmodel, n))
+    lines = [line_body(i, bmodel) for i in range(12)] + _extra_lines(bmodel)
+    rows = [
+        {"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body}
+        for i, (url, body) in enumerate(lines)
+    ]
+    f = _upload(boai, "".join(json.dumps(r) + "\n" for r in rows).encode())
     b = boai.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
         metadata={"job": "eq"},
@@ -104,21 +122,23 @@ def test_batch_lines_equal_interactive_answers(boai, bmodel, batch_fe):
     assert b.status == "validating" and b.metadata == {"job": "eq"}
     b = wait_batch(boai, b.id, {"completed", "failed"})
     assert b.status == "completed", b
-    assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (
-        n,
-        n,
-        0,
-    )
+    counts = b.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (len(lines), len(lines), 0)
     assert b.error_file_id is None and b.completed_at >= b.in_progress_at >= b.created_at
     out = read_lines(boai, b.output_file_id)
-    assert [x["custom_id"] for x in out] == [f"req-{i}" for i in range(n)]  # input order
-    for i, row in enumerate(out):
-        url, body = line_body(i, bmodel)
+    assert [x["custom_id"] for x in out] == [r["custom_id"] for r in rows]  # input order
+    for (url, body), row in zip(lines, out, strict=True):
         status, want = batch_fe.request("POST", url, body)
         assert status == 200 and row["response"]["status_code"] == 200 and row["error"] is None
-        assert canonical(row["response"]["body"]) == canonical(want), (i, row, want)
-    listed = boai.batches.list(limit=100)
-    assert b.id in [x.id for x in listed.data]
+        assert canonical(row["response"]["body"]) == canonical(want), (row, want)
+    assert len(out[12]["response"]["body"]["choices"]) == 2  # n=2 ran as two sequences
+    # The list, newest first, paged with after/limit.
+    later = boai.batches.create(
+        input_file_id=f.id, endpoint="/v1/completions", completion_window="1h"
+    )
+    page = boai.batches.list(limit=1)
+    assert [x.id for x in page.data] == [later.id] and page.has_more
+    assert boai.batches.list(limit=1, after=later.id).data[0].id == b.id
 
 
 def test_failed_lines_go_to_the_error_file(boai, bmodel):
@@ -150,7 +170,7 @@ def _long_batch(oai, model: str, n: int, window: str):
     )
 
 
-def test_cancel_aborts_and_keeps_what_finished(boai, bmodel):
+def test_cancel_aborts_and_keeps_what_finished(boai, bmodel, llmserve_stack):  # noqa: F811
     b = _long_batch(boai, bmodel, 40, "24h")
     deadline = time.monotonic() + 120
     while boai.batches.retrieve(b.id).request_counts.completed < 2:
@@ -165,6 +185,21 @@ def test_cancel_aborts_and_keeps_what_finished(boai, bmodel):
     assert len(out) == done and len(err) == 40 - done
     assert {e["error"]["code"] for e in err} == {"batch_cancelled"}
     assert sorted(x["custom_id"] for x in out + err) == sorted(f"req-{i}" for i in range(40))
+    # On the scheduler: lines ran at the batch priority; those cut short were aborted there
+    # (or never sent), none left running.
+    with LLMClient(llmserve_stack.address, timeout=30) as grpc_client:
+        ran = grpc_client.get_request(f"{b.id}-{out[0]['custom_id'].removeprefix('req-')}")
+        assert ran.priority == -1 and ran.outputs[0].finish_reason == "length"
+        reasons = []
+        for e in err:
+            try:
+                state = grpc_client.get_request(f"{b.id}-{e['custom_id'].removeprefix('req-')}")
+            except LLMServeError as x:
+                assert x.code == grpc.StatusCode.NOT_FOUND
+                continue
+            assert state.finished, state
+            reasons.append(state.outputs[0].finish_reason)
+        assert reasons and set(reasons) == {"abort"}
     with pytest.raises(openai.BadRequestError):
         boai.batches.cancel(
             wait_batch(boai, _long_batch(boai, bmodel, 1, "1h").id, {"completed"}).id
