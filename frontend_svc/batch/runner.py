@@ -29,7 +29,7 @@ import structlog
 
 from frontend_svc.batch.lines import BatchLine, parse_lines
 from frontend_svc.batch.settings import BatchSettings, key_fingerprint
-from frontend_svc.batch.store import BatchStore
+from frontend_svc.batch.store import FINAL, BatchStore
 
 log = structlog.get_logger(__name__)
 
@@ -114,7 +114,8 @@ class BatchRunner:
 
     async def _run(self, bid: str) -> None:
         b = await self.store.batch(bid)
-        if b is None:
+        if b is None or b["status"] in FINAL:  # gone, or final but still listed (a crash)
+            await self.store.forget_active(bid)
             return
         obj = json.loads(b["obj"])
         if b["status"] == "validating":

@@ -139,11 +139,14 @@ class BatchStore:
         args = [to, int(time.time()), *sets, "|", *allowed]
         moved = bool(await self._move(keys=[f"{P}batch:{bid}"], args=args))
         if moved and to in FINAL:
-            await self.redis.srem(ACTIVE, bid)
+            await self.forget_active(bid)
         return moved
 
     async def set_fields(self, bid: str, **fields: Any) -> None:
         await self.redis.hset(f"{P}batch:{bid}", mapping={k: str(v) for k, v in fields.items()})
+
+    async def forget_active(self, bid: str) -> None:
+        await self.redis.srem(ACTIVE, bid)
 
     async def active_ids(self) -> list[str]:
         return sorted(_s(b) for b in await self.redis.smembers(ACTIVE))

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
+import redis as redis_lib
 
 from frontend_svc.batch.redis_conn import connect
 from frontend_svc.batch.store import ACTIVE, BatchStore
 from scheduler_svc.local.redis_server import RedisServer
+from tests.support.redis_ha import MASTER, RedisHA
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +28,7 @@ def redis_url(tmp_path_factory):
 
 
 def _run(redis_url, body):
-    async def main():
-        store = BatchStore(connect(redis_url))
-        try:
-            return await body(store)
-        finally:
-            await store.close()
-
-    return asyncio.run(main())
+    return asyncio.run(_with_store(connect(redis_url), body))
 
 
 def test_a_result_is_recorded_and_counted_once(redis_url):
@@ -80,3 +76,41 @@ def test_statuses_move_only_forward(redis_url):
     assert b["status"] == "cancelled" and b["total"] == "3"
     assert int(b["cancelled_at"]) >= int(b["in_progress_at"]) and "batch_s" not in active
     assert json.loads(b["obj"]) == {"id": "batch_s"}
+
+
+def test_the_store_follows_sentinel_to_a_new_primary(tmp_path):
+    """--redis-sentinel: after kill -9 of the primary, the store's writes go to the node Sentinel
+    promotes, and what a replica had acknowledged is there."""
+    ha = RedisHA(tmp_path / "ha").start()
+
+    async def go(store: BatchStore) -> tuple[float, dict[int, str]]:
+        await store.create_batch({"id": "batch_ha"}, "o", "o")
+        assert await store.record("batch_ha", 0, "zero", True)
+        assert await store.redis.execute_command("WAIT", 1, 2000) >= 1
+        old = ha.kill_primary()
+        t0 = time.monotonic()
+        while True:  # as the runner does: a failed write is tried again
+            try:
+                assert await store.record("batch_ha", 1, "one", True)
+                break
+            except redis_lib.RedisError:
+                assert time.monotonic() - t0 < 30, "no new primary took the write"
+                await asyncio.sleep(0.1)
+        assert ha.wait_failover(old) is not old
+        return time.monotonic() - t0, await store.results("batch_ha")
+
+    try:
+        outage, results = asyncio.run(
+            _with_store(connect("redis://", ha.sentinel_addresses, MASTER), go)
+        )
+    finally:
+        ha.close()
+    assert results == {0: "zero", 1: "one"} and outage < 15
+
+
+async def _with_store(client, body):
+    store = BatchStore(client)
+    try:
+        return await body(store)
+    finally:
+        await store.close()
