@@ -77,6 +77,9 @@ def test_upload_reports_every_bad_line(boai):
     assert (f.purpose, f.bytes) == ("batch", len(json.dumps(good)))
     assert boai.files.retrieve(f.id).id == f.id
     assert boai.files.content(f.id).content == json.dumps(good).encode()
+    assert boai.files.delete(f.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        boai.files.retrieve(f.id)
 
 
 def test_create_refuses_what_it_cannot_honour(boai, bmodel):
