@@ -29,6 +29,15 @@ def add_batch_flags(p: argparse.ArgumentParser) -> None:
         help="host:port[,host:port...] of Sentinels naming the primary (as the scheduler's)",
     )
     g.add_argument("--redis-sentinel-master", default="mymaster")
+    g.add_argument(
+        "--redis-min-replicas",
+        type=int,
+        default=0,
+        help="replicas that must acknowledge (WAIT) an upload, a new batch, a cancel and a "
+        "batch's end before the client is told (as the scheduler's flag; 0: the primary's "
+        "reply is enough)",
+    )
+    g.add_argument("--redis-replica-timeout-ms", type=int, default=1000)
     d = BatchSettings()
     g.add_argument(
         "--batch-max-file-mb",
@@ -60,11 +69,15 @@ def add_batch_flags(p: argparse.ArgumentParser) -> None:
 def batch_settings(args: argparse.Namespace, sentinel_password: str | None) -> BatchSettings:
     if args.batch_max_concurrency < 1 or args.batch_max_file_mb <= 0 or args.batch_lease <= 0:
         raise SystemExit("--batch-max-concurrency, --batch-max-file-mb, --batch-lease: > 0")
+    if args.redis_min_replicas < 0 or args.redis_replica_timeout_ms < 1:
+        raise SystemExit("--redis-min-replicas >= 0 and --redis-replica-timeout-ms >= 1")
     return BatchSettings(
         redis_url=args.redis_url,
         sentinels=args.redis_sentinel,
         sentinel_master=args.redis_sentinel_master,
         sentinel_password=sentinel_password,
+        min_replicas=args.redis_min_replicas,
+        replica_timeout_ms=args.redis_replica_timeout_ms,
         max_file_bytes=int(args.batch_max_file_mb * 2**20),
         max_concurrency=args.batch_max_concurrency,
         priority=args.batch_priority,

@@ -5,25 +5,45 @@ from __future__ import annotations
 
 import email.parser
 import email.policy
+import functools
 import json
 import time
 import uuid
 from typing import Any
 
+import structlog
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
+from redis.exceptions import RedisError
 from starlette.requests import Request
 
 from frontend_svc.auth import caller_key
 from frontend_svc.batch.lines import ENDPOINTS, parse_lines, parse_window
 from frontend_svc.batch.settings import BatchSettings, key_fingerprint
-from frontend_svc.batch.store import BatchStore
+from frontend_svc.batch.store import BatchStore, NotReplicated
 from frontend_svc.errors import APIError, bad_request
 
+log = structlog.get_logger(__name__)
 router = APIRouter()
 _TIMES = ("in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")
 MAX_ERRORS_SHOWN = 5
+
+
+def _store_errors(route):
+    """Redis away, or too few replicas acknowledging: a 503 the client can retry, not a 500."""
+
+    @functools.wraps(route)
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await route(*args, **kwargs)
+        except (RedisError, NotReplicated) as e:
+            log.warning("batch.store_unavailable", error=str(e))
+            raise APIError(
+                503, "the batch store (Redis) is unavailable; retry", type="service_unavailable"
+            ) from None
+
+    return call
 
 
 def _store(request: Request) -> tuple[BatchStore, BatchSettings, str]:
@@ -65,6 +85,7 @@ def _form(content_type: str, body: bytes) -> dict[str, tuple[str | None, bytes]]
 
 
 @router.post("/v1/files")
+@_store_errors
 async def create_file(request: Request):
     store, settings, owner = _store(request)
     body = await _body_limited(request, settings.max_file_bytes + 64 * 1024)
@@ -102,6 +123,7 @@ async def create_file(request: Request):
 
 
 @router.get("/v1/files/{file_id}")
+@_store_errors
 async def get_file(file_id: str, request: Request):
     store, _, owner = _store(request)
     meta = await store.file_meta(file_id, owner)
@@ -111,6 +133,7 @@ async def get_file(file_id: str, request: Request):
 
 
 @router.get("/v1/files/{file_id}/content")
+@_store_errors
 async def file_content(file_id: str, request: Request):
     store, _, owner = _store(request)
     if await store.file_meta(file_id, owner) is None:
@@ -120,6 +143,7 @@ async def file_content(file_id: str, request: Request):
 
 
 @router.delete("/v1/files/{file_id}")
+@_store_errors
 async def delete_file(file_id: str, request: Request):
     store, _, owner = _store(request)
     if await store.file_meta(file_id, owner) is None:
@@ -155,6 +179,7 @@ def batch_object(b: dict[str, str]) -> dict[str, Any]:
 
 
 @router.post("/v1/batches")
+@_store_errors
 async def create_batch(body: CreateBatchRequest, request: Request):
     store, _, owner = _store(request)
     if body.endpoint not in ENDPOINTS:
@@ -191,12 +216,14 @@ async def _owned(store: BatchStore, bid: str, owner: str) -> dict[str, str]:
 
 
 @router.get("/v1/batches/{batch_id}")
+@_store_errors
 async def get_batch(batch_id: str, request: Request):
     store, _, owner = _store(request)
     return batch_object(await _owned(store, batch_id, owner))
 
 
 @router.get("/v1/batches")
+@_store_errors
 async def list_batches(
     request: Request, after: str | None = None, limit: int = Query(default=20, ge=1, le=100)
 ):
@@ -215,6 +242,7 @@ async def list_batches(
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
+@_store_errors
 async def cancel_batch(batch_id: str, request: Request):
     store, _, owner = _store(request)
     b = await _owned(store, batch_id, owner)

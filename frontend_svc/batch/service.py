@@ -26,7 +26,7 @@ async def open_batches(
         settings.sentinel_master,
         sentinel_password=settings.sentinel_password,
     )
-    store = BatchStore(redis)
+    store = BatchStore(redis, settings.min_replicas, settings.replica_timeout_ms)
     app.state.batch_store = store
     runner = BatchRunner(store, app, settings, api_keys)
     runner.start()

@@ -12,6 +12,8 @@ class BatchSettings:
     sentinels: tuple[tuple[str, int], ...] = ()
     sentinel_master: str = "mymaster"
     sentinel_password: str | None = None
+    min_replicas: int = 0  # replicas that acknowledge (WAIT) what a client is told is stored
+    replica_timeout_ms: int = 1000
     max_file_bytes: int = 32 * 2**20  # a file lives whole in one Redis hash field
     max_concurrency: int = 16  # lines of one runner in flight at once (all its batches)
     priority: int = -1  # below interactive requests' default 0 (scheduler --policy priority)

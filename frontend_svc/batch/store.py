@@ -23,11 +23,17 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-__all__ = ["ACTIVE", "FINAL", "BatchStore"]
+__all__ = ["ACTIVE", "FINAL", "BatchStore", "NotReplicated"]
 
 P = "llmserve:"
 FINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 ACTIVE = P + "batches:active"
+BARRIER = P + "batches:barrier"
+
+
+class NotReplicated(Exception):
+    """Fewer replicas than asked acknowledged a write within the timeout."""
+
 
 # KEYS: batch, results. ARGV: index, line, counter field. 1 when this call recorded it.
 _RECORD = """
@@ -69,8 +75,11 @@ def _s(v: Any) -> str:
 class BatchStore:
     """The Batch API's only reader and writer of Redis."""
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, min_replicas: int = 0, replica_timeout_ms: int = 1000
+    ) -> None:
         self.redis = redis
+        self.min_replicas, self.replica_timeout_ms = min_replicas, replica_timeout_ms
         self._record = redis.register_script(_RECORD)
         self._move = redis.register_script(_MOVE)
         self._renew = redis.register_script(_RENEW)
@@ -79,6 +88,19 @@ class BatchStore:
     async def close(self) -> None:
         await self.redis.aclose()
 
+    async def replicated(self) -> None:
+        """Return once `min_replicas` replicas hold every write made so far (by any connection):
+        WAIT counts its own connection's last write, so a barrier write goes first on the same
+        connection, and the replication stream is ordered. NotReplicated when too few did."""
+        if self.min_replicas == 0:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.incr(BARRIER)
+            pipe.execute_command("WAIT", self.min_replicas, self.replica_timeout_ms)
+            _, acked = await pipe.execute()
+        if acked < self.min_replicas:
+            raise NotReplicated(f"{acked} of {self.min_replicas} replicas acknowledged the write")
+
     # files
 
     async def put_file(self, meta: dict[str, Any], owner: str, content: bytes) -> None:
@@ -86,6 +108,7 @@ class BatchStore:
             f"{P}file:{meta['id']}",
             mapping={"meta": json.dumps(meta), "owner": owner, "content": content},
         )
+        await self.replicated()
 
     async def file_meta(self, file_id: str, owner: str) -> dict[str, Any] | None:
         """The file object, or None when there is none of this owner's by that id."""
@@ -120,6 +143,7 @@ class BatchStore:
             pipe.sadd(ACTIVE, bid)
             pipe.lpush(f"{P}batches:owner:{owner}", bid)
             await pipe.execute()
+        await self.replicated()
 
     async def batch(self, bid: str) -> dict[str, str] | None:
         """The batch's hash as text fields, or None."""
@@ -140,6 +164,8 @@ class BatchStore:
         moved = bool(await self._move(keys=[f"{P}batch:{bid}"], args=args))
         if moved and to in FINAL:
             await self.forget_active(bid)
+        if moved and (to in FINAL or to == "cancelling"):
+            await self.replicated()  # what a client is told
         return moved
 
     async def set_fields(self, bid: str, **fields: Any) -> None:

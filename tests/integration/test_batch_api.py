@@ -255,3 +255,20 @@ def test_a_batch_belongs_to_its_api_key(llmserve_stack, tmp_path_factory, bmodel
     finally:
         fe.stop()
     assert "Traceback" not in fe.log(), fe.log()
+
+
+def test_an_upload_no_replica_acknowledged_is_a_503(llmserve_stack, tmp_path_factory):  # noqa: F811
+    fe = Frontend.start(
+        tmp_path_factory.mktemp("batch-wait"), llmserve_stack.address,
+        "--redis-url", llmserve_stack.redis.url, "--redis-min-replicas", "1",
+        "--redis-replica-timeout-ms", "50",
+    )  # fmt: skip
+    try:
+        fe.wait_healthy()
+        oai = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as err:
+            _upload(oai, jsonl("m", 1))
+        assert err.value.status_code == 503 and "Redis" in err.value.body["message"]
+    finally:
+        fe.stop()
+    assert "Traceback" not in fe.log(), fe.log()

@@ -12,7 +12,7 @@ import pytest
 import redis as redis_lib
 
 from frontend_svc.batch.redis_conn import connect
-from frontend_svc.batch.store import ACTIVE, BatchStore
+from frontend_svc.batch.store import ACTIVE, BatchStore, NotReplicated
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.redis_ha import MASTER, RedisHA
 
@@ -84,9 +84,9 @@ def test_the_store_follows_sentinel_to_a_new_primary(tmp_path):
     ha = RedisHA(tmp_path / "ha").start()
 
     async def go(store: BatchStore) -> tuple[float, dict[int, str]]:
-        await store.create_batch({"id": "batch_ha"}, "o", "o")
+        await store.create_batch({"id": "batch_ha"}, "o", "o")  # WAITs for a replica
         assert await store.record("batch_ha", 0, "zero", True)
-        assert await store.redis.execute_command("WAIT", 1, 2000) >= 1
+        await store.replicated()
         old = ha.kill_primary()
         t0 = time.monotonic()
         while True:  # as the runner does: a failed write is tried again
@@ -101,16 +101,27 @@ def test_the_store_follows_sentinel_to_a_new_primary(tmp_path):
 
     try:
         outage, results = asyncio.run(
-            _with_store(connect("redis://", ha.sentinel_addresses, MASTER), go)
+            _with_store(connect("redis://", ha.sentinel_addresses, MASTER), go, min_replicas=1)
         )
     finally:
         ha.close()
     assert results == {0: "zero", 1: "one"} and outage < 15
 
 
-async def _with_store(client, body):
-    store = BatchStore(client)
+async def _with_store(client, body, **store_args):
+    store = BatchStore(client, **store_args)
     try:
         return await body(store)
     finally:
         await store.close()
+
+
+def test_a_write_too_few_replicas_hold_is_not_reported_stored(redis_url):
+    """--redis-min-replicas 1 on a Redis without replicas: the upload is refused (the route
+    answers 503), not acknowledged as durable."""
+
+    async def body(store: BatchStore):
+        with pytest.raises(NotReplicated, match="0 of 1"):
+            await store.put_file({"id": "file-x"}, "o", b"{}")
+
+    asyncio.run(_with_store(connect(redis_url), body, min_replicas=1, replica_timeout_ms=50))
