@@ -52,6 +52,7 @@ class BatchRunner:
         self.holder = uuid.uuid4().hex  # this runner's name on the leases it holds
         self.running: dict[str, asyncio.Task] = {}
         self._keys = {key_fingerprint(k): k for k in api_keys}
+        self._foreign: set[str] = set()  # batches of keys this frontend lacks (logged once)
         self._slots = asyncio.Semaphore(settings.max_concurrency)
         # raise_app_exceptions=False: the app answers 500 for a bug; the line records it.
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -78,6 +79,8 @@ class BatchRunner:
         while True:
             try:
                 for bid in await self.store.active_ids():
+                    if bid in self._foreign:
+                        continue
                     if bid not in self.running and await self.store.claim(
                         bid, self.holder, self._lease_ms
                     ):
@@ -116,6 +119,13 @@ class BatchRunner:
         b = await self.store.batch(bid)
         if b is None or b["status"] in FINAL:  # gone, or final but still listed (a crash)
             await self.store.forget_active(bid)
+            return
+        if b["key_fp"] and b["key_fp"] not in self._keys:
+            # Made with a key this frontend was not given: another frontend must run it (the
+            # lines belong to that key on the scheduler; acting with another would be wrong).
+            if bid not in self._foreign:
+                self._foreign.add(bid)
+                log.warning("batch.key_unknown_here", batch_id=bid)
             return
         obj = json.loads(b["obj"])
         if b["status"] == "validating":
