@@ -174,7 +174,8 @@ def _long_batch(oai, model: str, n: int, window: str):
 
 
 def test_cancel_aborts_and_keeps_what_finished(boai, bmodel, llmserve_stack):  # noqa: F811
-    b = _long_batch(boai, bmodel, 40, "24h")
+    n = 100  # of 256 tokens each, 4 at a time: a cancel comes long before the last
+    b = _long_batch(boai, bmodel, n, "24h")
     deadline = time.monotonic() + 120
     while boai.batches.retrieve(b.id).request_counts.completed < 2:
         assert time.monotonic() < deadline
@@ -183,13 +184,15 @@ def test_cancel_aborts_and_keeps_what_finished(boai, bmodel, llmserve_stack):  #
     assert c.status in ("cancelling", "cancelled")
     b = wait_batch(boai, b.id, {"cancelled"})
     done = b.request_counts.completed
-    assert 2 <= done < 40 and b.request_counts.failed == 0 and b.cancelled_at >= b.cancelling_at
+    assert 2 <= done < n and b.request_counts.failed == 0, b
+    assert b.cancelled_at >= b.cancelling_at, b
     out, err = read_lines(boai, b.output_file_id), read_lines(boai, b.error_file_id)
-    assert len(out) == done and len(err) == 40 - done
+    assert len(out) == done and len(err) == n - done
     assert {e["error"]["code"] for e in err} == {"batch_cancelled"}
-    assert sorted(x["custom_id"] for x in out + err) == sorted(f"req-{i}" for i in range(40))
-    # On the scheduler: lines ran at the batch priority; those cut short were aborted there
-    # (or never sent), none left running.
+    assert sorted(x["custom_id"] for x in out + err) == sorted(f"req-{i}" for i in range(n))
+    # On the scheduler: lines ran at the batch priority; those in flight at the cancel were
+    # aborted there (one may have finished in the instant before its abort: reported cancelled
+    # all the same, as its answer was never recorded), the rest never sent; none left running.
     with LLMClient(llmserve_stack.address, timeout=30) as grpc_client:
         ran = grpc_client.get_request(f"{b.id}-{out[0]['custom_id'].removeprefix('req-')}")
         assert ran.priority == -1 and ran.outputs[0].finish_reason == "length"
@@ -202,7 +205,7 @@ def test_cancel_aborts_and_keeps_what_finished(boai, bmodel, llmserve_stack):  #
                 continue
             assert state.finished, state
             reasons.append(state.outputs[0].finish_reason)
-        assert reasons and set(reasons) == {"abort"}
+        assert "abort" in reasons and set(reasons) <= {"abort", "length"}, reasons
     with pytest.raises(openai.BadRequestError):
         boai.batches.cancel(
             wait_batch(boai, _long_batch(boai, bmodel, 1, "1h").id, {"completed"}).id
