@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 
 from frontend_svc.batch.redis_conn import parse_sentinels
 from frontend_svc.batch.settings import BatchSettings
@@ -25,17 +26,19 @@ def add_batch_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--redis-sentinel",
         type=_sentinels,
-        default=(),
-        help="host:port[,host:port...] of Sentinels naming the primary (as the scheduler's)",
+        help="host:port[,host:port...] of Sentinels naming the primary, as the scheduler's "
+        "(default $LLMSERVE_REDIS_SENTINEL)",
     )
-    g.add_argument("--redis-sentinel-master", default="mymaster")
+    g.add_argument(
+        "--redis-sentinel-master",
+        help="the primary's name (default $LLMSERVE_REDIS_SENTINEL_MASTER or mymaster)",
+    )
     g.add_argument(
         "--redis-min-replicas",
         type=int,
-        default=0,
         help="replicas that must acknowledge (WAIT) an upload, a new batch, a cancel and a "
-        "batch's end before the client is told (as the scheduler's flag; 0: the primary's "
-        "reply is enough)",
+        "batch's end before the client is told, as the scheduler's flag (default "
+        "$LLMSERVE_REDIS_MIN_REPLICAS or 0: the primary's reply is enough)",
     )
     g.add_argument("--redis-replica-timeout-ms", type=int, default=1000)
     d = BatchSettings()
@@ -66,17 +69,33 @@ def add_batch_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def batch_settings(args: argparse.Namespace, sentinel_password: str | None) -> BatchSettings:
+def batch_settings(args: argparse.Namespace, env: Mapping[str, str]) -> BatchSettings:
+    """The flags, falling back on the scheduler's variables in `env` (handed over by
+    frontend_svc/config.py, the one module that reads the environment)."""
     if args.batch_max_concurrency < 1 or args.batch_max_file_mb <= 0 or args.batch_lease <= 0:
         raise SystemExit("--batch-max-concurrency, --batch-max-file-mb, --batch-lease: > 0")
-    if args.redis_min_replicas < 0 or args.redis_replica_timeout_ms < 1:
+    sentinels = args.redis_sentinel
+    if sentinels is None and env.get("LLMSERVE_REDIS_SENTINEL"):
+        try:
+            sentinels = parse_sentinels(env["LLMSERVE_REDIS_SENTINEL"])
+        except ValueError as e:
+            raise SystemExit(f"LLMSERVE_REDIS_SENTINEL: {e}") from None
+    min_replicas = args.redis_min_replicas
+    if min_replicas is None:
+        text = env.get("LLMSERVE_REDIS_MIN_REPLICAS") or "0"
+        if not text.isdigit():
+            raise SystemExit(f"LLMSERVE_REDIS_MIN_REPLICAS must be a count, not {text!r}")
+        min_replicas = int(text)
+    if min_replicas < 0 or args.redis_replica_timeout_ms < 1:
         raise SystemExit("--redis-min-replicas >= 0 and --redis-replica-timeout-ms >= 1")
     return BatchSettings(
         redis_url=args.redis_url,
-        sentinels=args.redis_sentinel,
-        sentinel_master=args.redis_sentinel_master,
-        sentinel_password=sentinel_password,
-        min_replicas=args.redis_min_replicas,
+        sentinels=sentinels or (),
+        sentinel_master=args.redis_sentinel_master
+        or env.get("LLMSERVE_REDIS_SENTINEL_MASTER")
+        or "mymaster",
+        sentinel_password=env.get("LLMSERVE_REDIS_SENTINEL_PASSWORD") or None,
+        min_replicas=min_replicas,
         replica_timeout_ms=args.redis_replica_timeout_ms,
         max_file_bytes=int(args.batch_max_file_mb * 2**20),
         max_concurrency=args.batch_max_concurrency,
