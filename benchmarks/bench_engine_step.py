@@ -44,8 +44,15 @@ from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E40
 from scheduler_svc.engine.fleet import step_message  # noqa: E402
 from scheduler_svc.engine.step_results import process_step_outputs  # noqa: E402
 from scheduler_svc.engine.streams import EngineStep, RequestHandle  # noqa: E402
+from scheduler_svc.features.base import Features  # noqa: E402
+from scheduler_svc.features.prompt_logprobs.feature import PromptLogprobs  # noqa: E402
 from scheduler_svc.output.tokenizer import load_tokenizer  # noqa: E402
 from scheduler_svc.state.store import _pack_appends  # noqa: E402
+
+# The hooks process_step_outputs calls in a default engine (features/registry.py): prompt
+# logprobs' on_reply, every step; the other features only hook the admission of requests that
+# use them (these do not) or run outside this function. Their cost is in `process`.
+FEATURES = Features([PromptLogprobs()])
 
 PROMPT_LEN = 32
 NOTES = ROOT / "docs" / "bench-notes" / "engine_step.md"
@@ -93,6 +100,8 @@ async def run(batch: int, steps: int, stop: list[str], streams: bool) -> dict[st
         prompt = [rng.randrange(6, vocab) for _ in range(PROMPT_LEN)]
         h = RequestHandle(f"{i:032x}", prompt, params, 0, float(i))
         h.init_outputs(tok, [1], 4096)
+        for admit in FEATURES.admit:  # as RequestTable.add
+            admit(h)
         requests[h.req_id] = h
         sched.add_request(Request(h.req_id, prompt, params, arrival_time=float(i)))
     counts = [0]
@@ -114,7 +123,7 @@ async def run(batch: int, steps: int, stop: list[str], streams: bool) -> dict[st
         t3 = clock()
         resp = epb.ExecuteModelResponse.FromString(payload)
         record = EngineStep()
-        process_step_outputs(sched, requests, out, resp, record)
+        process_step_outputs(sched, requests, out, resp, record, FEATURES)
         for req in sched.take_finished_requests():  # as RequestTable.finish_ended_in_core
             handle = requests[req.req_id]
             handle.finished_in_engine = True

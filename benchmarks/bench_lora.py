@@ -1,4 +1,4 @@
-"""Multi-LoRA decode throughput and adapter swap-in time (executor_svc/lora).
+"""Multi-LoRA decode throughput and adapter swap-in time (executor_svc/features/lora).
 
 Model: the SmolLM-135M-shaped random Llama of bench_decode.py (fp32, CPU). Adapters: PEFT
 directories written here (random A and B, rank ``--rank``, every projection q/k/v/o/gate/up/down
@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from executor_svc.lora.manager import LoraConfig  # noqa: E402
+from executor_svc.features.lora.manager import LoraConfig  # noqa: E402
 from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
 from executor_svc.runner.sampler import SamplingParams  # noqa: E402
 from tests.support.model_factory import make_tiny_checkpoint  # noqa: E402

@@ -40,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from executor_svc.demo.demo_model import ensure_demo_model  # noqa: E402
 from scheduler_svc.core.sampling_params import SamplingParams  # noqa: E402
-from scheduler_svc.engine import Engine, EngineConfig, GenerateInput  # noqa: E402
+from scheduler_svc.engine.config import EngineConfig, GenerateInput  # noqa: E402
+from scheduler_svc.engine.engine import Engine  # noqa: E402
 from scheduler_svc.local.redis_server import RedisServer  # noqa: E402
 from scheduler_svc.logging import configure_logging  # noqa: E402
 from scheduler_svc.state.persister import PersisterStats  # noqa: E402

@@ -207,7 +207,7 @@ def run_all(args: argparse.Namespace, model_dir: Path, tok, tmp: Path) -> None:
     else:
         target = Path(args.model) if args.model else model_dir
         if target.suffix == ".gguf":
-            from executor_svc.runner.gguf.hf_files import prepare
+            from executor_svc.features.gguf.hf_files import prepare
 
             target = prepare(target)
         runner = ModelRunner(target, block_size=16, num_device_blocks=64 * 48, dtype=args.dtype)

@@ -53,9 +53,9 @@ def in_process(model_dir: Path, num: int) -> None:
     from scheduler_svc.core.sampling_params import SamplingParams as CoreParams
     from scheduler_svc.core.scheduler_output import SchedulerOutput
     from scheduler_svc.engine.fleet.step_message import execute_request
-    from scheduler_svc.grammar.bitmask import allowed_ids, decode_rows
-    from scheduler_svc.grammar.compiler import GrammarCompiler
-    from scheduler_svc.grammar.matchers import SeqMatchers
+    from scheduler_svc.features.structured.bitmask import allowed_ids, decode_rows
+    from scheduler_svc.features.structured.compiler import GrammarCompiler
+    from scheduler_svc.features.structured.matchers import SeqMatchers
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]

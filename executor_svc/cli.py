@@ -241,7 +241,7 @@ def _lora_config(config: ExecutorConfig, parser: argparse.ArgumentParser) -> Any
     lora = config.lora
     if not lora.enable_lora:
         return None
-    from executor_svc.lora.manager import LoraConfig
+    from executor_svc.features.lora.manager import LoraConfig
 
     try:
         return LoraConfig(lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras)

@@ -86,9 +86,9 @@ class MessageAnswer:
     async def begin(cls, body: MessagesRequest, request: Request) -> MessageAnswer:
         state: FrontendState = request.app.state.frontend
         chat = body.to_chat()
-        lora, plan, params = await prepare(chat, state)
+        variant, plan, params = await prepare(chat, state)
         run = state.start_run(
-            request_id_from(request), [chat.chat(plan)], params, 0, caller_key(request), lora,
+            request_id_from(request), [chat.chat(plan)], params, 0, caller_key(request), variant,
             timeout_s=request_timeout(request, body.timeout),
         )  # fmt: skip
         answer = cls(body, chat, state, run)

@@ -39,16 +39,13 @@ async def models(request: Request):
         # What the model serves: "generate" and "embed" (/v1/embeddings).
         "supported_tasks": (await state.info()).tasks or ["generate"],
     }
-    # LoRA adapters, as vLLM lists them: root = the adapter's directory, parent = the base.
+    cards = []  # the features' other model names (model_variants.py)
     try:
-        adapters = (await state.client.server_info()).lora_adapters
+        for variants in state.model_variants:
+            cards += await variants.model_cards(state.client, base)
     except LLMServeError as e:
         raise APIError.from_llmserve(e) from None
-    loras = [
-        {**base, "id": a.name, "root": a.path, "parent": name, "supported_tasks": ["generate"]}
-        for a in adapters
-    ]
-    return {"object": "list", "data": [base, *loras]}
+    return {"object": "list", "data": [base, *cards]}
 
 
 @router.post("/tokenize")

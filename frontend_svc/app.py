@@ -15,10 +15,14 @@ from client.errors import LLMServeError
 from frontend_svc.anthropic_api import router as anthropic_router
 from frontend_svc.api import router
 from frontend_svc.auth import api_key_asgi
+from frontend_svc.batch.routes import router as batch_router
+from frontend_svc.batch.service import close_batches, open_batches
+from frontend_svc.batch.settings import BatchSettings
 from frontend_svc.chat_api import router as chat_router
 from frontend_svc.completions_api import router as completions_router
 from frontend_svc.embeddings import router as embeddings_router
 from frontend_svc.errors import APIError
+from frontend_svc.lora_api import LoraAdapters
 from frontend_svc.lora_api import router as lora_router
 from frontend_svc.metrics import HTTPMetrics
 from frontend_svc.reasoning import reasoning_parser as get_reasoning_parser
@@ -65,9 +69,11 @@ def create_app(
     scheduler_tls_ca: str | None = None,
     tool_config: ToolConfig | None = None,
     reasoning_parser: str | None = None,
+    batch: BatchSettings | None = None,
 ) -> FastAPI:
     """`api_keys`: when given, API calls need one of them; the first is used for the
-    scheduler (unless $LLMSERVE_API_KEY names one). `tool_config`: tool_choice "auto"."""
+    scheduler (unless $LLMSERVE_API_KEY names one). `tool_config`: tool_choice "auto".
+    `batch`: the Batch API's Redis and runner (frontend_svc/batch)."""
     metrics = HTTPMetrics()
     reasoning = get_reasoning_parser(reasoning_parser)
     keys = list(api_keys or [])
@@ -84,7 +90,11 @@ def create_app(
             tool_config=tool_config,
             reasoning=reasoning,
         )
+        # Features serving other model names (frontend_svc/model_variants.py).
+        app.state.frontend.model_variants.append(LoraAdapters())
+        batches = await open_batches(app, batch or BatchSettings(), keys)
         yield
+        await close_batches(app, batches)
         await app.state.frontend.close()
 
     app = FastAPI(title="llmserve", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -93,6 +103,7 @@ def create_app(
         app.include_router(r)
     app.include_router(embeddings_router)  # /v1/embeddings (frontend_svc/embeddings.py)
     app.include_router(lora_router)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+    app.include_router(batch_router)  # /v1/files, /v1/batches (frontend_svc/batch)
     # Starlette runs the middleware added last first: metrics see the 401s too.
     app.add_middleware(_ASGIMiddleware, wrap=api_key_asgi(keys))
     app.add_middleware(_ASGIMiddleware, wrap=metrics.asgi)

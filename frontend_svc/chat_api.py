@@ -37,9 +37,9 @@ router = APIRouter()
 async def prepare(
     body: ChatCompletionRequest, state: FrontendState
 ) -> tuple[str, ToolPlan, SamplingParams]:
-    """A chat call's LoRA adapter, tool plan and sampling parameters (also the Messages API's,
-    which runs as a chat call)."""
-    lora = await state.check_model(body.model)
+    """A chat call's model variant (check_model's answer: "" or a LoRA adapter), tool plan and
+    sampling parameters (also the Messages API's, which runs as a chat call)."""
+    variant = await state.check_model(body.model)
     plan = body.plan(state.tool_config)
     params = body.to_params(await state.max_model_len(), plan)
     if state.reasoning is not None:
@@ -54,7 +54,7 @@ async def prepare(
             params.structured_output = StructuredOutput(
                 "grammar", tag_grammar(json.loads(so.value), special)
             )
-    return lora, plan, params
+    return variant, plan, params
 
 
 class ChatAnswer:
@@ -93,13 +93,13 @@ class ChatAnswer:
     @classmethod
     async def begin(cls, body: ChatCompletionRequest, request: Request) -> ChatAnswer:
         state: FrontendState = request.app.state.frontend
-        lora, plan, params = await prepare(body, state)
+        variant, plan, params = await prepare(body, state)
         base = request_id_from(request)
         run = state.start_run(
-            base, [body.chat(plan)], params, body.priority, caller_key(request), lora,
+            base, [body.chat(plan)], params, body.priority, caller_key(request), variant,
             timeout_s=request_timeout(request, body.timeout),
         )  # fmt: skip
-        return cls(body, state, run, params.n, lora or await state.model_name(), base, plan)
+        return cls(body, state, run, params.n, variant or await state.model_name(), base, plan)
 
     def error(self, e: LLMServeError | APIError) -> APIError:
         err = e if isinstance(e, APIError) else APIError.from_llmserve(e)

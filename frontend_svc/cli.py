@@ -14,6 +14,7 @@ import uvicorn
 
 from frontend_svc.app import create_app
 from frontend_svc.auth import load_api_keys
+from frontend_svc.batch.flags import add_batch_flags
 from frontend_svc.config import ENVIRONMENT_HELP, FrontendConfig
 from frontend_svc.reasoning import PARSERS
 from frontend_svc.tool_calling.parsers import load_plugin, parser_names
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="split the model's <think> reasoning into reasoning_content: qwen3 (reasoning only "
         "when the output opens <think>) or deepseek_r1 (the prompt opens it)",
     )
+    add_batch_flags(p)
     return p
 
 
@@ -119,6 +121,7 @@ async def serve(config: FrontendConfig, tools: ToolConfig) -> None:
         scheduler_tls_ca=config.scheduler_tls_ca,
         tool_config=tools,
         reasoning_parser=config.reasoning_parser,
+        batch=config.batch,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

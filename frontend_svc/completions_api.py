@@ -75,14 +75,14 @@ class CompletionAnswer:
     async def begin(cls, body: CompletionRequest, request: Request) -> CompletionAnswer:
         """Check the call, start its run, and read what echo needs of the prompts."""
         state: FrontendState = request.app.state.frontend
-        lora = await state.check_model(body.model)
+        variant = await state.check_model(body.model)
         prompts = [to_prompt(p) for p in body.prompts()]
         base = request_id_from(request)
         params = body.to_params()
         timeout_s = request_timeout(request, body.timeout)
-        run = state.start_run(base, prompts, params, body.priority, caller_key(request), lora,
+        run = state.start_run(base, prompts, params, body.priority, caller_key(request), variant,
                               timeout_s=timeout_s)  # fmt: skip
-        model = lora or await state.model_name()
+        model = variant or await state.model_name()
         echo = [await state.prompt_text(p) if body.echo else "" for p in prompts]
         toks = []
         if body.echo and body.logprobs is not None:

@@ -4,7 +4,9 @@ its flags and the environment, and handed to the app.
 The frontend is a client of the scheduler's public API, so its variables are the client's
 (``client/envs.py``): ``LLMSERVE_ADDRESS`` (default of ``--scheduler``), ``LLMSERVE_API_KEY`` (a
 key callers may use, and the one the frontend calls the scheduler with) and ``LLMSERVE_TLS_CA``
-(default of ``--scheduler-tls-ca``). This module is the only one of the frontend that asks for
+(default of ``--scheduler-tls-ca``). The Batch API's store also takes the scheduler's Redis
+variables (``BATCH_ENV``) as its flags' defaults, so one deployment's settings serve both. This
+module is the only one of the frontend that asks for
 them, and it passes what it found on explicitly; no frontend module reads ``os.environ``
 (tests/unit/test_config_env.py).
 """
@@ -12,17 +14,32 @@ them, and it passes what it found on explicitly; no frontend module reads ``os.e
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from client.envs import ClientConfig
+from frontend_svc.batch.flags import batch_settings
+from frontend_svc.batch.settings import BatchSettings
 
 ENVIRONMENT_HELP = """\
 environment (flags win where both exist):
   LLMSERVE_ADDRESS    the scheduler's host:port (--scheduler; default 127.0.0.1:50051)
   LLMSERVE_API_KEY    an API key callers may use; the frontend's own key for the scheduler
   LLMSERVE_TLS_CA     trust this CA for TLS to the scheduler (--scheduler-tls-ca)
+  LLMSERVE_REDIS_SENTINEL           the Batch API's Sentinels (--redis-sentinel)
+  LLMSERVE_REDIS_SENTINEL_MASTER    their primary's name (--redis-sentinel-master)
+  LLMSERVE_REDIS_SENTINEL_PASSWORD  the Sentinels' own password
+  LLMSERVE_REDIS_MIN_REPLICAS       --redis-min-replicas (0)
 """
+
+# The scheduler's Redis variables, read here for the Batch API's store (frontend_svc/batch).
+BATCH_ENV = (
+    "LLMSERVE_REDIS_SENTINEL",
+    "LLMSERVE_REDIS_SENTINEL_MASTER",
+    "LLMSERVE_REDIS_SENTINEL_PASSWORD",
+    "LLMSERVE_REDIS_MIN_REPLICAS",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +65,8 @@ class FrontendConfig:
     tool_parser_plugin: Path | None
     # reasoning
     reasoning_parser: str | None
+    # the Batch API (frontend_svc/batch)
+    batch: BatchSettings
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FrontendConfig:
@@ -69,4 +88,5 @@ class FrontendConfig:
             tool_call_parser=args.tool_call_parser,
             tool_parser_plugin=args.tool_parser_plugin,
             reasoning_parser=args.reasoning_parser,
+            batch=batch_settings(args, {k: os.environ.get(k, "") for k in BATCH_ENV}),
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -71,12 +71,10 @@ class ResilientStream:
         *,
         priority: int = 0,
         resume_timeout_s: float = 60.0,
-        lora_adapter: str = "",
-        timeout_s: float | None = None,
+        fields: dict[str, Any] | None = None,
     ) -> None:
         self.client = client
-        self.lora_adapter = lora_adapter
-        self.timeout_s = timeout_s
+        self.fields = fields or {}  # the features' request fields (model_variants.py)
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
@@ -103,8 +101,7 @@ class ResilientStream:
                     request_id=self.request_id,
                     priority=self.priority,
                     detached=True,
-                    lora_adapter=self.lora_adapter,
-                    timeout_s=self.timeout_s,
+                    **self.fields,
                 )
             try:
                 async for delta in source:

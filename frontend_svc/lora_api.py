@@ -1,8 +1,11 @@
-"""vLLM's LoRA routes: ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``
-(behind the API key like every route but health and metrics), over the scheduler's
-LoadLoraAdapter / UnloadLoraAdapter. Requests then select an adapter by ``model``."""
+"""LoRA in the frontend: vLLM's routes ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter`` (behind the API key like every route but health and metrics),
+over the scheduler's LoadLoraAdapter / UnloadLoraAdapter; and the adapters as model variants
+(model_variants.py): requests select one by ``model``, /v1/models lists them."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
@@ -14,6 +17,30 @@ from frontend_svc.errors import APIError, bad_request
 from frontend_svc.state import FrontendState
 
 router = APIRouter()
+
+
+class LoraAdapters:
+    """The scheduler's loaded adapters as model names (a ``ModelVariants``)."""
+
+    async def names(self, client: Any) -> set[str]:
+        return {a.name for a in (await client.server_info()).lora_adapters}
+
+    def request_fields(self, name: str) -> dict[str, Any]:
+        return {"lora_adapter": name}
+
+    async def model_cards(self, client: Any, base: dict[str, Any]) -> list[dict[str, Any]]:
+        # As vLLM lists them: root = the adapter's directory, parent = the base model.
+        adapters = (await client.server_info()).lora_adapters
+        return [
+            {
+                **base,
+                "id": a.name,
+                "root": a.path,
+                "parent": base["id"],
+                "supported_tasks": ["generate"],
+            }
+            for a in adapters
+        ]
 
 
 class LoadLoraAdapterRequest(BaseModel):

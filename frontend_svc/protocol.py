@@ -68,7 +68,7 @@ class _Common(StructuredFields):
     priority: int = 0
     prompt_logprobs: int | None = None
     # Seconds the request may take from arrival (serving.request_timeout; the scheduler's
-    # engine/deadlines.py): waiting past it is a 408, running past it finishes as "length".
+    # features/deadlines): waiting past it is a 408, running past it finishes as "length".
     timeout: float | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

@@ -199,10 +199,10 @@ async def create_response(body: ResponsesRequest, request: Request):
     state: FrontendState = request.app.state.frontend
     body.check_supported()
     chat = body.to_chat()
-    lora, plan, params = await prepare(chat, state)
+    variant, plan, params = await prepare(chat, state)
     base = request_id_from(request)
     timeout_s = request_timeout(request, body.timeout)
-    run = state.start_run(base, [chat.chat(plan)], params, 0, caller_key(request), lora,
+    run = state.start_run(base, [chat.chat(plan)], params, 0, caller_key(request), variant,
                           timeout_s=timeout_s)  # fmt: skip
     out = ResponseOutput(
         body, params, run, f"resp_{base}", f"msg_{base}", model=await state.model_name(),

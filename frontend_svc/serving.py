@@ -30,7 +30,7 @@ _background: set[asyncio.Task] = set()
 
 # An id a client may choose (X-Request-Id / Idempotency-Key): printable, bounded.
 MAX_ID_LEN = 200
-# The scheduler's bound on a timeout (scheduler_svc/engine/deadlines.py: a week).
+# The scheduler's bound on a timeout (scheduler_svc/features/deadlines/timeouts.py: a week).
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
@@ -84,8 +84,7 @@ class Run:
         *,
         priority: int,
         resume_timeout_s: float,
-        lora_adapter: str = "",
-        timeout_s: float | None = None,
+        fields: dict[str, Any] | None = None,
     ) -> Run:
         ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         streams = [
@@ -96,8 +95,7 @@ class Run:
                 params,
                 priority=priority,
                 resume_timeout_s=resume_timeout_s,
-                lora_adapter=lora_adapter,
-                timeout_s=timeout_s,
+                fields=fields,
             )  # fmt: skip
             for rid, p in zip(ids, prompts, strict=True)
         ]

@@ -13,6 +13,7 @@ from client.params import SamplingParams
 from client.prompts import PromptInput
 from frontend_svc.errors import APIError
 from frontend_svc.generation import retrying
+from frontend_svc.model_variants import ModelVariants
 from frontend_svc.reasoning import ReasoningParser, TagRefs, tag_refs
 from frontend_svc.serving import Run
 from frontend_svc.tool_calling.protocol import ToolConfig
@@ -62,6 +63,10 @@ class FrontendState:
         self._by_key: dict[str, AsyncLLMClient] = {}
         self.started = int(time.time())
         self._info: ServerInfo | None = None
+        # Features serving other model names (app.py registers them), and which one serves each
+        # name a request has used.
+        self.model_variants: list[ModelVariants] = []
+        self._variant_of: dict[str, ModelVariants] = {}
 
     @property
     def fingerprint(self) -> str:
@@ -104,13 +109,19 @@ class FrontendState:
         return (await self.info()).max_model_len
 
     async def check_model(self, model: str | None) -> str:
-        """The LoRA adapter a request's ``model`` names ("" for the base model); 404 for a
+        """The served variant a request's ``model`` names ("" for the base model); 404 for a
         name that is neither."""
         info = await self.info()
         if model is None or model in (self.served_model_name, info.model):
             return ""
-        if model in await self.lora_adapter_names():
-            return model
+        for variants in self.model_variants:
+            try:
+                names = await retrying(lambda v=variants: v.names(self.client))
+            except LLMServeError as e:
+                raise APIError.from_llmserve(e) from None
+            if model in names:
+                self._variant_of[model] = variants
+                return model
         raise APIError(
             404,
             f"The model `{model}` does not exist.",
@@ -118,14 +129,6 @@ class FrontendState:
             param="model",
             code="model_not_found",
         )
-
-    async def lora_adapter_names(self) -> set[str]:
-        """Adapters loaded now (read again each time: they are loaded and unloaded live)."""
-        try:
-            info = await retrying(self.client.server_info)
-        except LLMServeError as e:
-            raise APIError.from_llmserve(e) from None
-        return {a.name for a in info.lora_adapters}
 
     async def prompt_text(self, prompt: PromptInput) -> str:
         if isinstance(prompt, str):
@@ -168,9 +171,15 @@ class FrontendState:
         params: SamplingParams,
         priority: int,
         api_key: str | None = None,
-        lora_adapter: str = "",
+        variant: str = "",
         timeout_s: float | None = None,
     ) -> Run:
+        """``variant``: what check_model returned (its features' request fields are sent);
+        ``timeout_s``: the request's deadline in seconds from arrival (serving.request_timeout),
+        None for the scheduler's default."""
+        fields = self._variant_of[variant].request_fields(variant) if variant else {}
+        if timeout_s is not None:
+            fields = {**fields, "timeout_s": timeout_s}
         return Run.start(
             self.client_for(api_key),
             base_id,
@@ -178,8 +187,7 @@ class FrontendState:
             params,
             priority=priority,
             resume_timeout_s=self.resume_timeout_s,
-            lora_adapter=lora_adapter,
-            timeout_s=timeout_s,
+            fields=fields,
         )
 
     async def close(self) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from scheduler_svc import envs
 from scheduler_svc.core.spec_decode import SpeculativeConfig
-from scheduler_svc.engine.deadlines import check_timeout
 from scheduler_svc.engine.fleet.routing import ROUTING_POLICIES
+from scheduler_svc.features.deadlines.timeouts import check_timeout
 from scheduler_svc.state.connect import parse_sentinels
 
 

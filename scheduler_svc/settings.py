@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scheduler_svc import envs
-from scheduler_svc.engine import EngineConfig
-from scheduler_svc.lora.registry import parse_lora_modules
+from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.features.lora.registry import parse_lora_modules
 
 __all__ = ["SchedulerSettings", "ServerSettings"]
 

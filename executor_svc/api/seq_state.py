@@ -79,7 +79,13 @@ class BlockTable:
 
 @dataclass(slots=True)
 class SeqState:
-    """One live sequence, created by a NewSequence and updated by every step that runs it."""
+    """One live sequence, created by a NewSequence and updated by every step that runs it.
+
+    The executor's one owner of a sequence's state: the runner's ``ScheduledSequence`` is a
+    per-step view of it (the same token list and block table, plus what features add for the
+    step), ``StepPlan`` holds references to it, and the features' fields below are set by
+    their hooks (``check_new``, ``record``) and by nothing else.
+    """
 
     seq_id: str
     token_ids: list[int]  # prompt + outputs known so far; the executor appends what it samples
@@ -87,8 +93,9 @@ class SeqState:
     sampling_params: SamplingParams
     block_table: BlockTable  # physical device block ids in logical order
     num_computed_tokens: int  # tokens whose KV is in the cache
-    lora_name: str | None = None  # its LoRA adapter (NewSequence.lora_name); None = base model
+    # LoRA (features/lora): the adapter's name and directory; None = the base model.
+    lora_name: str | None = None
     lora_path: str | None = None
-    # Draft-model speculation (runner/draft.py): leading positions whose draft KV is valid; 0
-    # for a state built from a NewSequence (its draft KV may be stale: the draft catches up).
+    # Draft-model speculation (features/spec): leading positions whose draft KV is valid; 0 for
+    # a state built from a NewSequence (its draft KV may be stale: the draft catches up).
     draft_num_computed: int = 0

@@ -38,7 +38,7 @@ def resolve_model(model: str | Path) -> tuple[Path, str]:
 
         return ensure_demo_model(), DEMO_MODEL
     path = Path(model).expanduser()
-    from executor_svc.runner.gguf import hf_files, reader
+    from executor_svc.features.gguf import hf_files, reader
 
     gguf_path = reader.find_gguf(path)
     if gguf_path is not None:  # the side directory transformers builds from its metadata

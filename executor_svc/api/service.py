@@ -24,8 +24,8 @@ import structlog
 from executor_svc.api.seq_state import SeqState
 from executor_svc.api.step import StepOutput, StepWork, build_reply, record_samples, run_step
 from executor_svc.api.validation import InvalidStep, StepPlan, validate_step
+from executor_svc.features.lora.peft import LoraError
 from executor_svc.kernels import library
-from executor_svc.lora.peft import LoraError
 from executor_svc.runner.loader import tokenizer_class_name
 from executor_svc.runner.model_runner import ModelRunner
 from protos import executor_pb2 as pb
@@ -217,9 +217,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             draining=self.draining,
             hidden_size=getattr(info, "hidden_size", 0),
             cpu_kernel_isa=library.variant() if runner.device.type == "cpu" else "",
-            max_loras=runner.lora.config.max_loras if runner.lora is not None else 0,
-            max_lora_rank=runner.lora.config.max_lora_rank if runner.lora is not None else 0,
-            **_draft_fields(getattr(runner, "draft", None)),
+            **runner.features.describe(),
         )
 
     @_rpc
@@ -327,7 +325,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             num_sampled=samples.num_sampled,
             ms=round(elapsed * 1e3, 3),
         )
-        return build_reply(request.step_id, samples, out, elapsed, self.draining)
+        return build_reply(request.step_id, samples, out, elapsed, self.draining, runner.features)
 
     def _run_or_roll_back(
         self, runner: ModelRunner, work: StepWork, plan: StepPlan, undo: _Undo, step_id: int
@@ -401,15 +399,3 @@ class _Undo:
 def _dtype_name(dtype: object) -> str:
     # ModelInfo may carry a torch.dtype or a string; the wire wants "float32" etc.
     return str(dtype).removeprefix("torch.")
-
-
-def _draft_fields(draft: Any) -> dict[str, Any]:
-    """DescribeResponse's draft-model fields (runner/draft.py); none without a draft."""
-    if draft is None:
-        return {}
-    i = draft.info
-    return {
-        "draft_model_name": i.model_name,
-        "draft_num_layers": i.num_layers,
-        "draft_vocab_size": i.vocab_size,
-    }

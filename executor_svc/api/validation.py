@@ -3,7 +3,9 @@
 `validate_step` looks at the whole request without changing anything and returns the plan the
 servicer applies; any problem is an `InvalidStep` whose message names the field (it goes back
 to the client as INVALID_ARGUMENT). The decode lane, which carries most of a busy batch, is
-checked in one tight loop and only a failing entry pays for the precise message.
+checked in one tight loop and only a failing entry pays for the precise message. Each feature
+checks its own fields at the validate hooks (features/base.py): a new sequence's sampling
+parameters and state, a cached sequence's diff, and the whole step.
 """
 
 from __future__ import annotations
@@ -11,22 +13,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-import numpy as np
-
-from executor_svc.api.lora_check import check_step_loras
 from executor_svc.api.seq_state import BlockTable, SeqState
+from executor_svc.features.base import Feature, Features, InvalidStep, check_len, check_tokens
 from executor_svc.runner.model_runner import ModelRunner
-from executor_svc.runner.pooling import check_pooling
 from executor_svc.runner.sampler import SamplingParams
-from executor_svc.runner.token_mask import decode_masks
 from protos import executor_pb2 as pb
 
 __all__ = ["InvalidStep", "StepPlan", "validate_step"]
-
-
-class InvalidStep(ValueError):
-    """A request the executor refuses; the message names the field and is safe for clients."""
 
 
 @dataclass(slots=True)
@@ -38,14 +33,11 @@ class StepPlan:
     states: dict[str, SeqState]
     # The decode lane's sequences, in request order (also the tail of `scheduled`).
     lane: list[SeqState] = field(default_factory=list)
-    # Structured output: seq_id -> this step's allowed tokens as packed words (TokenMask).
-    token_masks: dict[str, np.ndarray] = field(default_factory=dict)
-    # Speculative decoding: seq_id -> the proposals it verifies this step (CachedSequence).
-    spec: dict[str, list[int]] = field(default_factory=dict)
-    # Draft-model speculation: seq_id -> proposals the executor's draft makes this step (their
-    # tokens join `spec` once drafted).
-    draft: dict[str, int] = field(default_factory=dict)
-    block_size: int = 0  # what a verifying sequence's kept blocks are counted in
+    block_size: int = 0  # what a sequence's blocks are counted in
+    # The features this step uses (their check_step said so), in registry order, and their
+    # per-step data by feature name.
+    active: list[Feature] = field(default_factory=list)
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +52,7 @@ class _Limits:
     max_blocks: int  # blocks one sequence may hold: enough for max_model_len
     max_logprobs: int
     eos_token_ids: Sequence[int]
-    hidden_size: int  # what pooling's `dimensions` may not exceed
+    hidden_size: int
 
     @classmethod
     def of(cls, runner: ModelRunner, max_logprobs: int) -> _Limits:
@@ -86,55 +78,26 @@ def validate_step(
 ) -> StepPlan:
     """Check the whole request against the current state without changing anything."""
     limits = _Limits.of(runner, max_logprobs)
+    features: Features = runner.features
     finished = _check_finished(request.finished_seq_ids, seqs)
     _check_mappings(request, limits.num_device, limits.num_cpu)
     in_step: set[str] = set()  # seq_ids met so far in this step
     new_states: list[SeqState] = []
     scheduled: list[tuple[SeqState, int]] = []
     for i, n in enumerate(request.new_sequences):
-        state = _new_state(f"new_sequences[{i}]", n, seqs, finished, in_step, limits)
+        state = _new_state(f"new_sequences[{i}]", n, seqs, finished, in_step, limits, features)
         new_states.append(state)
         scheduled.append((state, n.num_scheduled_tokens))
     for i, c in enumerate(request.cached_sequences):
-        state = _cached_state(f"cached_sequences[{i}]", c, seqs, finished, in_step, limits)
+        field = f"cached_sequences[{i}]"
+        state = _cached_state(field, c, seqs, finished, in_step, limits, features)
         scheduled.append((state, c.num_scheduled_tokens))
     lane = _validate_decode_lane(request, seqs, in_step, finished, limits.block_size)
     scheduled.extend((s, 1) for s in lane)
     states = {s.seq_id: s for s, _ in scheduled}
-    masks = _check_token_masks(request.token_masks, scheduled, limits.vocab_size)
-    spec = {c.seq_id: list(c.spec_token_ids) for c in request.cached_sequences if c.spec_token_ids}
-    if spec and masks and not spec.keys().isdisjoint(masks):
-        raise InvalidStep("token_masks: a constrained sequence cannot verify spec_token_ids")
-    draft = {c.seq_id: c.num_draft_tokens for c in request.cached_sequences if c.num_draft_tokens}
-    if draft and getattr(runner, "draft", None) is None:
-        raise InvalidStep(
-            "num_draft_tokens: this executor has no draft model (--speculative-model)"
-        )
-    if draft and masks and not draft.keys().isdisjoint(masks):
-        raise InvalidStep("token_masks: a constrained sequence cannot verify draft proposals")
-    lora_error = check_step_loras((s for s, _ in scheduled), getattr(runner, "lora", None))
-    if lora_error is not None:
-        raise InvalidStep(lora_error)
-    return StepPlan(new_states, scheduled, states, lane, masks, spec, draft, limits.block_size)
-
-
-def _check_token_masks(
-    masks: pb.TokenMasks, scheduled: list[tuple[SeqState, int]], vocab_size: int
-) -> dict[str, np.ndarray]:
-    seq_ids: list[str] = []
-    for i, pos in enumerate(masks.seq_positions):
-        if pos >= len(scheduled):
-            raise InvalidStep(
-                f"token_masks.seq_positions[{i}]: {pos} is past the {len(scheduled)} sequences "
-                "of this step"
-            )
-        seq_ids.append(scheduled[pos][0].seq_id)
-    if len(set(seq_ids)) != len(seq_ids):
-        raise InvalidStep("token_masks.seq_positions: a sequence appears twice")
-    try:
-        return decode_masks(seq_ids, masks.row_index, masks.rows, vocab_size)
-    except ValueError as e:
-        raise InvalidStep(f"token_masks: {e}") from None
+    plan = StepPlan(new_states, scheduled, states, lane, limits.block_size)
+    plan.active = [f for f in features.check_step if f.check_step(request, plan, limits)]
+    return plan
 
 
 def _check_finished(finished_seq_ids: Sequence[str], seqs: dict[str, SeqState]) -> set[str]:
@@ -156,6 +119,7 @@ def _new_state(
     finished: set[str],
     in_step: set[str],
     limits: _Limits,
+    features: Features,
 ) -> SeqState:
     """The state a new sequence would start with, once every field of it is checked."""
     if not n.seq_id:
@@ -168,31 +132,29 @@ def _new_state(
     token_ids = list(n.token_ids)
     if not token_ids:
         raise InvalidStep(f"{field}.token_ids: must not be empty")
-    _check_len(f"{field}.token_ids", len(token_ids), limits.max_model_len)
-    _check_tokens(f"{field}.token_ids", token_ids, limits.vocab_size)
+    check_len(f"{field}.token_ids", len(token_ids), limits.max_model_len)
+    check_tokens(f"{field}.token_ids", token_ids, limits.vocab_size)
     if not 1 <= n.num_prompt_tokens <= len(token_ids):
         raise InvalidStep(
             f"{field}.num_prompt_tokens: {n.num_prompt_tokens} not in [1, {len(token_ids)}]"
         )
-    params = _check_params(
-        f"{field}.sampling_params", n.sampling_params, limits.max_logprobs, limits.vocab_size,
-        limits.eos_token_ids, limits.hidden_size,
-    )  # fmt: skip
+    params = _check_params(f"{field}.sampling_params", n.sampling_params, limits, features)
     _check_new_block_table(f"{field}.block_table", n.block_table, limits)
     _check_schedule(
         field, n.num_computed_tokens, n.num_scheduled_tokens, len(token_ids),
         len(n.block_table), limits.block_size,
     )  # fmt: skip
-    return SeqState(
+    state = SeqState(
         seq_id=n.seq_id,
         token_ids=token_ids,
         num_prompt_tokens=n.num_prompt_tokens,
         sampling_params=params,
         block_table=BlockTable(n.block_table),
         num_computed_tokens=n.num_computed_tokens,
-        lora_name=n.lora_name or None,
-        lora_path=n.lora_path or None,
     )
+    for f in features.check_new:
+        f.check_new(field, n, state)
+    return state
 
 
 def _check_new_block_table(field: str, block_table: Sequence[int], limits: _Limits) -> None:
@@ -213,6 +175,7 @@ def _cached_state(
     finished: set[str],
     in_step: set[str],
     limits: _Limits,
+    features: Features,
 ) -> SeqState:
     """The live state a cached sequence's diff applies to, once the diff is checked."""
     if c.seq_id in in_step:
@@ -237,34 +200,15 @@ def _cached_state(
             f"{limits.max_blocks} needed for max_model_len {limits.max_model_len}"
         )
     num_tokens = len(s.token_ids) + len(c.new_token_ids)
-    _check_len(f"{field}.new_token_ids", num_tokens, limits.max_model_len)
-    _check_tokens(f"{field}.new_token_ids", c.new_token_ids, limits.vocab_size)
-    if c.spec_token_ids or c.num_draft_tokens:
-        num_tokens = _check_spec(field, c, s.num_computed_tokens, num_tokens, limits)
+    check_len(f"{field}.new_token_ids", num_tokens, limits.max_model_len)
+    check_tokens(f"{field}.new_token_ids", c.new_token_ids, limits.vocab_size)
+    for f in features.check_cached:
+        num_tokens = f.check_cached(field, c, s, num_tokens, limits)
     _check_schedule(
         field, s.num_computed_tokens, c.num_scheduled_tokens, num_tokens, num_blocks,
         limits.block_size,
     )  # fmt: skip
     return s
-
-
-def _check_spec(
-    field: str, c: pb.CachedSequence, num_computed: int, num_tokens: int, limits: _Limits
-) -> int:
-    """A verifying sequence decodes its last known token plus every proposal; returns the
-    tokens the step then covers."""
-    k = len(c.spec_token_ids) or c.num_draft_tokens
-    if c.spec_token_ids and c.num_draft_tokens:
-        raise InvalidStep(f"{field}: spec_token_ids and num_draft_tokens exclude each other")
-    if num_computed + 1 != num_tokens or c.num_scheduled_tokens != 1 + k:
-        raise InvalidStep(
-            f"{field}.spec_token_ids: a verifying sequence computes its last known token and "
-            f"the {k} proposals ({1 + k} tokens); got {c.num_scheduled_tokens} scheduled with "
-            f"{num_computed} of {num_tokens} computed"
-        )
-    _check_tokens(f"{field}.spec_token_ids", c.spec_token_ids, limits.vocab_size)
-    _check_len(f"{field}.spec_token_ids", num_tokens + k, limits.max_model_len)
-    return num_tokens + k
 
 
 def _check_replaced(field: str, c: pb.CachedSequence, num_blocks: int, num_device: int) -> None:
@@ -382,22 +326,6 @@ def _check_schedule(
         )
 
 
-def _check_len(field: str, num_tokens: int, max_model_len: int) -> None:
-    if num_tokens > max_model_len:
-        raise InvalidStep(
-            f"{field}: sequence of {num_tokens} tokens exceeds max_model_len {max_model_len}"
-        )
-
-
-def _check_tokens(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
-    # max() runs in C; the loop that finds the offending index only runs on bad input.
-    if not token_ids or max(token_ids) < vocab_size:
-        return
-    for j, t in enumerate(token_ids):
-        if t >= vocab_size:
-            raise InvalidStep(f"{field}[{j}]: token id {t} out of range [0, {vocab_size})")
-
-
 def _check_block(field: str, block_id: int, num_blocks: int) -> None:
     if block_id >= num_blocks:
         raise InvalidStep(f"{field}: block id {block_id} out of range [0, {num_blocks})")
@@ -443,13 +371,9 @@ def _check_mappings(request: pb.ExecuteModelRequest, num_device: int, num_cpu: i
 
 
 def _check_params(
-    field: str,
-    p: pb.SamplingParams,
-    max_logprobs: int,
-    vocab_size: int,
-    eos_token_ids: Sequence[int],
-    hidden_size: int = 0,
+    field: str, p: pb.SamplingParams, limits: _Limits, features: Features
 ) -> SamplingParams:
+    max_logprobs, vocab_size = limits.max_logprobs, limits.vocab_size
     for name in (
         "temperature",
         "top_p",
@@ -480,16 +404,12 @@ def _check_params(
             f"{field}.num_prompt_logprobs: {p.num_prompt_logprobs} exceeds max {max_logprobs}"
         )
     # Checked even when min_tokens is 0 (then unused): a bad id is a sender bug either way.
-    _check_tokens(f"{field}.min_tokens_suppressed_ids", p.min_tokens_suppressed_ids, vocab_size)
+    check_tokens(f"{field}.min_tokens_suppressed_ids", p.min_tokens_suppressed_ids, vocab_size)
     if p.logit_bias:
-        _check_tokens(f"{field}.logit_bias", list(p.logit_bias), vocab_size)
+        check_tokens(f"{field}.logit_bias", list(p.logit_bias), vocab_size)
         if not all(math.isfinite(b) for b in p.logit_bias.values()):
             raise InvalidStep(f"{field}.logit_bias: values must be finite numbers")
-    if p.HasField("pooling"):  # an embedding request (executor_svc/runner/pooling.py)
-        why = check_pooling(p.pooling, hidden_size, f"{field}.pooling")
-        if why is None and not p.prompt_only:
-            why = f"{field}.pooling: only a prompt_only sequence can be pooled"
-        if why is not None:
-            raise InvalidStep(why)
+    for f in features.check_params:
+        f.check_params(field, p, limits)
     # The executor's own EOS ids join the mask here, once per sequence, not per step.
-    return SamplingParams.from_proto(p, eos_token_ids)
+    return SamplingParams.from_proto(p, limits.eos_token_ids)

@@ -403,7 +403,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.packed_lm_head: gemm.PackedWeight | None = None  # set by prepack_weights()
-        # A GGUF embedding kept as blocks (kernels.quant.QuantWeight, runner/gguf/weights.py):
+        # A GGUF embedding kept as blocks (kernels.quant.QuantWeight, features/gguf/weights.py):
         # lookups de-quantize their rows; embed_tokens is then empty.
         self.quant_embedding: Any = None
         if cfg.tie_word_embeddings:

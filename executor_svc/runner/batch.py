@@ -19,7 +19,7 @@ class BatchInputs:
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: AttentionMetadata
     # Which of the step's sequences sample, and their last token's row in the batch; a
-    # speculating sequence samples its last 1 + k rows (runner/spec_verify.py), listed 1 + k times.
+    # sequence a feature has sample several rows is listed once per row (Feature.sample_rows).
     sample_seq_indices: list[int]
     sample_rows: torch.Tensor  # [num_samples] int64
 

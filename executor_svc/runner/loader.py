@@ -19,9 +19,9 @@ from safetensors import safe_open
 
 from executor_svc.attention import AttentionBackend
 from executor_svc.config import envs
+from executor_svc.features.gguf.hf_files import gguf_source
 from executor_svc.kernels import cpu_dtype
 from executor_svc.models import MODEL_REGISTRY, LlamaForCausalLM
-from executor_svc.runner.gguf.hf_files import gguf_source
 
 if TYPE_CHECKING:
     from executor_svc.parallel.group import TPGroup
@@ -186,7 +186,7 @@ def load_model(
     """Build the model for ``model_dir`` on ``device`` in ``dtype`` and load its weights; with
     ``tp``, this rank's shard of it, reading only that shard from the checkpoint."""
     model_dir = Path(model_dir)
-    gguf_path = gguf_source(model_dir)  # a GGUF model's side directory (runner/gguf)
+    gguf_path = gguf_source(model_dir)  # a GGUF model's side directory (executor_svc/features/gguf)
     if gguf_path is not None:
         dtype = "float32"  # the quantized kernels take fp32 activations
     if quantization is not None:  # models/quant_linear.py: int8 / int4 at load
@@ -226,7 +226,7 @@ def load_model(
         if envs.load_format() == "dummy":
             fill_dummy_weights(model, float(config.get("initializer_range", 0.02)))
         elif gguf_path is not None:
-            from executor_svc.runner.gguf.weights import load_gguf_weights
+            from executor_svc.features.gguf.weights import load_gguf_weights
 
             held = load_gguf_weights(model, gguf_path)
             log.info("gguf.loaded", gguf=str(gguf_path), **held)

@@ -1,5 +1,9 @@
 """ModelRunner: one engine step on the executor — cache operations, forward, logits, sampling.
 
+Optional features (LoRA, speculative decoding, structured outputs, prompt logprobs, pooling)
+plug in at the hooks of ``features/base.py``; the step iterates the ones a step uses and names
+none of them.
+
 It knows nothing about gRPC or per-request state: the service hands it fully-described sequences
 (``ScheduledSequence``) and the block lists of the step, and gets one ``SampleResult`` per
 sequence that completed its scheduled tokens up to the end of what is known.
@@ -10,20 +14,20 @@ from __future__ import annotations
 import functools
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from executor_svc.attention import AttentionMetadata, get_attention_backend
-from executor_svc.lora.manager import LoraConfig, LoraManager, no_lora_error, row_groups
-from executor_svc.runner import prompt_logprobs as prompt_lp
-from executor_svc.runner import spec_verify
+from executor_svc.features.base import Feature, LoadContext, Step
+from executor_svc.features.lora.manager import LoraConfig
+from executor_svc.features.registry import build_features
 from executor_svc.runner.batch import BatchInputs
 from executor_svc.runner.cuda_graphs import DecodeGraphs, build_decode_graphs
-from executor_svc.runner.draft import load_draft
 from executor_svc.runner.kv_cache import (
     GIB,
     PROFILE_NUM_TOKENS,
@@ -34,14 +38,12 @@ from executor_svc.runner.kv_cache import (
     max_useful_blocks,
 )
 from executor_svc.runner.loader import ModelInfo, load_model, resolve_device
-from executor_svc.runner.pooling import PooledResult, pool_step
-from executor_svc.runner.prompt_logprobs import PromptLogprobResult
-from executor_svc.runner.token_mask import apply_token_masks
 
 if TYPE_CHECKING:
     from executor_svc.parallel.group import TPGroup
     from executor_svc.runner.sampler import Sampler, SamplingParams
 
+BlockPairs = list[tuple[int, int]]  # (src, dst) block ids of a cache operation
 MAX_PROFILE_SAMPLE_ROWS = 256  # logits rows in the CUDA profiling run (a large decode batch)
 
 
@@ -54,17 +56,16 @@ class ScheduledSequence:
     num_computed_tokens: int  # tokens already in the KV cache
     num_scheduled_tokens: int  # compute token_ids[num_computed : num_computed + num_scheduled]
     sampling_params: SamplingParams
-    # Structured output: this step's allowed tokens as packed uint32 words (runner/token_mask.py),
-    # None when unconstrained.
+    # What features fill for this step (their ``prepare`` hook, features/*); the defaults mean
+    # unused. Structured outputs: the allowed tokens as packed uint32 words.
     token_mask: np.ndarray | None = None
-    # Speculative decoding: the proposals at the end of token_ids, verified this step
-    # (runner/spec_verify.py); empty otherwise.
+    # Speculation: proposals at the end of token_ids, verified this step; proposals the draft
+    # model makes before the forward (it then fills spec_token_ids); leading positions whose
+    # draft KV is valid.
     spec_token_ids: list[int] | tuple[()] = ()
-    # Draft-model speculation (runner/draft.py): proposals the draft makes before the forward
-    # (it then fills spec_token_ids), and the leading positions whose draft KV is valid.
     num_draft_tokens: int = 0
     draft_num_computed: int = 0
-    # LoRA: the adapter's name and directory (executor_svc/lora); None = the base model.
+    # LoRA: the adapter's name and directory; None = the base model.
     lora_name: str | None = None
     lora_path: str | None = None
     # A token is sampled iff num_computed_tokens + num_scheduled_tokens == len(token_ids), and
@@ -77,7 +78,7 @@ class SampleResult:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]]  # most likely first, len == num_logprobs
-    # Speculative decoding: the draw after each proposal (runner/spec_verify.py), else None.
+    # Speculation: the draw after each proposal (features/spec/verify.py), else None.
     spec: list[SampleResult] | None = None
 
 
@@ -101,7 +102,7 @@ class ModelRunner:
     ) -> None:
         """``tp``: this process's rank of a tensor-parallel group (every rank builds its own
         runner, in the same order, since loading and profiling involve collectives).
-        ``speculative_model``: a draft checkpoint for speculative decoding (runner/draft.py)."""
+        ``lora``, ``speculative_model``: the configuration of those features (features/)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.device = resolve_device(device)
@@ -117,15 +118,20 @@ class ModelRunner:
             quantization=quantization,
         )
         info: ModelInfo = self.info
-        # The adapter table (executor_svc/lora): slots on the model's projections, LRU caches.
-        self.lora = LoraManager(self.model, lora, self.device, info.dtype) if lora else None
+        # Built once; each loads its part now (LoRA's slots before any CUDA graph is captured).
+        self.features = build_features(lora=lora, speculative_model=speculative_model)
+        ctx = LoadContext(
+            self.model, info, self.device, self.backend, tp, load_model, KVCache, block_bytes,
+            self.prepare_inputs,
+        )  # fmt: skip
+        for feature in self.features:
+            feature.load(ctx)
         self.block_size = block_size
         bytes_per_block = block_bytes(
             info.num_layers, block_size, info.num_kv_heads, info.head_dim, info.dtype
         )
-        self.draft = load_draft(speculative_model, self.backend, info, tp)
-        # Both caches hold every block: the draft's bytes count when sizing them (not swap).
-        both_bytes = bytes_per_block + (self.draft.block_bytes(block_size) if self.draft else 0)
+        # Features' per-block device bytes (a draft's KV) count when sizing the cache, not swap.
+        both_bytes = bytes_per_block + sum(f.block_bytes(block_size) for f in self.features)
         cap = max_useful_blocks(info.max_model_len, block_size)
         if num_device_blocks is None:
             if self.device.type == "cuda":
@@ -155,8 +161,8 @@ class ModelRunner:
             dtype=info.dtype,
             device=self.device,
         )
-        if self.draft is not None:
-            self.draft.allocate(self.num_device_blocks, block_size)
+        for feature in self.features:
+            feature.allocate(self.num_device_blocks, block_size)
         # CUDA: decode steps replay captured graphs (runner/cuda_graphs.py); None elsewhere.
         self.graphs: DecodeGraphs | None = None
         if tp is None:
@@ -181,85 +187,92 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
+    @property
+    def lora(self) -> Any:
+        """The LoRA feature's adapter table (None when off), for tools, tests and TP workers."""
+        return self.features.handle("lora")
+
+    @property
+    def draft(self) -> Any:
+        """The draft model of speculative decoding (None without one)."""
+        return self.features.handle("spec")
+
     @torch.inference_mode()
     def execute(
         self,
         seqs: list[ScheduledSequence],
-        blocks_to_swap_out: list[tuple[int, int]],
-        blocks_to_swap_in: list[tuple[int, int]],
-        blocks_to_copy: list[tuple[int, int]],
-        prompt_logprobs: list[PromptLogprobResult] | None = None,
-        pooled: list[PooledResult] | None = None,
+        blocks_to_swap_out: BlockPairs,
+        blocks_to_swap_in: BlockPairs,
+        blocks_to_copy: BlockPairs,
+        prompt_logprobs: list | None = None,
+        pooled: list | None = None,
     ) -> list[SampleResult]:
-        """One step. Sequences whose sampling params ask for prompt logprobs get them appended
-        to `prompt_logprobs` (when given) for the prompt tokens this step's positions predict;
-        embedding sequences whose prompt completes get their vector appended to `pooled`."""
+        """One step: cache operations, inputs, forward, sampling, with the hooks of the features
+        the step uses between them; the lists given receive what those features return beside
+        the samples (prompt logprobs, the vectors of embedding prompts completed)."""
+        outputs = {"prompt_logprobs": prompt_logprobs, "pooled": pooled}
+        step = Step(seqs, self.features.active(seqs) if seqs else (), outputs)
+        blocks = (blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
+        batch = self._broadcast_step(step, *blocks) if self._send_step is not None else None
+        self._cache_ops(*blocks)
+        if not seqs:
+            return []
+        sample_idx, logits = self._forward_step(step, batch)
+        if not sample_idx:
+            return []
+        t0 = time.perf_counter()
+        results = self._sample_step(step, sample_idx, logits)
+        self.phase_seconds["sampling"] += time.perf_counter() - t0
+        return results
+
+    def _forward_step(
+        self, step: Step, batch: BatchInputs | None
+    ) -> tuple[list[int], torch.Tensor]:
+        """Inputs (``batch``: already flattened by rank 0's broadcast), forward and the logits of
+        the rows that sample."""
+        t0 = time.perf_counter()
+        for f in step.active:
+            f.before_inputs(step)
+        if batch is None:
+            batch = self.prepare_inputs(step.seqs, features=step.active)
+        sample_idx, logits = self._sample_logits(batch, self._forward(step, batch))
+        self.phase_seconds["forward"] += time.perf_counter() - t0
+        return sample_idx, logits
+
+    def _cache_ops(
+        self,
+        blocks_to_swap_out: BlockPairs,
+        blocks_to_swap_in: BlockPairs,
+        blocks_to_copy: BlockPairs,
+    ) -> None:
         # Swap-out first: blocks it frees may be the very destinations of this step's swap-in or
         # copies. Copies last: a copy source may be a block just swapped in.
-        phases = self.phase_seconds
-        batch = None
-        if self._send_step is not None:
-            batch = self._broadcast_step(
-                seqs, blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, prompt_logprobs
-            )
         t0 = time.perf_counter()
         self.kv_cache.swap_out(blocks_to_swap_out)
         self.kv_cache.swap_in(blocks_to_swap_in)
         self.kv_cache.copy(blocks_to_copy)
-        if self.draft is not None:
-            self.draft.copy(blocks_to_copy)
-        t1 = time.perf_counter()
-        phases["cache_ops"] += t1 - t0
-        if not seqs:
-            return []
-        if self.draft is not None and any(s.num_draft_tokens for s in seqs):
-            self.draft.propose(seqs, self.prepare_inputs)  # fills their spec_token_ids
-        if batch is None:
-            batch = self.prepare_inputs(seqs)
-        hidden = self._forward(seqs, batch)
-        # Almost no step has a sequence asking: one generator pass, no per-row bookkeeping.
-        if prompt_logprobs is not None and any(
-            s.sampling_params.num_prompt_logprobs is not None for s in seqs
-        ):
-            prompt_logprobs.extend(prompt_lp.compute(self.model, seqs, hidden))
-        if pooled is not None and any(s.sampling_params.pooling is not None for s in seqs):
-            pooled.extend(pool_step(seqs, hidden))  # embeddings (executor_svc/runner/pooling.py)
-        sample_idx, logits = self._sample_logits(batch, hidden)
-        t2 = time.perf_counter()
-        phases["forward"] += t2 - t1
-        if not sample_idx:
-            return []
-        if any(s.spec_token_ids for s in seqs):  # every position of a proposal run samples
-            rows = self._sample(spec_verify.row_views(seqs, sample_idx), logits)
-            results = spec_verify.group_results(rows, sample_idx)
-        else:
-            results = self._sample([seqs[i] for i in sample_idx], logits)
-        phases["sampling"] += time.perf_counter() - t2
-        return results
+        for f in self.features.copy_blocks:
+            f.copy_blocks(blocks_to_copy)
+        self.phase_seconds["cache_ops"] += time.perf_counter() - t0
 
     def _broadcast_step(
         self,
-        seqs: list[ScheduledSequence],
-        blocks_to_swap_out: list[tuple[int, int]],
-        blocks_to_swap_in: list[tuple[int, int]],
-        blocks_to_copy: list[tuple[int, int]],
-        prompt_logprobs: list[PromptLogprobResult] | None,
+        step: Step,
+        blocks_to_swap_out: BlockPairs,
+        blocks_to_swap_in: BlockPairs,
+        blocks_to_copy: BlockPairs,
     ) -> BatchInputs | None:
         """Rank 0: flatten the batch (what can reject the step happens before anything is sent)
         and send the step to the other ranks; returns the batch on this rank's device."""
         from executor_svc.runner.tp_step import StepMessage
 
         t0 = time.perf_counter()
-        host = self.prepare_inputs(seqs, torch.device("cpu")) if seqs else None
-        ranges = []
-        if prompt_logprobs is not None and any(
-            s.sampling_params.num_prompt_logprobs is not None for s in seqs
-        ):
-            ranges = [(r, r + b - a) for _, _, a, b, r in prompt_lp.chunks(seqs)]
-        lora_rows = row_groups(seqs) if self.lora is not None and seqs else {}
-        msg = StepMessage(
-            blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, host, ranges, lora_rows
-        )
+        cpu = torch.device("cpu")
+        host = self.prepare_inputs(step.seqs, cpu, step.active) if step.seqs else None
+        fields: dict[str, Any] = {}
+        for f in step.active:
+            f.to_workers(step, fields)
+        msg = StepMessage(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, host, **fields)
         self._send_step(msg)
         self.phase_seconds["broadcast"] += time.perf_counter() - t0
         return host.to(self.device) if host is not None else None
@@ -270,28 +283,24 @@ class ModelRunner:
         Single-process runners only (no step is sent to tensor-parallel workers)."""
         if self._send_step is not None:
             raise RuntimeError("forward_logits is not available with tensor parallelism")
-        batch = self.prepare_inputs(seqs)
-        return self._sample_logits(batch, self._forward(seqs, batch))
+        step = Step(seqs, self.features.active(seqs), {})
+        batch = self.prepare_inputs(seqs, features=step.active)
+        return self._sample_logits(batch, self._forward(step, batch))
 
-    def _forward(self, seqs: list[ScheduledSequence], batch: BatchInputs) -> torch.Tensor:
-        """Hidden states of the step's tokens: with each sequence's LoRA adapter when any has
-        one (never from a CUDA graph: the adapter groups change from step to step), else from a
-        CUDA graph for decode batches it holds."""
-        if self.lora is None:
-            no_lora_error(seqs)
-        elif any(s.lora_name for s in seqs):
-            self.lora.begin_step(seqs)
-            try:
-                return self.model(
-                    batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
-                )
-            finally:
-                self.lora.end_step()
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
-        return self.model(
-            batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
-        )
+    def _forward(self, step: Step, batch: BatchInputs) -> torch.Tensor:
+        """Hidden states of the step's tokens, from a CUDA graph for decode batches it holds
+        unless a feature changed the model for this step (``step.eager``)."""
+        for f in step.active:
+            f.before_forward(step)
+        if not step.eager and self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(batch)
+        else:
+            hidden = self.model(
+                batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn_metadata
+            )
+        for f in step.active:
+            f.after_forward(step, hidden)
+        return hidden
 
     def _sample_logits(
         self, batch: BatchInputs, hidden: torch.Tensor
@@ -302,10 +311,14 @@ class ModelRunner:
         return batch.sample_seq_indices, logits.float()
 
     def prepare_inputs(
-        self, seqs: list[ScheduledSequence], device: torch.device | None = None
+        self,
+        seqs: list[ScheduledSequence],
+        device: torch.device | None = None,
+        features: Sequence[Feature] = (),
     ) -> BatchInputs:
         """Flatten the step's sequences onto ``device`` (default: the model's); per-sequence
-        Python work only, never per token."""
+        Python work only, never per token. ``features``: the step's, which may change the rows
+        that sample."""
         bs = self.block_size
         num_seqs = len(seqs)
         starts = [s.num_computed_tokens for s in seqs]
@@ -356,10 +369,10 @@ class ModelRunner:
             and not (s.sampling_params is not None and s.sampling_params.prompt_only)
         ]
         sample_rows = query_start_loc[1:].long()[sample_seq_indices] - 1
-        if any(s.spec_token_ids for s in seqs):
-            sample_seq_indices, sample_rows = spec_verify.sample_rows(
-                seqs, sample_seq_indices, query_start_loc
-            )
+        for f in features:
+            rows = f.sample_rows(seqs, sample_seq_indices, query_start_loc)
+            if rows is not None:
+                sample_seq_indices, sample_rows = rows
 
         dev = self.device if device is None else device
         md = AttentionMetadata(
@@ -379,15 +392,25 @@ class ModelRunner:
             sample_rows=sample_rows.to(dev),
         )
 
+    def _sample_step(
+        self, step: Step, sample_idx: list[int], logits: torch.Tensor
+    ) -> list[SampleResult]:
+        """The sequence each logits row samples as (features may give views of it, or change
+        the logits), the draws, and one result per sequence (features may group rows)."""
+        rows = [step.seqs[i] for i in sample_idx]
+        for f in step.active:
+            rows = f.before_sample(step, sample_idx, rows, logits)
+        results = self._sample(rows, logits)
+        for f in step.active:
+            results = f.after_sample(step, sample_idx, results)
+        return results
+
     def _sample(self, seqs: list[ScheduledSequence], logits: torch.Tensor) -> list[SampleResult]:
         if self._sampler is None:
             # Imported here: the sampler module is optional for forward-only use and tests.
             from executor_svc.runner.sampler import Sampler
 
             self._sampler = Sampler()
-        masked = [j for j, s in enumerate(seqs) if s.token_mask is not None]
-        if masked:  # before everything else: the sampler and logprobs see the masked rows
-            apply_token_masks(logits, masked, [seqs[j].token_mask for j in masked])
         prompts: list = []
         outputs: list = []
         for s in seqs:

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from executor_svc.features.pooling.pooling import PoolingState
 from executor_svc.kernels import sampling
 from executor_svc.runner.noise import race, row_key
-from executor_svc.runner.pooling import PoolingState
 
 if TYPE_CHECKING:
     from protos import executor_pb2
@@ -70,7 +70,7 @@ class SamplingParams:  # mirrors executor.proto SamplingParams
     num_prompt_logprobs: int | None = None
     # Never sampled: the sequence's request only scores its prompt (read by the model runner).
     prompt_only: bool = False
-    # An embedding request's pooling (and its kept rows); None otherwise (executor_svc/runner/pooling.py).
+    # An embedding request's pooling (and its kept rows); None otherwise (features/pooling).
     pooling: PoolingState | None = None
 
     @classmethod

@@ -39,8 +39,8 @@ class StepMessage:
     batch: BatchInputs | None  # None: a step with cache operations only
     # Row ranges of the hidden states rank 0 sends through the LM head for prompt logprobs,
     # in its order (each one is a collective every rank must join).
-    logit_row_ranges: list[tuple[int, int]]
-    # LoRA: (adapter name, path) -> its batch rows (executor_svc/lora); sent as JSON bytes.
+    logit_row_ranges: list[tuple[int, int]] = field(default_factory=list)
+    # LoRA: (adapter name, path) -> its batch rows (features/lora); sent as JSON bytes.
     lora_rows: dict[tuple[str, str], list[int]] = field(default_factory=dict)
 
 

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     kwargs = json.loads(args.runner_kwargs)
     if kwargs.get("lora") is not None:
-        from executor_svc.lora.manager import LoraConfig
+        from executor_svc.features.lora.manager import LoraConfig
 
         kwargs["lora"] = LoraConfig(**kwargs["lora"])
     device = worker_device(kwargs.get("device", "auto"), args.rank)

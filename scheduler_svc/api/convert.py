@@ -13,7 +13,7 @@ from protos import scheduler_pb2 as pb
 from scheduler_svc.core.request import FinishReason, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams, ValidationError
 from scheduler_svc.engine.config import GenerateInput, ServerInfo, public_id
-from scheduler_svc.engine.deadlines import check_timeout
+from scheduler_svc.features.deadlines.timeouts import check_timeout
 from scheduler_svc.output.tokenizer import Conversation
 
 if TYPE_CHECKING:

@@ -13,7 +13,8 @@ from protos import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.api.auth import ApiKeyInterceptor
 from scheduler_svc.api.rpc_guard import MalformedRequestGuard
 from scheduler_svc.api.servicer import SchedulerServicer
-from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.engine.engine import Engine
 
 log = structlog.get_logger(__name__)
 

@@ -133,7 +133,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         remaining = context.time_remaining()
         if remaining is not None and not request.detached:
             # The call's own deadline ends the call anyway (and so, attached, the request):
-            # as a request deadline it ends cleanly, and is stored (engine/deadlines.py).
+            # as a request deadline it ends cleanly, and is stored (features/deadlines).
             inp.timeouts += (max(0.0, remaining),)
         return await self.engine.submit(inp)
 
@@ -248,6 +248,6 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def Embed(
         self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> pb.EmbedResponse:
-        """Each input as a prompt-only pooled request (engine/embeds.py); nothing is stored."""
+        """Each input as a prompt-only pooled request (features/pooling/embeds.py); nothing is stored."""
         inp = embed.embed_input_from_proto(request, self._owner(context))
         return embed.embed_result_to_proto(await self.engine.embed(inp))

@@ -1,7 +1,7 @@
 """LoRA in the scheduling core: which adapter a request runs with, the root of its prefix-cache
 hash chain (a hit never crosses adapters), and the per-step cap on distinct adapters.
 
-An adapter is (name, path): the registry (scheduler_svc/lora) resolves a name to its directory
+An adapter is (name, path): the registry (scheduler_svc/features/lora) resolves a name to its directory
 when a request arrives, and the pair travels with the request (Redis, the step message), so an
 adapter unloaded and loaded again from another directory is another adapter everywhere.
 """
@@ -54,7 +54,7 @@ class LoraBudget:
 class LoraSlots:
     """The adapters the executor holds in its device slots, as the scheduler sees them: the
     ones the latest steps used, least recently used first, at most ``capacity`` (the executor's
-    device cache is an LRU of ``max_loras``, executor_svc/lora/manager.py). ``use`` counts the
+    device cache is an LRU of ``max_loras``, executor_svc/features/lora/manager.py). ``use`` counts the
     adapters a step must newly load onto the device (from its host cache or from disk)."""
 
     def __init__(self, capacity: int) -> None:

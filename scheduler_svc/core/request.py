@@ -24,7 +24,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
-    FINISHED_DEADLINE = 7  # its deadline passed while it ran (engine/deadlines.py)
+    FINISHED_DEADLINE = 7  # its deadline passed while it ran (features/deadlines)
 
     @staticmethod
     def is_finished(status: int) -> bool:

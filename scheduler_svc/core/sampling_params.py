@@ -41,7 +41,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logit
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token; None = none
     # One-key dict mirroring the public StructuredOutput oneof, e.g. {"regex": "[0-9]+"};
-    # compiled and enforced by scheduler_svc/grammar. None = unconstrained.
+    # compiled and enforced by scheduler_svc/features/structured. None = unconstrained.
     structured_output: dict[str, Any] | None = None
     # Opt out of speculative decoding (--speculative-config); outputs are the same either way.
     disable_speculation: bool = False

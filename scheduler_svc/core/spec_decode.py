@@ -2,7 +2,7 @@
 
 A speculating sequence is scheduled as its decode token plus k proposed tokens (extra query
 positions, with KV slots for all of them); the executor returns the target's draw at each of
-the 1 + k positions (executor_svc/runner/spec_verify.py). Proposal i is accepted while it
+the 1 + k positions (executor_svc/features/spec/verify.py). Proposal i is accepted while it
 equals the draw at the position before it, and the draws up to and including the first
 mismatch are the step's tokens. Each draw is the token the non-speculative path samples at that
 position (same logits rows, same output history, the same (seed, position) noise), so the output

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from scheduler_svc.engine.config import AbortOutcome, GenerateInput, ServerInfo
-from scheduler_svc.engine.embeds import EmbedInput, EmbedResult
 from scheduler_svc.engine.streams import RequestHandle, RequestView
+from scheduler_svc.features.pooling.embeds import EmbedInput, EmbedResult
 
 __all__ = ["EngineClient"]
 

@@ -76,7 +76,7 @@ class EngineConfig:
     # How long an abort of an id not known yet waits in Redis for its Generate (engine/aborts.py).
     abort_ahead_ttl_s: float = 60.0
     # Deadline of every request that gives none shorter, in seconds from arrival; None = off
-    # (engine/deadlines.py).
+    # (features/deadlines).
     request_timeout_s: float | None = None
     max_backlog_steps: int = 1024
     step_timeout_s: float = 120.0
@@ -148,7 +148,7 @@ class GenerateInput:
     owner: str = ""  # the API key's name when keys are on: ids are scoped to it (scoped_id)
     lora_adapter: str = ""  # a loaded LoRA adapter's name; "" = the base model
     # Seconds from arrival it may take: its own timeout and its call's remaining gRPC deadline
-    # (each checked, None = not given); the engine applies the earliest (engine/deadlines.py).
+    # (each checked, None = not given); the engine applies the earliest (features/deadlines).
     timeouts: tuple[float | None, ...] = ()
 
 
@@ -191,7 +191,7 @@ class ServerInfo:
     # Every model llmserve loads is a decoder LLM: it generates, and its last hidden states pool
     # into embeddings (as vLLM's pooling runner does for decoder checkpoints).
     tasks: list[str] = field(default_factory=lambda: ["generate", "embed"])
-    hidden_size: int = 0  # the size of an embedding (engine/embeds.py)
+    hidden_size: int = 0  # the size of an embedding (features/pooling/embeds.py)
     # Speculative decoding (core/spec_decode.py), summed over executors; zeros when off.
     spec_decode_acceptance_rate: float = 0.0
     num_speculative_tokens: int = 0

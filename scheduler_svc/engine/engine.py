@@ -38,9 +38,7 @@ from scheduler_svc.engine.model import ModelInfo
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.requests import RequestFront
 from scheduler_svc.engine.step_loop import StepLoop
-from scheduler_svc.grammar.structured import StructuredOutputs
-from scheduler_svc.lora.durable import restore_live_adapters
-from scheduler_svc.lora.registry import LoraRegistry
+from scheduler_svc.features.registry import build_features
 from scheduler_svc.state.leader import LeaderLease
 from scheduler_svc.state.persister import Persister
 from scheduler_svc.state.store import RequestStore
@@ -81,28 +79,34 @@ class Engine:
             self.table, self.pool, self.persister, self.store, self.model, self.metrics
         )
         faults = Faults(self.table, self.pool, self.persister, self.recovery, self.lifecycle)
-        structured = StructuredOutputs(self.model, self.table.handles)  # grammars, token masks
         self.steps = StepLoop(config, self.lifecycle, self.pool, self.table, self.persister,
-                              faults, self.metrics, structured)  # fmt: skip
-        self.health = HealthMonitor(
-            self.lifecycle,
-            self.pool,
-            self.store,
-            self.persister,
-            interval_s=config.health_interval_s,
-        )
+                              faults, self.metrics)  # fmt: skip
+        self.health = HealthMonitor(self.lifecycle, self.pool, self.store, self.persister,
+                                    interval_s=config.health_interval_s)  # fmt: skip
         aborts = Aborts(self.lifecycle, self.table, self.store, self.persister,
                         config.abort_ahead_ttl_s)  # fmt: skip
         self.client = RequestFront(  # what the API layer talks to (client.EngineClient)
             config, self.lifecycle, self.table, self.pool, self.store, self.persister, aborts,
-            self.model, structured, LoraRegistry.of(config.lora_modules),
+            self.model,
         )  # fmt: skip
         self.persister.on_write = self.metrics.redis_write.observe
-        self.steps.on_pooled = self.client.embeds.on_pooled
+        self._plug_in()
         self.persister.on_fenced = self.lifecycle.lose_leadership
         self.pool.on_change = self.health.update
         self.lifecycle.watchers += [self._state_changed, self.health.update]
         self._tasks: list[asyncio.Task] = []
+
+    def _plug_in(self) -> None:
+        """Build the optional features (scheduler_svc/features) and hand their hooks to the
+        parts that call them: once, here."""
+        self.features = features = build_features(
+            self.config, lifecycle=self.lifecycle, pool=self.pool, model=self.model,
+            table=self.table, store=self.store, persister=self.persister,
+            check_available=self.client.check_available,
+        )  # fmt: skip
+        self.client.features = self.steps.features = self.recovery.features = features
+        self.table.admit = features.admit
+        self.metrics.feature_families = features.metrics
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -170,8 +174,8 @@ class Engine:
             if self.model.tokenizer is None:
                 await self.model.load_tokenizer(handle)
         self.model.set_limits(self.pool.executors[0].describe, self.config.max_model_len)
-        # Adapters loaded live before a restart (lora/durable.py), before anything is served.
-        await restore_live_adapters(self.client.lora_store, self.client.loras)
+        # The features' own durable state (live-loaded adapters) before anything is served.
+        await self.features.recover()
         await self.recovery.recover()
         # Start-up built long-lived objects (tokenizer, tables, recovered requests): move them out
         # of the collector's way so the steps' young-object collections do not rescan them.

@@ -80,11 +80,12 @@ class EngineMetrics:
         self.pool = pool
         self.persister = persister
         self.preemption_mode = preemption_mode
+        # The optional features' metric families, after the cores' own: (model name, the cores,
+        # their stats) -> families (scheduler_svc/features, ``metrics``; set by the engine).
+        self.feature_families: tuple[Callable[[str, list, list], Iterable[Metric]], ...] = ()
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.success: dict[str, int] = {}
-        # Requests ended by their deadline, by where they were then ("waiting", "running").
-        self.deadline_exceeded: dict[str, int] = {}
         self.recovered = 0
         self.failovers = 0
         self.ttft = BulkHistogram(TTFT_BUCKETS)
@@ -159,12 +160,8 @@ class EngineMetrics:
         preemptions.add_metric([model, self.preemption_mode],
                                sum(s.num_preemptions for s in stats))  # fmt: skip
         yield preemptions
-        yield _counter(model, "llmserve:lora_loads", "LoRA adapters the steps had to load onto "
-                       "an executor's device slots.", sum(s.num_lora_loads for s in stats))  # fmt: skip
-        yield _gauge(model, "llmserve:lora_adapters_in_step", "Distinct LoRA adapters in the "
-                     "latest step (summed over executors).",
-                     sum(s.num_loras_in_step for s in stats))  # fmt: skip
-        yield from _spec_families(model, [c.spec.stats for c in cores if c.spec is not None])
+        for families in self.feature_families:  # the optional features' own (features/)
+            yield from families(model, cores, stats)
 
     def _request_families(self, model: str) -> Iterator[Metric]:
         """The engine's own counters and histograms."""
@@ -173,11 +170,14 @@ class EngineMetrics:
                        self.prompt_tokens)  # fmt: skip
         yield _counter(model, "llmserve:generation_tokens", "Generated tokens.",
                        self.generation_tokens)  # fmt: skip
-        yield _by_label(model, "llmserve:request_success", "Finished requests, by finish "
-                        "reason.", "finished_reason", self.success)  # fmt: skip
-        yield _by_label(model, "llmserve:request_deadline_exceeded", "Requests ended by their "
-                        "deadline, by whether they had been scheduled.", "phase",
-                        self.deadline_exceeded)  # fmt: skip
+        success = CounterMetricFamily(
+            "llmserve:request_success",
+            "Finished requests, by finish reason.",
+            labels=["model_name", "finished_reason"],
+        )
+        for reason, count in sorted(self.success.items()):
+            success.add_metric([model, reason], count)
+        yield success
         for hist, name, doc in (
             (self.ttft, "time_to_first_token_seconds", "Time to first token."),
             (self.itl, "inter_token_latency_seconds", "Time between consecutive tokens."),
@@ -235,41 +235,10 @@ class EngineMetrics:
             yield family
 
 
-def _spec_families(model: str, stats: list) -> Iterator[Metric]:
-    """Speculative decoding's counters under vLLM's names (only when it is on)."""
-    if not stats:
-        return
-    for name, doc, attr in (
-        ("llmserve:spec_decode_num_drafts", "Verifying steps of a sequence.", "num_drafts"),
-        ("llmserve:spec_decode_num_draft_tokens", "Tokens proposed.", "num_draft_tokens"),
-        ("llmserve:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
-         "num_accepted_tokens"),
-    ):  # fmt: skip
-        yield _counter(model, name, doc, sum(getattr(s, attr) for s in stats))
-    per_pos = CounterMetricFamily(
-        "llmserve:spec_decode_num_accepted_tokens_per_pos",
-        "Proposed tokens accepted, by position in the proposal.",
-        labels=["model_name", "position"],
-    )
-    for pos in range(max(len(s.accepted_per_pos) for s in stats)):
-        count = sum(s.accepted_per_pos[pos] for s in stats if pos < len(s.accepted_per_pos))
-        per_pos.add_metric([model, str(pos)], count)
-    yield per_pos
-
-
 def _gauge(model: str, name: str, doc: str, value: float) -> GaugeMetricFamily:
     fam = GaugeMetricFamily(name, doc, labels=["model_name"])
     fam.add_metric([model], value)
     return fam
-
-
-def _by_label(
-    model: str, name: str, doc: str, label: str, counts: dict[str, int]
-) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, doc, labels=["model_name", label])
-    for value, count in sorted(counts.items()):
-        family.add_metric([model, value], count)
-    return family
 
 
 def _counter(model: str, name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -29,8 +29,8 @@ class RequestTable:
         self.usage = usage
         self.metrics = metrics
         self._requests: dict[str, RequestHandle] = {}  # active (unfinished or unacknowledged)
-        # Called with every request added, admitted or recovered (e.g. engine/deadlines.py).
-        self.on_add: list[Callable[[RequestHandle], None]] = []
+        # Called with each request entering the table, new or resumed (features' `admit`).
+        self.admit: tuple[Callable[[RequestHandle], None], ...] = ()
 
     @property
     def handles(self) -> Mapping[str, RequestHandle]:
@@ -54,9 +54,9 @@ class RequestTable:
         return [h for h in self._requests.values() if h.executor is ex]
 
     def add(self, handle: RequestHandle) -> None:
+        for admit in self.admit:  # the features' choice of how its results are applied
+            admit(handle)
         self._requests[handle.req_id] = handle
-        for hook in self.on_add:
-            hook(handle)
 
     def started(self, new_seqs: Iterable[NewSeqData], now: float) -> None:
         """Sequences sent in full: first scheduled, or again after a preemption. A request's

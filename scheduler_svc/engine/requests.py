@@ -14,7 +14,6 @@ import uuid
 import structlog
 
 from scheduler_svc.core.errors import NotFound, QueueFull, Unavailable, ValidationError
-from scheduler_svc.core.lora import stored_lora
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.engine.aborts import Aborts
@@ -27,17 +26,14 @@ from scheduler_svc.engine.config import (
     public_id,
     scoped_id,
 )
-from scheduler_svc.engine.deadlines import request_deadline
-from scheduler_svc.engine.embeds import EmbedInput, EmbedRequests, EmbedResult
 from scheduler_svc.engine.faults.lifecycle import Lifecycle
 from scheduler_svc.engine.fleet.executors import ExecutorPool
 from scheduler_svc.engine.model import ModelInfo
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.server_info import server_info
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
-from scheduler_svc.grammar.structured import StructuredOutputs
-from scheduler_svc.lora.durable import LoraAdapterStore
-from scheduler_svc.lora.registry import LoraRegistry, load_on_executors
+from scheduler_svc.features.base import NO_FEATURES, Features
+from scheduler_svc.features.pooling.embeds import EmbedInput, EmbedResult
 from scheduler_svc.output.tokenizer import encode_chat, encode_infill, encode_prompt
 from scheduler_svc.state.persister import Persister
 from scheduler_svc.state.store import (
@@ -64,8 +60,6 @@ class RequestFront:
         persister: Persister,
         aborts: Aborts,
         model: ModelInfo,
-        structured: StructuredOutputs | None = None,
-        loras: LoraRegistry | None = None,
     ) -> None:
         self.config = config
         self.lifecycle = lifecycle
@@ -75,13 +69,8 @@ class RequestFront:
         self.persister = persister
         self.aborts = aborts
         self.model = model
-        self.structured = structured  # checks a constraint compiles (scheduler_svc/grammar)
-        self.loras = loras if loras is not None else LoraRegistry()  # adapter names
-        self.lora_store = LoraAdapterStore(store)  # live-loaded ones, kept in Redis
-        # Embed calls in flight (engine/embeds.py); the step loop hands it pooled vectors.
-        self.embeds = EmbedRequests(
-            config, lifecycle, pool, model, table.usage, self._check_available
-        )
+        # The optional features' hooks (scheduler_svc/features); the engine sets them once built.
+        self.features: Features = NO_FEATURES
 
     @property
     def max_model_len(self) -> int:
@@ -90,26 +79,26 @@ class RequestFront:
     async def submit(self, inp: GenerateInput) -> tuple[RequestHandle, bool]:
         """The request's handle, and whether this call created it (False: attached to an
         existing request with the same id)."""
-        self._check_available()
+        self.check_available()
         req_id = scoped_id(inp.owner, _given_id(inp))
         existing = self.table.get(req_id)
         if existing is not None:
             return existing, False  # same id again: attach, never a second generation
         prompt = self._prompt_token_ids(inp)
         inp.params.validate(max_logprobs=self.config.max_logprobs, vocab_size=self.model.vocab_size)
-        if self.structured is not None:
-            await self.structured.validate(inp.params)  # compiles the grammar (cached)
+        await self.features.validate(inp)
         if sum(ex.sched.num_waiting for ex in self.pool.executors) >= self.config.max_waiting:
             raise QueueFull(f"waiting queue is full ({self.config.max_waiting} requests)")
         if inp.owner:
             self.table.usage.check(inp.owner, len(prompt))
-        lora = self.loras.resolve(inp.lora_adapter) if inp.lora_adapter else None
-        if lora is not None:
-            self._max_lora_rank()
+        fields = self.features.handle_fields(inp)
         handle = RequestHandle(
-            req_id, prompt, inp.params, inp.priority, arrival_time=time.time(), lora=lora
+            req_id, prompt, inp.params, inp.priority, arrival_time=time.time(), **fields
         )
-        handle.deadline = request_deadline(handle.arrival_time, inp, self.config)
+        return await self._create(handle)
+
+    async def _create(self, handle: RequestHandle) -> tuple[RequestHandle, bool]:
+        req_id = handle.req_id
         # Held until the handle is registered: an abort of this id waits for that rather than
         # finding neither a handle nor a stored request (engine/aborts.py).
         with self.aborts.creating.hold(req_id):
@@ -124,21 +113,13 @@ class RequestFront:
             if created is Created.ABORTED:
                 return _aborted_ahead(handle), True
             self._admit(handle)
-        log.info("request.admitted", req_id=req_id, num_prompt_tokens=len(prompt), n=inp.params.n)
+        log.info("request.admitted", req_id=req_id, num_prompt_tokens=len(handle.prompt_token_ids),
+                 n=handle.n)  # fmt: skip
         return handle, True
 
     async def _claim(self, handle: RequestHandle) -> Created:
         """Store the request in Redis (first: nothing unstored ever runs)."""
-        record = StoredRequest(
-            req_id=handle.req_id,
-            prompt_token_ids=handle.prompt_token_ids,
-            params=handle.params.to_dict(),
-            priority=handle.priority,
-            arrival_time=handle.arrival_time,
-            n=handle.params.n,
-            lora=stored_lora(handle.lora),
-            deadline=handle.deadline,
-        )
+        record = handle.to_stored(self.features.stored_fields(handle))
         try:
             return await self.store.create(record)
         except StoreFenced as e:
@@ -220,10 +201,10 @@ class RequestFront:
         return prompt
 
     async def embed(self, inp: EmbedInput) -> EmbedResult:
-        """Every input's vector (nothing is stored: engine/embeds.py)."""
-        return await self.embeds.embed(inp)
+        """Every input's vector (nothing is stored: features/pooling/embeds.py)."""
+        return await self.features.get("pooling").embeds.embed(inp)
 
-    def _check_available(self) -> None:
+    def check_available(self) -> None:
         """New work needs a serving engine, an executor and a Redis that takes writes."""
         self.lifecycle.check()
         if not any(ex.healthy for ex in self.pool.executors):
@@ -274,42 +255,17 @@ class RequestFront:
         return RequestView.from_stored(rec, params, m.tokenizer, m.eos_token_ids, m.max_model_len)
 
     async def load_lora_adapter(self, name: str, path: str) -> tuple[str, str, int]:
-        """Register an adapter (ValidationError / NotFound saying why not): name, path, rank.
-        Every executor reads it and checks it against the model first."""
-        self._check_available()
-        self.loras.max_rank = self._max_lora_rank()
-        self.loras.base_model_names = tuple({ex.describe.model_name for ex in self.pool.executors})
-        ref = self.loras.check(name, path).ref
-        await load_on_executors(self.pool.executors, ref.name, ref.path)
-        try:  # durable before it is served: a restarted scheduler serves it too
-            await self.lora_store.save(ref.name, ref.path)
-        except StoreUnavailable as e:
-            raise Unavailable(
-                "request store (Redis) is unavailable; the adapter was not loaded"
-            ) from e
-        info = self.loras.load(name, path)
-        log.info("lora.loaded", name=name, path=info.ref.path, rank=info.rank)
-        return info.ref.name, info.ref.path, info.rank
-
-    def _max_lora_rank(self) -> int:
-        rank = max((ex.describe.max_lora_rank for ex in self.pool.executors), default=0)
-        if not rank:
-            raise ValidationError("the executors serve no LoRA (start them with --enable-lora)")
-        return rank
+        """Register an adapter: name, path, rank (features/lora)."""
+        return await self.features.get("lora").load(name, path)
 
     async def unload_lora_adapter(self, name: str) -> None:
-        self.loras.resolve(name)  # NotFound when it is not loaded
-        try:
-            await self.lora_store.delete(name)
-        except StoreUnavailable as e:
-            raise Unavailable("request store (Redis) is unavailable; the adapter stays") from e
-        self.loras.unload(name)
-        log.info("lora.unloaded", name=name)
+        await self.features.get("lora").unload(name)
 
     def server_info(self) -> ServerInfo:
         self.lifecycle.check()
         info = server_info(self.pool.executors, self.config, self.model)
-        info.lora_adapters = [(a.ref.name, a.ref.path, a.rank) for a in self.loras.adapters()]
+        for hook in self.features.server_info:
+            hook(info)
         return info
 
 

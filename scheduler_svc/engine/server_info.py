@@ -1,4 +1,5 @@
-"""GetServerInfo's answer: the model, the limits and the load, summed over the executors."""
+"""GetServerInfo's answer: the model, the limits and the load, summed over the executors (the
+optional features add their fields: scheduler_svc/features, ``server_info``)."""
 
 from __future__ import annotations
 
@@ -38,22 +39,7 @@ def server_info(
         num_preemptions=sum(c.num_preemptions for c in cores),
         prefix_cache_hit_rate=hits / queries if queries else 0.0,
         hidden_size=d.hidden_size,
-        **_spec_fields(cores, config),
-        max_loras=d.max_loras,
     )
-
-
-def _spec_fields(cores: list, config: EngineConfig) -> dict[str, float | int]:
-    stats = [c.spec.stats for c in cores if c.spec is not None]
-    drafted = sum(s.num_draft_tokens for s in stats)
-    accepted = sum(s.num_accepted_tokens for s in stats)
-    spec = config.speculative
-    return {
-        "spec_decode_acceptance_rate": accepted / drafted if drafted else 0.0,
-        "num_speculative_tokens": spec.num_speculative_tokens if spec is not None else 0,
-        "spec_decode_num_draft_tokens": drafted,
-        "spec_decode_num_accepted_tokens": accepted,
-    }
 
 
 def _executor_info(ex: ExecutorHandle) -> ExecutorInfo:

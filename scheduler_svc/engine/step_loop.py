@@ -18,7 +18,6 @@ from protos import executor_pb2 as epb
 from scheduler_svc import failpoints
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.engine.deadlines import Deadlines
 from scheduler_svc.engine.faults.faults import Faults
 from scheduler_svc.engine.faults.lifecycle import Lifecycle
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle, Sent
@@ -27,7 +26,7 @@ from scheduler_svc.engine.metrics import EngineMetrics
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.step_results import process_step_outputs
 from scheduler_svc.engine.streams import EngineStep
-from scheduler_svc.grammar.structured import StructuredOutputs
+from scheduler_svc.features.base import NO_FEATURES, Features
 from scheduler_svc.state.persister import Persister
 
 __all__ = ["StepLoop"]
@@ -58,7 +57,7 @@ class StepLoop:
         persister: Persister,
         faults: Faults,
         metrics: EngineMetrics,
-        structured: StructuredOutputs | None = None,
+        features: Features = NO_FEATURES,
     ) -> None:
         self.step_timeout_s = config.step_timeout_s
         self.lifecycle = lifecycle
@@ -67,13 +66,9 @@ class StepLoop:
         self.persister = persister
         self.faults = faults
         self.metrics = metrics
-        # Structured outputs: each step's token masks, and ending a sequence whose grammar is
-        # complete (scheduler_svc/grammar).
-        self.structured = structured
-        # Ends requests past their deadline once per step (engine/deadlines.py).
-        self.deadlines = Deadlines(table, persister, metrics)
-        # A step's embedding vectors go here (engine/embeds.py: EmbedRequests.on_pooled).
-        self.on_pooled: Callable[[ExecutorHandle, list[epb.PooledOutput]], None] = _no_pooling
+        # The optional features' hooks (scheduler_svc/features): what they add to each step's
+        # message, and what they take from its reply.
+        self.features = features
         # Chosen once: True from a step means there was nothing to do.
         self.step: Callable[[ExecutorHandle], Awaitable[bool]] = (
             self._step_ahead if config.async_scheduling else self._step_plain
@@ -91,7 +86,8 @@ class StepLoop:
                 continue
             ex.wake.clear()
             async with ex.lock:
-                self.deadlines.expire(ex)
+                for hook in self.features.between_steps:  # e.g. requests past their deadline
+                    hook(ex)
                 idle = await self.step(ex)
             if idle:
                 self.persister.kick()
@@ -159,20 +155,21 @@ class StepLoop:
 
     def _may_plan_ahead(self, ex: ExecutorHandle) -> bool:
         """Whether the next step may be sent before this one is back: not when the step's
-        outcome must be seen first (stopping, draining, a write backlog), nor when an abort or
-        a recovery waits for the executor's lock (they get in between two steps)."""
+        outcome must be seen first (stopping, draining, a write backlog, a feature's
+        ``holds_ahead``: a deadline due), nor when an abort or a recovery waits for the
+        executor's lock (they get in between two steps)."""
         return (
             not self.lifecycle.stopping
             and ex.healthy
             and not ex.draining
             and ex.num_lock_waiters == 0
             and not self.persister.over_backlog
-            and not self.deadlines.due(ex)
+            and not any(holds(ex) for holds in self.features.holds_ahead)
         )
 
     def _send(self, ex: ExecutorHandle, out: SchedulerOutput, after_step_id: int) -> Sent:
-        masks = self.structured.add_masks if self.structured is not None else None
-        return ex.send(out, after_step_id, self.pool.epoch, self.step_timeout_s, masks)
+        add = self.features.step_message
+        return ex.send(out, after_step_id, self.pool.epoch, self.step_timeout_s, add)
 
     async def _complete_oldest(self, ex: ExecutorHandle, run: _Run) -> bool:
         """Wait for the oldest step in flight and apply its reply; False when the executor
@@ -209,10 +206,9 @@ class StepLoop:
         now: float,
         interval: float | None,
     ) -> None:
-        done = self.structured.grammar_done if self.structured is not None else None
-        process_step_outputs(ex.sched, self.table.handles, out, resp, record, done)
-        if resp.pooled:  # embedding inputs whose prompt completed (engine/embeds.py)
-            self.on_pooled(ex, list(resp.pooled))
+        process_step_outputs(ex.sched, self.table.handles, out, resp, record, self.features)
+        for hook in self.features.after_reply:
+            hook(ex, resp)
         self.table.started(out.new_seqs, now)
         num_sampled = len(resp.sampled) + len(resp.decode_token_ids)
         self.metrics.on_step(
@@ -227,7 +223,3 @@ class StepLoop:
         record = EngineStep()
         self.table.finish_ended_in_core(ex, record)
         self.persister.submit(record)
-
-
-def _no_pooling(ex: ExecutorHandle, pooled: list[epb.PooledOutput]) -> None:
-    raise RuntimeError("an executor returned pooled vectors, but no embedding call is wired")

@@ -16,6 +16,7 @@ from scheduler_svc.core.errors import Unavailable
 from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.request import FinishReason, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.features.base import Taker, take_logprobs, take_token
 from scheduler_svc.output.processor import OutputDelta, SequenceOutputState
 from scheduler_svc.state.persister import StepRecord
 from scheduler_svc.state.store import FinishRecord, StoredRequest, TokenAppend, tokens_key_bulk
@@ -135,6 +136,7 @@ class RequestHandle:
         priority: int,
         arrival_time: float,
         lora: LoraRef | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         self.req_id = req_id
         self.lora = lora  # its LoRA adapter (stored with it); None: the base model
@@ -142,12 +144,16 @@ class RequestHandle:
         self.params = params
         self.priority = priority
         self.arrival_time = arrival_time
-        self.deadline = 0.0  # absolute time it ends by, 0.0 = none (engine/deadlines.py)
+        # Absolute time it ends by, 0.0 = none (features/deadlines; from_stored keeps the first).
+        self.deadline = arrival_time + timeout_s if timeout_s is not None else 0.0
         self.n = params.n
         self.executor: Any = None
         self.states: list[SequenceOutputState] = []
         self.acked: list[SeqLog] = [SeqLog() for _ in range(self.n)]
         self.finished_in_engine = False
+        # How each step's result for it is applied; features may choose another when the
+        # request is admitted (scheduler_svc/features, `admit`).
+        self.take: Taker = take_token if params.logprobs is None else take_logprobs
         self.error = ""
         self._closed: str | None = None
         self._waiters: list[asyncio.Future[None]] = []
@@ -171,6 +177,12 @@ class RequestHandle:
         handle = cls(rec.req_id, rec.prompt_token_ids, params, rec.priority, rec.arrival_time, lora)
         handle.deadline = rec.deadline  # the original one: a restart never extends it
         return handle
+
+    def to_stored(self, fields: dict[str, Any]) -> StoredRequest:
+        """Its record in Redis; `fields`: what features keep with it (`stored_fields`)."""
+        return StoredRequest(req_id=self.req_id, prompt_token_ids=self.prompt_token_ids,
+                             params=self.params.to_dict(), priority=self.priority,
+                             arrival_time=self.arrival_time, n=self.n, **fields)  # fmt: skip
 
     def init_outputs(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int) -> None:
         self.states = [

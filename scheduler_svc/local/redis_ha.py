@@ -3,12 +3,16 @@ processes of the same redis-server binary (Sentinel is `redis-server CONF --sent
 an OS-chosen port. `make run-ha` serves from it (scheduler_svc/local/launch.py --redis-ha), and
 the tests kill its nodes (tests/support/redis_ha.py).
 
-`down-after-milliseconds` is 1000: Sentinel sends PING every second and calls an instance down
-after this long without a valid reply, so a kill -9 is noticed within ~1-2 s and the failover
-(quorum 2 of 3, one Sentinel elected to promote the replica with the newest data) finishes a
-second or two later. Lower values make a loaded 2-core CI machine's scheduling hiccups look like
-deaths (spurious failovers); Sentinel's default of 30 s would make the test wait half a minute
-for each failover.
+`down-after-milliseconds` is 1500: a Sentinel calls an instance down after this long without a
+valid reply to its PINGs, so a kill -9 is noticed within ~1.5-2.5 s and the failover (quorum 2
+of 3, one Sentinel elected to promote the replica with the newest data) ends ~1 s later. It
+must stay above 1000, Sentinel's PING period. After a switch every Sentinel makes a new link to
+the promoted primary and pings it first one period later. With 1000, the check that runs right
+after that first PING, before its reply, finds 1000 ms without a reply. Each Sentinel then calls
+the new primary down at the same moment, and they fail it over again ~1 s after they promoted
+it. That happened in 4 of 5 runs of test_redis_ha_frontend here ("+sdown" ~1.05 s after
+"+switch-master", "-sdown" ~0.1 s later). Sentinel's default of 30 s would make a test wait half
+a minute for each failover.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ class RedisHA:
         *,
         num_replicas: int = 2,
         num_sentinels: int = 3,
-        down_after_ms: int = 1000,
+        down_after_ms: int = 1500,
         failover_ms: int = 3000,
     ) -> None:
         self.root = root

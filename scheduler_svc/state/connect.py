@@ -31,6 +31,7 @@ __all__ = [
     "BARRIER_KEY",
     "RedisTarget",
     "connect",
+    "execute_acknowledged",
     "parse_sentinels",
     "wait_replicas",
 ]
@@ -132,3 +133,22 @@ async def wait_replicas(client: aioredis.Redis, num_replicas: int, timeout_ms: i
         pipe.execute_command("WAIT", num_replicas, timeout_ms)
         _, acked = await pipe.execute()
     return int(acked)
+
+
+async def execute_acknowledged(
+    pipe: Any, num_replicas: int, timeout_ms: int
+) -> tuple[list[Any], int]:
+    """Execute the writes queued on `pipe` with `WAIT num_replicas timeout_ms` after them on the
+    same connection (one round trip): their results, and how many replicas hold them. On the
+    same connection because a WAIT sent after a failover reaches the new primary, whose replicas
+    may never have seen what the old one took. With num_replicas 0 no WAIT is sent (0 acked)."""
+    if num_replicas:
+        pipe.execute_command("WAIT", num_replicas, timeout_ms)
+    # The first error as Redis sent it (a pipeline would reword it: FENCED, NOSCRIPT).
+    results = await pipe.execute(raise_on_error=False)
+    error = next((r for r in results if isinstance(r, Exception)), None)
+    if error is not None:
+        raise error
+    if not num_replicas:
+        return results, 0
+    return results[:-1], int(results[-1])

@@ -50,7 +50,7 @@ class StoredRequest:
     prompt_logprobs: list[Any] | None = None  # JSON entries, prompt positions 1.. (if asked)
     lora: list[str] | None = None  # [name, path] of its LoRA adapter; None: the base model
     # Absolute (epoch seconds) time it ends by, 0.0 = none; stored so that a recovered request
-    # keeps the deadline it arrived with (engine/deadlines.py).
+    # keeps the deadline it arrived with (features/deadlines).
     deadline: float = 0.0
 
 

@@ -7,7 +7,9 @@ election is on (scheduler_svc/state/leader.py): a scheduler that lost the lease 
 
 from __future__ import annotations
 
-__all__ = ["ABORT_AHEAD_LUA", "APPEND_LUA", "BATCH_LUA", "CREATE_LUA"]
+from typing import Any
+
+__all__ = ["ABORT_AHEAD_LUA", "APPEND_LUA", "BATCH_LUA", "CREATE_LUA", "FencedBatch"]
 
 # One call per engine step for every sequence's new tokens. KEYS[1] and ARGV[1]: the leader
 # epoch key and the writer's epoch ("0": no leader election; otherwise the write is refused
@@ -112,3 +114,35 @@ while i <= #ARGV do
 end
 return 1
 """
+
+
+class FencedBatch:
+    """Records the write commands the store queues (the pipeline methods it uses) as the
+    flat argument list of BATCH_LUA."""
+
+    def __init__(self) -> None:
+        self.args: list[Any] = []
+
+    def _add(self, *cmd: Any) -> None:
+        self.args.append(len(cmd))
+        self.args.extend(cmd)
+
+    def hset(
+        self, key: str, field: str | None = None, value: Any = None, mapping: dict | None = None
+    ) -> None:
+        pairs = [] if field is None else [field, value]
+        for k, v in (mapping or {}).items():
+            pairs.extend((k, v))
+        self._add("HSET", key, *pairs)
+
+    def srem(self, key: str, *members: Any) -> None:
+        self._add("SREM", key, *members)
+
+    def pexpire(self, key: str, ms: int) -> None:
+        self._add("PEXPIRE", key, ms)
+
+    def delete(self, *keys: str) -> None:
+        self._add("DEL", *keys)
+
+    def rpush(self, key: str, *values: Any) -> None:
+        self._add("RPUSH", key, *values)

@@ -27,12 +27,18 @@ what is missing, so a write retried after a lost reply never duplicates a token.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from scheduler_svc.core.request import FinishReason
-from scheduler_svc.state.connect import RedisTarget, connect, wait_replicas
+from scheduler_svc.state.connect import (
+    RedisTarget,
+    connect,
+    execute_acknowledged,
+    wait_replicas,
+)
 from scheduler_svc.state.leader import EPOCH_KEY
 from scheduler_svc.state.records import (
     FORMAT_VERSION,
@@ -43,7 +49,13 @@ from scheduler_svc.state.records import (
     TokenAppend,
     decode_record,
 )
-from scheduler_svc.state.scripts import ABORT_AHEAD_LUA, APPEND_LUA, BATCH_LUA, CREATE_LUA
+from scheduler_svc.state.scripts import (
+    ABORT_AHEAD_LUA,
+    APPEND_LUA,
+    BATCH_LUA,
+    CREATE_LUA,
+    FencedBatch,
+)
 
 # The records live in state/records.py; importers take them from here with the store.
 __all__ = [
@@ -155,6 +167,9 @@ def _logprobs_key(req_id: str, index: int) -> str:
 
 
 MAX_CONNECTIONS = 256  # per scheduler process; Redis's own default limit is 10 000 clients
+# How long a new request waits for --redis-min-replicas replicas to acknowledge it before it is
+# refused (UNAVAILABLE); as long as an abort waits for its finish (engine/aborts.py).
+CREATE_HOLD_S = 10.0
 
 
 class RequestStore:
@@ -176,6 +191,7 @@ class RequestStore:
         # 0: none, nothing waits.
         self.min_replicas = min_replicas
         self.replica_timeout_ms = replica_timeout_ms
+        self.create_hold_s = CREATE_HOLD_S
         # Release effects that fewer replicas acknowledged in time (--redis-degrade-unreplicated)
         # instead of holding them until enough do.
         self.release_unreplicated = False
@@ -214,9 +230,16 @@ class RequestStore:
         """None when Redis accepts a write now, else why not (health checks use this: a Redis
         that answers PING may still refuse every write)."""
         try:
-            await self._redis.set(HEALTH_PROBE_KEY, "1", px=60_000)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.set(HEALTH_PROBE_KEY, "1", px=60_000)
+                _, acked = await execute_acknowledged(
+                    pipe, self.min_replicas, self.replica_timeout_ms
+                )
         except (RedisError, OSError) as e:
             return str(e) or type(e).__name__
+        # Even idle: a new request would be held for the replicas (create), then refused.
+        if acked < self.min_replicas and not self.release_unreplicated:
+            return f"{acked} of {self.min_replicas} Redis replicas acknowledged a write"
         return None
 
     async def replicate(self) -> int:
@@ -259,31 +282,62 @@ class RequestStore:
             args.extend((k, v))
         keys = [key, UNFINISHED_KEY, EPOCH_KEY, _abort_key(rec.req_id)]
         try:
-            return Created(await self._create(keys=keys, args=args))
+            return await self._create_acknowledged(keys, args)
         except (RedisError, OSError) as e:
             raise _unavailable(e) from e
+
+    async def _create_acknowledged(self, keys: list[str], args: list[Any]) -> Created:
+        """The create script, repeated (it writes nothing the second time) until min_replicas
+        replicas hold the record or create_hold_s passed (StoreUnavailable). The caller admits
+        the request only after: a client that saw it accepted must find it after a failover,
+        which a later step's barrier cannot promise once it reaches a new primary."""
+        first = None
+        deadline = time.monotonic() + self.create_hold_s
+        while True:
+            created, acked = await self._run_acknowledged(self._create, keys, args)
+            first = Created(created) if first is None else first  # later runs say EXISTS
+            if acked >= self.min_replicas or self.release_unreplicated:
+                return first
+            if time.monotonic() > deadline:
+                raise StoreUnavailable(
+                    f"{acked} of {self.min_replicas} Redis replicas acknowledged the request"
+                )
+
+    async def _run_acknowledged(self, script: Any, keys: list[str], args: list[Any]) -> tuple:
+        """(`script`'s result, replicas that hold its writes): with min_replicas a WAIT follows
+        it on the same connection (`connect.execute_acknowledged`)."""
+        for attempt in range(2):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+                try:
+                    results, acked = await execute_acknowledged(
+                        pipe, self.min_replicas, self.replica_timeout_ms
+                    )
+                    return results[0], acked
+                except NoScriptError:  # a restarted or promoted Redis without the script
+                    if attempt:
+                        raise
+                    await self._redis.script_load(script.script)
+        raise AssertionError("unreachable")
 
     async def abort_ahead(self, req_id: str, ttl_s: float) -> str | None:
         """The stored status of `req_id` ("active" or "finished"), or None when it is not
         stored: then a tombstone is left for `ttl_s` so that a request created with this id
         in that time is stored finished as aborted (see `create`)."""
         keys = [_request_key(req_id), _abort_key(req_id), EPOCH_KEY]
+        args = [self.epoch, max(1, int(ttl_s * 1000))]
         try:
-            status = await self._abort_ahead(
-                keys=keys, args=[self.epoch, max(1, int(ttl_s * 1000))]
-            )
+            status, acked = await self._run_acknowledged(self._abort_ahead, keys, args)
         except (RedisError, OSError) as e:
             raise _unavailable(e) from e
         status = status.decode() if isinstance(status, bytes) else str(status)
         if status != "tombstoned":
             return status
         # The answer tells the client the abort will win: the tombstone must survive failover.
-        if self.min_replicas and not self.release_unreplicated:
-            acked = await self.replicate()
-            if acked < self.min_replicas:
-                raise StoreUnavailable(
-                    f"{acked} of {self.min_replicas} Redis replicas acknowledged the abort"
-                )
+        if acked < self.min_replicas and not self.release_unreplicated:
+            raise StoreUnavailable(
+                f"{acked} of {self.min_replicas} Redis replicas acknowledged the abort"
+            )
         return None
 
     async def write_step(
@@ -378,11 +432,11 @@ class RequestStore:
         """Where a group of writes is queued: a redis-py pipeline, or under leader election a
         recorder sent as one fenced script call (atomic, like a transaction)."""
         if self.epoch:
-            return _FencedBatch()
+            return FencedBatch()
         return self._redis.pipeline(transaction=transaction)
 
     async def _send_batch(self, batch: Any) -> None:
-        if isinstance(batch, _FencedBatch):
+        if isinstance(batch, FencedBatch):
             await self._batch(keys=[EPOCH_KEY], args=[self.epoch, *batch.args])
         else:
             async with batch as pipe:
@@ -441,38 +495,6 @@ class RequestStore:
                 out.append(rec)
         out.sort(key=lambda r: r.arrival_time)
         return out
-
-
-class _FencedBatch:
-    """Records the write commands the store queues (the pipeline methods it uses) as the
-    flat argument list of the fenced batch script."""
-
-    def __init__(self) -> None:
-        self.args: list[Any] = []
-
-    def _add(self, *cmd: Any) -> None:
-        self.args.append(len(cmd))
-        self.args.extend(cmd)
-
-    def hset(
-        self, key: str, field: str | None = None, value: Any = None, mapping: dict | None = None
-    ) -> None:
-        pairs = [] if field is None else [field, value]
-        for k, v in (mapping or {}).items():
-            pairs.extend((k, v))
-        self._add("HSET", key, *pairs)
-
-    def srem(self, key: str, *members: Any) -> None:
-        self._add("SREM", key, *members)
-
-    def pexpire(self, key: str, ms: int) -> None:
-        self._add("PEXPIRE", key, ms)
-
-    def delete(self, *keys: str) -> None:
-        self._add("DEL", *keys)
-
-    def rpush(self, key: str, *values: Any) -> None:
-        self._add("RPUSH", key, *values)
 
 
 def _unavailable(e: BaseException) -> Exception:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from executor_svc.runner.pooling import vector_from_bytes
+from executor_svc.features.pooling.pooling import vector_from_bytes
 from protos import executor_pb2 as pb
 from tests.integration.test_tensor_parallel import TP_ARGS
 from tests.support.executor_driver import executor_channel, executor_subprocess

@@ -8,8 +8,10 @@ today and is injected through a failpoint (scheduler_svc/failpoints.py).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -29,6 +31,7 @@ from tests.support.api_helpers import (
     stream_in_threads,
     stub_for,
 )
+from tests.support.redis_ha import RedisHA
 from tests.support.stack import make_stack
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -187,50 +190,125 @@ def test_health_follows_redis_and_the_executor(tmp_path, redis):
         stack.stop()
 
 
+def test_health_follows_the_redis_primary_and_its_replicas(tmp_path):
+    """With replicas and Sentinel (--redis-min-replicas 2): NOT_SERVING, saying why, while a
+    replica acknowledges nothing, even with no request running; NOT_SERVING while the primary
+    is dead, SERVING again once Sentinel has promoted a replica and two replicas answer; and
+    nothing crashes on the way."""
+    with redis_topology(tmp_path, "ha") as (primary, _, ha):
+        assert ha is not None
+        args = ["--redis-sentinel", ha.sentinel_arg, "--redis-min-replicas", "2",
+                "--health-interval", "0.2"]  # fmt: skip
+        stack = make_stack(tmp_path, primary, scheduler_args=args)
+        try:
+            address = stack.address
+            assert health(address) == SERVING
+            stalled = ha.replicas()[0]
+            ha.pause(stalled)
+            wait_health(address, NOT_SERVING, timeout=10)
+            ha.resume(stalled)
+            wait_health(address, SERVING, timeout=10)
+            killed = ha.kill_primary()
+            wait_health(address, NOT_SERVING, timeout=10)
+            ha.wait_failover(killed)
+            ha.restart_as_replica(killed)
+            wait_health(address, SERVING, timeout=30)
+            channel, stub = stub_for(address)
+            res = generate(stub, [1, 2, 3], max_tokens=4, ignore_eos=True)
+            assert res.error is None and len(res.tokens[0]) == 4
+            channel.close()
+            log = (tmp_path / "scheduler.log").read_text()
+            assert "1 of 2 Redis replicas acknowledged" in log
+            assert "Traceback" not in log
+        finally:
+            stack.stop()
+
+
 # ---------------------------------------------------------------- Redis refusing writes
 
 
-@pytest.mark.parametrize("refusal", ["readonly", "noreplicas"])
-def test_streams_pause_while_redis_refuses_writes_and_lose_nothing(tmp_path, redis, refusal):
-    """Redis that answers but refuses writes (READONLY, NOREPLICAS; OOM and MISCONF take the
-    same path): streams pause, new requests get UNAVAILABLE, and everything continues once
-    Redis takes writes again, nothing lost."""
-    stack = make_stack(tmp_path, redis, scheduler_args=["--max-backlog-steps", "4"])
+@contextlib.contextmanager
+def redis_topology(
+    tmp_path, topology: str
+) -> Iterator[tuple[RedisServer, list[str], RedisHA | None]]:
+    """The Redis a stack runs on: "single" (one server) or "ha" (a primary, 2 replicas and 3
+    Sentinels; the scheduler follows the Sentinels and waits for 1 replica per step). Yields
+    the node that takes writes now, the scheduler flags for it, and the HA topology if any."""
+    if topology == "single":
+        server = RedisServer(data_dir=tmp_path / "redis")
+        server.start()
+        try:
+            yield server, [], None
+        finally:
+            server.close()
+        return
+    ha = RedisHA(tmp_path / "redis-ha").start()
     try:
-        reqs = mixed_workload(refusal, 8, 120, rng_seed=3)
-        reference = reference_run(stack.address, reqs)
-        channel, stub = stub_for(stack.address)
-        results, threads = stream_in_threads(stub, reqs, min_tokens=2)
-        raw = redis_lib.Redis.from_url(redis.url)
-        if refusal == "readonly":
-            raw.replicaof("127.0.0.1", 1)  # nothing listens on port 1: stays a lone replica
-        else:
-            raw.config_set("min-replicas-to-write", 1)
-        time.sleep(0.5)  # writes in flight when writes stopped have failed by now
-        seen = [len(r.tokens.get(0, [])) for r in results]
-        time.sleep(1.5)
-        assert [len(r.tokens.get(0, [])) for r in results] == seen, "streams ran ahead of Redis"
-        res = generate(stub, [4, 5, 6], max_tokens=2)
-        assert res.error is not None and res.error.code() == grpc.StatusCode.UNAVAILABLE
-        assert health(stack.address) == NOT_SERVING
-        time.sleep(2.0)  # a while longer: the writer keeps retrying, it does not die
-        if refusal == "readonly":
-            raw.replicaof("NO", "ONE")
-        else:
-            raw.config_set("min-replicas-to-write", 0)
-        for t in threads:
-            t.join(timeout=120)
-        for i, (got, ref) in enumerate(zip(results, reference, strict=True)):
-            assert_same(got, ref, f"stream {i}")
-            stored = [int(t) for t in raw.lrange(f"llmserve:tokens:{reqs[i].request_id}:0", 0, -1)]
-            assert stored == got.tokens[0]
-        wait_health(stack.address, SERVING, timeout=10)
-        assert generate(stub, [4, 5, 6], max_tokens=2).error is None
-        raw.close()
-        channel.close()
-        assert "Traceback" not in (tmp_path / "scheduler.log").read_text()
+        args = ["--redis-sentinel", ha.sentinel_arg, "--redis-min-replicas", "1"]
+        yield ha.primary(), args, ha
     finally:
-        stack.stop()
+        ha.close()
+
+
+def refuse_writes(raw: redis_lib.Redis, refusal: str, ha: RedisHA | None) -> Callable[[], None]:
+    """Make Redis refuse writes (or, "stalled", leave its replicas silent); returns the undo."""
+    if refusal == "readonly":
+        raw.replicaof("127.0.0.1", 1)  # nothing listens on port 1: stays a lone replica
+        return lambda: raw.replicaof("NO", "ONE")
+    if refusal == "noreplicas":
+        raw.config_set("min-replicas-to-write", 3)  # more replicas than there are
+        return lambda: raw.config_set("min-replicas-to-write", 0)
+    assert ha is not None  # "stalled": writes succeed, no replica acknowledges them
+    stalled = ha.replicas()
+    for node in stalled:
+        ha.pause(node)
+    return lambda: [ha.resume(node) for node in stalled]
+
+
+@pytest.mark.parametrize(
+    ("topology", "refusal"),
+    [("single", "readonly"), ("single", "noreplicas"),
+     ("ha", "readonly"), ("ha", "noreplicas"), ("ha", "stalled")],
+)  # fmt: skip
+def test_streams_pause_while_redis_refuses_writes_and_lose_nothing(tmp_path, topology, refusal):
+    """Redis that answers but refuses writes (READONLY, NOREPLICAS; OOM and MISCONF take the
+    same path), or, with replicas, whose replicas acknowledge nothing: streams pause, new
+    requests get UNAVAILABLE, health says NOT_SERVING, and everything continues once Redis
+    takes writes again, nothing lost, nothing crashed. With Sentinel a READONLY primary is also
+    a reason to ask the Sentinels again (they still name it: it is retried)."""
+    with redis_topology(tmp_path, topology) as (primary, redis_args, ha):
+        stack = make_stack(
+            tmp_path, primary, scheduler_args=["--max-backlog-steps", "4", *redis_args]
+        )
+        try:
+            reqs = mixed_workload(refusal, 8, 120, rng_seed=3)
+            reference = reference_run(stack.address, reqs)
+            channel, stub = stub_for(stack.address)
+            results, threads = stream_in_threads(stub, reqs, min_tokens=2)
+            raw = redis_lib.Redis(host="127.0.0.1", port=primary.port)
+            undo = refuse_writes(raw, refusal, ha)
+            time.sleep(0.5)  # writes in flight when writes stopped have failed by now
+            seen = [len(r.tokens.get(0, [])) for r in results]
+            time.sleep(1.5)
+            assert [len(r.tokens.get(0, [])) for r in results] == seen, "streams ran ahead of Redis"
+            res = generate(stub, [4, 5, 6], max_tokens=2)
+            assert res.error is not None and res.error.code() == grpc.StatusCode.UNAVAILABLE
+            assert health(stack.address) == NOT_SERVING
+            time.sleep(2.0)  # a while longer: the writer keeps retrying, it does not die
+            undo()
+            for t in threads:
+                t.join(timeout=120)
+            for i, (got, ref) in enumerate(zip(results, reference, strict=True)):
+                assert_same(got, ref, f"stream {i}")
+                key = f"llmserve:tokens:{reqs[i].request_id}:0"
+                assert [int(t) for t in raw.lrange(key, 0, -1)] == got.tokens[0]
+            wait_health(stack.address, SERVING, timeout=10)
+            assert generate(stub, [4, 5, 6], max_tokens=2).error is None
+            raw.close()
+            channel.close()
+            assert "Traceback" not in (tmp_path / "scheduler.log").read_text()
+        finally:
+            stack.stop()
 
 
 # ---------------------------------------------------------------- a step that raises

@@ -118,7 +118,7 @@ def test_side_directory_config_and_tokenizer_equal_transformers(gguf_path: Path,
     equals what transformers' GGUF loader makes of the file's metadata."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from executor_svc.runner.gguf.hf_files import prepare
+    from executor_svc.features.gguf.hf_files import prepare
     from executor_svc.runner.loader import tokenizer_class_name
 
     side = prepare(gguf_path, cache=tmp_path)

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from executor_svc.lora.manager import LoraConfig
+from executor_svc.features.lora.manager import LoraConfig
 from executor_svc.runner.model_runner import ModelRunner
 from protos import scheduler_pb2 as pb
 from scheduler_svc.core.lora import LoraRef

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from executor_svc.features.gguf.hf_files import prepare
+from executor_svc.features.lora.manager import LoraConfig
 from executor_svc.kernels.quant import QuantWeight
-from executor_svc.lora.manager import LoraConfig
-from executor_svc.runner.gguf.hf_files import prepare
 from executor_svc.runner.model_runner import ModelRunner
 from tests.support.smollm2 import GGUF_NAME, cache_root, ensure_smollm2, hf_reference_model
 from tests.unit.test_lora import Driver

@@ -9,12 +9,15 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from executor_svc.api.registry import EXECUTORS_KEY, ExecutorRegistration
+from scheduler_svc.features.lora.durable import LORA_ADAPTERS_KEY, LoraAdapterStore
 from scheduler_svc.state.connect import RedisTarget, parse_sentinels
 from scheduler_svc.state.leader import EPOCH_KEY, LEADER_KEY, LeaderLease
 from scheduler_svc.state.persister import Persister, StepRecord
 from scheduler_svc.state.store import (
+    Created,
     RequestStore,
     StoredRequest,
     StoreFenced,
@@ -189,3 +192,73 @@ def test_the_leader_epoch_fences_a_deposed_leader_across_a_failover(ha):
             await c.close()
 
     asyncio.run(go())
+
+
+def test_a_new_request_an_abort_and_an_adapter_wait_for_the_replicas(ha):
+    """With --redis-min-replicas 2 and one replica stalled, a new request, an abort of an
+    unknown id and a live-loaded adapter's entry are each held (a WAIT on their own connection)
+    and refused when the replica stays silent; once it answers they are accepted, and every
+    replica holds them before the caller hears so."""
+    stalled = ha.replicas()[0]
+
+    async def go() -> None:
+        store = RequestStore(target(ha), min_replicas=2, replica_timeout_ms=100)
+        store.create_hold_s = 0.5
+        adapters = LoraAdapterStore(store)
+        ha.pause(stalled)
+        try:
+            with pytest.raises(StoreUnavailable, match="1 of 2 Redis replicas"):
+                await store.create(record("held"))
+            with pytest.raises(StoreUnavailable, match="1 of 2 Redis replicas"):
+                await store.abort_ahead("unknown", ttl_s=60)
+            with pytest.raises(StoreUnavailable, match="1 of 2 Redis replicas"):
+                await adapters.save("sql", "/adapters/sql")
+            store.create_hold_s = 10
+            waiting = asyncio.create_task(store.create(record("later")))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()  # held while a replica is missing
+        finally:
+            ha.resume(stalled)
+        assert await waiting is Created.NEW
+        await adapters.save("sql", "/adapters/sql")
+        assert await store.create(record("held")) is Created.EXISTS  # a retry attaches
+        await store.close()
+
+    asyncio.run(go())
+    for node in ha.replicas():
+        replica = redis.Redis(host="127.0.0.1", port=node.port)
+        assert replica.exists("llmserve:request:later", "llmserve:abort:unknown") == 2
+        assert replica.hget(LORA_ADAPTERS_KEY, "sql") == b"/adapters/sql"
+
+
+@pytest.mark.parametrize("min_replicas", [0, 1])
+def test_a_request_accepted_before_a_failover_is_on_the_promoted_replica(ha, min_replicas):
+    """Replication is cut (the replicas cannot re-sync: wrong `masterauth`) when a request
+    arrives, then the primary is killed -9. With --redis-min-replicas 1 the request is never
+    accepted (held, then refused: the client retries on the new primary); with 0 it is
+    accepted and the promoted replica lacks it: the loss the barrier prevents."""
+    replicas = [redis.Redis(host="127.0.0.1", port=n.port) for n in ha.replicas()]
+    for r in replicas:
+        r.config_set("masterauth", "not-the-password")
+    ha.primary_client().client_kill_filter(_type="replica")
+
+    async def create() -> Created | None:
+        store = RequestStore(target(ha), min_replicas=min_replicas, replica_timeout_ms=100)
+        store.create_hold_s = 0.5
+        try:
+            return await store.create(record("acc"))
+        except StoreUnavailable:
+            return None
+        finally:
+            await store.close()
+
+    accepted = asyncio.run(create())
+    old = ha.kill_primary()
+    for r in replicas:
+        r.config_set("masterauth", "")
+    ha.wait_failover(old)
+    stored = ha.primary_client().exists("llmserve:request:acc")
+    if min_replicas:
+        assert accepted is None and not stored
+    else:
+        assert accepted is Created.NEW and not stored

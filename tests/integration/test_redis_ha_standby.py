@@ -10,11 +10,8 @@ model, two schedulers with --leader-election --redis-sentinel --redis-min-replic
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -28,44 +25,12 @@ from tests.support.api_helpers import (
     stream_in_threads,
     stub_for,
 )
-from tests.support.redis_ha import RedisHA
-from tests.support.stack import Stack, tiny_model_dir
-from tests.support.standby import SERVING, Scheduler, follow_channel, resume_in_threads
+from tests.support.standby import SERVING, follow_channel, leader_and_standby, resume_in_threads
 
 pytestmark = pytest.mark.timeout(300)
 
 NUM_STREAMS = 24
 MAX_TOKENS = 120
-
-
-@contextlib.contextmanager
-def leader_and_standby(tmp_path: Path, *extra: str) -> Iterator[tuple[RedisHA, Stack, tuple]]:
-    """Redis HA, one executor, a leader and a standby on --redis-sentinel (min replicas 1)."""
-    ha = RedisHA(tmp_path / "redis-ha").start()
-    stack = Stack(
-        workdir=tmp_path,
-        model_dir=tiny_model_dir(tmp_path.parent / "models"),
-        redis=ha.primary(),
-        executor_args=["--num-device-blocks", "512", "--swap-space", "0.05"],
-    )
-    schedulers: list[Scheduler] = []
-    try:
-        stack.start_executor()
-        args = ("--redis-sentinel", ha.sentinel_arg, "--redis-min-replicas", "1",
-                "--max-backlog-steps", "8", *extra)  # fmt: skip
-        url = "redis://"  # with Sentinels only credentials and db count
-        leader = Scheduler(tmp_path / "a", stack.executor_address, url, *args)
-        schedulers.append(leader)
-        leader.wait_serving(60)
-        standby = Scheduler(tmp_path / "b", stack.executor_address, url, *args)
-        schedulers.append(standby)
-        time.sleep(1.0)
-        yield ha, stack, (leader, standby)
-    finally:
-        for s in schedulers:
-            s.stop()
-        stack.stop()
-        ha.close()
 
 
 def reference_run(pair: tuple) -> list[Collected]:

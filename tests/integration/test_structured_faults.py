@@ -10,6 +10,7 @@ import time
 import grpc
 import jsonschema
 import pytest
+import redis as redis_lib
 
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
@@ -226,3 +227,43 @@ def test_chunked_prefill_and_prefix_hits_keep_constrained_outputs(tmp_path, redi
     assert [r.tokens[0] for r in got] == [r.tokens[0] for r in want]
     assert [r.tokens[0] for r in got[:4]] == [r.tokens[0] for r in got[4:]]  # same seeds
     assert plain.hits == 0 and chunked.hits > 0
+
+
+def test_stored_tokens_that_complete_the_grammar_end_the_request_after_a_crash(tmp_path, redis):
+    """The step that completes a grammar writes its tokens, then (a separate write) the finish.
+    A crash (or a Redis failover) between the two leaves the tokens without the finish: the
+    next scheduler ends the request there with reason stop, exactly as the undisturbed run did,
+    instead of sampling one token more (the EOS the complete grammar's mask forces)."""
+    stack = make_stack(tmp_path, redis, scheduler_args=["--finished-ttl", "600"])
+    try:
+        channel, stub = stub_for(stack.address)
+        reference = run_in_threads(
+            [lambda r=r: collect(stub.Generate(r, timeout=120)) for r in requests("done")[:4]]
+        )
+        channel.close()
+        check_valid(reference)
+        # Redis as the crash leaves it: every token stored, the finish not.
+        r = redis_lib.Redis(host="127.0.0.1", port=redis.port)
+        for i in range(4):
+            r.hset(f"llmserve:request:done-{i}", mapping={
+                "status": "active", "finish_reasons": "[null]", "stop_reasons": "[null]"})  # fmt: skip
+            r.persist(f"llmserve:request:done-{i}")
+            r.persist(f"llmserve:tokens:done-{i}:0")
+            r.sadd("llmserve:index:unfinished", f"done-{i}")
+        stack.kill_scheduler()
+        stack.start_scheduler()
+        channel, stub = stub_for(stack.address)
+        after = run_in_threads(
+            [lambda i=i: collect(stub.Resume(pb.ResumeRequest(request_id=f"done-{i}"), timeout=60))
+             for i in range(4)]
+        )  # fmt: skip
+        channel.close()
+        check_valid(after)
+        for i, (got, ref) in enumerate(zip(after, reference, strict=True)):
+            assert got.tokens[0] == ref.tokens[0], f"request {i}: {len(got.tokens[0])} tokens"
+            assert r.lrange(f"llmserve:tokens:done-{i}:0", 0, -1) == [
+                str(t).encode() for t in ref.tokens[0]
+            ]
+            assert r.hget(f"llmserve:request:done-{i}", "status") == b"finished"
+    finally:
+        stack.stop()

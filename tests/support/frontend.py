@@ -66,6 +66,30 @@ class Frontend:
         finally:
             conn.close()
 
+    def stream(self, path: str, body: dict, into: list[dict], timeout: float = 180) -> bool:
+        """POST a streaming request (`"stream": true` is added) and append each `data:` event's
+        JSON to `into` as it arrives, so that callers can watch it grow. True once `data: [DONE]`
+        ended the stream; False when the connection ended without it (a broken stream). A status
+        other than 200 raises AssertionError with the body."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request("POST", path, body=json.dumps({**body, "stream": True}),
+                         headers={"content-type": "application/json"})  # fmt: skip
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise AssertionError(f"{path}: HTTP {resp.status}: {resp.read()[:500]!r}")
+            while line := resp.readline():
+                data = line.decode().strip()
+                if not data.startswith("data:"):
+                    continue  # blank separators, comments
+                data = data[len("data:") :].strip()
+                if data == "[DONE]":
+                    return True
+                into.append(json.loads(data))
+            return False
+        finally:
+            conn.close()
+
     def stop(self) -> None:
         stop_process(self.proc)
 

@@ -42,14 +42,36 @@ class RedisHA(_Topology):
             time.sleep(0.05)
         raise TimeoutError(f"no failover from port {old.port} within {timeout}s")
 
-    def restart_as_replica(self, node: RedisServer) -> None:
+    def restart_as_replica(self, node: RedisServer, timeout: float = 30.0) -> None:
         """Start a stopped node again as a replica of the current primary (what an operator or
-        an orchestrator restarting it with Sentinel's view does). Started bare, the old primary
-        would come back as a stale primary until Sentinel demotes it (~10-15 s), which clients
-        following Sentinel never write to anyway."""
+        an orchestrator restarting it with Sentinel's view does), and return once it has synced.
+        Started bare, the old primary would come back as a stale primary until Sentinel demotes
+        it (~10-15 s), which clients following Sentinel never write to anyway.
+
+        Until its first sync is done the node runs with `replica-priority 0`: Sentinel never
+        promotes it. Otherwise a failover in that window may pick it as the only candidate and
+        serve its stale data (with down-after-milliseconds 1000 spurious failovers came ~1 s
+        after each promotion here: scheduler_svc/local/redis_ha.py)."""
         primary = self.primary()
-        node.extra_args = ("--replicaof", "127.0.0.1", str(primary.port))
+        node.extra_args = ("--replicaof", "127.0.0.1", str(primary.port), "--replica-priority", "0")
         node.start()
+        client = redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=2)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                info = client.info("replication")
+                if (
+                    info.get("master_link_status") == "up"
+                    and not client.info("persistence")["loading"]
+                ):
+                    break
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {node.port} did not sync within {timeout}s")
+            time.sleep(0.05)
+        client.config_set("replica-priority", 100)
+        client.close()
 
     def pause(self, node: RedisServer) -> None:
         """SIGSTOP: the node stays connected but answers nothing (a stalled replica)."""

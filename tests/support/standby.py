@@ -7,11 +7,13 @@ a given port, so that one killed and started again is found where clients alread
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -20,8 +22,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client.async_client import channel_target
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc.local.redis_server import _free_port
 from tests.support.api_helpers import Collected
-from tests.support.stack import _env, _wait_port_file, stop_process
+from tests.support.redis_ha import RedisHA
+from tests.support.stack import Stack, _env, _wait_port_file, stop_process, tiny_model_dir
 
 LEADER_KEY = "llmserve:leader"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -130,3 +134,40 @@ def resume_in_threads(
             raise TimeoutError("the streams did not start")
         time.sleep(0.01)
     return results, codes, threads
+
+
+@contextlib.contextmanager
+def leader_and_standby(
+    tmp_path: Path, *extra: str, num_device_blocks: int = 512, min_replicas: str = "1"
+) -> Iterator[tuple[RedisHA, Stack, tuple[Scheduler, Scheduler]]]:
+    """Redis HA (1 primary, 2 replicas, 3 Sentinels), one executor on the tiny demo model, and a
+    leader and a standby on --redis-sentinel with --redis-min-replicas 1 (or `min_replicas`);
+    `extra` goes to both schedulers. `--max-backlog-steps 8` makes the engine pause during a failover instead of
+    generating far ahead in memory, so a kill lands mid-stream."""
+    ha = RedisHA(tmp_path / "redis-ha").start()
+    stack = Stack(
+        workdir=tmp_path,
+        model_dir=tiny_model_dir(tmp_path.parent / "models"),
+        redis=ha.primary(),
+        executor_args=["--num-device-blocks", str(num_device_blocks), "--swap-space", "0.05"],
+    )
+    schedulers: list[Scheduler] = []
+    try:
+        stack.start_executor()
+        args = ("--redis-sentinel", ha.sentinel_arg, "--redis-min-replicas", min_replicas,
+                "--max-backlog-steps", "8", *extra)  # fmt: skip
+        url = "redis://"  # with Sentinels only credentials and db count
+        # Fixed ports: a leader that loses its lease restarts as a standby in the same process,
+        # and must be found where clients look for it.
+        leader = Scheduler(tmp_path / "a", stack.executor_address, url, *args, port=_free_port())
+        schedulers.append(leader)
+        leader.wait_serving(60)
+        standby = Scheduler(tmp_path / "b", stack.executor_address, url, *args, port=_free_port())
+        schedulers.append(standby)
+        time.sleep(1.0)  # the standby is up and polling the lease
+        yield ha, stack, (leader, standby)
+    finally:
+        for s in schedulers:
+            s.stop()
+        stack.stop()
+        ha.close()

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from executor_svc.attention import cpu_ops
+from executor_svc.features.lora.layers import LoraStep
+from executor_svc.features.lora.manager import install_slots
 from executor_svc.kernels import quant
-from executor_svc.lora.layers import LoraStep
-from executor_svc.lora.manager import install_slots
 from executor_svc.models import cpu_decoder
 from executor_svc.runner.model_runner import ModelRunner
 from tests.support.invariance import mismatches, one_token_steps, random_batches, run_plan

@@ -1,4 +1,4 @@
-"""Deadlines as plain data (scheduler_svc/engine/deadlines.py): what a timeout may be, the
+"""Deadlines as plain data (scheduler_svc/features/deadlines/): what a timeout may be, the
 absolute deadline a request gets, the heap's order, and the deadline's round trip through the
 stored record. The serving behaviour is tests/integration/test_deadlines.py."""
 
@@ -9,14 +9,10 @@ import math
 import pytest
 
 from scheduler_svc.core.sampling_params import SamplingParams, ValidationError
-from scheduler_svc.engine.config import EngineConfig, GenerateInput
-from scheduler_svc.engine.deadlines import (
-    MAX_TIMEOUT_S,
-    DeadlineHeap,
-    check_timeout,
-    request_deadline,
-)
+from scheduler_svc.engine.config import GenerateInput
 from scheduler_svc.engine.streams import RequestHandle
+from scheduler_svc.features.deadlines.feature import DeadlineHeap, Deadlines
+from scheduler_svc.features.deadlines.timeouts import MAX_TIMEOUT_S, check_timeout
 from scheduler_svc.flags import build_parser
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.state.records import decode_record
@@ -30,11 +26,13 @@ def test_a_timeout_must_be_positive_finite_and_bounded(value: float) -> None:
 
 def test_the_earliest_timeout_sets_the_deadline() -> None:
     inp = GenerateInput(req_id="r", params=SamplingParams(), timeouts=(5.0, 2.5))
-    assert request_deadline(100.0, inp, EngineConfig([], "redis://")) == 102.5
-    server = EngineConfig([], "redis://", request_timeout_s=1.0)
-    assert request_deadline(100.0, inp, server) == 101.0
+    assert Deadlines(None, {}, None).handle_fields(inp) == {"timeout_s": 2.5}
+    assert Deadlines(1.0, {}, None).handle_fields(inp) == {"timeout_s": 1.0}
     none = GenerateInput(req_id="r", params=SamplingParams())
-    assert request_deadline(100.0, none, EngineConfig([], "redis://")) == 0.0
+    assert Deadlines(None, {}, None).handle_fields(none) == {}
+    handle = RequestHandle("r", [1, 2], SamplingParams(), 0, arrival_time=100.0, timeout_s=2.5)
+    assert handle.deadline == 102.5
+    assert RequestHandle("r", [1, 2], SamplingParams(), 0, arrival_time=100.0).deadline == 0.0
 
 
 def _handle(req_id: str, deadline: float) -> RequestHandle:

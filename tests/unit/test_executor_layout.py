@@ -17,12 +17,14 @@ FLOORS = {
     "attention": 2,
     "parallel": 2,
     "models": 3,
-    "lora": 3,  # the adapter table and batched apply; installs itself on models' layers by duck type
-    "runner": 4,
-    "api": 5,
+    # Optional features, a folder each (LoRA, speculation, structured outputs, pooling, prompt
+    # logprobs, GGUF), on hooks the runner and api call (features/base.py); no runner imports.
+    "features": 4,
+    "runner": 5,
+    "api": 6,
     "demo": 1,  # the demo builder: imports config only; api and cli import it lazily
-    "cli": 6,
-    "__main__": 7,
+    "cli": 7,
+    "__main__": 8,
 }
 
 

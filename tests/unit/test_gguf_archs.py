@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from executor_svc.features.gguf.hf_files import prepare
+from executor_svc.features.gguf.reader import GGUFError
 from executor_svc.kernels.quant import QuantWeight
-from executor_svc.runner.gguf.hf_files import prepare
-from executor_svc.runner.gguf.reader import GGUFError
 from executor_svc.runner.model_runner import ModelRunner
 from tests.support.model_factory import make_tiny_checkpoint
 from tests.unit.test_model_equivalence import BLOCK_SIZE, GreedyDriver, all_token_logits

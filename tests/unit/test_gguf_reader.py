@@ -1,4 +1,4 @@
-"""GGUF files checked at start-up (runner/gguf/reader.py): an unsupported tensor type, a
+"""GGUF files checked at start-up (executor_svc/features/gguf/reader.py): an unsupported tensor type, a
 truncated or foreign file, an unknown architecture each give a GGUFError naming the file and the
 reason, before any model is built; the GGUF name mapping and the llama q/k row order."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from executor_svc.runner.gguf import reader, weights
-from executor_svc.runner.gguf.reader import GGUFError, GGUFFile
+from executor_svc.features.gguf import reader, weights
+from executor_svc.features.gguf.reader import GGUFError, GGUFFile
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

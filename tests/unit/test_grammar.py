@@ -13,13 +13,18 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from executor_svc.runner.token_mask import decode_masks, unpack_rows
+from executor_svc.features.structured.token_mask import decode_masks, unpack_rows
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.sampling_params import SamplingParams, ValidationError
 from scheduler_svc.core.scheduler_output import SchedulerOutput
-from scheduler_svc.grammar.bitmask import allowed_ids, decode_rows, encode_rows, pack_ids
-from scheduler_svc.grammar.compiler import GrammarCompiler
-from scheduler_svc.grammar.matchers import SeqMatchers
+from scheduler_svc.features.structured.bitmask import (
+    allowed_ids,
+    decode_rows,
+    encode_rows,
+    pack_ids,
+)
+from scheduler_svc.features.structured.compiler import GrammarCompiler
+from scheduler_svc.features.structured.matchers import SeqMatchers
 
 VOCAB = 512
 SCHEMA = {
@@ -177,7 +182,7 @@ def test_structural_tag_constrains_only_the_tagged_segment(compiler: GrammarComp
 def test_executor_applies_rows_like_the_reference(vocab: int) -> None:
     import torch
 
-    from executor_svc.runner.token_mask import apply_token_masks
+    from executor_svc.features.structured.token_mask import apply_token_masks
 
     rng = np.random.default_rng(vocab)
     allowed = [sorted(rng.choice(vocab, size=k, replace=False).tolist()) for k in (1, 7, 300)]

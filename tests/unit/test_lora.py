@@ -1,4 +1,4 @@
-"""Multi-LoRA on the executor (executor_svc/lora): PEFT adapters (ranks 8 to 64, different
+"""Multi-LoRA on the executor (executor_svc/features/lora): PEFT adapters (ranks 8 to 64, different
 target modules, rsLoRA) loaded onto the packed projections give HF + PEFT's greedy outputs, alone
 and mixed in one batch with the base model; a row's logits do not depend on which adapters ride
 along (bitwise); bad adapters and too many adapters in a step are refused clearly."""
@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
+from executor_svc.features.lora.manager import LoraConfig
+from executor_svc.features.lora.peft import LoraError
 from executor_svc.kernels import lora as lora_kernel
-from executor_svc.lora.manager import LoraConfig
-from executor_svc.lora.peft import LoraError
 from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence
 from tests.support.lora_factory import SPECS, load_peft_reference, make_adapter
 from tests.support.model_factory import make_tiny_checkpoint

@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from executor_svc.lora.manager import LoraConfig
+from executor_svc.features.lora.manager import LoraConfig
 from executor_svc.runner.model_runner import ModelRunner
 from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""Embedding pooling: the math (executor_svc/runner/pooling.py), its invariance to how a prompt's rows
+"""Embedding pooling: the math (executor_svc/features/pooling/pooling.py), its invariance to how a prompt's rows
 were split into steps, the executor's checks, and what the scheduler core does differently for
 a pooled request (core/pooling.py, the step message)."""
 
@@ -10,8 +10,7 @@ import torch
 
 from client.embeddings import as_inputs, build_embed_request
 from executor_svc.api.validation import InvalidStep, validate_step
-from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence
-from executor_svc.runner.pooling import (
+from executor_svc.features.pooling.pooling import (
     LAST,
     MEAN,
     PoolingState,
@@ -21,6 +20,7 @@ from executor_svc.runner.pooling import (
     pooled_to_proto,
     vector_from_bytes,
 )
+from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence
 from executor_svc.runner.sampler import SamplingParams as ExecutorParams
 from protos import executor_pb2 as epb
 from protos import scheduler_pb2 as pb

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (executor_svc/runner/draft.py): the real scheduler
+"""Speculative decoding with a draft model (executor_svc/features/spec/draft.py): the real scheduler
 core against a real executor servicer whose runner loads a draft, on tiny Llama checkpoints.
 The draft is the target itself (greedy proposals then always equal the target's argmax: every
 one accepted, which needs the draft's own KV cache to be right at every position) or the target
@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from executor_svc.runner.draft import draft_computed_after
+from executor_svc.features.spec.draft import draft_computed_after
 from executor_svc.runner.model_runner import ModelRunner
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.spec_decode import SpeculativeConfig, draft_executor_error

@@ -19,7 +19,6 @@ import asyncio
 
 import structlog
 
-from scheduler_svc.core.lora import stored_lora
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
@@ -28,8 +27,9 @@ from scheduler_svc.engine.metrics import EngineMetrics
 from scheduler_svc.engine.model import ModelInfo
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.streams import EngineStep, RequestHandle
+from scheduler_svc.features.base import NO_FEATURES, Features
 from scheduler_svc.state.persister import Persister
-from scheduler_svc.state.store import RequestStore, StoredRequest, StoreUnavailable
+from scheduler_svc.state.store import RequestStore, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +69,9 @@ class Recovery:
         self.store = store
         self.model = model
         self.metrics = metrics
+        self.features: Features = (
+            NO_FEATURES  # what they keep with a stored request, how they resume (set by the engine)
+        )
 
     def enqueue(self, handle: RequestHandle, req: Request) -> None:
         """Queue `req` (the core's side of `handle`) where the router sends it."""
@@ -88,14 +91,17 @@ class Recovery:
             handle = RequestHandle.from_stored(rec, SamplingParams.from_dict(rec.params))
             handle.replay_outputs(m.tokenizer, m.eos_token_ids, m.max_model_len, rec)
             self.table.add(handle)
+            # From what clients may have seen (acknowledged), not more: nothing else survived.
+            req, record = resumed_request(handle, handle.acked_outputs()), EngineStep()
+            for resumed in self.features.resumed:  # e.g. a grammar its stored tokens complete
+                resumed(handle, req, record)
             if handle.all_finished:
                 # It had produced its last token before the crash; its finish was not written.
-                record = EngineStep()
                 self.table.finish(handle, record)
                 self.persister.submit(record)
                 continue
-            # From what clients may have seen (acknowledged), not more: nothing else survived.
-            self.enqueue(handle, resumed_request(handle, handle.acked_outputs()))
+            self.persister.submit(record)  # a sequence of n > 1 that ended above, if any
+            self.enqueue(handle, req)
             self.table.usage.admitted(handle)
             self.metrics.recovered += 1
             log.info("request.resumed", req_id=rec.req_id, num_output_tokens=handle.num_acked)
@@ -156,15 +162,6 @@ class Recovery:
     async def resync_store(self) -> None:
         """Rewrite every active request to Redis from memory (Redis lost acknowledged data)."""
         for handle in self.table:
-            rec = StoredRequest(
-                req_id=handle.req_id,
-                prompt_token_ids=handle.prompt_token_ids,
-                params=handle.params.to_dict(),
-                priority=handle.priority,
-                arrival_time=handle.arrival_time,
-                n=handle.n,
-                lora=stored_lora(handle.lora),
-                deadline=handle.deadline,
-            )
+            rec = handle.to_stored(self.features.stored_fields(handle))
             await self.store.create(rec, honour_abort=False)  # it runs: no abort may end it
             await self.store.rewrite_outputs(handle.req_id, handle.acked_outputs())

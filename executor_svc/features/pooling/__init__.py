@@ -1,0 +1,1 @@
+"""Embeddings: pooling a prompt's hidden states into one vector (``pooling``)."""

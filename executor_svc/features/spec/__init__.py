@@ -1,0 +1,1 @@
+"""Speculative decoding: verification of proposals (``verify``), the draft model (``draft``)."""

@@ -1,0 +1,1 @@
+"""Structured outputs: allowed-token masks applied to the logits (``token_mask``)."""

@@ -1,0 +1,244 @@
+"""The scheduler's hook points for optional features, and the set of them one engine runs.
+
+A feature is a folder under ``scheduler_svc/features/`` with one ``Feature`` subclass that
+overrides the hooks it uses; ``features/registry.py`` builds the list once at start-up from the
+engine's configuration. The request path (``engine/requests.py``, ``engine/step_loop.py``,
+``engine/step_results.py``, ``engine/request_table.py``) only iterates hooks and names no
+feature. The hooks, and who calls them:
+
+| point | hook | called by |
+| --- | --- | --- |
+| validate/submit | ``validate`` (async), ``handle_fields`` | ``RequestFront.submit`` |
+| admit (submit and recovery) | ``admit`` | ``RequestTable.add`` |
+| between steps | ``between_steps``, ``holds_ahead`` | ``StepLoop`` (the executor's lock held) |
+| step message | ``step_message`` | the fleet's ``ExecutorHandle.send`` |
+| apply reply | ``on_reply`` (before the tokens), ``after_reply`` | ``process_step_outputs``, ``StepLoop`` |
+| persist/recover | ``stored_fields``, ``recover`` (async) | ``RequestFront``/``Recovery``, ``Engine`` start |
+| metrics, server info | ``metrics``, ``server_info`` | ``EngineMetrics.collect``, ``RequestFront.server_info`` |
+
+What a feature changes in a step's scheduling budget (distinct adapters per step, extra query
+positions) stays in the scheduling core, which imports nothing outside itself: there it is
+configured (core/config.py), not hooked.
+
+Cost: ``Features`` lists, per hook, only the features that override it, once; a hook nobody
+uses is an empty tuple. Per sequence, the reply loop calls one ``Taker`` per sampled sequence:
+chosen once per request when it is admitted (``RequestHandle.take``), or for this step only by
+a feature (``StepReply.takers``: a run of several tokens verified in one step).
+
+This module imports nothing of the engine (the core and protos only): features and the engine's
+request state both depend on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
+
+from protos import executor_pb2 as epb
+from scheduler_svc.core.request import Request, RequestStatus, Sequence
+from scheduler_svc.core.scheduler_output import SchedulerOutput
+
+__all__ = [
+    "NO_FEATURES",
+    "Feature",
+    "Features",
+    "StepReply",
+    "Taker",
+    "take_logprobs",
+    "take_token",
+]
+
+# The engine's records, named loosely: this leaf imports none of them.
+RequestHandle = Any  # engine.streams.RequestHandle: the one owner of a request's engine state
+EngineStep = Any  # engine.streams.EngineStep: what one step produced (writes, deltas)
+GenerateInput = Any  # engine.config.GenerateInput
+ExecutorHandle = Any  # engine.fleet.executor_handle.ExecutorHandle
+ServerInfo = Any  # engine.config.ServerInfo
+
+
+class StepReply:
+    """One ExecuteModel reply as the reply loop and the features see it."""
+
+    __slots__ = ("_by_id", "drawn", "out", "record", "resp", "takers", "tokens")
+
+    def __init__(
+        self, out: SchedulerOutput, resp: epb.ExecuteModelResponse, record: EngineStep
+    ) -> None:
+        self.out = out
+        self.resp = resp
+        self.record = record
+        # seq_id -> its sampled token. The decode lane's come back as one packed list in the
+        # lane's order; the others as SampledToken messages.
+        self.tokens = dict(zip(out.decode_seq_ids, resp.decode_token_ids, strict=True))
+        self.tokens.update({s.seq_id: s.token_id for s in resp.sampled})
+        # seq_id -> the draws after each proposal, for update_from_output (set by a feature).
+        self.drawn: dict[str, list[int]] | None = None
+        # seq_id -> the Taker that applies it this step instead of its request's own.
+        self.takers: dict[str, Taker] = {}
+        self._by_id: dict[str, epb.SampledToken] | None = None
+
+    def sampled(self, seq_id: str) -> epb.SampledToken:
+        """The full SampledToken (only needed for logprobs; indexed on first use)."""
+        if self._by_id is None:
+            self._by_id = {s.seq_id: s for s in self.resp.sampled}
+        return self._by_id[seq_id]
+
+
+# Applies one sequence's result of a step to its request: returns the finish status when the
+# sequence ended.
+Taker = Callable[[RequestHandle, Sequence, StepReply], "RequestStatus | None"]
+
+
+def take_token(handle: RequestHandle, seq: Sequence, reply: StepReply) -> RequestStatus | None:
+    """A sampled token without logprobs (the common case)."""
+    return handle.process_token(seq.index, reply.tokens[seq.seq_id], 0.0, (), reply.record)
+
+
+def take_logprobs(handle: RequestHandle, seq: Sequence, reply: StepReply) -> RequestStatus | None:
+    s = reply.sampled(seq.seq_id)
+    return handle.process_token(seq.index, s.token_id, s.logprob, s.top_logprobs, reply.record)
+
+
+class Feature:
+    """An optional capability of the scheduler. Every hook here does nothing; a feature
+    overrides the ones it uses."""
+
+    name: ClassVar[str] = ""
+
+    # ------------------------------------------------------------------ validate/submit
+
+    async def validate(self, inp: GenerateInput) -> None:
+        """A new request's input, before it is stored; raise ValidationError/NotFound."""
+
+    def handle_fields(self, inp: GenerateInput) -> dict[str, Any]:
+        """Keyword arguments the feature adds to the request's RequestHandle."""
+        return {}
+
+    def admit(self, handle: RequestHandle) -> None:
+        """A request entering the table (new, or resumed by recovery): the feature may choose
+        its ``take`` (how each step's result for it is applied)."""
+
+    # ------------------------------------------------------------------ between steps
+
+    def between_steps(self, ex: ExecutorHandle) -> None:
+        """Before each step of ``ex``, its lock held (no step of it in flight): the feature may
+        end requests of ``ex`` (a deadline passed), writing through the persister."""
+
+    def holds_ahead(self, ex: ExecutorHandle) -> bool:
+        """True when ``ex`` must not plan its next step before this one is back (the feature
+        has something to do in ``between_steps`` first)."""
+        return False
+
+    # ------------------------------------------------------------------ step message
+
+    def step_message(self, msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:
+        """Add the feature's fields to a step's ExecuteModelRequest."""
+
+    # ------------------------------------------------------------------ apply reply
+
+    def on_reply(self, requests: Mapping[str, RequestHandle], reply: StepReply) -> None:
+        """Before the step's tokens are applied (may set ``reply.drawn`` / ``reply.takers``)."""
+
+    def after_reply(self, ex: ExecutorHandle, resp: epb.ExecuteModelResponse) -> None:
+        """After the tokens were applied: what else the reply carries."""
+
+    # ------------------------------------------------------------------ persist/recover
+
+    def stored_fields(self, handle: RequestHandle) -> dict[str, Any]:
+        """StoredRequest fields the feature keeps for the request."""
+        return {}
+
+    async def recover(self) -> None:
+        """At start, before stored requests resume (the feature's own durable state)."""
+
+    def resumed(self, handle: RequestHandle, req: Request, record: EngineStep) -> None:
+        """A stored request that recovery resumes, before it is queued (``req``: its core
+        side, from the acknowledged outputs): the feature may end sequences whose stored output
+        already completes them, writing their finish to ``record``."""
+
+    # ------------------------------------------------------------------ metrics, server info
+
+    def metrics(self, model: str, cores: list[Any], stats: list[Any]) -> Iterable[Any]:
+        """Prometheus metric families of the feature (``cores``: each executor's scheduling
+        core; ``stats``: their ``get_stats()``), labelled with ``model``."""
+        return ()
+
+    def server_info(self, info: ServerInfo) -> None:
+        """Fill the feature's fields of GetServerInfo's answer."""
+
+
+def _overrides(feature: Feature, hook: str) -> bool:
+    return getattr(type(feature), hook) is not getattr(Feature, hook)
+
+
+class Features:
+    """The engine's features in registry order, and per hook the ones that override it, listed
+    once at start-up (a hook no feature uses costs an empty loop)."""
+
+    def __init__(self, features: Iterable[Feature] = ()) -> None:
+        self.all: tuple[Feature, ...] = tuple(features)
+        self.by_name = {f.name: f for f in self.all}
+
+        def having(hook: str) -> tuple[Any, ...]:
+            return tuple(getattr(f, hook) for f in self.all if _overrides(f, hook))
+
+        self._validate = having("validate")
+        self._handle_fields = having("handle_fields")
+        self.admit: tuple[Callable[[RequestHandle], None], ...] = having("admit")
+        self.between_steps: tuple[Callable[[ExecutorHandle], None], ...] = having("between_steps")
+        self.holds_ahead: tuple[Callable[[ExecutorHandle], bool], ...] = having("holds_ahead")
+        self.on_reply: tuple[Callable[[Mapping[str, Any], StepReply], None], ...] = having(
+            "on_reply"
+        )
+        self.after_reply: tuple[Callable[[ExecutorHandle, Any], None], ...] = having("after_reply")
+        self._stored_fields = having("stored_fields")
+        self._recover = having("recover")
+        self.resumed: tuple[Callable[[RequestHandle, Request, EngineStep], None], ...] = having(
+            "resumed"
+        )
+        self.server_info: tuple[Callable[[ServerInfo], None], ...] = having("server_info")
+        self.metrics: tuple[Callable[[str, list, list], Iterable[Any]], ...] = having("metrics")
+        # What adds the features' fields to a step message (None: no feature does), passed to
+        # the fleet's ExecutorHandle.send.
+        self.step_message = _chain(having("step_message"))
+
+    def get(self, name: str) -> Any:
+        """The named feature (None when it is not built)."""
+        return self.by_name.get(name)
+
+    async def validate(self, inp: GenerateInput) -> None:
+        for hook in self._validate:
+            await hook(inp)
+
+    def handle_fields(self, inp: GenerateInput) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        for hook in self._handle_fields:
+            fields.update(hook(inp))
+        return fields
+
+    def stored_fields(self, handle: RequestHandle) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        for hook in self._stored_fields:
+            fields.update(hook(handle))
+        return fields
+
+    async def recover(self) -> None:
+        for hook in self._recover:
+            await hook()
+
+
+StepMessageHook = Callable[[epb.ExecuteModelRequest, SchedulerOutput], None]
+
+
+def _chain(hooks: tuple[StepMessageHook, ...]) -> StepMessageHook | None:
+    if len(hooks) <= 1:
+        return hooks[0] if hooks else None
+
+    def add(msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:
+        for hook in hooks:
+            hook(msg, out)
+
+    return add
+
+
+NO_FEATURES = Features()

@@ -1,0 +1,101 @@
+"""LoRA on the scheduler's hooks: resolve a request's adapter name (submit), keep it with the
+stored request (persist), and restore the live-loaded adapters at start (recover); plus the
+Load/UnloadLoraAdapter calls the request front hands over.
+
+The adapter's part in scheduling (the distinct adapters a step may hold, the prefix-cache root)
+is the scheduling core's (core/lora.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import structlog
+from prometheus_client.core import Metric
+
+from scheduler_svc.core.errors import Unavailable, ValidationError
+from scheduler_svc.core.lora import stored_lora
+from scheduler_svc.features.base import Feature
+from scheduler_svc.features.lora.durable import LoraAdapterStore, restore_live_adapters
+from scheduler_svc.features.lora.registry import LoraRegistry, load_on_executors
+from scheduler_svc.features.metric_families import counter, gauge
+from scheduler_svc.state.store import RequestStore, StoreUnavailable
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["Lora"]
+
+
+class Lora(Feature):
+    name = "lora"
+
+    def __init__(
+        self,
+        modules: list[tuple[str, str]],
+        pool: Any,
+        store: RequestStore,
+        check_available: Callable[[], None],
+    ) -> None:
+        self.loras = LoraRegistry.of(modules)  # adapter names
+        self.lora_store = LoraAdapterStore(store)  # live-loaded ones, kept in Redis
+        self.pool = pool  # engine.fleet.executors.ExecutorPool: the executors' ranks
+        self.check_available = check_available  # raises Unavailable (RequestFront)
+
+    def handle_fields(self, inp: Any) -> dict[str, Any]:
+        if not inp.lora_adapter:
+            return {}
+        lora = self.loras.resolve(inp.lora_adapter)  # NotFound when it is not loaded
+        self._max_rank()
+        return {"lora": lora}
+
+    def stored_fields(self, handle: Any) -> dict[str, Any]:
+        return {"lora": stored_lora(handle.lora)}
+
+    async def recover(self) -> None:
+        # Adapters loaded live before a restart, before anything is served.
+        await restore_live_adapters(self.lora_store, self.loras)
+
+    async def load(self, name: str, path: str) -> tuple[str, str, int]:
+        """Register an adapter (ValidationError / NotFound saying why not): name, path, rank.
+        Every executor reads it and checks it against the model first."""
+        self.check_available()
+        self.loras.max_rank = self._max_rank()
+        self.loras.base_model_names = tuple({ex.describe.model_name for ex in self.pool.executors})
+        ref = self.loras.check(name, path).ref
+        await load_on_executors(self.pool.executors, ref.name, ref.path)
+        try:  # durable before it is served: a restarted scheduler serves it too
+            await self.lora_store.save(ref.name, ref.path)
+        except StoreUnavailable as e:
+            raise Unavailable(
+                "request store (Redis) is unavailable; the adapter was not loaded"
+            ) from e
+        info = self.loras.load(name, path)
+        log.info("lora.loaded", name=name, path=info.ref.path, rank=info.rank)
+        return info.ref.name, info.ref.path, info.rank
+
+    def _max_rank(self) -> int:
+        rank = max((ex.describe.max_lora_rank for ex in self.pool.executors), default=0)
+        if not rank:
+            raise ValidationError("the executors serve no LoRA (start them with --enable-lora)")
+        return rank
+
+    async def unload(self, name: str) -> None:
+        self.loras.resolve(name)  # NotFound when it is not loaded
+        try:
+            await self.lora_store.delete(name)
+        except StoreUnavailable as e:
+            raise Unavailable("request store (Redis) is unavailable; the adapter stays") from e
+        self.loras.unload(name)
+        log.info("lora.unloaded", name=name)
+
+    def metrics(self, model: str, cores: list[Any], stats: list[Any]) -> Iterator[Metric]:
+        """How often the steps' adapters were not in an executor's device slots (core/lora.py)."""
+        yield counter(model, "llmserve:lora_loads", "LoRA adapters the steps had to load onto "
+                      "an executor's device slots.", sum(s.num_lora_loads for s in stats))  # fmt: skip
+        yield gauge(model, "llmserve:lora_adapters_in_step", "Distinct LoRA adapters in the "
+                    "latest step (summed over executors).",
+                    sum(s.num_loras_in_step for s in stats))  # fmt: skip
+
+    def server_info(self, info: Any) -> None:
+        info.lora_adapters = [(a.ref.name, a.ref.path, a.rank) for a in self.loras.adapters()]
+        info.max_loras = self.pool.executors[0].describe.max_loras  # the executors' slots

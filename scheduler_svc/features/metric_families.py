@@ -1,0 +1,20 @@
+"""Prometheus families as the features' ``metrics`` hooks build them (labelled by model name,
+as the engine's own in engine/metrics.py)."""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+__all__ = ["counter", "gauge"]
+
+
+def gauge(model: str, name: str, doc: str, value: float) -> GaugeMetricFamily:
+    fam = GaugeMetricFamily(name, doc, labels=["model_name"])
+    fam.add_metric([model], value)
+    return fam
+
+
+def counter(model: str, name: str, doc: str, value: float) -> CounterMetricFamily:
+    fam = CounterMetricFamily(name, doc, labels=["model_name"])
+    fam.add_metric([model], value)
+    return fam

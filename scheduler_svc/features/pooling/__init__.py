@@ -1,0 +1,1 @@
+"""Embeddings (pooled prompt-only requests): the Embed RPC's requests and their vectors."""

@@ -1,0 +1,52 @@
+"""The scheduler's features, built once at start-up from the engine's configuration, in the
+order their hooks run (features/base.py).
+
+Order matters once: a request's taker is chosen by ``admit`` in this order, and a constrained
+request's grammar check wraps whatever was chosen before it (a prompt-only request ends without
+one). Prompt logprobs, structured outputs, LoRA names, embeddings and deadlines are per request
+and always on; speculation's reply hook only with ``--speculative-config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.features.base import Feature, Features
+from scheduler_svc.features.deadlines.feature import Deadlines
+from scheduler_svc.features.lora.feature import Lora
+from scheduler_svc.features.pooling.embeds import EmbedRequests
+from scheduler_svc.features.pooling.feature import Pooling
+from scheduler_svc.features.prompt_logprobs.feature import PromptLogprobs
+from scheduler_svc.features.spec.feature import SpecDecode
+from scheduler_svc.features.structured.feature import StructuredOutput
+from scheduler_svc.state.store import RequestStore
+
+__all__ = ["build_features"]
+
+
+def build_features(
+    config: EngineConfig,
+    *,
+    lifecycle: Any,
+    pool: Any,
+    model: Any,
+    table: Any,
+    store: RequestStore,
+    persister: Any,
+    check_available: Callable[[], None],
+) -> Features:
+    """The engine's parts a feature may use are handed in (the lifecycle, the executor pool, the
+    model's info, the request table, the store, the persister) and nothing else."""
+    embeds = EmbedRequests(config, lifecycle, pool, model, table.usage, check_available)
+    features: list[Feature] = [
+        PromptLogprobs(),
+        StructuredOutput(model, table.handles),
+        Lora(config.lora_modules, pool, store, check_available),
+        Pooling(embeds),
+        Deadlines(config.request_timeout_s, table, persister),
+    ]
+    if config.speculative is not None:
+        features.append(SpecDecode(config.speculative, pool))
+    return Features(features)

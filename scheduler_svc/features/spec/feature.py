@@ -1,0 +1,94 @@
+"""Speculative decoding's reply on the scheduler's hooks: the executor's draws after each
+proposal (and a draft model's proposals) go to the core's verification, and each speculating
+sequence's accepted run goes through the stop checks token by token."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, Metric
+
+from scheduler_svc.core.request import RequestStatus, Sequence
+from scheduler_svc.core.spec_decode import SpeculativeConfig, take_draft_proposals
+from scheduler_svc.features.base import Feature, StepReply
+from scheduler_svc.features.metric_families import counter
+
+__all__ = ["SpecDecode"]
+
+
+class SpecDecode(Feature):
+    name = "spec_decode"
+
+    def __init__(self, config: SpeculativeConfig, pool: Any) -> None:
+        self.config = config
+        self.pool = pool  # engine.fleet.executors.ExecutorPool: each core's counters
+
+    def metrics(self, model: str, cores: list[Any], stats: list[Any]) -> Iterator[Metric]:
+        """Counters under vLLM's spec_decode names, summed over the executors' cores."""
+        spec_stats = [c.spec.stats for c in cores if c.spec is not None]
+        if not spec_stats:
+            return
+        for name, doc, attr in (
+            ("llmserve:spec_decode_num_drafts", "Verifying steps of a sequence.", "num_drafts"),
+            ("llmserve:spec_decode_num_draft_tokens", "Tokens proposed.", "num_draft_tokens"),
+            ("llmserve:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+             "num_accepted_tokens"),
+        ):  # fmt: skip
+            yield counter(model, name, doc, sum(getattr(s, attr) for s in spec_stats))
+        per_pos = CounterMetricFamily(
+            "llmserve:spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by position in the proposal.",
+            labels=["model_name", "position"],
+        )
+        for pos in range(max(len(s.accepted_per_pos) for s in spec_stats)):
+            count = sum(
+                s.accepted_per_pos[pos] for s in spec_stats if pos < len(s.accepted_per_pos)
+            )
+            per_pos.add_metric([model, str(pos)], count)
+        yield per_pos
+
+    def server_info(self, info: Any) -> None:
+        """Counters summed over the executors' cores."""
+        stats = [ex.sched.spec.stats for ex in self.pool.executors if ex.sched.spec is not None]
+        drafted = sum(s.num_draft_tokens for s in stats)
+        accepted = sum(s.num_accepted_tokens for s in stats)
+        info.spec_decode_acceptance_rate = accepted / drafted if drafted else 0.0
+        info.num_speculative_tokens = self.config.num_speculative_tokens
+        info.spec_decode_num_draft_tokens = drafted
+        info.spec_decode_num_accepted_tokens = accepted
+
+    def on_reply(self, requests: Mapping[str, Any], reply: StepReply) -> None:
+        out = reply.out
+        if not out.spec_token_ids:
+            return
+        sampled = reply.resp.sampled
+        take_draft_proposals(out, {s.seq_id: list(s.draft_token_ids) for s in sampled})
+        reply.drawn = {
+            s.seq_id: [x.token_id for x in s.spec_sampled] for s in sampled if s.spec_sampled
+        }
+        reply.takers = dict.fromkeys(out.spec_token_ids, take_verified)
+
+
+def take_verified(handle: Any, seq: Sequence, reply: StepReply) -> RequestStatus | None:
+    """A speculating sequence's accepted run, token by token through the stop checks; tokens
+    after one that ends it are dropped from the core's copy too (they never reach a client)."""
+    s = reply.sampled(seq.seq_id)
+    n = reply.out.spec_num_accepted[seq.seq_id] + 1
+    tokens = seq.token_ids
+    start = len(tokens) - n
+    entries = [s, *s.spec_sampled[: n - 1]]
+    with_logprobs = handle.params.logprobs is not None
+    record = reply.record
+    for j in range(n):
+        e = entries[j]
+        if with_logprobs:
+            status = handle.process_token(
+                seq.index, tokens[start + j], e.logprob, e.top_logprobs, record
+            )
+        else:
+            status = handle.process_token(seq.index, tokens[start + j], 0.0, (), record)
+        if status is not None:
+            del tokens[start + j + 1 :]
+            return status
+    return None
