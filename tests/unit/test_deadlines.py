@@ -11,6 +11,7 @@ import pytest
 from scheduler_svc.core.sampling_params import SamplingParams, ValidationError
 from scheduler_svc.engine.config import GenerateInput
 from scheduler_svc.engine.streams import RequestHandle
+from scheduler_svc.features.base import Features
 from scheduler_svc.features.deadlines.feature import DeadlineHeap, Deadlines
 from scheduler_svc.features.deadlines.timeouts import MAX_TIMEOUT_S, check_timeout
 from scheduler_svc.flags import build_parser
@@ -77,3 +78,22 @@ def test_the_server_default_is_off_and_checked() -> None:
     for bad in ("0", "-3", "nan", "soon"):
         with pytest.raises(SystemExit):
             parse(["--request-timeout", bad])
+
+
+def test_admit_compacts_the_heap_but_keeps_the_request_it_admits() -> None:
+    # `admit` runs just before the table holds the request: a compaction then must not drop it.
+    held = {"kept": _handle("kept", 5.0)}
+    feature = Deadlines(None, held, None)
+    feature.heap.push(held["kept"])
+    for i in range(1100):  # finished before their deadline: their entries stayed
+        feature.heap.push(_handle(f"gone{i}", 1.0))
+    feature.admit(_handle("new", 9.0))
+    assert len(feature.heap) == 2
+    assert feature.heap.pop_due(100.0) == ["kept", "new"]
+
+
+def test_the_feature_is_on_the_step_hooks() -> None:
+    features = Features([Deadlines(None, {}, None)])
+    assert len(features.between_steps) == len(features.holds_ahead) == len(features.admit) == 1
+    assert len(features.metrics) == 1
+    assert Features([]).between_steps == Features([]).holds_ahead == ()
