@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client.async_client import channel_target
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.local.redis_server import _free_port
+from scheduler_svc.local.redis_server import RedisServer, _free_port
 from tests.support.api_helpers import Collected
 from tests.support.redis_ha import RedisHA
 from tests.support.stack import Stack, _env, _wait_port_file, stop_process, tiny_model_dir
@@ -134,6 +134,32 @@ def resume_in_threads(
             raise TimeoutError("the streams did not start")
         time.sleep(0.01)
     return results, codes, threads
+
+
+@contextlib.contextmanager
+def electing_schedulers(tmp_path: Path, redis: RedisServer) -> Iterator[Callable[[str], Scheduler]]:
+    """One executor on the tiny demo model, and `start(name)`: a `--leader-election` scheduler
+    in tmp_path/name on that executor and `redis` (the first one started becomes the leader).
+    Every scheduler started, then the executor, is stopped at the end; `redis` is the caller's."""
+    stack = Stack(
+        workdir=tmp_path,
+        model_dir=tiny_model_dir(tmp_path.parent / "models"),
+        redis=redis,
+        executor_args=["--num-device-blocks", "512", "--swap-space", "0.05"],
+    )
+    stack.start_executor()
+    schedulers: list[Scheduler] = []
+
+    def start(name: str) -> Scheduler:
+        schedulers.append(Scheduler(tmp_path / name, stack.executor_address, redis.url))
+        return schedulers[-1]
+
+    try:
+        yield start
+    finally:
+        for s in reversed(schedulers):
+            s.stop()
+        stack.stop()
 
 
 @contextlib.contextmanager
