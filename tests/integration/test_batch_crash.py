@@ -25,20 +25,15 @@ NUM_LINES = 200
 
 @pytest.fixture
 def deployment(tmp_path):
-    redis = RedisServer(data_dir=tmp_path / "redis")
-    redis.start()
-    try:
-        with electing_schedulers(tmp_path, redis) as start:
-            leader = start("a")
-            leader.wait_serving(60)
-            frontends: list[Frontend] = []  # stopped before the schedulers
-            try:
-                yield tmp_path, redis, (leader, start("b")), frontends
-            finally:
-                for fe in frontends:
-                    fe.stop()
-    finally:
-        redis.close()
+    with electing_schedulers(tmp_path) as (start, redis):
+        leader = start("a")
+        leader.wait_serving(60)
+        frontends: list[Frontend] = []  # stopped before the schedulers
+        try:
+            yield tmp_path, redis, (leader, start("b")), frontends
+        finally:
+            for fe in frontends:
+                fe.stop()
 
 
 def _frontend(tmp_path, redis, schedulers) -> Frontend:

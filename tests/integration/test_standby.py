@@ -26,7 +26,6 @@ from grpc_health.v1 import health_pb2
 
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import collect, mixed_workload, run_in_threads
 from tests.support.standby import (
     LEADER_KEY,
@@ -45,13 +44,8 @@ STATE_PREFIXES = (
 
 @pytest.fixture
 def deployment(tmp_path):
-    redis = RedisServer(data_dir=tmp_path / "redis")
-    redis.start()
-    try:
-        with electing_schedulers(tmp_path, redis) as start:
-            yield start, redis
-    finally:
-        redis.close()
+    with electing_schedulers(tmp_path) as (start, redis):
+        yield start, redis
 
 
 def leader_pair(start):

@@ -147,7 +147,7 @@ def test_kill_9_scheduler_mid_generation_gives_identical_output(tmp_path, redis)
 def test_standby_takeover_rebuilds_matchers_and_output_is_identical(tmp_path, redis):
     """Leader killed (-9) mid-generation; the standby takes the lease, recovers the requests
     from Redis, rebuilds each matcher by replaying the stored outputs, and finishes them."""
-    with electing_schedulers(tmp_path, redis) as start:
+    with electing_schedulers(tmp_path, redis) as (start, _):
         leader = start("a")
         leader.wait_serving(60)
         standby = start("b")

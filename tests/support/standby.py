@@ -137,29 +137,34 @@ def resume_in_threads(
 
 
 @contextlib.contextmanager
-def electing_schedulers(tmp_path: Path, redis: RedisServer) -> Iterator[Callable[[str], Scheduler]]:
+def electing_schedulers(
+    tmp_path: Path, redis: RedisServer | None = None
+) -> Iterator[tuple[Callable[[str], Scheduler], RedisServer]]:
     """One executor on the tiny demo model, and `start(name)`: a `--leader-election` scheduler
     in tmp_path/name on that executor and `redis` (the first one started becomes the leader).
-    Every scheduler started, then the executor, is stopped at the end; `redis` is the caller's."""
-    stack = Stack(
-        workdir=tmp_path,
-        model_dir=tiny_model_dir(tmp_path.parent / "models"),
-        redis=redis,
-        executor_args=["--num-device-blocks", "512", "--swap-space", "0.05"],
-    )
-    stack.start_executor()
-    schedulers: list[Scheduler] = []
+    Without `redis`, a Redis of its own in tmp_path/redis. Every scheduler started, then the
+    executor (then its own Redis), is stopped at the end."""
+    with contextlib.ExitStack() as cleanup:
+        if redis is None:
+            redis = RedisServer(data_dir=tmp_path / "redis")
+            redis.start()
+            cleanup.callback(redis.close)
+        stack = Stack(
+            workdir=tmp_path,
+            model_dir=tiny_model_dir(tmp_path.parent / "models"),
+            redis=redis,
+            executor_args=["--num-device-blocks", "512", "--swap-space", "0.05"],
+        )
+        cleanup.callback(stack.stop)
+        stack.start_executor()
+        url = redis.url
 
-    def start(name: str) -> Scheduler:
-        schedulers.append(Scheduler(tmp_path / name, stack.executor_address, redis.url))
-        return schedulers[-1]
+        def start(name: str) -> Scheduler:
+            scheduler = Scheduler(tmp_path / name, stack.executor_address, url)
+            cleanup.callback(scheduler.stop)  # last in, first out: before the executor
+            return scheduler
 
-    try:
-        yield start
-    finally:
-        for s in reversed(schedulers):
-            s.stop()
-        stack.stop()
+        yield start, redis
 
 
 @contextlib.contextmanager
