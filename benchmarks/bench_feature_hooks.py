@@ -13,23 +13,19 @@ the small demo model, where the Python around the forward weighs most; and the h
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+from ab_shared import ROOT, decode_step, prefilled_servicer
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from executor_svc.api.service import ExecutorServicer  # noqa: E402
 from executor_svc.config.logs import configure_logging  # noqa: E402
 from executor_svc.demo.demo_model import ensure_demo_model  # noqa: E402
 from executor_svc.features.base import Features  # noqa: E402
 from executor_svc.runner.model_runner import ModelRunner  # noqa: E402
-from protos import executor_pb2 as pb  # noqa: E402
 
 BLOCK_SIZE = 16
 CONTEXT = 32
@@ -42,31 +38,12 @@ def run(batch: int, blocks: int, steps: int) -> tuple[list[float], list[float], 
         ensure_demo_model(), device="cpu", block_size=BLOCK_SIZE, swap_space_gib=0.01,
         num_device_blocks=batch * per_seq + 1,
     )  # fmt: skip
-    svc = ExecutorServicer(runner)
-    rng = random.Random(0)
-    ids = [f"s{i}" for i in range(batch)]
-    new = [
-        pb.NewSequence(
-            seq_id=sid,
-            token_ids=[rng.randrange(5, runner.info.vocab_size) for _ in range(CONTEXT)],
-            num_prompt_tokens=CONTEXT,
-            sampling_params=pb.SamplingParams(),
-            block_table=range(i * per_seq, (i + 1) * per_seq),
-            num_scheduled_tokens=CONTEXT,
-        )
-        for i, sid in enumerate(ids)
-    ]
-    svc._execute(pb.ExecuteModelRequest(step_id=1, new_sequences=new))  # noqa: SLF001
+    svc, ids = prefilled_servicer(runner, batch, CONTEXT, per_seq)
     state = {"step": 1, "nc": CONTEXT}
 
     def step() -> None:
         state["step"] += 1
-        req = pb.ExecuteModelRequest(
-            step_id=state["step"],
-            decode_seq_ids=ids,
-            decode_num_computed_tokens=[state["nc"]] * batch,
-        )
-        svc._execute(req)  # noqa: SLF001
+        decode_step(svc, state["step"], ids, state["nc"])
         state["nc"] += 1
 
     full, none = runner.features, Features()

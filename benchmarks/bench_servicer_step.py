@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from ab_shared import alternate_sides, decode_step, prefilled_servicer
+
 BLOCK_SIZE = 16
 
 
@@ -32,11 +30,9 @@ def worker(tree: str, batches: list[int], context: int, steps: int, clock: str) 
     sys.path.insert(0, tree)
     import torch
 
-    from executor_svc.api.service import ExecutorServicer
     from executor_svc.config.logs import configure_logging
     from executor_svc.demo.demo_model import ensure_demo_model
     from executor_svc.runner.model_runner import ModelRunner
-    from protos import executor_pb2 as pb
 
     assert Path(sys.modules["executor_svc"].__file__).is_relative_to(tree)
     torch.set_num_threads(1)
@@ -47,35 +43,15 @@ def worker(tree: str, batches: list[int], context: int, steps: int, clock: str) 
         ensure_demo_model(), device="cpu", block_size=BLOCK_SIZE, swap_space_gib=0.01,
         num_device_blocks=max(batches) * blocks_per_seq + 1,
     )  # fmt: skip
-    rng = random.Random(0)
     out = {}
     for b in batches:
-        svc = ExecutorServicer(runner)
-        ids = [f"s{i}" for i in range(b)]
-        new = [
-            pb.NewSequence(
-                seq_id=sid,
-                token_ids=[rng.randrange(5, runner.info.vocab_size) for _ in range(context)],
-                num_prompt_tokens=context,
-                sampling_params=pb.SamplingParams(),
-                block_table=range(i * blocks_per_seq, (i + 1) * blocks_per_seq),
-                num_scheduled_tokens=context,
-            )
-            for i, sid in enumerate(ids)
-        ]
-        svc._execute(pb.ExecuteModelRequest(step_id=1, new_sequences=new))  # noqa: SLF001
-
-        def decode(step_id: int, nc: int, ids: list[str] = ids) -> pb.ExecuteModelRequest:
-            return pb.ExecuteModelRequest(
-                step_id=step_id, decode_seq_ids=ids, decode_num_computed_tokens=[nc] * len(ids)
-            )
-
+        svc, ids = prefilled_servicer(runner, b, context, blocks_per_seq)
         for k in range(warm):
-            svc._execute(decode(2 + k, context + k))  # noqa: SLF001
+            decode_step(svc, 2 + k, ids, context + k)
         now = time.process_time if clock == "cpu" else time.perf_counter
         start = now()
         for k in range(steps):
-            svc._execute(decode(2 + warm + k, context + warm + k))  # noqa: SLF001
+            decode_step(svc, 2 + warm + k, ids, context + warm + k)
         out[str(b)] = (now() - start) / steps * 1e3
     print(json.dumps(out))
 
@@ -100,31 +76,15 @@ def main() -> None:
     if args.worker:
         worker(args.worker, batches, args.context, args.steps, args.clock)
         return
-    base = Path(tempfile.mkdtemp())
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base),
-                    args.commit], check=True)  # fmt: skip
-    sides = {args.commit: str(base), "working tree": str(ROOT)}
-    times: dict[str, dict[str, list[float]]] = {s: {str(b): [] for b in batches} for s in sides}
-    try:
-        for rnd in range(args.rounds):
-            for side, tree in sides.items():
-                cmd = [sys.executable, __file__, args.commit, "--worker", tree, "--batches",
-                       args.batches, "--context", str(args.context), "--steps",
-                       str(args.steps), "--clock", args.clock]  # fmt: skip
-                res = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=tree)
-                for case, ms in json.loads(res.stdout.strip().splitlines()[-1]).items():
-                    times[side][case].append(ms)
-            print(f"round {rnd}: " + ", ".join(
-                f"{s} b{c} {t[c][-1]:.3f} ms" for s, t in times.items() for c in t
-            ), flush=True)  # fmt: skip
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)])
+    argv = [__file__, args.commit, "--batches", args.batches, "--context", str(args.context),
+            "--steps", str(args.steps), "--clock", args.clock]  # fmt: skip
+    times = alternate_sides(args.commit, args.rounds, argv, [str(b) for b in batches])
     print(f"\ncontext {args.context}, {args.steps} steps a round, {args.clock} time, medians of "
           f"{args.rounds} rounds")  # fmt: skip
     print(f"| batch | {args.commit} ms (spread) | working tree ms (spread) | old / new |")
     print("| ---: | ---: | ---: | ---: |")
     for c in map(str, batches):
-        old, new = (times[s][c] for s in sides)
+        old, new = (t[c] for t in times.values())
         o, n = statistics.median(old), statistics.median(new)
         print(
             f"| {c} | {o:.3f} ({max(old) - min(old):.3f}) | {n:.3f} ({max(new) - min(new):.3f}) "

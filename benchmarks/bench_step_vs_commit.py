@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from ab_shared import ROOT, alternate_sides
 
 
 def worker(
@@ -98,27 +96,11 @@ def main() -> None:
             args.worker, batches, args.context, args.threads, args.steps, args.prefill, args.clock
         )
         return
-    base = Path(tempfile.mkdtemp())
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base),
-                    args.commit], check=True)  # fmt: skip
-    sides = {args.commit: str(base), "working tree": str(ROOT)}
+    argv = [__file__, args.commit, "--batches", args.batches, "--context", str(args.context),
+            "--threads", str(args.threads), "--steps", str(args.steps), "--prefill",
+            str(args.prefill), "--clock", args.clock]  # fmt: skip
     cases = [str(b) for b in batches] + ([f"prefill {args.prefill}"] if args.prefill else [])
-    times: dict[str, dict[str, list[float]]] = {s: {c: [] for c in cases} for s in sides}
-    try:
-        for rnd in range(args.rounds):
-            for side, tree in sides.items():
-                cmd = [sys.executable, __file__, args.commit, "--worker", tree, "--batches",
-                       args.batches, "--context", str(args.context), "--threads",
-                       str(args.threads), "--steps", str(args.steps), "--prefill",
-                       str(args.prefill), "--clock", args.clock]  # fmt: skip
-                res = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=tree)
-                for case, ms in json.loads(res.stdout.strip().splitlines()[-1]).items():
-                    times[side][case].append(ms)
-            print(f"round {rnd}: " + ", ".join(
-                f"{s} {c} {t[c][-1]:.2f} ms" for s, t in times.items() for c in cases
-            ), flush=True)  # fmt: skip
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)])
+    times = alternate_sides(args.commit, args.rounds, argv, cases)
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     flags = next((ln for ln in cpuinfo if ln.startswith("flags")), "").split()
     print(f"\nthreads={args.threads}, context {args.context}, {args.clock} time, medians of "
@@ -127,7 +109,7 @@ def main() -> None:
     print(f"| step (batch) | {args.commit} ms | working tree ms | tok/s ratio (new / old) |")
     print("| ---: | ---: | ---: | ---: |")
     for c in cases:
-        old, new = (statistics.median(times[s][c]) for s in sides)
+        old, new = (statistics.median(t[c]) for t in times.values())
         print(f"| {c} | {old:.2f} | {new:.2f} | {old / new:.3f} |")
 
 

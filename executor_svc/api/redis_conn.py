@@ -5,6 +5,8 @@ scheduler_svc/state/connect.py for a synchronous client: a plain `--redis-url`, 
 `--redis-sentinel` the primary the Sentinels name, followed across failovers by redis-py's
 `SentinelConnectionPool` (a heartbeat that fails reconnects through the Sentinels on its next
 beat). With Sentinels, the URL gives only credentials, db and TLS.
+frontend_svc/batch/redis_conn.py is its asyncio twin, a copy on purpose: services may share only
+protos, not each other's code.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 `--redis-sentinel` the primary the Sentinels name, followed across failovers by redis-py's
 `SentinelConnectionPool`. The frontend shares no code with the scheduler (it is a client of its
 public API), so this mirrors scheduler_svc/state/connect.py for the few options the store needs;
-with Sentinels the URL gives only credentials, db and TLS, as there."""
+with Sentinels the URL gives only credentials, db and TLS, as there. executor_svc/api/redis_conn.py
+is its synchronous twin, a copy on purpose: services may share only protos, not each other's code."""
 
 from __future__ import annotations
 

@@ -21,12 +21,9 @@ from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+
+from scheduler_svc.features.metric_families import counter, gauge
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.fleet.executors import ExecutorPool
@@ -137,21 +134,21 @@ class EngineMetrics:
 
     def _core_gauges(self, model: str, cores: list) -> Iterator[Metric]:
         """What the scheduler cores hold now, and their own counters."""
-        yield _gauge(model, "llmserve:num_requests_running", "Requests in model execution "
-                     "batches.", sum(c.num_running for c in cores))  # fmt: skip
-        yield _gauge(model, "llmserve:num_requests_waiting", "Requests waiting to be scheduled.",
-                     sum(c.num_waiting for c in cores))  # fmt: skip
-        yield _gauge(model, "llmserve:num_requests_swapped", "Requests whose KV cache is swapped "
-                     "out to CPU memory.", sum(c.num_swapped for c in cores))  # fmt: skip
+        yield gauge(model, "llmserve:num_requests_running", "Requests in model execution "
+                    "batches.", sum(c.num_running for c in cores))  # fmt: skip
+        yield gauge(model, "llmserve:num_requests_waiting", "Requests waiting to be scheduled.",
+                    sum(c.num_waiting for c in cores))  # fmt: skip
+        yield gauge(model, "llmserve:num_requests_swapped", "Requests whose KV cache is swapped "
+                    "out to CPU memory.", sum(c.num_swapped for c in cores))  # fmt: skip
         total = sum(c.num_device_blocks for c in cores)
         free = sum(c.num_free_blocks for c in cores)
-        yield _gauge(model, "llmserve:kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.",
-                     1.0 - free / total if total else 0.0)  # fmt: skip
+        yield gauge(model, "llmserve:kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.",
+                    1.0 - free / total if total else 0.0)  # fmt: skip
         stats = [c.get_stats() for c in cores]
-        yield _counter(model, "llmserve:prefix_cache_queries", "Prompt tokens looked up in the "
-                       "prefix cache.", sum(s.prefix_cache_queries for s in stats))  # fmt: skip
-        yield _counter(model, "llmserve:prefix_cache_hits", "Prompt tokens found in the prefix "
-                       "cache.", sum(s.prefix_cache_hits for s in stats))  # fmt: skip
+        yield counter(model, "llmserve:prefix_cache_queries", "Prompt tokens looked up in the "
+                      "prefix cache.", sum(s.prefix_cache_queries for s in stats))  # fmt: skip
+        yield counter(model, "llmserve:prefix_cache_hits", "Prompt tokens found in the prefix "
+                      "cache.", sum(s.prefix_cache_hits for s in stats))  # fmt: skip
         preemptions = CounterMetricFamily(
             "llmserve:num_preemptions",
             "Preemptions of running requests.",
@@ -166,10 +163,10 @@ class EngineMetrics:
     def _request_families(self, model: str) -> Iterator[Metric]:
         """The engine's own counters and histograms."""
         base = {"model_name": model}
-        yield _counter(model, "llmserve:prompt_tokens", "Prefill tokens of requests.",
-                       self.prompt_tokens)  # fmt: skip
-        yield _counter(model, "llmserve:generation_tokens", "Generated tokens.",
-                       self.generation_tokens)  # fmt: skip
+        yield counter(model, "llmserve:prompt_tokens", "Prefill tokens of requests.",
+                      self.prompt_tokens)  # fmt: skip
+        yield counter(model, "llmserve:generation_tokens", "Generated tokens.",
+                      self.generation_tokens)  # fmt: skip
         success = CounterMetricFamily(
             "llmserve:request_success",
             "Finished requests, by finish reason.",
@@ -190,25 +187,25 @@ class EngineMetrics:
         ):  # fmt: skip
             yield hist.family(f"llmserve:{name}", doc, base)
         # Ours beyond vLLM's set.
-        yield _counter(model, "llmserve:requests_recovered", "Requests resumed from Redis after "
-                       "a scheduler restart.", self.recovered)  # fmt: skip
-        yield _counter(model, "llmserve:executor_failovers", "Times an executor's requests moved "
-                       "to another executor.", self.failovers)  # fmt: skip
+        yield counter(model, "llmserve:requests_recovered", "Requests resumed from Redis after "
+                      "a scheduler restart.", self.recovered)  # fmt: skip
+        yield counter(model, "llmserve:executor_failovers", "Times an executor's requests moved "
+                      "to another executor.", self.failovers)  # fmt: skip
         yield self.redis_write.family(
             "llmserve:redis_write_seconds", "Duration of the persister's Redis writes.", base
         )
-        yield _gauge(model, "llmserve:redis_backlog_steps", "Engine steps waiting to be written "
-                     "to Redis.", self.persister.backlog)  # fmt: skip
+        yield gauge(model, "llmserve:redis_backlog_steps", "Engine steps waiting to be written "
+                    "to Redis.", self.persister.backlog)  # fmt: skip
         if self.persister.store.min_replicas:  # --redis-min-replicas: the write barrier
             yield from self._replication_families(model)
 
     def _replication_families(self, model: str) -> Iterator[Metric]:
         """How the replicas answer the per-step write barrier (issue 42)."""
-        yield _gauge(model, "llmserve:redis_replicas_acked", "Redis replicas that acknowledged "
-                     "the last write barrier.", self.persister.replicas_acked or 0)  # fmt: skip
-        yield _counter(model, "llmserve:redis_unreplicated_writes", "Write barriers fewer than "
-                       "--redis-min-replicas replicas acknowledged in time.",
-                       self.persister.stats.num_unreplicated)  # fmt: skip
+        yield gauge(model, "llmserve:redis_replicas_acked", "Redis replicas that acknowledged "
+                    "the last write barrier.", self.persister.replicas_acked or 0)  # fmt: skip
+        yield counter(model, "llmserve:redis_unreplicated_writes", "Write barriers fewer than "
+                      "--redis-min-replicas replicas acknowledged in time.",
+                      self.persister.stats.num_unreplicated)  # fmt: skip
 
     def _executor_families(self, model: str, executors: list) -> Iterator[Metric]:
         """Per executor: steps, busy time, steps planned ahead, prefix cache."""
@@ -233,18 +230,6 @@ class EngineMetrics:
             for ex in executors:
                 family.add_metric([model, ex.address], value(ex))
             yield family
-
-
-def _gauge(model: str, name: str, doc: str, value: float) -> GaugeMetricFamily:
-    fam = GaugeMetricFamily(name, doc, labels=["model_name"])
-    fam.add_metric([model], value)
-    return fam
-
-
-def _counter(model: str, name: str, doc: str, value: float) -> CounterMetricFamily:
-    fam = CounterMetricFamily(name, doc, labels=["model_name"])
-    fam.add_metric([model], value)
-    return fam
 
 
 class _QuietHandler(WSGIRequestHandler):

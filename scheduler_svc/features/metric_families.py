@@ -1,5 +1,5 @@
-"""Prometheus families as the features' ``metrics`` hooks build them (labelled by model name,
-as the engine's own in engine/metrics.py)."""
+"""Prometheus families labelled by model name, one value each: what the features' ``metrics``
+hooks yield, and the engine's own (engine/metrics.py) alike."""
 
 from __future__ import annotations
 

@@ -1,13 +1,12 @@
 """Fixtures shared by the integration tests that talk to one OpenAI frontend in front of the
-`llmserve_stack` fixture (which such a module imports from tests.support.stack): each module gets
-its own frontend."""
+`llmserve_stack` fixture (which such a module imports from tests.support.stack, or defines): each
+module gets its own frontend, started with the flags of its `frontend_args` fixture."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
-from tests.support.frontend import Frontend
+from tests.support.frontend import openai_client, running_frontend
 
 # Registered here, once for the folder: imported into each module instead, a session fixture is
 # one per module (three SmolLM2 stacks alive to the end of the session).
@@ -15,20 +14,22 @@ from tests.support.smollm2 import smollm2_dir, smollm2_stack  # noqa: F401 - the
 
 
 @pytest.fixture(scope="module")
-def frontend(llmserve_stack, tmp_path_factory):
-    fe = Frontend.start(tmp_path_factory.mktemp("frontend"), llmserve_stack.address)
-    try:
-        fe.wait_healthy()
+def frontend_args() -> list[str]:
+    """The frontend's flags beyond the scheduler's address; a module overrides this fixture."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def frontend(llmserve_stack, frontend_args, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("frontend")
+    with running_frontend(workdir, llmserve_stack.address, *frontend_args) as fe:
         yield fe
-    finally:
-        fe.stop()
-        assert "Traceback" not in fe.log(), fe.log()
 
 
 @pytest.fixture(scope="module")
 def oai(frontend):
     """The official openai client on the frontend (no retries: a failure must show)."""
-    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0)
+    return openai_client(frontend)
 
 
 @pytest.fixture(scope="module")

@@ -14,41 +14,23 @@ import pytest
 
 from client import LLMClient, LLMServeError
 from tests.support.batches import canonical, jsonl, line_body, read_lines, wait_batch
-from tests.support.frontend import Frontend
+from tests.support.frontend import openai_client, running_frontend
 from tests.support.stack import llmserve_stack  # noqa: F401 - the fixture
 
 
 @pytest.fixture(scope="module")
-def batch_fe(llmserve_stack, tmp_path_factory):  # noqa: F811
-    fe = Frontend.start(
-        tmp_path_factory.mktemp("batch-fe"),
-        llmserve_stack.address,
+def frontend_args(llmserve_stack) -> list[str]:  # noqa: F811
+    return [
         "--redis-url", llmserve_stack.redis.url, "--batch-max-concurrency", "4",
         "--batch-max-file-mb", "0.05",
-    )  # fmt: skip
-    try:
-        fe.wait_healthy()
-        yield fe
-    finally:
-        fe.stop()
-        assert "Traceback" not in fe.log(), fe.log()
-
-
-@pytest.fixture(scope="module")
-def boai(batch_fe):
-    return openai.OpenAI(base_url=f"{batch_fe.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def bmodel(boai) -> str:
-    return boai.models.list().data[0].id
+    ]  # fmt: skip
 
 
 def _upload(oai, data: bytes):
     return oai.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
 
 
-def test_upload_reports_every_bad_line(boai):
+def test_upload_reports_every_bad_line(oai):
     good = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
     rows = [
         json.dumps(good),
@@ -60,30 +42,30 @@ def test_upload_reports_every_bad_line(boai):
         json.dumps({**good, "custom_id": ""}),
     ]
     with pytest.raises(openai.BadRequestError) as err:
-        _upload(boai, "\n".join(rows).encode())
+        _upload(oai, "\n".join(rows).encode())
     message = err.value.body["message"]
     for n in ("line 2: not JSON", "line 3: url must be one of", "line 4: custom_id 'a' is used"):
         assert n in message
     assert "(and 1 more)" in message  # six errors: the first five shown, then the count
     assert err.value.body["param"] == "file"
     with pytest.raises(openai.BadRequestError, match="purpose"):
-        boai.files.create(
+        oai.files.create(
             file=("in.jsonl", io.BytesIO(json.dumps(good).encode())), purpose="fine-tune"
         )
     with pytest.raises(openai.APIStatusError) as big:
-        _upload(boai, b" " * 60_000)
+        _upload(oai, b" " * 60_000)
     assert big.value.status_code == 413
-    f = _upload(boai, json.dumps(good).encode())
+    f = _upload(oai, json.dumps(good).encode())
     assert (f.purpose, f.bytes) == ("batch", len(json.dumps(good)))
-    assert boai.files.retrieve(f.id).id == f.id
-    assert boai.files.content(f.id).content == json.dumps(good).encode()
-    assert boai.files.delete(f.id).deleted
+    assert oai.files.retrieve(f.id).id == f.id
+    assert oai.files.content(f.id).content == json.dumps(good).encode()
+    assert oai.files.delete(f.id).deleted
     with pytest.raises(openai.NotFoundError):
-        boai.files.retrieve(f.id)
+        oai.files.retrieve(f.id)
 
 
-def test_create_refuses_what_it_cannot_honour(boai, bmodel):
-    f = _upload(boai, jsonl(bmodel, 1))
+def test_create_refuses_what_it_cannot_honour(oai, model):
+    f = _upload(oai, jsonl(model, 1))
     for kwargs, param in (
         (dict(completion_window="forever"), "completion_window"),
         (dict(endpoint="/v1/images"), "endpoint"),
@@ -91,10 +73,10 @@ def test_create_refuses_what_it_cannot_honour(boai, bmodel):
     ):
         args = dict(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
         with pytest.raises(openai.BadRequestError) as err:
-            boai.batches.create(**{**args, **kwargs})
+            oai.batches.create(**{**args, **kwargs})
         assert param in str(err.value.body)
     with pytest.raises(openai.NotFoundError):
-        boai.batches.create(
+        oai.batches.create(
             input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h"
         )
 
@@ -111,52 +93,52 @@ def _extra_lines(model: str) -> list[tuple[str, dict]]:
     ]  # fmt: skip
 
 
-def test_batch_lines_equal_interactive_answers(boai, bmodel, batch_fe):
-    lines = [line_body(i, bmodel) for i in range(12)] + _extra_lines(bmodel)
+def test_batch_lines_equal_interactive_answers(oai, model, frontend):
+    lines = [line_body(i, model) for i in range(12)] + _extra_lines(model)
     rows = [
         {"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body}
         for i, (url, body) in enumerate(lines)
     ]
-    f = _upload(boai, "".join(json.dumps(r) + "\n" for r in rows).encode())
-    b = boai.batches.create(
+    f = _upload(oai, "".join(json.dumps(r) + "\n" for r in rows).encode())
+    b = oai.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
         metadata={"job": "eq"},
     )  # fmt: skip
     assert b.status == "validating" and b.metadata == {"job": "eq"}
-    b = wait_batch(boai, b.id, {"completed", "failed"})
+    b = wait_batch(oai, b.id, {"completed", "failed"})
     assert b.status == "completed", b
     counts = b.request_counts
     assert (counts.total, counts.completed, counts.failed) == (len(lines), len(lines), 0)
     assert b.error_file_id is None and b.completed_at >= b.in_progress_at >= b.created_at
-    out = read_lines(boai, b.output_file_id)
+    out = read_lines(oai, b.output_file_id)
     assert [x["custom_id"] for x in out] == [r["custom_id"] for r in rows]  # input order
     for (url, body), row in zip(lines, out, strict=True):
-        status, want = batch_fe.request("POST", url, body)
+        status, want = frontend.request("POST", url, body)
         assert status == 200 and row["response"]["status_code"] == 200 and row["error"] is None
         assert canonical(row["response"]["body"]) == canonical(want), (row, want)
     assert len(out[12]["response"]["body"]["choices"]) == 2  # n=2 ran as two sequences
     # The list, newest first, paged with after/limit.
-    later = boai.batches.create(
+    later = oai.batches.create(
         input_file_id=f.id, endpoint="/v1/completions", completion_window="1h"
     )
-    page = boai.batches.list(limit=1)
+    page = oai.batches.list(limit=1)
     assert [x.id for x in page.data] == [later.id] and page.has_more
-    assert boai.batches.list(limit=1, after=later.id).data[0].id == b.id
+    assert oai.batches.list(limit=1, after=later.id).data[0].id == b.id
 
 
-def test_failed_lines_go_to_the_error_file(boai, bmodel):
+def test_failed_lines_go_to_the_error_file(oai, model):
     rows = [
         {"custom_id": "ok", "method": "POST", "url": "/v1/completions",
-         "body": {"model": bmodel, "prompt": "hi", "max_tokens": 2}},
+         "body": {"model": model, "prompt": "hi", "max_tokens": 2}},
         {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
-         "body": {"model": bmodel, "prompt": "hi", "max_tokens": -3}},
+         "body": {"model": model, "prompt": "hi", "max_tokens": -3}},
     ]  # fmt: skip
-    f = _upload(boai, "".join(json.dumps(r) + "\n" for r in rows).encode())
-    b = boai.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h")
-    b = wait_batch(boai, b.id, {"completed", "failed"})
+    f = _upload(oai, "".join(json.dumps(r) + "\n" for r in rows).encode())
+    b = oai.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h")
+    b = wait_batch(oai, b.id, {"completed", "failed"})
     assert (b.status, b.request_counts.completed, b.request_counts.failed) == ("completed", 1, 1)
-    (ok,) = read_lines(boai, b.output_file_id)
-    (bad,) = read_lines(boai, b.error_file_id)
+    (ok,) = read_lines(oai, b.output_file_id)
+    (bad,) = read_lines(oai, b.error_file_id)
     assert ok["custom_id"] == "ok" and bad["custom_id"] == "bad"
     assert bad["response"]["status_code"] == 400
     assert "max_tokens" in json.dumps(bad["response"]["body"])
@@ -173,20 +155,20 @@ def _long_batch(oai, model: str, n: int, window: str):
     )
 
 
-def test_cancel_aborts_and_keeps_what_finished(boai, bmodel, llmserve_stack):  # noqa: F811
+def test_cancel_aborts_and_keeps_what_finished(oai, model, llmserve_stack):  # noqa: F811
     n = 100  # of 256 tokens each, 4 at a time: a cancel comes long before the last
-    b = _long_batch(boai, bmodel, n, "24h")
+    b = _long_batch(oai, model, n, "24h")
     deadline = time.monotonic() + 120
-    while boai.batches.retrieve(b.id).request_counts.completed < 2:
+    while oai.batches.retrieve(b.id).request_counts.completed < 2:
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    c = boai.batches.cancel(b.id)
+    c = oai.batches.cancel(b.id)
     assert c.status in ("cancelling", "cancelled")
-    b = wait_batch(boai, b.id, {"cancelled"})
+    b = wait_batch(oai, b.id, {"cancelled"})
     done = b.request_counts.completed
     assert 2 <= done < n and b.request_counts.failed == 0, b
     assert b.cancelled_at >= b.cancelling_at, b
-    out, err = read_lines(boai, b.output_file_id), read_lines(boai, b.error_file_id)
+    out, err = read_lines(oai, b.output_file_id), read_lines(oai, b.error_file_id)
     assert len(out) == done and len(err) == n - done
     assert {e["error"]["code"] for e in err} == {"batch_cancelled"}
     assert sorted(x["custom_id"] for x in out + err) == sorted(f"req-{i}" for i in range(n))
@@ -207,33 +189,27 @@ def test_cancel_aborts_and_keeps_what_finished(boai, bmodel, llmserve_stack):  #
             reasons.append(state.outputs[0].finish_reason)
         assert "abort" in reasons and set(reasons) <= {"abort", "length"}, reasons
     with pytest.raises(openai.BadRequestError):
-        boai.batches.cancel(
-            wait_batch(boai, _long_batch(boai, bmodel, 1, "1h").id, {"completed"}).id
-        )
+        oai.batches.cancel(wait_batch(oai, _long_batch(oai, model, 1, "1h").id, {"completed"}).id)
 
 
-def test_completion_window_expires_the_batch(boai, bmodel):
-    b = _long_batch(boai, bmodel, 60, "2s")
-    b = wait_batch(boai, b.id, {"expired", "completed"}, timeout=60)
+def test_completion_window_expires_the_batch(oai, model):
+    b = _long_batch(oai, model, 60, "2s")
+    b = wait_batch(oai, b.id, {"expired", "completed"}, timeout=60)
     assert b.status == "expired" and b.expired_at - b.created_at < 10
-    out, err = read_lines(boai, b.output_file_id), read_lines(boai, b.error_file_id)
+    out, err = read_lines(oai, b.output_file_id), read_lines(oai, b.error_file_id)
     assert len(out) == b.request_counts.completed and len(out) < 60
     assert {e["error"]["code"] for e in err} == {"batch_expired"} and len(out) + len(err) == 60
 
 
-def test_a_batch_belongs_to_its_api_key(llmserve_stack, tmp_path_factory, bmodel):  # noqa: F811
+def test_a_batch_belongs_to_its_api_key(llmserve_stack, tmp_path_factory, model):  # noqa: F811
     tmp = tmp_path_factory.mktemp("batch-keys")
     (tmp / "keys").write_text("key-one alice\nkey-two bob\n")
-    fe = Frontend.start(
+    with running_frontend(
         tmp, llmserve_stack.address,
         "--redis-url", llmserve_stack.redis.url, "--api-key-file", str(tmp / "keys"),
-    )  # fmt: skip
-    try:
-        fe.wait_healthy()
-        url = f"{fe.base_url}/v1"
-        alice = openai.OpenAI(base_url=url, api_key="key-one", max_retries=0)
-        bob = openai.OpenAI(base_url=url, api_key="key-two", max_retries=0)
-        f = _upload(alice, jsonl(bmodel, 3))
+    ) as fe:  # fmt: skip
+        alice, bob = openai_client(fe, "key-one"), openai_client(fe, "key-two")
+        f = _upload(alice, jsonl(model, 3))
         b = alice.batches.create(
             input_file_id=f.id, endpoint="/v1/completions", completion_window="1h"
         )
@@ -254,24 +230,15 @@ def test_a_batch_belongs_to_its_api_key(llmserve_stack, tmp_path_factory, bmodel
         assert b.id not in [x.id for x in bob.batches.list().data]
         assert b.id in [x.id for x in alice.batches.list().data]
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=url, api_key="nope", max_retries=0).batches.list()
-    finally:
-        fe.stop()
-    assert "Traceback" not in fe.log(), fe.log()
+            openai_client(fe, "nope").batches.list()
 
 
 def test_an_upload_no_replica_acknowledged_is_a_503(llmserve_stack, tmp_path_factory):  # noqa: F811
-    fe = Frontend.start(
+    with running_frontend(
         tmp_path_factory.mktemp("batch-wait"), llmserve_stack.address,
         "--redis-url", llmserve_stack.redis.url, "--redis-min-replicas", "1",
         "--redis-replica-timeout-ms", "50",
-    )  # fmt: skip
-    try:
-        fe.wait_healthy()
-        oai = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key="unused", max_retries=0)
+    ) as fe:  # fmt: skip
         with pytest.raises(openai.APIStatusError) as err:
-            _upload(oai, jsonl("m", 1))
+            _upload(openai_client(fe), jsonl("m", 1))
         assert err.value.status_code == 503 and "Redis" in err.value.body["message"]
-    finally:
-        fe.stop()
-    assert "Traceback" not in fe.log(), fe.log()

@@ -18,36 +18,22 @@ import redis as redis_lib
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.batches import canonical, jsonl, read_lines, wait_batch
 from tests.support.frontend import Frontend
-from tests.support.stack import Stack, tiny_model_dir
-from tests.support.standby import Scheduler
+from tests.support.standby import electing_schedulers
 
 NUM_LINES = 200
 
 
 @pytest.fixture
 def deployment(tmp_path):
-    redis = RedisServer(data_dir=tmp_path / "redis")
-    redis.start()
-    stack = Stack(
-        workdir=tmp_path,
-        model_dir=tiny_model_dir(tmp_path.parent / "models"),
-        redis=redis,
-        executor_args=["--num-device-blocks", "512", "--swap-space", "0.05"],
-    )
-    stack.start_executor()
-    parts: list = []
-    try:
-        leader = Scheduler(tmp_path / "a", stack.executor_address, redis.url)
-        parts.append(leader)
+    with electing_schedulers(tmp_path) as (start, redis):
+        leader = start("a")
         leader.wait_serving(60)
-        standby = Scheduler(tmp_path / "b", stack.executor_address, redis.url)
-        parts.append(standby)
-        yield tmp_path, redis, (leader, standby), parts
-    finally:
-        for p in reversed(parts):
-            p.stop()
-        stack.stop()
-        redis.close()
+        frontends: list[Frontend] = []  # stopped before the schedulers
+        try:
+            yield tmp_path, redis, (leader, start("b")), frontends
+        finally:
+            for fe in frontends:
+                fe.stop()
 
 
 def _frontend(tmp_path, redis, schedulers) -> Frontend:
@@ -79,9 +65,9 @@ def recorded(redis: RedisServer, bid: str) -> int:
 
 
 def test_batch_survives_frontend_and_leader_kill(deployment):
-    tmp_path, redis, schedulers, parts = deployment
+    tmp_path, redis, schedulers, frontends = deployment
     fe = _frontend(tmp_path, redis, schedulers)
-    parts.append(fe)
+    frontends.append(fe)
     oai = _oai(fe)
     model = oai.models.list().data[0].id
     f = oai.files.create(
@@ -107,7 +93,7 @@ def test_batch_survives_frontend_and_leader_kill(deployment):
     # Only a runner records results: this count is where the killed one stopped, mid-batch.
     assert recorded(redis, bid) < NUM_LINES
     fe = _frontend(tmp_path, redis, schedulers)
-    parts.append(fe)
+    frontends.append(fe)
     oai = _oai(fe)
     _wait_completed(oai, bid, NUM_LINES // 2)
     leader = schedulers[0]

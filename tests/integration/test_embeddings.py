@@ -21,7 +21,7 @@ from client import LLM, LLMClient, LLMServeError, SamplingParams
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.local.redis_server import RedisServer
-from tests.support.frontend import Frontend
+from tests.support.frontend import running_frontend
 from tests.support.stack import make_stack
 
 EXECUTOR_ARGS = ["--num-device-blocks", "512", "--swap-space", "0.05", "--dtype", "float32"]
@@ -67,18 +67,8 @@ def chunked(tmp_path_factory, redis):
 
 @pytest.fixture(scope="module")
 def frontend(stack, tmp_path_factory):
-    fe = Frontend.start(tmp_path_factory.mktemp("embed-frontend"), stack.address)
-    try:
-        fe.wait_healthy()
+    with running_frontend(tmp_path_factory.mktemp("embed-frontend"), stack.address) as fe:
         yield fe
-    finally:
-        fe.stop()
-        assert "Traceback" not in fe.log(), fe.log()
-
-
-@pytest.fixture(scope="module")
-def oai(frontend):
-    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

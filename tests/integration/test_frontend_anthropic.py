@@ -6,11 +6,10 @@ conversation: the two routes run the same prompt the same way."""
 from __future__ import annotations
 
 import anthropic
-import openai
 import pytest
 
-from tests.support.frontend import Frontend
-from tests.support.tool_model import SCRIPTS, tool_stack
+from tests.support.frontend import openai_client, running_frontend
+from tests.support.tool_model import HERMES_FRONTEND_ARGS, SCRIPTS, tool_stack
 
 KEY = "sk-anthropic-test"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -42,17 +41,13 @@ def frontend(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("anthropic")
     keys = tmp / "keys"
     keys.write_text(f"{KEY} tests\n")
-    with tool_stack(tmp) as stack:
-        fe = Frontend.start(
-            tmp / "frontend", stack.address, "--api-key-file", str(keys),
-            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        )  # fmt: skip
-        try:
-            fe.wait_healthy()
-            yield fe
-        finally:
-            fe.stop()
-            assert "Traceback" not in fe.log(), fe.log()
+    with (
+        tool_stack(tmp) as stack,
+        running_frontend(
+            tmp / "frontend", stack.address, "--api-key-file", str(keys), *HERMES_FRONTEND_ARGS
+        ) as fe,
+    ):
+        yield fe
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +57,7 @@ def claude(frontend):
 
 @pytest.fixture(scope="module")
 def oai(frontend):
-    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key=KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(oai) -> str:
-    return oai.models.list().data[0].id
+    return openai_client(frontend, KEY)
 
 
 def test_a_text_message_equals_the_chat_answer(claude, oai, model):

@@ -23,8 +23,7 @@ from frontend_svc.protocol import (
     TokenizeRequest,
 )
 from frontend_svc.responses_protocol import ResponsesRequest
-from tests.support.frontend import Frontend
-from tests.support.tool_model import SCRIPTS, script_bias, tool_stack
+from tests.support.tool_model import HERMES_FRONTEND_ARGS, SCRIPTS, script_bias, tool_stack
 
 DOCS = Path(__file__).parents[2] / "docs" / "openai.md"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -37,28 +36,19 @@ LABEL = "label"  # on the allow-list: a label the client may send, meaning nothi
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def llmserve_stack(tmp_path_factory):
     with tool_stack(tmp_path_factory.mktemp("fields")) as stack:
         yield stack
 
 
 @pytest.fixture(scope="module")
-def frontend(stack, tmp_path_factory):
-    fe = Frontend.start(
-        tmp_path_factory.mktemp("fe"), stack.address,
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-    )  # fmt: skip
-    try:
-        fe.wait_healthy()
-        yield fe
-    finally:
-        fe.stop()
-        assert "Traceback" not in fe.log(), fe.log()
+def frontend_args() -> list[str]:
+    return [*HERMES_FRONTEND_ARGS]
 
 
 @pytest.fixture(scope="module")
-def vocab(stack) -> Tokenizer:
-    return Tokenizer.from_file(str(stack.model_dir / "tokenizer.json"))
+def vocab(llmserve_stack) -> Tokenizer:
+    return Tokenizer.from_file(str(llmserve_stack.model_dir / "tokenizer.json"))
 
 
 def _sampling(bias) -> dict:

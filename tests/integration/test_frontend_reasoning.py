@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 
 import anthropic
-import openai
 import pytest
 from tokenizers import Tokenizer
 
-from tests.support.frontend import Frontend
+from tests.support.frontend import openai_client, running_frontend
 from tests.support.tool_model import SCRIPTS, script_bias, tool_stack
 
 ASK = [{"role": "user", "content": "Hi!"}]
@@ -24,35 +23,19 @@ TOKYO = {
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def llmserve_stack(tmp_path_factory):
     with tool_stack(tmp_path_factory.mktemp("reasoning")) as stack:
         yield stack
 
 
-def _frontend(stack, tmp, parser: str):
-    fe = Frontend.start(tmp, stack.address, "--reasoning-parser", parser)
-    fe.wait_healthy()
-    return fe
+@pytest.fixture(scope="module")
+def frontend_args() -> list[str]:
+    return ["--reasoning-parser", "qwen3"]
 
 
 @pytest.fixture(scope="module")
-def frontend(stack, tmp_path_factory):
-    fe = _frontend(stack, tmp_path_factory.mktemp("qwen3"), "qwen3")
-    try:
-        yield fe
-    finally:
-        fe.stop()
-        assert "Traceback" not in fe.log(), fe.log()
-
-
-@pytest.fixture(scope="module")
-def oai(frontend):
-    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def vocab(stack) -> Tokenizer:
-    return Tokenizer.from_file(str(stack.model_dir / "tokenizer.json"))
+def vocab(llmserve_stack) -> Tokenizer:
+    return Tokenizer.from_file(str(llmserve_stack.model_dir / "tokenizer.json"))
 
 
 def _create(oai, vocab, script: str, stream: bool, **extra):
@@ -111,10 +94,12 @@ def test_a_json_schema_applies_after_the_reasoning(oai, vocab, stream):
     assert json.loads(content) == {"city": "Tokyo"}
 
 
-def test_deepseek_r1_reads_an_output_without_the_start_tag_as_reasoning(stack, vocab, tmp_path):
-    fe = _frontend(stack, tmp_path, "deepseek_r1")
-    try:
-        client = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key="unused", max_retries=0)
+def test_deepseek_r1_reads_an_output_without_the_start_tag_as_reasoning(
+    llmserve_stack, vocab, tmp_path
+):
+    parser = ("--reasoning-parser", "deepseek_r1")
+    with running_frontend(tmp_path, llmserve_stack.address, *parser) as fe:
+        client = openai_client(fe)
         got = _create(client, vocab, "plain_text", stream=False).choices[0].message
         assert got.reasoning_content == "".join(SCRIPTS["plain_text"]) and got.content == ""
         got = _create(client, vocab, "think_then_answer", stream=False).choices[0].message
@@ -142,5 +127,3 @@ def test_deepseek_r1_reads_an_output_without_the_start_tag_as_reasoning(stack, v
         deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
         assert "".join(deltas) == whole.content[0].thinking
         assert events[-1].response.output[0].content == got.output[0].content
-    finally:
-        fe.stop()

@@ -20,10 +20,8 @@ from pydantic import BaseModel
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from scheduler_svc.local.redis_server import RedisServer
-from tests.support.frontend import Frontend
-from tests.support.stack import Stack
-from tests.support.tool_model import SCRIPT_BIAS, SCRIPTS, build_tool_model
+from tests.support.frontend import openai_client, running_frontend
+from tests.support.tool_model import HERMES_FRONTEND_ARGS, SCRIPTS, script_bias, tool_stack
 
 WEATHER = {
     "type": "function",
@@ -58,58 +56,24 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def tool_model_dir(tmp_path_factory):
-    return build_tool_model(tmp_path_factory.mktemp("tool-model"))
-
-
-@pytest.fixture(scope="module")
-def llmserve_stack(tmp_path_factory, tool_model_dir):
-    tmp = tmp_path_factory.mktemp("tool-stack")
-    redis = RedisServer(data_dir=tmp / "redis")
-    redis.start()
-    stack = Stack(
-        workdir=tmp,
-        model_dir=tool_model_dir,
-        redis=redis,
-        executor_args=["--num-device-blocks", "512", "--swap-space", "0.05"],
-    )
-    try:
-        stack.start_executor()
-        stack.start_scheduler()
+def llmserve_stack(tmp_path_factory):
+    with tool_stack(tmp_path_factory.mktemp("tool-stack")) as stack:
         yield stack
-    except BaseException:
-        print(stack.logs())
-        raise
-    finally:
-        stack.stop()
-        redis.close()
 
 
 @pytest.fixture(scope="module")
-def frontend(llmserve_stack, tmp_path_factory):
-    fe = Frontend.start(
-        tmp_path_factory.mktemp("frontend"),
-        llmserve_stack.address,
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-    )
-    try:
-        fe.wait_healthy()
-        yield fe
-    finally:
-        fe.stop()
-        assert "Traceback" not in fe.log(), fe.log()
+def frontend_args() -> list[str]:
+    return [*HERMES_FRONTEND_ARGS]
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(llmserve_stack):
+    return llmserve_stack.model_dir
 
 
 @pytest.fixture(scope="module")
 def vocab(tool_model_dir) -> Tokenizer:
     return Tokenizer.from_file(str(tool_model_dir / "tokenizer.json"))
-
-
-def script(vocab: Tokenizer, name: str) -> dict[str, float]:
-    """The logit_bias that makes the model write SCRIPTS[name]."""
-    return {str(vocab.token_to_id(SCRIPTS[name][0])): SCRIPT_BIAS}
 
 
 def calls_of(message) -> list[tuple[str, dict]]:
@@ -129,7 +93,7 @@ def test_auto_reads_a_call_from_the_text(oai, model):
 def test_auto_text_and_parallel_calls(oai, model, vocab):
     got = oai.chat.completions.create(
         model=model, messages=ASK, tools=TOOLS, max_tokens=32,
-        logit_bias=script(vocab, "text_then_two_calls"),
+        logit_bias=script_bias(vocab, "text_then_two_calls"),
     )  # fmt: skip
     choice = got.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -147,7 +111,7 @@ def test_auto_without_a_call_is_plain_content(oai, model, vocab):
         messages=ASK,
         tools=TOOLS,
         max_tokens=32,
-        logit_bias=script(vocab, "plain_text"),
+        logit_bias=script_bias(vocab, "plain_text"),
     )
     choice = got.choices[0]
     assert choice.message.content == "The weather is nice today."
@@ -165,7 +129,7 @@ def test_tool_choice_none_reads_no_calls(oai, model):
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_streamed_calls_equal_the_whole_answer(oai, model, vocab, name):
     kwargs = dict(
-        model=model, messages=ASK, tools=TOOLS, max_tokens=32, logit_bias=script(vocab, name)
+        model=model, messages=ASK, tools=TOOLS, max_tokens=32, logit_bias=script_bias(vocab, name)
     )
     whole = oai.chat.completions.create(**kwargs).choices[0]
     content, calls, fragments, finish = "", {}, {}, None
@@ -215,10 +179,8 @@ def test_tool_messages_render_through_the_models_template(oai, model, frontend, 
 
 
 def test_auto_needs_a_parser(llmserve_stack, tmp_path_factory):
-    fe = Frontend.start(tmp_path_factory.mktemp("plain-frontend"), llmserve_stack.address)
-    try:
-        fe.wait_healthy()
-        oai = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key="unused", max_retries=0)
+    with running_frontend(tmp_path_factory.mktemp("plain-frontend"), llmserve_stack.address) as fe:
+        oai = openai_client(fe)
         model = oai.models.list().data[0].id
         with pytest.raises(openai.BadRequestError) as e:
             oai.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=4)
@@ -228,8 +190,6 @@ def test_auto_needs_a_parser(llmserve_stack, tmp_path_factory):
             model=model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=32
         )
         assert got.choices[0].message.content == "".join(SCRIPTS["single_call"])
-    finally:
-        fe.stop()
 
 
 @pytest.mark.parametrize(
@@ -343,7 +303,7 @@ def test_a_tool_schema_the_grammar_engine_rejects_names_tool_choice(oai, model, 
 def test_auto_without_parallel_calls_reports_the_first(oai, model, vocab, stream):
     kwargs = dict(
         model=model, messages=ASK, tools=TOOLS, max_tokens=32, parallel_tool_calls=False,
-        logit_bias=script(vocab, "text_then_two_calls"),
+        logit_bias=script_bias(vocab, "text_then_two_calls"),
     )  # fmt: skip
     if not stream:
         message = oai.chat.completions.create(**kwargs).choices[0].message
@@ -382,20 +342,14 @@ def test_auto_holds_a_strict_tools_arguments_to_its_schema(oai, model, stream):
 
 
 def test_a_strict_tool_under_auto_needs_a_parser_that_can_hold_it(llmserve_stack, tmp_path):
-    fe = Frontend.start(
-        tmp_path, llmserve_stack.address, "--enable-auto-tool-choice", "--tool-call-parser",
-        "llama3_json",
-    )  # fmt: skip
-    try:
-        fe.wait_healthy()
+    parser = ("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+    with running_frontend(tmp_path, llmserve_stack.address, *parser) as fe:
         strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
         status, body = fe.request(
             "POST", "/v1/chat/completions", {"messages": ASK, "tools": [strict], "max_tokens": 4}
         )
         assert status == 400 and body["error"]["param"] == "tools"
         assert "llama3_json" in body["error"]["message"]
-    finally:
-        fe.stop()
 
 
 RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from client import ChatPrompt, LLMClient, SamplingParams
-from scheduler_svc.local.redis_server import RedisServer
 from tests.support.smollm2 import GGUF_NAME, ensure_smollm2, hf_reference_model
-from tests.support.stack import Stack
+from tests.support.stack import Stack, serving_stack
 
 NUM_TOKENS = 48
 # |our logprob - transformers'| of each chosen token: fp32 sums in another order (the kernel's
@@ -44,25 +43,9 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, gguf_path: Path):
-    tmp = tmp_path_factory.mktemp("gguf-stack")
-    redis = RedisServer(data_dir=tmp / "redis")
-    redis.start()
-    stack = Stack(
-        workdir=tmp,
-        model_dir=gguf_path,
-        redis=redis,
-        executor_args=["--num-device-blocks", "256", "--swap-space", "0.05"],
-    )
-    try:
-        stack.start_executor()
-        stack.start_scheduler()
+    executor_args = ["--num-device-blocks", "256", "--swap-space", "0.05"]
+    with serving_stack(tmp_path_factory.mktemp("gguf-stack"), gguf_path, executor_args) as stack:
         yield stack
-    except BaseException:
-        print(stack.logs())
-        raise
-    finally:
-        stack.stop()
-        redis.close()
 
 
 def _reference(prompt_ids: list[list[int]], outputs: list[list[int]]):

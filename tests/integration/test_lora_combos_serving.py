@@ -16,11 +16,10 @@ from executor_svc.runner.model_runner import ModelRunner
 from protos import scheduler_pb2 as pb
 from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.sampling_params import SamplingParams
-from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import collect, gen_request, run_in_threads, stub_for
 from tests.support.lora_factory import SPECS, make_adapter
 from tests.support.spec_driver import run_requests
-from tests.support.stack import Stack, tiny_model_dir
+from tests.support.stack import serving_stack, tiny_model_dir
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.integration
@@ -36,27 +35,12 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora-combos")
     model_dir = tiny_model_dir(tmp / "models")
     adapters = {s.name: make_adapter(model_dir, tmp / "adapters" / s.name, s) for s in SPECS[:2]}
-    redis = RedisServer(data_dir=tmp / "redis")
-    redis.start()
-    stack = Stack(
-        workdir=tmp,
-        model_dir=model_dir,
-        redis=redis,
-        executor_args=["--num-device-blocks", "256", "--swap-space", "0.05", "--enable-lora",
-                       "--quantization", "int8"],
-        scheduler_args=["--lora-modules", *(f"{n}={p}" for n, p in adapters.items()),
-                        "--speculative-config", SPEC],
-    )  # fmt: skip
-    try:
-        stack.start_executor()
-        stack.start_scheduler()
+    executor_args = ["--num-device-blocks", "256", "--swap-space", "0.05", "--enable-lora",
+                     "--quantization", "int8"]  # fmt: skip
+    scheduler_args = ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items()),
+                      "--speculative-config", SPEC]  # fmt: skip
+    with serving_stack(tmp, model_dir, executor_args, scheduler_args) as stack:
         yield stack, model_dir, adapters
-    except BaseException:
-        print(stack.logs())
-        raise
-    finally:
-        stack.stop()
-        redis.close()
 
 
 def test_int8_base_adapters_and_speculation_served(served):

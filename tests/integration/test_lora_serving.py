@@ -21,12 +21,11 @@ import torch
 
 from client import LLMClient, SamplingParams
 from protos import scheduler_pb2 as pb
-from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import collect, gen_request, run_in_threads, stub_for
 from tests.support.frontend import Frontend
 from tests.support.lora_factory import SPECS, AdapterSpec, load_peft_reference, make_adapter
 from tests.support.model_factory import load_hf_model, make_tiny_checkpoint
-from tests.support.stack import Stack, tiny_model_dir
+from tests.support.stack import serving_stack, tiny_model_dir
 
 pytest.importorskip("peft")
 
@@ -41,26 +40,10 @@ def lora_stack(tmp_path_factory):
     adapters = {s.name: make_adapter(model_dir, tmp / "adapters" / s.name, s) for s in SPECS}
     adapters[EXTRA.name] = make_adapter(model_dir, tmp / "adapters" / EXTRA.name, EXTRA)
     modules = [f"{n}={p}" for n, p in adapters.items() if n != EXTRA.name]
-    redis = RedisServer(data_dir=tmp / "redis")
-    redis.start()
-    stack = Stack(
-        workdir=tmp,
-        model_dir=model_dir,
-        redis=redis,
-        executor_args=["--num-device-blocks", "256", "--swap-space", "0.05", "--enable-lora",
-                       "--max-loras", "3", "--max-cpu-loras", "4"],
-        scheduler_args=["--lora-modules", *modules],
-    )  # fmt: skip
-    try:
-        stack.start_executor()
-        stack.start_scheduler()
+    executor_args = ["--num-device-blocks", "256", "--swap-space", "0.05", "--enable-lora",
+                     "--max-loras", "3", "--max-cpu-loras", "4"]  # fmt: skip
+    with serving_stack(tmp, model_dir, executor_args, ["--lora-modules", *modules]) as stack:
         yield stack, adapters
-    except BaseException:
-        print(stack.logs())
-        raise
-    finally:
-        stack.stop()
-        redis.close()
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -287,20 +270,11 @@ def test_tensor_parallel_2_equals_hf_peft_and_tp1(lora_stack, tmp_path):
     """A second stack, its executor split over 2 ranks (A sharded like each layer's input, B
     like its output): the same greedy outputs as HF + PEFT (and so as TP=1 above)."""
     stack1, adapters = lora_stack
-    redis = RedisServer(data_dir=tmp_path / "redis")
-    redis.start()
     modules = [f"{n}={p}" for n, p in adapters.items() if n != EXTRA.name]
-    stack = Stack(
-        workdir=tmp_path,
-        model_dir=stack1.model_dir,
-        redis=redis,
-        executor_args=["--num-device-blocks", "128", "--swap-space", "0.05", "--enable-lora",
-                       "--max-loras", "4", "--tensor-parallel-size", "2"],
-        scheduler_args=["--lora-modules", *modules],
-    )  # fmt: skip
-    try:
-        stack.start_executor()
-        stack.start_scheduler()
+    executor_args = ["--num-device-blocks", "128", "--swap-space", "0.05", "--enable-lora",
+                     "--max-loras", "4", "--tensor-parallel-size", "2"]  # fmt: skip
+    scheduler_args = ["--lora-modules", *modules]
+    with serving_stack(tmp_path, stack1.model_dir, executor_args, scheduler_args) as stack:
         channel, stub = stub_for(stack.address)
         names = [None, "qv8", "all64", "mlp8", "ku16"]
         prompts = _prompts(len(names), seed=51)
@@ -314,9 +288,3 @@ def test_tensor_parallel_2_equals_hf_peft_and_tp1(lora_stack, tmp_path):
             assert out.error is None, out.error
             assert out.tokens[0] == _reference(stack.model_dir, adapters.get(n), p), n
         channel.close()
-    except BaseException:
-        print(stack.logs())
-        raise
-    finally:
-        stack.stop()
-        redis.close()

@@ -26,10 +26,13 @@ from grpc_health.v1 import health_pb2
 
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import collect, mixed_workload, run_in_threads
-from tests.support.stack import Stack, tiny_model_dir
-from tests.support.standby import LEADER_KEY, Scheduler, follow_channel, resume_in_threads
+from tests.support.standby import (
+    LEADER_KEY,
+    electing_schedulers,
+    follow_channel,
+    resume_in_threads,
+)
 
 STATE_PREFIXES = (
     "llmserve:request:",
@@ -41,29 +44,8 @@ STATE_PREFIXES = (
 
 @pytest.fixture
 def deployment(tmp_path):
-    redis = RedisServer(data_dir=tmp_path / "redis")
-    redis.start()
-    stack = Stack(
-        workdir=tmp_path,
-        model_dir=tiny_model_dir(tmp_path.parent / "models"),
-        redis=redis,
-        executor_args=["--num-device-blocks", "512", "--swap-space", "0.05"],
-    )
-    stack.start_executor()
-    schedulers: list[Scheduler] = []
-
-    def start(name: str) -> Scheduler:
-        s = Scheduler(tmp_path / name, stack.executor_address, redis.url)
-        schedulers.append(s)
-        return s
-
-    try:
+    with electing_schedulers(tmp_path) as (start, redis):
         yield start, redis
-    finally:
-        for s in schedulers:
-            s.stop()
-        stack.stop()
-        redis.close()
 
 
 def leader_pair(start):

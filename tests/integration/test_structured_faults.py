@@ -16,8 +16,8 @@ from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import Collected, collect, gen_request, run_in_threads, stub_for
-from tests.support.stack import Stack, make_stack, tiny_model_dir
-from tests.support.standby import Scheduler, follow_channel, resume_in_threads
+from tests.support.stack import make_stack
+from tests.support.standby import electing_schedulers, follow_channel, resume_in_threads
 
 ARRAY = {
     "type": "array",
@@ -147,18 +147,10 @@ def test_kill_9_scheduler_mid_generation_gives_identical_output(tmp_path, redis)
 def test_standby_takeover_rebuilds_matchers_and_output_is_identical(tmp_path, redis):
     """Leader killed (-9) mid-generation; the standby takes the lease, recovers the requests
     from Redis, rebuilds each matcher by replaying the stored outputs, and finishes them."""
-    stack = Stack(
-        workdir=tmp_path,
-        model_dir=tiny_model_dir(tmp_path.parent / "models"),
-        redis=redis,
-        executor_args=["--num-device-blocks", "512", "--swap-space", "0.05"],
-    )
-    stack.start_executor()
-    leader = Scheduler(tmp_path / "a", stack.executor_address, redis.url)
-    standby = None
-    try:
+    with electing_schedulers(tmp_path, redis) as (start, _):
+        leader = start("a")
         leader.wait_serving(60)
-        standby = Scheduler(tmp_path / "b", stack.executor_address, redis.url)
+        standby = start("b")
         with follow_channel(leader, standby) as ch:
             stub = pb_grpc.SchedulerStub(ch)
             reference = run_in_threads(
@@ -176,11 +168,6 @@ def test_standby_takeover_rebuilds_matchers_and_output_is_identical(tmp_path, re
         for i, (got, ref) in enumerate(zip(results, reference, strict=True)):
             assert got.offsets_ok, f"request {i} saw a gap or a repeat"
             assert got.tokens[0] == ref.tokens[0], f"request {i} differs from the undisturbed run"
-    finally:
-        for s in (leader, standby):
-            if s is not None:
-                s.stop()
-        stack.stop()
 
 
 def test_chunked_prefill_and_prefix_hits_keep_constrained_outputs(tmp_path, redis):

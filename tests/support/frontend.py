@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import openai
 
 from tests.support.stack import _env, _wait_port_file, stop_process
 
@@ -95,3 +99,22 @@ class Frontend:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@contextlib.contextmanager
+def running_frontend(workdir: Path, scheduler_address: str, *extra: str) -> Iterator[Frontend]:
+    """A healthy frontend (started with the flags `extra`) for the body; stopped after it, and
+    then its log must hold no traceback: a request that failed inside it shows as a test failure
+    even when the HTTP answer looked right."""
+    fe = Frontend.start(workdir, scheduler_address, *extra)
+    try:
+        fe.wait_healthy()
+        yield fe
+    finally:
+        fe.stop()
+        assert "Traceback" not in fe.log(), fe.log()
+
+
+def openai_client(fe: Frontend, api_key: str = "unused") -> openai.OpenAI:
+    """The official openai client on `fe` (no retries: a failure must show)."""
+    return openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key=api_key, max_retries=0)

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from scheduler_svc.local.redis_server import RedisServer
-from tests.support.stack import Stack
+from tests.support.stack import Stack, serving_stack
 
 if TYPE_CHECKING:
     import torch
@@ -115,22 +114,6 @@ def smollm2_stack(tmp_path_factory, smollm2_dir: Path) -> Iterator[Stack]:
     """Redis, an executor serving SmolLM2 in fp32 (so its numbers can be held to Hugging Face's
     to 1e-4; `auto` would pick bf16 on a CPU with AVX-512-BF16) and a scheduler, shared by every
     module that runs real clients against the real model."""
-    tmp = tmp_path_factory.mktemp("smollm2-stack")
-    redis = RedisServer(data_dir=tmp / "redis")
-    redis.start()
-    stack = Stack(
-        workdir=tmp,
-        model_dir=smollm2_dir,
-        redis=redis,
-        executor_args=["--dtype", "float32", "--num-device-blocks", "512", "--swap-space", "0.05"],
-    )
-    try:
-        stack.start_executor()
-        stack.start_scheduler()
-        yield stack
-    except BaseException:
-        print(stack.logs())
-        raise
-    finally:
-        stack.stop()
-        redis.close()
+    executor_args = ["--dtype", "float32", "--num-device-blocks", "512", "--swap-space", "0.05"]
+    with serving_stack(tmp_path_factory.mktemp("smollm2-stack"), smollm2_dir, executor_args) as s:
+        yield s

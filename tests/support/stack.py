@@ -7,6 +7,7 @@ be killed and restarted to test recovery.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -177,6 +178,36 @@ def make_stack(
         print(stack.logs())
         raise
     return stack
+
+
+@contextlib.contextmanager
+def serving_stack(
+    tmp: Path,
+    model_dir: Path,
+    executor_args: list[str],
+    scheduler_args: list[str] | None = None,
+) -> Iterator[Stack]:
+    """Redis (in tmp/redis), an executor serving `model_dir` and a scheduler, all under `tmp`;
+    on a failure (starting or in the body) the processes' logs are printed before it goes on."""
+    redis = RedisServer(data_dir=tmp / "redis")
+    redis.start()
+    stack = Stack(
+        workdir=tmp,
+        model_dir=model_dir,
+        redis=redis,
+        executor_args=executor_args,
+        scheduler_args=scheduler_args or [],
+    )
+    try:
+        stack.start_executor()
+        stack.start_scheduler()
+        yield stack
+    except BaseException:
+        print(stack.logs())
+        raise
+    finally:
+        stack.stop()
+        redis.close()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client.async_client import channel_target
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
-from scheduler_svc.local.redis_server import _free_port
+from scheduler_svc.local.redis_server import RedisServer, _free_port
 from tests.support.api_helpers import Collected
 from tests.support.redis_ha import RedisHA
 from tests.support.stack import Stack, _env, _wait_port_file, stop_process, tiny_model_dir
@@ -134,6 +134,37 @@ def resume_in_threads(
             raise TimeoutError("the streams did not start")
         time.sleep(0.01)
     return results, codes, threads
+
+
+@contextlib.contextmanager
+def electing_schedulers(
+    tmp_path: Path, redis: RedisServer | None = None
+) -> Iterator[tuple[Callable[[str], Scheduler], RedisServer]]:
+    """One executor on the tiny demo model, and `start(name)`: a `--leader-election` scheduler
+    in tmp_path/name on that executor and `redis` (the first one started becomes the leader).
+    Without `redis`, a Redis of its own in tmp_path/redis. Every scheduler started, then the
+    executor (then its own Redis), is stopped at the end."""
+    with contextlib.ExitStack() as cleanup:
+        if redis is None:
+            redis = RedisServer(data_dir=tmp_path / "redis")
+            redis.start()
+            cleanup.callback(redis.close)
+        stack = Stack(
+            workdir=tmp_path,
+            model_dir=tiny_model_dir(tmp_path.parent / "models"),
+            redis=redis,
+            executor_args=["--num-device-blocks", "512", "--swap-space", "0.05"],
+        )
+        cleanup.callback(stack.stop)
+        stack.start_executor()
+        url = redis.url
+
+        def start(name: str) -> Scheduler:
+            scheduler = Scheduler(tmp_path / name, stack.executor_address, url)
+            cleanup.callback(scheduler.stop)  # last in, first out: before the executor
+            return scheduler
+
+        yield start, redis
 
 
 @contextlib.contextmanager

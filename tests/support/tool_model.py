@@ -24,10 +24,11 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from executor_svc.demo.demo_model import COMMON_CONFIG, _write_config, make_weights
-from scheduler_svc.local.redis_server import RedisServer
-from tests.support.stack import Stack
+from tests.support.stack import Stack, serving_stack
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+# The frontend's flags that read this model's calls (the Hermes format its scripts write).
+HERMES_FRONTEND_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 SCRIPTS: dict[str, list[str]] = {
     "single_call": [
@@ -168,24 +169,9 @@ def _script_weights(weights: dict[str, torch.Tensor], tok: Tokenizer, eos: int) 
 @contextlib.contextmanager
 def tool_stack(tmp: Path) -> Iterator[Stack]:
     """Redis, an executor and a scheduler serving the tool model built under `tmp`."""
-    redis = RedisServer(data_dir=tmp / "redis")
-    redis.start()
-    stack = Stack(
-        workdir=tmp,
-        model_dir=build_tool_model(tmp / "model"),
-        redis=redis,
-        executor_args=["--num-device-blocks", "512", "--swap-space", "0.05"],
-    )
-    try:
-        stack.start_executor()
-        stack.start_scheduler()
+    executor_args = ["--num-device-blocks", "512", "--swap-space", "0.05"]
+    with serving_stack(tmp, build_tool_model(tmp / "model"), executor_args) as stack:
         yield stack
-    except BaseException:
-        print(stack.logs())
-        raise
-    finally:
-        stack.stop()
-        redis.close()
 
 
 def script_bias(tok: Tokenizer, name: str) -> dict[str, float]:
