@@ -144,6 +144,7 @@ class GenerateInput:
     priority: int = 0
     owner: str = ""  # the API key's name when keys are on: ids are scoped to it (scoped_id)
     lora_adapter: str = ""  # a loaded LoRA adapter's name; "" = the base model
+    trace_parent: str = ""  # the caller's W3C traceparent (scheduler_svc/tracing.py); "" none
 
 
 @dataclass(slots=True)

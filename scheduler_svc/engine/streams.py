@@ -161,6 +161,11 @@ class RequestHandle:
             None if params.prompt_logprobs is None else [None] * (len(prompt_token_ids) - 1)
         )
         self.scheduled_time: float | None = None  # first time a step computed it (metrics)
+        self.first_token_time: float | None = None  # when its first token came back (tracing)
+        # W3C traceparent of its request span, stored with it ("" untraced), and that span while
+        # open here (scheduler_svc/tracing.py).
+        self.trace_context = ""
+        self.trace_span: Any = None
         self.acked_prompt_logprobs: list[dict[str, Any]] | None = (
             [] if self.prompt_logprobs == [] else None  # a one-token prompt: nothing to compute
         )
@@ -171,13 +176,16 @@ class RequestHandle:
     @classmethod
     def from_stored(cls, rec: StoredRequest, params: SamplingParams) -> RequestHandle:
         lora = LoraRef(*rec.lora) if rec.lora else None
-        return cls(rec.req_id, rec.prompt_token_ids, params, rec.priority, rec.arrival_time, lora)
+        handle = cls(rec.req_id, rec.prompt_token_ids, params, rec.priority, rec.arrival_time, lora)
+        handle.trace_context = rec.trace_context
+        return handle
 
     def to_stored(self, fields: dict[str, Any]) -> StoredRequest:
         """Its record in Redis; `fields`: what features keep with it (`stored_fields`)."""
         return StoredRequest(req_id=self.req_id, prompt_token_ids=self.prompt_token_ids,
                              params=self.params.to_dict(), priority=self.priority,
-                             arrival_time=self.arrival_time, n=self.n, **fields)  # fmt: skip
+                             arrival_time=self.arrival_time, n=self.n,
+                             trace_context=self.trace_context, **fields)  # fmt: skip
 
     def init_outputs(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int) -> None:
         self.states = [

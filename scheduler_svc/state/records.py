@@ -49,6 +49,8 @@ class StoredRequest:
     error: str = ""
     prompt_logprobs: list[Any] | None = None  # JSON entries, prompt positions 1.. (if asked)
     lora: list[str] | None = None  # [name, path] of its LoRA adapter; None: the base model
+    # W3C traceparent of its request span ("" untraced): a recovering scheduler links to it.
+    trace_context: str = ""
 
 
 @dataclass(slots=True)
@@ -96,4 +98,5 @@ def decode_record(req_id: str, fields: dict[bytes, bytes]) -> StoredRequest:
         error=f.get("error", ""),
         prompt_logprobs=json.loads(f["prompt_logprobs"]) if "prompt_logprobs" in f else None,
         lora=json.loads(f["lora"]) if "lora" in f else None,
+        trace_context=f.get("trace_context", ""),
     )

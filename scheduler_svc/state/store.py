@@ -269,6 +269,8 @@ class RequestStore:
         }
         if rec.lora is not None:
             mapping["lora"] = json.dumps(rec.lora)
+        if rec.trace_context:
+            mapping["trace_context"] = rec.trace_context
         args: list[Any] = [
             self.epoch,
             rec.req_id,
