@@ -1,6 +1,6 @@
 """OpenTelemetry traces of the frontend: a server span per HTTP request, under the caller's W3C
 `traceparent` header when it sends one, whose context goes on to the scheduler in the gRPC
-metadata of every call made while serving it (Generate, Resume, Embed, ...). Off unless the
+metadata of every call made while serving it (Generate, Resume, ...). Off unless the
 standard `OTEL_*` variables name an exporter (frontend_svc/config.py); then nothing is wrapped
 and the OpenTelemetry packages (the `tracing` extra) are never imported.
 """

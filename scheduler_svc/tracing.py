@@ -97,7 +97,7 @@ def incoming(metadata: Any) -> str:
 
 
 def rpc_span(name: str, metadata: Any, **attributes: Any) -> Any:
-    """A span for one call (Resume, Embed) under the caller's context; None when off. The
+    """A span for one call (Resume, and the others that store nothing) under the caller's context; None when off. The
     caller ends it (`end`)."""
     if not ENABLED:
         return None

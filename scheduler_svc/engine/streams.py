@@ -161,11 +161,9 @@ class RequestHandle:
             None if params.prompt_logprobs is None else [None] * (len(prompt_token_ids) - 1)
         )
         self.scheduled_time: float | None = None  # first time a step computed it (metrics)
-        self.first_token_time: float | None = None  # when its first token came back (tracing)
-        # W3C traceparent of its request span, stored with it ("" untraced), and that span while
-        # open here (scheduler_svc/tracing.py).
-        self.trace_context = ""
-        self.trace_span: Any = None
+        self.first_token_time: float | None = None  # its first token's return (tracing)
+        self.trace_context = ""  # its request span's traceparent, stored with it (tracing.py)
+        self.trace_span: Any = None  # that span while open here; None: untraced
         self.acked_prompt_logprobs: list[dict[str, Any]] | None = (
             [] if self.prompt_logprobs == [] else None  # a one-token prompt: nothing to compute
         )
