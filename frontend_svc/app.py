@@ -108,7 +108,8 @@ def create_app(
     # Starlette runs the middleware added last first: metrics see the 401s too.
     app.add_middleware(_ASGIMiddleware, wrap=api_key_asgi(keys))
     app.add_middleware(_ASGIMiddleware, wrap=metrics.asgi)
-    app.add_middleware(_ASGIMiddleware, wrap=tracing.asgi)  # outermost: spans see everything
+    if tracing.ENABLED:  # outermost: its spans see everything
+        app.add_middleware(_ASGIMiddleware, wrap=tracing.asgi)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
