@@ -4,12 +4,13 @@ frontend, the scheduler and the executor export.
 
 - One request through the frontend, sent with a W3C `traceparent`: its spans in all three
   services are in that trace, each under the right parent.
-- A request under way when the scheduler is killed -9: the restarted scheduler's
-  `llmserve.recover` span links to the request's original trace.
+- A request under way when the scheduler is killed -9: the restarted scheduler's (or the
+  standby's that takes over) `llmserve.recover` span links to the request's original trace.
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +28,8 @@ from opentelemetry.proto.collector.trace.v1 import (  # noqa: E402
 
 from scheduler_svc.local.redis_server import RedisServer  # noqa: E402
 from tests.support.frontend import Frontend  # noqa: E402
-from tests.support.stack import make_stack  # noqa: E402
+from tests.support.stack import Stack, make_stack, tiny_model_dir  # noqa: E402
+from tests.support.standby import Scheduler  # noqa: E402
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN_ID = "00f067aa0ba902b7"
@@ -65,7 +67,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 @pytest.fixture
-def traced_stack(tmp_path, monkeypatch):
+def receiver(monkeypatch):
     receiver = Receiver()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
@@ -77,6 +79,14 @@ def traced_stack(tmp_path, monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     monkeypatch.setenv("LLMSERVE_TRACE_STEP_EVERY", "0")  # only the traced requests' steps
+    try:
+        yield receiver
+    finally:
+        server.stop(None)
+
+
+@pytest.fixture
+def traced_stack(tmp_path, receiver):
     redis = RedisServer(data_dir=tmp_path / "redis")
     redis.start()
     (tmp_path / "w").mkdir()
@@ -89,7 +99,6 @@ def traced_stack(tmp_path, monkeypatch):
         fe.stop()
         stack.stop()
         redis.close()
-        server.stop(None)
 
 
 def _one(spans: list[tuple[str, object]]) -> tuple[str, object]:
@@ -129,9 +138,9 @@ def test_one_request_is_one_trace_from_frontend_to_executor(traced_stack):
     assert len(receiver.find("llmserve.decode", TRACE_ID)) == 1
 
 
-def test_recovery_span_links_to_the_original_trace(traced_stack):
-    receiver, stack, fe = traced_stack
-    trace_id = "0af7651916cd43dd8448eb211c80319c"
+def _stream_across_a_kill(fe: Frontend, trace_id: str, kill: Callable[[], None]) -> None:
+    """A long greedy stream sent with `trace_id`; `kill()` once it is under way; it must end
+    normally (the frontend resumes it)."""
     oai = openai.OpenAI(base_url=f"{fe.base_url}/v1", api_key="unused", max_retries=0, timeout=180)
     model = oai.models.list().data[0].id
     progress: list[str] = []
@@ -161,12 +170,13 @@ def test_recovery_span_links_to_the_original_trace(traced_stack):
     while len(progress) < 4:
         assert time.monotonic() < deadline and not errors, errors
         time.sleep(0.01)
-    stack.kill_scheduler()
-    stack.start_scheduler()
+    kill()
     thread.join(timeout=180)
     assert not errors, errors
     assert finishes == ["length"]  # the stream went on to its end after the crash
 
+
+def _assert_recovery_linked(receiver: Receiver, trace_id: str) -> None:
     def linked() -> list:
         return [
             (svc, s)
@@ -188,3 +198,47 @@ def test_recovery_span_links_to_the_original_trace(traced_stack):
     assert len(resumed) == 1
     # The frontend's HTTP span of the request is in the original trace.
     assert receiver.wait(lambda: receiver.find("POST /v1/completions", trace_id))
+
+
+def test_recovery_span_links_to_the_original_trace(traced_stack):
+    receiver, stack, fe = traced_stack
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+
+    def restart() -> None:
+        stack.kill_scheduler()
+        stack.start_scheduler()
+
+    _stream_across_a_kill(fe, trace_id, restart)
+    _assert_recovery_linked(receiver, trace_id)
+
+
+def test_a_standby_taking_over_links_its_recovery_to_the_original_trace(tmp_path, receiver):
+    redis = RedisServer(data_dir=tmp_path / "redis")
+    redis.start()
+    stack = Stack(
+        workdir=tmp_path,
+        model_dir=tiny_model_dir(tmp_path.parent / "models"),
+        redis=redis,
+        executor_args=["--num-device-blocks", "512", "--swap-space", "0.05"],
+    )
+    stack.start_executor()
+    schedulers: list[Scheduler] = []
+    fe = None
+    try:
+        leader = Scheduler(tmp_path / "a", stack.executor_address, redis.url)
+        schedulers.append(leader)
+        leader.wait_serving(60)
+        schedulers.append(Scheduler(tmp_path / "b", stack.executor_address, redis.url))
+        addresses = ",".join(s.address for s in schedulers)
+        fe = Frontend.start(tmp_path / "fe", addresses, "--resume-timeout", "120")
+        fe.wait_healthy()
+        trace_id = "5e5e5e5e5e5e4e5e8e5e5e5e5e5e5e5e"
+        _stream_across_a_kill(fe, trace_id, lambda: leader.proc.send_signal(signal.SIGKILL))
+        _assert_recovery_linked(receiver, trace_id)
+    finally:
+        if fe is not None:
+            fe.stop()
+        for s in schedulers:
+            s.stop()
+        stack.stop()
+        redis.close()
