@@ -22,6 +22,8 @@ OpenTelemetry packages (the `tracing` extra) are then never imported.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -73,6 +75,29 @@ def setup() -> bool:
     return True
 
 
+def _best_effort(fallback: Any = None) -> Callable:
+    """Tracing never fails a request or a step: an error inside a hook is logged (once per
+    hook) and the hook returns `fallback`."""
+
+    def wrap(hook: Callable) -> Callable:
+        logged = False
+
+        @functools.wraps(hook)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            nonlocal logged
+            try:
+                return hook(*args, **kwargs)
+            except Exception:
+                if not logged:
+                    logged = True
+                    log.exception("tracing.hook_failed", hook=hook.__name__)
+                return fallback
+
+        return guarded
+
+    return wrap
+
+
 def _ns(t: float) -> int:
     return int(t * 1e9)
 
@@ -96,9 +121,10 @@ def incoming(metadata: Any) -> str:
     return next((v for k, v in metadata or () if k == TRACEPARENT), "")
 
 
+@_best_effort()
 def rpc_span(name: str, metadata: Any, **attributes: Any) -> Any:
-    """A span for one call (Resume, and the others that store nothing) under the caller's context; None when off. The
-    caller ends it (`end`)."""
+    """A span for one call that stores no request (Resume, and the like) under the caller's
+    context; None when off. The caller ends it (`end`)."""
     if not ENABLED:
         return None
     ctx = _context_of(incoming(metadata))
@@ -113,6 +139,7 @@ def end(span: Any) -> None:
 # ------------------------------------------------------------------ requests
 
 
+@_best_effort()
 def request_started(handle: Any, parent: str) -> None:
     """Open `handle`'s request span under `parent` (a traceparent) and keep its own context on
     the handle, to be stored with the request."""
@@ -132,6 +159,7 @@ def request_started(handle: Any, parent: str) -> None:
     handle.trace_context = _traceparent_of(span)
 
 
+@_best_effort()
 def request_recovered(handle: Any) -> None:
     """A request resumed from Redis by this scheduler: a `llmserve.recover` span linked to the
     stored context, and a new request span under it for the rest of the request's life."""
@@ -157,6 +185,7 @@ def request_recovered(handle: Any) -> None:
     handle.trace_span = span  # the stored context stays the original: later recoveries link there
 
 
+@_best_effort()
 def request_finished(handle: Any, now: float) -> None:
     """Its phases as child spans, from the times the engine kept, then the request span's end."""
     span = handle.trace_span
@@ -188,6 +217,7 @@ def request_finished(handle: Any, now: float) -> None:
 # ------------------------------------------------------------------ steps
 
 
+@_best_effort((None, None))
 def step_start(out: Any, handles: Any) -> tuple[Any, Any]:
     """(gRPC metadata, span) for a step that is sampled, else (None, None): the prefill step of
     a traced request (under its request span), or one in `_step_every` (a root span)."""
@@ -214,6 +244,7 @@ def step_start(out: Any, handles: Any) -> tuple[Any, Any]:
     return ((TRACEPARENT, _traceparent_of(span)),), span
 
 
+@_best_effort()
 def step_done(span: Any, record: Any) -> None:
     """A sampled step came back: end its span, and time its record's Redis write (queued now,
     acknowledged later) as `llmserve.persist` under it."""

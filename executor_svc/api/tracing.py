@@ -59,12 +59,19 @@ def traced_step(metadata: Any, request: Any, execute: Callable[[Any], T]) -> T:
     parent = next((v for k, v in metadata or () if k == TRACEPARENT), "")
     if not parent:
         return execute(request)
-    ctx = _propagator.extract({TRACEPARENT: parent})
-    attributes = {
-        "llmserve.step_id": request.step_id,
-        "llmserve.num_new_seqs": len(request.new_sequences),
-        "llmserve.num_cached_seqs": len(request.cached_sequences),
-        "llmserve.num_decode_seqs": len(request.decode_seq_ids),
-    }
-    with _tracer.start_as_current_span("execute_model", context=ctx, attributes=attributes):
+    try:
+        ctx = _propagator.extract({TRACEPARENT: parent})
+        attributes = {
+            "llmserve.step_id": request.step_id,
+            "llmserve.num_new_seqs": len(request.new_sequences),
+            "llmserve.num_cached_seqs": len(request.cached_sequences),
+            "llmserve.num_decode_seqs": len(request.decode_seq_ids),
+        }
+        span = _tracer.start_span("execute_model", context=ctx, attributes=attributes)
+    except Exception:  # tracing never fails a step
+        log.exception("tracing.span_failed")
         return execute(request)
+    try:
+        return execute(request)
+    finally:
+        span.end()
