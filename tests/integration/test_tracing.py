@@ -138,6 +138,18 @@ def test_one_request_is_one_trace_from_frontend_to_executor(traced_stack):
     assert len(receiver.find("llmserve.decode", TRACE_ID)) == 1
 
 
+def test_an_embedding_call_is_traced_into_the_scheduler(traced_stack):
+    receiver, stack, fe = traced_stack
+    trace_id = "7a7a7a7a7a7a4a7a8a7a7a7a7a7a7a7a"
+    headers = {"traceparent": f"00-{trace_id}-{CALLER_SPAN_ID}-01"}
+    status, out = fe.request("POST", "/v1/embeddings", {"input": ["a cat", "a dog"]}, headers)
+    assert status == 200, out
+    _, http = _one(receiver.wait(lambda: receiver.find("POST /v1/embeddings", trace_id)))
+    svc, embed = _one(receiver.wait(lambda: receiver.find("llmserve.embed", trace_id)))
+    assert svc == "llmserve-scheduler"
+    assert embed.parent_span_id == http.span_id
+
+
 def _stream_across_a_kill(fe: Frontend, trace_id: str, kill: Callable[[], None]) -> None:
     """A long greedy stream sent with `trace_id`; `kill()` once it is under way; it must end
     normally (the frontend resumes it)."""
