@@ -128,6 +128,11 @@ class EngineStep(StepRecord):
 
 
 class RequestHandle:
+    # Tracing (scheduler_svc/tracing.py), class-level defaults that a traced request overrides:
+    first_token_time: float | None = None  # when its first token came back
+    trace_context = ""  # its request span's traceparent, stored with it ("" untraced)
+    trace_span: Any = None  # that span while open here
+
     def __init__(
         self,
         req_id: str,
@@ -161,9 +166,6 @@ class RequestHandle:
             None if params.prompt_logprobs is None else [None] * (len(prompt_token_ids) - 1)
         )
         self.scheduled_time: float | None = None  # first time a step computed it (metrics)
-        self.first_token_time: float | None = None  # its first token's return (tracing)
-        self.trace_context = ""  # its request span's traceparent, stored with it (tracing.py)
-        self.trace_span: Any = None  # that span while open here; None: untraced
         self.acked_prompt_logprobs: list[dict[str, Any]] | None = (
             [] if self.prompt_logprobs == [] else None  # a one-token prompt: nothing to compute
         )
