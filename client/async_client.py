@@ -125,9 +125,11 @@ class AsyncLLMClient:
         channel_options: Sequence[tuple[str, Any]] = (),
         api_key: str | None = None,
         tls_ca: str | os.PathLike | None = None,
+        interceptors: Sequence[Any] = (),
     ):
         """`api_key` defaults to $LLMSERVE_API_KEY; sent as `authorization: Bearer <key>`.
-        `tls_ca` (default $LLMSERVE_TLS_CA): connect over TLS, trusting this CA file (PEM)."""
+        `tls_ca` (default $LLMSERVE_TLS_CA): connect over TLS, trusting this CA file (PEM).
+        `interceptors`: more grpc.aio client interceptors (the frontend's trace propagation)."""
         env = envs.ClientConfig.from_env()
         tls_ca = tls_ca if tls_ca is not None else env.tls_ca
         self._tls_ca = Path(tls_ca).read_bytes() if tls_ca else None
@@ -136,14 +138,16 @@ class AsyncLLMClient:
         self.timeout = timeout
         self.stream_timeout = stream_timeout
         self._channel_options = [*_CHANNEL_OPTIONS, *channel_options]
+        self._interceptors = list(interceptors)
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.SchedulerStub | None = None
 
     def _get_stub(self) -> pb_grpc.SchedulerStub:
         if self._stub is None:
-            interceptors = (
-                [_BearerKey(self.api_key), _BearerKeyStream(self.api_key)] if self.api_key else None
+            keyed = (
+                [_BearerKey(self.api_key), _BearerKeyStream(self.api_key)] if self.api_key else []
             )
+            interceptors = [*keyed, *self._interceptors] or None
             target, extra = channel_target(self.address)
             options = [*self._channel_options, *extra]
             if self._tls_ca is None:

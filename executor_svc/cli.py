@@ -12,6 +12,7 @@ from typing import Any
 
 import structlog
 
+from executor_svc.api import tracing
 from executor_svc.api.server import ExecutorServer
 from executor_svc.config import envs, numerics
 from executor_svc.config.logs import configure_logging
@@ -350,6 +351,7 @@ def _build_server(config: ExecutorConfig, lora: Any) -> ExecutorServer:
 def _serve(config: ExecutorConfig, server: ExecutorServer) -> int:
     """Bind, load, register, and serve until stopped; the process's exit code."""
     host, model = config.server.host, config.model.model
+    tracing.setup()  # off unless the OTEL_* variables ask for it
     try:
         port = server.start()
     except OSError as e:

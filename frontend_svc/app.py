@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from client.errors import LLMServeError
+from frontend_svc import tracing
 from frontend_svc.anthropic_api import router as anthropic_router
 from frontend_svc.api import router
 from frontend_svc.auth import api_key_asgi
@@ -107,6 +108,8 @@ def create_app(
     # Starlette runs the middleware added last first: metrics see the 401s too.
     app.add_middleware(_ASGIMiddleware, wrap=api_key_asgi(keys))
     app.add_middleware(_ASGIMiddleware, wrap=metrics.asgi)
+    if tracing.ENABLED:  # outermost: its spans see everything
+        app.add_middleware(_ASGIMiddleware, wrap=tracing.asgi)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -12,6 +12,7 @@ from pathlib import Path
 import structlog
 import uvicorn
 
+from frontend_svc import tracing
 from frontend_svc.app import create_app
 from frontend_svc.auth import load_api_keys
 from frontend_svc.batch.flags import add_batch_flags
@@ -113,6 +114,7 @@ def tool_config(config: FrontendConfig | argparse.Namespace) -> ToolConfig:
 
 
 async def serve(config: FrontendConfig, tools: ToolConfig) -> None:
+    tracing.setup(config.tracing_exporter, config.tracing_service_name)
     app = create_app(
         config.scheduler,
         served_model_name=config.served_model_name,

@@ -31,6 +31,8 @@ environment (flags win where both exist):
   LLMSERVE_REDIS_SENTINEL_MASTER    their primary's name (--redis-sentinel-master)
   LLMSERVE_REDIS_SENTINEL_PASSWORD  the Sentinels' own password
   LLMSERVE_REDIS_MIN_REPLICAS       --redis-min-replicas (0)
+  OTEL_TRACES_EXPORTER, OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_SDK_DISABLED
+                      OpenTelemetry traces (off unless an exporter or endpoint is named)
 """
 
 # The scheduler's Redis variables, read here for the Batch API's store (frontend_svc/batch).
@@ -67,6 +69,9 @@ class FrontendConfig:
     reasoning_parser: str | None
     # the Batch API (frontend_svc/batch)
     batch: BatchSettings
+    # OpenTelemetry (frontend_svc/tracing.py): the exporter the OTEL_* variables name (None: off)
+    tracing_exporter: str | None = None
+    tracing_service_name: str = "llmserve-frontend"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FrontendConfig:
@@ -89,4 +94,25 @@ class FrontendConfig:
             tool_parser_plugin=args.tool_parser_plugin,
             reasoning_parser=args.reasoning_parser,
             batch=batch_settings(args, {k: os.environ.get(k, "") for k in BATCH_ENV}),
+            tracing_exporter=tracing_exporter(),
+            tracing_service_name=tracing_service_name(),
         )
+
+
+def tracing_exporter() -> str | None:
+    """The OpenTelemetry span exporter the standard variables ask for ("otlp", "console"), or
+    None: tracing off (the scheduler's rule, scheduler_svc/envs.py)."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    named = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if named:
+        return None if named == "none" else named.split(",")[0].strip()
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    return "otlp" if endpoint else None
+
+
+def tracing_service_name() -> str:
+    """`OTEL_SERVICE_NAME`: the service name on this frontend's spans."""
+    return os.environ.get("OTEL_SERVICE_NAME") or "llmserve-frontend"

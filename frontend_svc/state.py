@@ -11,6 +11,7 @@ from client.errors import LLMServeError
 from client.outputs import ServerInfo
 from client.params import SamplingParams
 from client.prompts import PromptInput
+from frontend_svc import tracing
 from frontend_svc.errors import APIError
 from frontend_svc.generation import retrying
 from frontend_svc.model_variants import ModelVariants
@@ -53,9 +54,13 @@ class FrontendState:
             channel_options=CHANNEL_OPTIONS,
             api_key=api_key,
             tls_ca=scheduler_tls_ca,
+            interceptors=tracing.client_interceptors(),
         )
         self._client_args = dict(
-            timeout=30.0, channel_options=CHANNEL_OPTIONS, tls_ca=scheduler_tls_ca
+            timeout=30.0,
+            channel_options=CHANNEL_OPTIONS,
+            tls_ca=scheduler_tls_ca,
+            interceptors=tracing.client_interceptors(),
         )
         # One client per caller key (only keys the middleware accepted ever get here): requests
         # made through the frontend belong to the caller's key on the scheduler, as if the

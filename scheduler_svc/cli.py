@@ -13,6 +13,7 @@ import threading
 
 import structlog
 
+from scheduler_svc import tracing
 from scheduler_svc.api.auth import load_api_keys
 from scheduler_svc.api.server import SchedulerServer
 from scheduler_svc.core.config import SchedulerConfig
@@ -25,6 +26,7 @@ log = structlog.get_logger(__name__)
 
 
 async def run(settings: SchedulerSettings) -> int:
+    tracing.setup()  # off unless the OTEL_* variables ask for it
     redis = None
     engine, server_settings = settings.engine, settings.server
     if not engine.redis_url:

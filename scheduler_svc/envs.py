@@ -18,6 +18,9 @@ __all__ = [
     "redis_sentinel_master",
     "redis_sentinel_password",
     "redis_url",
+    "trace_step_every",
+    "tracing_exporter",
+    "tracing_service_name",
 ]
 
 
@@ -60,3 +63,31 @@ def redis_sentinel_password() -> str | None:
 def redis_min_replicas() -> int:
     """`LLMSERVE_REDIS_MIN_REPLICAS`: the default of --redis-min-replicas (0)."""
     return int(os.environ.get("LLMSERVE_REDIS_MIN_REPLICAS") or 0)
+
+
+def tracing_exporter() -> str | None:
+    """The OpenTelemetry span exporter the standard variables ask for ("otlp", "console"), or
+    None: tracing off. `OTEL_SDK_DISABLED=true` turns it off; `OTEL_TRACES_EXPORTER` names one
+    ("none": off); without it an endpoint (`OTEL_EXPORTER_OTLP_ENDPOINT` or
+    `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) means "otlp". The exporter itself reads the rest
+    (endpoint, headers, `OTEL_BSP_*`, `OTEL_TRACES_SAMPLER`)."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    named = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if named:
+        return None if named == "none" else named.split(",")[0].strip()
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    return "otlp" if endpoint else None
+
+
+def tracing_service_name() -> str:
+    """`OTEL_SERVICE_NAME`: the service name on this scheduler's spans."""
+    return os.environ.get("OTEL_SERVICE_NAME") or "llmserve-scheduler"
+
+
+def trace_step_every() -> int:
+    """`LLMSERVE_TRACE_STEP_EVERY`: with tracing on, one engine step in this many is traced into
+    the executor even when no traced request starts in it (0: only those steps)."""
+    return int(os.environ.get("LLMSERVE_TRACE_STEP_EVERY") or 100)

@@ -268,6 +268,9 @@ environment (flags win where both exist; scheduler_svc/envs.py):
   LLMSERVE_REDIS_MIN_REPLICAS        default of --redis-min-replicas (0)
   LLMSERVE_API_KEY                   one API key, besides --api-key-file's
   LLMSERVE_FAILPOINTS                fault injection for tests (scheduler_svc/failpoints.py)
+  OTEL_TRACES_EXPORTER, OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_SDK_DISABLED
+                                     OpenTelemetry traces (off unless an exporter or endpoint is named)
+  LLMSERVE_TRACE_STEP_EVERY          with tracing on, trace one engine step in this many (100)
 """
 
 

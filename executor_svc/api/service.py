@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
+from executor_svc.api import tracing
 from executor_svc.api.seq_state import SeqState
 from executor_svc.api.step import StepOutput, StepWork, build_reply, record_samples, run_step
 from executor_svc.api.validation import InvalidStep, StepPlan, validate_step
@@ -265,7 +266,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             self._wait_for_step(request.after_step_id, context)
         ok = False
         try:
-            reply = self._execute(request)
+            if tracing.ENABLED:  # a step the scheduler sampled gets a span
+                reply = tracing.traced_step(context.invocation_metadata(), request, self._execute)
+            else:
+                reply = self._execute(request)
             ok = True
             return reply
         finally:

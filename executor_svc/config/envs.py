@@ -32,6 +32,7 @@ their command line): nothing writes the environment to pass settings on. The one
 | ``LLMSERVE_REDIS_SENTINEL_PASSWORD`` | unset | ``cli``: the Sentinels' own password |
 | ``LLMSERVE_TP_PIN`` | on | ``parallel.group``: ``0`` leaves CPU tensor-parallel ranks unpinned (else each gets its share of the allowed cores) |
 | ``TRITON_INTERPRET`` | off | ``attention.triton_write_kv``: Triton's own switch (its interpreter); here only whether the Triton wrappers accept CPU tensors |
+| ``OTEL_*`` | unset | ``api.tracing``: OpenTelemetry traces of sampled steps (``OTEL_TRACES_EXPORTER``, ``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME``, ``OTEL_SDK_DISABLED``; the exporter reads the rest) |
 | ``XDG_CACHE_HOME`` | ``~/.cache`` | ``kernels.library``: under it ``llmserve/kernels`` when ``LLMSERVE_KERNEL_DIR`` is unset |
 """
 
@@ -212,3 +213,22 @@ def use_loopback_for_gloo() -> None:
     is the one place the executor writes its environment (an explicit setting is kept); the
     workers inherit it through ``child_environment``."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def tracing_exporter() -> str | None:
+    """The OpenTelemetry span exporter the standard variables ask for ("otlp", "console"), or
+    None: tracing off (see scheduler_svc/envs.py, the same rule)."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    named = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if named:
+        return None if named == "none" else named.split(",")[0].strip()
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    return "otlp" if endpoint else None
+
+
+def tracing_service_name() -> str:
+    """`OTEL_SERVICE_NAME`: the service name on this executor's spans."""
+    return os.environ.get("OTEL_SERVICE_NAME") or "llmserve-executor"

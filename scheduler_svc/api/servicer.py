@@ -18,6 +18,7 @@ import structlog
 
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
+from scheduler_svc import tracing
 from scheduler_svc.api import convert, embed
 from scheduler_svc.api.auth import bearer_token, key_name
 from scheduler_svc.api.rpc_guard import Malformed, RateLimitedLog, reject_malformed
@@ -135,6 +136,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             # The call's own deadline ends the call anyway (and so, attached, the request):
             # as a request deadline it ends cleanly, and is stored (features/deadlines).
             inp.timeouts += (max(0.0, remaining),)
+        inp.trace_parent = tracing.incoming(context.invocation_metadata())
         return await self.engine.submit(inp)
 
     async def Resume(
@@ -160,7 +162,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def _attach(
         self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext
     ) -> RequestHandle:
-        return await self.engine.attach(self._req_id(context, request.request_id))
+        span = tracing.rpc_span("llmserve.resume", context.invocation_metadata(),
+                                **{"llmserve.req_id": request.request_id})  # fmt: skip
+        try:
+            return await self.engine.attach(self._req_id(context, request.request_id))
+        finally:
+            tracing.end(span)
 
     async def _stream(
         self,
@@ -250,4 +257,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> pb.EmbedResponse:
         """Each input as a prompt-only pooled request (features/pooling/embeds.py); nothing is stored."""
         inp = embed.embed_input_from_proto(request, self._owner(context))
-        return embed.embed_result_to_proto(await self.engine.embed(inp))
+        span = tracing.rpc_span("llmserve.embed", context.invocation_metadata(),
+                                **{"llmserve.num_inputs": len(request.inputs)})  # fmt: skip
+        try:
+            return embed.embed_result_to_proto(await self.engine.embed(inp))
+        finally:
+            tracing.end(span)

@@ -150,6 +150,7 @@ class GenerateInput:
     # Seconds from arrival it may take: its own timeout and its call's remaining gRPC deadline
     # (each checked, None = not given); the engine applies the earliest (features/deadlines).
     timeouts: tuple[float | None, ...] = ()
+    trace_parent: str = ""  # the caller's W3C traceparent (scheduler_svc/tracing.py); "" none
 
 
 @dataclass(slots=True)

@@ -110,6 +110,7 @@ class EngineMetrics:
             self.itl.observe(interval, num_decodes)
         for handle, index in first:
             if index == 0:
+                handle.first_token_time = now
                 self.prompt_tokens += len(handle.prompt_token_ids)
                 self.ttft.observe(now - handle.arrival_time)
 

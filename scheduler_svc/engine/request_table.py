@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import structlog
 
+from scheduler_svc import tracing
 from scheduler_svc.core.request import RequestStatus, req_id_of
 from scheduler_svc.core.scheduler_output import NewSeqData
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
@@ -71,7 +72,10 @@ class RequestTable:
         """Record `handle`'s finish in `record` (its sequences are final)."""
         handle.finished_in_engine = True
         self.usage.finished(handle)
-        self.metrics.on_finish(handle, time.time())
+        now = time.time()
+        self.metrics.on_finish(handle, now)
+        if handle.trace_span is not None:
+            tracing.request_finished(handle, now)
         record.finishes.append(handle.finish_record())
         # Forget it only once Redis has it: until then it must stay resumable from memory.
         record.after.append(lambda: self._requests.pop(handle.req_id, None))

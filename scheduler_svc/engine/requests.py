@@ -13,6 +13,7 @@ import uuid
 
 import structlog
 
+from scheduler_svc import tracing
 from scheduler_svc.core.errors import NotFound, QueueFull, Unavailable, ValidationError
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
@@ -95,6 +96,7 @@ class RequestFront:
         handle = RequestHandle(
             req_id, prompt, inp.params, inp.priority, arrival_time=time.time(), **fields
         )
+        tracing.request_started(handle, inp.trace_parent)  # before it is stored: its context is
         return await self._create(handle)
 
     async def _create(self, handle: RequestHandle) -> tuple[RequestHandle, bool]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from protos import executor_pb2 as epb
-from scheduler_svc import failpoints
+from scheduler_svc import failpoints, tracing
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.faults.faults import Faults
@@ -169,6 +169,9 @@ class StepLoop:
 
     def _send(self, ex: ExecutorHandle, out: SchedulerOutput, after_step_id: int) -> Sent:
         add = self.features.step_message
+        if tracing.ENABLED:  # a sampled step carries its trace context to the executor
+            md, span = tracing.step_start(out, self.table.handles)
+            return ex.send(out, after_step_id, self.pool.epoch, self.step_timeout_s, add, md, span)
         return ex.send(out, after_step_id, self.pool.epoch, self.step_timeout_s, add)
 
     async def _complete_oldest(self, ex: ExecutorHandle, run: _Run) -> bool:
@@ -191,6 +194,8 @@ class StepLoop:
         if failpoints.ARMED:
             failpoints.hit("engine.process_step")
         self._apply(ex, sent.out, resp, run.record, now, interval)
+        if sent.trace_span is not None:
+            tracing.step_done(sent.trace_span, run.record)
         run.record = EngineStep()
         ex.num_crashed_steps = 0
         if resp.draining:

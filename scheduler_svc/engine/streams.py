@@ -128,6 +128,11 @@ class EngineStep(StepRecord):
 
 
 class RequestHandle:
+    # Tracing (scheduler_svc/tracing.py), class-level defaults that a traced request overrides:
+    first_token_time: float | None = None  # when its first token came back
+    trace_context = ""  # its request span's traceparent, stored with it ("" untraced)
+    trace_span: Any = None  # that span while open here
+
     def __init__(
         self,
         req_id: str,
@@ -176,13 +181,15 @@ class RequestHandle:
         lora = LoraRef(*rec.lora) if rec.lora else None
         handle = cls(rec.req_id, rec.prompt_token_ids, params, rec.priority, rec.arrival_time, lora)
         handle.deadline = rec.deadline  # the original one: a restart never extends it
+        handle.trace_context = rec.trace_context
         return handle
 
     def to_stored(self, fields: dict[str, Any]) -> StoredRequest:
         """Its record in Redis; `fields`: what features keep with it (`stored_fields`)."""
         return StoredRequest(req_id=self.req_id, prompt_token_ids=self.prompt_token_ids,
                              params=self.params.to_dict(), priority=self.priority,
-                             arrival_time=self.arrival_time, n=self.n, **fields)  # fmt: skip
+                             arrival_time=self.arrival_time, n=self.n,
+                             trace_context=self.trace_context, **fields)  # fmt: skip
 
     def init_outputs(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int) -> None:
         self.states = [

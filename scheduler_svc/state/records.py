@@ -52,6 +52,8 @@ class StoredRequest:
     # Absolute (epoch seconds) time it ends by, 0.0 = none; stored so that a recovered request
     # keeps the deadline it arrived with (features/deadlines).
     deadline: float = 0.0
+    # W3C traceparent of its request span ("" untraced): a recovering scheduler links to it.
+    trace_context: str = ""
 
 
 @dataclass(slots=True)
@@ -100,4 +102,5 @@ def decode_record(req_id: str, fields: dict[bytes, bytes]) -> StoredRequest:
         prompt_logprobs=json.loads(f["prompt_logprobs"]) if "prompt_logprobs" in f else None,
         lora=json.loads(f["lora"]) if "lora" in f else None,
         deadline=float(f.get("deadline", 0.0)),
+        trace_context=f.get("trace_context", ""),
     )

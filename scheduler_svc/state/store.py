@@ -271,6 +271,8 @@ class RequestStore:
             mapping["lora"] = json.dumps(rec.lora)
         if rec.deadline:  # absent = none: records of earlier versions read the same
             mapping["deadline"] = repr(rec.deadline)
+        if rec.trace_context:
+            mapping["trace_context"] = rec.trace_context
         args: list[Any] = [
             self.epoch,
             rec.req_id,

@@ -19,6 +19,7 @@ import asyncio
 
 import structlog
 
+from scheduler_svc import tracing
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
@@ -91,6 +92,7 @@ class Recovery:
             handle = RequestHandle.from_stored(rec, SamplingParams.from_dict(rec.params))
             handle.replay_outputs(m.tokenizer, m.eos_token_ids, m.max_model_len, rec)
             self.table.add(handle)
+            tracing.request_recovered(handle)  # linked to its stored trace context
             # From what clients may have seen (acknowledged), not more: nothing else survived.
             req, record = resumed_request(handle, handle.acked_outputs()), EngineStep()
             for resumed in self.features.resumed:  # e.g. a grammar its stored tokens complete

@@ -9,6 +9,7 @@ import enum
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -45,6 +46,7 @@ class Sent:
     step_id: int  # ExecuteModelRequest.step_id
     call: grpc.aio.UnaryUnaryCall
     sent_at: float  # time.perf_counter()
+    trace_span: Any = None  # a sampled step's span (scheduler_svc/tracing.py); None: not traced
 
 
 @dataclass(slots=True)
@@ -110,6 +112,8 @@ class ExecutorHandle:
         epoch: int,
         timeout_s: float,
         add_masks: Callable[[epb.ExecuteModelRequest, SchedulerOutput], None] | None = None,
+        metadata: Any = None,
+        trace_span: Any = None,
     ) -> Sent:
         """Start the step `out` on the executor (right after step `after_step_id` when it was
         planned ahead; 0: none). `add_masks` adds the constrained sequences' token masks."""
@@ -120,8 +124,8 @@ class ExecutorHandle:
         msg.instance_id = self.describe.instance_id
         msg.leader_epoch = epoch
         msg.after_step_id = after_step_id
-        call = self.stub.ExecuteModel(msg, timeout=timeout_s)
-        return Sent(out, self.step_id, call, time.perf_counter())
+        call = self.stub.ExecuteModel(msg, timeout=timeout_s, metadata=metadata)
+        return Sent(out, self.step_id, call, time.perf_counter(), trace_span)
 
     def step_done(self, sent: Sent) -> tuple[float, float | None]:
         """Count a step that came back: its busy time, from when the executor could start it
