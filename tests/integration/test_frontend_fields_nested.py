@@ -26,8 +26,8 @@ from tests.integration.test_frontend_fields import (  # noqa: F401 - the fixture
     DOCS,
     LABEL,
     _normal,
-    frontend,
-    stack,
+    frontend_args,
+    llmserve_stack,
     vocab,
 )
 
