@@ -47,7 +47,7 @@ from scheduler_svc.engine.streams import EngineStep, RequestHandle  # noqa: E402
 from scheduler_svc.features.base import Features  # noqa: E402
 from scheduler_svc.features.prompt_logprobs.feature import PromptLogprobs  # noqa: E402
 from scheduler_svc.output.tokenizer import load_tokenizer  # noqa: E402
-from scheduler_svc.state.store import _pack_appends  # noqa: E402
+from scheduler_svc.state.keys import pack_appends  # noqa: E402
 
 # The hooks process_step_outputs calls in a default engine (features/registry.py): prompt
 # logprobs' on_reply, every step; the other features only hook the admission of requests that
@@ -129,7 +129,7 @@ async def run(batch: int, steps: int, stop: list[str], streams: bool) -> dict[st
             handle.finished_in_engine = True
             record.finishes.append(handle.finish_record())
         tp = clock()
-        _pack_appends(SHA, record.appends)
+        pack_appends(SHA, record.appends)
         tp = clock() - tp
         tq = clock()
         record.acknowledged()

@@ -1,4 +1,5 @@
-"""Request state in Redis. Every Redis access of the scheduler goes through this module.
+"""Request state in Redis. Every Redis access of the scheduler goes through this module (its key
+names and the append call's encoding live in state/keys.py).
 
 Layout (format version 1), all keys `llmserve:<entity>:<id>`:
 - `llmserve:request:<req_id>` hash: `v` (format version), `prompt` (JSON token ids), `params`
@@ -38,6 +39,15 @@ from scheduler_svc.state.connect import (
     connect,
     execute_acknowledged,
     wait_replicas,
+)
+from scheduler_svc.state.keys import (
+    abort_key,
+    executor_key,
+    logprobs_key,
+    pack_appends,
+    request_key,
+    tokens_key,
+    tokens_key_bulk,
 )
 from scheduler_svc.state.leader import EPOCH_KEY
 from scheduler_svc.state.records import (
@@ -86,84 +96,6 @@ class StoreFenced(RuntimeError):
 
 class StoreGapError(RuntimeError):
     """Stored tokens are fewer than an append's offset (Redis lost data); resynchronise."""
-
-
-def _bulk(data: bytes) -> bytes:
-    return b"$%d\r\n%s\r\n" % (len(data), data)
-
-
-# RESP bulk strings of small integers (token ids, offsets, counts), built once.
-_INT_BULKS: dict[int, bytes] = {}
-
-
-def _int_bulk(value: int) -> bytes:
-    b = _INT_BULKS.get(value)
-    if b is None:
-        b = _bulk(b"%d" % value)
-        if len(_INT_BULKS) < 1 << 20:
-            _INT_BULKS[value] = b
-    return b
-
-
-def tokens_key_bulk(req_id: str, index: int) -> bytes:
-    """The RESP form of a sequence's token-list key, for TokenAppend.key_bulk."""
-    return _bulk(_tokens_key(req_id, index).encode())
-
-
-_EPOCH_KEY_BULK = _bulk(EPOCH_KEY.encode())
-
-
-def _pack_appends(sha: str, appends: list[TokenAppend], epoch: int = 0) -> bytes:
-    """The RESP encoding of `EVALSHA sha numkeys KEYS... ARGV...` for the append script."""
-    keys: list[bytes] = [_EPOCH_KEY_BULK]
-    args: list[bytes] = [_int_bulk(epoch)]
-    one, zero = _int_bulk(1), _int_bulk(0)
-    int_bulk = _int_bulk
-    cached = _INT_BULKS.get
-    for a in appends:
-        keys.append(a.key_bulk or tokens_key_bulk(a.req_id, a.index))
-        tokens = a.token_ids
-        if a.logprobs is None:
-            if len(tokens) == 1:  # the common case: one decode step
-                offset, token = a.offset, tokens[0]
-                args.append(cached(offset) or int_bulk(offset))
-                args.append(one)
-                args.append(zero)
-                args.append(cached(token) or int_bulk(token))
-            else:
-                args.extend((int_bulk(a.offset), int_bulk(len(tokens)), zero))
-                args.extend(map(int_bulk, tokens))
-        else:
-            keys.append(_bulk(_logprobs_key(a.req_id, a.index).encode()))
-            args.extend((int_bulk(a.offset), int_bulk(len(tokens)), one))
-            args.extend(map(int_bulk, tokens))
-            args.extend(_bulk(json.dumps(lp).encode()) for lp in a.logprobs)
-    head = b"*%d\r\n$7\r\nEVALSHA\r\n%s%s" % (
-        3 + len(keys) + len(args),
-        _bulk(sha.encode()),
-        int_bulk(len(keys)),
-    )
-    return b"".join((head, *keys, *args))
-
-
-def _executor_key(instance_id: str) -> str:
-    return f"llmserve:executor:{instance_id}"
-
-
-def _request_key(req_id: str) -> str:
-    return f"llmserve:request:{req_id}"
-
-
-def _abort_key(req_id: str) -> str:
-    return f"llmserve:abort:{req_id}"
-
-
-def _tokens_key(req_id: str, index: int) -> str:
-    return f"llmserve:tokens:{req_id}:{index}"
-
-
-def _logprobs_key(req_id: str, index: int) -> str:
-    return f"llmserve:logprobs:{req_id}:{index}"
 
 
 MAX_CONNECTIONS = 256  # per scheduler process; Redis's own default limit is 10 000 clients
@@ -254,7 +186,7 @@ class RequestStore:
         """Store a new request unless the id exists. With `honour_abort`, an abort tombstone
         left for the id (`abort_ahead`) is consumed and the request stored finished as aborted
         (recovery's rewrites pass False: they restore requests that are running)."""
-        key = _request_key(rec.req_id)
+        key = request_key(rec.req_id)
         mapping = {
             "v": FORMAT_VERSION,
             "prompt": json.dumps(rec.prompt_token_ids),
@@ -282,7 +214,7 @@ class RequestStore:
         ]
         for k, v in mapping.items():
             args.extend((k, v))
-        keys = [key, UNFINISHED_KEY, EPOCH_KEY, _abort_key(rec.req_id)]
+        keys = [key, UNFINISHED_KEY, EPOCH_KEY, abort_key(rec.req_id)]
         try:
             return await self._create_acknowledged(keys, args)
         except (RedisError, OSError) as e:
@@ -326,7 +258,7 @@ class RequestStore:
         """The stored status of `req_id` ("active" or "finished"), or None when it is not
         stored: then a tombstone is left for `ttl_s` so that a request created with this id
         in that time is stored finished as aborted (see `create`)."""
-        keys = [_request_key(req_id), _abort_key(req_id), EPOCH_KEY]
+        keys = [request_key(req_id), abort_key(req_id), EPOCH_KEY]
         args = [self.epoch, max(1, int(ttl_s * 1000))]
         try:
             status, acked = await self._run_acknowledged(self._abort_ahead, keys, args)
@@ -357,11 +289,11 @@ class RequestStore:
             if prompt_logprobs:
                 batch = self._new_batch()
                 for req_id, entries in prompt_logprobs:
-                    batch.hset(_request_key(req_id), "prompt_logprobs", json.dumps(entries))
+                    batch.hset(request_key(req_id), "prompt_logprobs", json.dumps(entries))
                 await self._send_batch(batch)
             results: list[int] = []
             if appends:
-                packed = _pack_appends(self._append.sha, appends, self.epoch)
+                packed = pack_appends(self._append.sha, appends, self.epoch)
                 results = await self._run_append(packed)
             if finishes:
                 batch = self._new_batch()
@@ -379,7 +311,7 @@ class RequestStore:
     async def _run_append(self, packed: bytes) -> list[int]:
         """Send a pre-packed EVALSHA of the append script on a pooled connection.
 
-        The step's command is packed here (`_pack_appends`) rather than by redis-py, whose
+        The step's command is packed here (`keys.pack_appends`) rather than by redis-py, whose
         per-argument packing costs more scheduler CPU than the rest of the write together.
         """
         pool = self._redis.connection_pool
@@ -401,7 +333,7 @@ class RequestStore:
         raise AssertionError("unreachable")
 
     def _queue_finish(self, pipe: Any, f: FinishRecord) -> None:
-        key = _request_key(f.req_id)
+        key = request_key(f.req_id)
         pipe.hset(
             key,
             mapping={
@@ -415,17 +347,17 @@ class RequestStore:
         ttl_ms = max(1, int(self.finished_ttl_s * 1000))
         pipe.pexpire(key, ttl_ms)
         for i in range(f.n):
-            pipe.pexpire(_tokens_key(f.req_id, i), ttl_ms)
-            pipe.pexpire(_logprobs_key(f.req_id, i), ttl_ms)
+            pipe.pexpire(tokens_key(f.req_id, i), ttl_ms)
+            pipe.pexpire(logprobs_key(f.req_id, i), ttl_ms)
 
     async def rewrite_outputs(self, req_id: str, outputs: list[list[int]]) -> None:
         """Replace stored tokens with `outputs` (after Redis lost data it had acknowledged)."""
         try:
             batch = self._new_batch(transaction=True)
             for i, toks in enumerate(outputs):
-                batch.delete(_tokens_key(req_id, i))
+                batch.delete(tokens_key(req_id, i))
                 if toks:
-                    batch.rpush(_tokens_key(req_id, i), *toks)
+                    batch.rpush(tokens_key(req_id, i), *toks)
             await self._send_batch(batch)
         except (RedisError, OSError) as e:
             raise _unavailable(e) from e
@@ -447,14 +379,14 @@ class RequestStore:
     async def get(self, req_id: str, *, from_index: int = 0) -> StoredRequest | None:
         """The stored request with outputs from `from_index` on; None if unknown or expired."""
         try:
-            fields = await self._redis.hgetall(_request_key(req_id))
+            fields = await self._redis.hgetall(request_key(req_id))
             if not fields:
                 return None
             rec = decode_record(req_id, fields)
             async with self._redis.pipeline(transaction=False) as pipe:
                 for i in range(rec.n):
-                    pipe.lrange(_tokens_key(req_id, i), from_index, -1)
-                    pipe.lrange(_logprobs_key(req_id, i), from_index, -1)
+                    pipe.lrange(tokens_key(req_id, i), from_index, -1)
+                    pipe.lrange(logprobs_key(req_id, i), from_index, -1)
                 lists = await pipe.execute()
         except (RedisError, OSError) as e:
             raise StoreUnavailable(f"redis unavailable: {e}") from e
@@ -468,7 +400,7 @@ class RequestStore:
             ids = sorted(m.decode() for m in await self._redis.smembers(EXECUTORS_KEY))
             if not ids:
                 return []
-            values = await self._redis.mget([_executor_key(i) for i in ids])
+            values = await self._redis.mget([executor_key(i) for i in ids])
             gone = [i for i, v in zip(ids, values, strict=True) if v is None]
             if gone:  # expired: the executor stopped renewing it
                 await self._redis.srem(EXECUTORS_KEY, *gone)
@@ -480,7 +412,7 @@ class RequestStore:
 
     async def exists(self, req_id: str) -> bool:
         try:
-            return bool(await self._redis.exists(_request_key(req_id)))
+            return bool(await self._redis.exists(request_key(req_id)))
         except (RedisError, OSError) as e:
             raise StoreUnavailable(f"redis unavailable: {e}") from e
 
