@@ -6,11 +6,16 @@
 #           on the step around it (fp32, fp32 with LLMSERVE_CUDA_INVARIANT=1, bf16)
 #   invariance  the CUDA invariance test with LLMSERVE_CUDA_INVARIANT=1 and --runxfail
 #   decode  benchmarks/bench_decode.py --device cuda (SmolLM-135M shape, fp32)
+#   overlap tests/unit/test_overlap_steps.py on CUDA: steps launched on draws still on the GPU
+#   pipelined  benchmarks/profile_cuda_step.py: the 8B-shaped decode step synced and pipelined
+#           against the weight-read floor, and the kernel profile of a batch-256 decode step
 #   serve   a Llama-3-8B-shaped bf16 model (random weights, --load-format dummy) served by the
 #           real stack (executor + scheduler + Redis), driven by the benchmark harness with
 #           NUM_PROMPTS sharegpt-like prompts, all at once (offline throughput)
-# Usage: benchmarks/gpu_session.sh [probe] [tests] [invariance] [decode] [serve] [serve-eager]
-#        (default: tests decode serve)
+#   serve-sync  the same with LLMSERVE_OVERLAP_STEPS=0 (every step's draws on the host first)
+#   serve64 the same stack, client.bench serve: 64 concurrent streams (TTFT, ITL)
+# Usage: benchmarks/gpu_session.sh [probe] [tests] [invariance] [decode] [overlap] [pipelined]
+#        [serve] [serve-eager] [serve-sync] [serve64]   (default: tests decode serve)
 # Logs go to $OUT (the device tool's folder) or ./gpu-out. Wheels the image lacks are installed
 # from .whl/ when present (see docs/benchmarks.md, "CUDA").
 set -u
@@ -26,8 +31,12 @@ SHAPE=${SHAPE:-"--set hidden_size=4096 --set num_hidden_layers=32 --set num_atte
  --set max_position_embeddings=8192 --set rope_theta=500000.0 --set tie_word_embeddings=false"}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  # Wheels for several Pythons may be there: the pure ones and this interpreter's.
+  cp=$($PY -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  wheels=$(ls .whl/*.whl | grep -E -- "-(py3|py2.py3|$cp|cp[0-9]+-abi3)-")
+  # shellcheck disable=SC2086 # a list of files
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+    --target /tmp/site $wheels && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 export PATH=/tmp/site/bin:$PATH
@@ -64,19 +73,32 @@ for step in $steps; do
       tests/unit/test_step_invariance.py -k triton_cuda >"$OUT/invariance.log" 2>&1
     echo "invariance rc=$?"; grep -E "differences|passed|failed" "$OUT/invariance.log" | tail -5
     ;;
+  overlap)
+    timeout 120 $PY -m pytest -p no:cacheprovider -q --timeout 110 tests/unit/test_overlap_steps.py \
+      >"$OUT/overlap.log" 2>&1
+    echo "overlap rc=$?"; tail -3 "$OUT/overlap.log"
+    ;;
+  pipelined)
+    timeout "${PIPE_TIMEOUT:-150}" $PY benchmarks/profile_cuda_step.py --context 384 \
+      --batches 1,8,64,256 --iters 20 --profile-batch 256 >"$OUT/pipelined.log" 2>&1
+    echo "pipelined rc=$?"; grep -E "^\||prefill|weights" "$OUT/pipelined.log" | head -12
+    ;;
   decode)
     timeout 150 $PY benchmarks/bench_decode.py --device cuda --batches 1,8,32,64,256 \
       --repeats 3 --iters 20 >"$OUT/decode.log" 2>&1
     echo "decode rc=$?"; tail -15 "$OUT/decode.log"
     ;;
-  serve | serve-eager)
+  serve | serve-eager | serve-sync | serve64)
     extra=()
     [ "$step" = serve-eager ] && extra=(--enforce-eager)
+    overlap=auto
+    [ "$step" = serve-sync ] && overlap=0
     work=$(mktemp -d)
     # shellcheck disable=SC2086 # SHAPE is a list of options
     $PY -m executor_svc.demo.demo_model "$work/llama3-8b-shape" --no-weights $SHAPE \
       --set initializer_range=0.02 >/dev/null
     log="$OUT/$step.log"
+    LLMSERVE_OVERLAP_STEPS=$overlap \
     $PY -m executor_svc --model "$work/llama3-8b-shape" --device "$DEVICE" --dtype bfloat16 \
       --load-format dummy --port 0 --port-file "$work/executor.port" --log-level info \
       --metrics-port 9464 \
@@ -98,10 +120,18 @@ for step in $steps; do
        nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader -l 1 >"$OUT/gpu-util.txt" &
        sleep 16; kill %3) >/dev/null 2>&1 &
     fi
-    timeout "${SERVE_TIMEOUT:-300}" $PY -m client.bench throughput --backend llmserve \
-      --address "127.0.0.1:$(cat "$work/scheduler.port")" --workload sharegpt-like \
-      --num-prompts "$NUM_PROMPTS" --no-progress --output "$OUT/$step.json" >>"$log" 2>&1
-    echo "$step rc=$?"
+    t0=$SECONDS
+    if [ "$step" = serve64 ]; then
+      timeout "${SERVE_TIMEOUT:-300}" $PY -m client.bench serve --backend llmserve \
+        --address "127.0.0.1:$(cat "$work/scheduler.port")" --workload sharegpt-like \
+        --num-prompts "${SERVE64_PROMPTS:-256}" --max-concurrency 64 --no-progress \
+        --output "$OUT/$step.json" >>"$log" 2>&1
+    else
+      timeout "${SERVE_TIMEOUT:-300}" $PY -m client.bench throughput --backend llmserve \
+        --address "127.0.0.1:$(cat "$work/scheduler.port")" --workload sharegpt-like \
+        --num-prompts "$NUM_PROMPTS" --no-progress --output "$OUT/$step.json" >>"$log" 2>&1
+    fi
+    echo "$step rc=$? wall $((SECONDS - t0)) s (with the harness's warm-up)"
     $PY -c "import urllib.request as u
 for p in (9464, 9465): print(u.urlopen(f'http://127.0.0.1:{p}/metrics').read().decode())" \
       | grep -E "^llmserve:(executor_phase|executor_step|redis_write|num_steps|executor_steps)" \

@@ -62,7 +62,8 @@ class ExecutorMetrics:
         yield blocks
         phases = CounterMetricFamily(
             "llmserve:executor_phase_seconds",
-            "Seconds spent per step phase (cache_ops, forward, sampling).",
+            "Seconds spent per step phase (cache_ops, forward, sampling; on CUDA also wait: the "
+            "host waiting for draws, and gpu: each step's span on the device).",
             labels=[*labels, "phase"],
         )
         for phase, seconds in runner.phase_seconds.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -99,3 +100,6 @@ class SeqState:
     # Draft-model speculation (features/spec): leading positions whose draft KV is valid; 0 for
     # a state built from a NewSequence (its draft KV may be stale: the draft catches up).
     draft_num_computed: int = 0
+    # Overlapped steps (api/step.py Flight): (launched step, draw row, index in token_ids) of
+    # the newest token sampled for it, which may still be PENDING in token_ids.
+    pending: tuple[Any, int, int] | None = None

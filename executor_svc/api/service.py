@@ -23,8 +23,16 @@ import structlog
 
 from executor_svc.api import tracing
 from executor_svc.api.seq_state import SeqState
-from executor_svc.api.step import StepOutput, StepWork, build_reply, record_samples, run_step
+from executor_svc.api.step import (
+    Flight,
+    StepOutput,
+    StepWork,
+    build_reply,
+    record_samples,
+    run_step,
+)
 from executor_svc.api.validation import InvalidStep, StepPlan, validate_step
+from executor_svc.config import envs
 from executor_svc.features.lora.peft import LoraError
 from executor_svc.kernels import library
 from executor_svc.runner.loader import tokenizer_class_name
@@ -148,6 +156,11 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._order = threading.Condition()
         self._last_step: tuple[int, bool] = (0, False)
         self._generation = 0
+        # Overlapped steps (api/step.py Flight): a step ends its turn once launched, and the
+        # next one may be launched before its draws reach the host. Steps launched and not yet
+        # settled, oldest first.
+        self.overlap = False
+        self._flights: list[Flight] = []
         if runner is not None:
             self.attach(
                 runner,
@@ -168,6 +181,11 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self._model_dir = Path(model_dir) if model_dir is not None else None
         self._model_name = model_name or str(getattr(runner.info, "model_name", ""))
         self._attention_backend = attention_backend or runner.backend.name
+        wanted = envs.overlap_steps()
+        # Tensor-parallel ranks take the host's inputs: no draws kept on the device there.
+        self.overlap = runner.tp is None and (
+            wanted if wanted is not None else runner.device.type == "cuda"
+        )
         self._runner = runner
 
     @property
@@ -264,18 +282,19 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     def ExecuteModel(self, request: pb.ExecuteModelRequest, context: grpc.ServicerContext) -> Any:
         if request.after_step_id:
             self._wait_for_step(request.after_step_id, context)
-        ok = False
+        turn = _Turn(self, request.step_id)
         try:
             if tracing.ENABLED:  # a step the scheduler sampled gets a span
-                reply = tracing.traced_step(context.invocation_metadata(), request, self._execute)
-            else:
-                reply = self._execute(request)
-            ok = True
-            return reply
+                metadata = context.invocation_metadata()
+                return tracing.traced_step(metadata, request, lambda r: self._execute(r, turn))
+            return self._execute(request, turn)
         finally:
-            with self._order:
-                self._last_step = (request.step_id, ok)
-                self._order.notify_all()
+            turn.end(ok=False)  # (no-op once the step's launch ended it)
+
+    def _end_turn(self, step_id: int, ok: bool) -> None:
+        with self._order:
+            self._last_step = (step_id, ok)
+            self._order.notify_all()
 
     def _wait_for_step(self, step_id: int, context: grpc.ServicerContext) -> None:
         """Block until step `step_id` has ended; raise unless it succeeded (and no Reset came
@@ -304,9 +323,34 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             if not self._last_step[1]:
                 raise _OutOfOrder(f"step {step_id}, which this step follows, failed")
 
-    def _execute(self, request: pb.ExecuteModelRequest) -> pb.ExecuteModelResponse:
+    def _execute(
+        self, request: pb.ExecuteModelRequest, turn: _Turn | None = None
+    ) -> pb.ExecuteModelResponse:
         """One step as a transaction: validate the whole request, apply its diffs, run it, and
-        record what it sampled; a forward that fails is rolled back (module doc)."""
+        record what it sampled; a forward that fails is rolled back (module doc). Overlapped,
+        the next step's turn comes once this one is launched (``turn``), before its draws."""
+        flight = self._launch(request)
+        if turn is not None:
+            turn.end(ok=True)
+        samples = flight.settle()
+        elapsed = time.perf_counter() - flight.t0
+        if self.on_step is not None:
+            self.on_step(elapsed)
+        plan = flight.plan
+        log.debug(
+            "step.done",
+            step_id=request.step_id,
+            num_seqs=len(plan.scheduled),
+            num_tokens=sum(n for _, n in plan.scheduled),
+            num_sampled=samples.num_sampled,
+            ms=round(elapsed * 1e3, 3),
+        )
+        features = self.runner.features
+        return build_reply(request.step_id, samples, flight.out, elapsed, self.draining, features)
+
+    def _launch(self, request: pb.ExecuteModelRequest) -> Flight:
+        """Validate, apply and launch one step under the lock; its draws are recorded (a step
+        run through) or reserved (an overlapped one, ``Flight``)."""
         runner = self.runner
         self._check_instance(request.instance_id)
         self.last_step_time = time.monotonic()
@@ -314,28 +358,35 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             self._check_epoch(request.leader_epoch)
             t0 = time.perf_counter()
             plan = validate_step(request, self._seqs, runner, self.max_logprobs)
+            defer = self.overlap and not plan.active and not _reads_tokens(plan)
+            # Only the newest launched step's tokens may be missing from the host when a step
+            # is launched on top of it; none when this one reads token values on the host.
+            flights, self._flights = self._flights, []
+            for f in flights[:-1] if defer else flights:
+                f.settle()
+            self._flights = [f for f in flights if not f.settled]
             undo = self._apply(request, plan)
             work = StepWork.of(request, plan)
-            out = self._run_or_roll_back(runner, work, plan, undo, request.step_id)
-            samples = record_samples(plan, out.by_id)
-            elapsed = time.perf_counter() - t0
-        if self.on_step is not None:
-            self.on_step(elapsed)
-        log.debug(
-            "step.done",
-            step_id=request.step_id,
-            num_seqs=len(work.seqs),
-            num_tokens=sum(n for _, n in plan.scheduled),
-            num_sampled=samples.num_sampled,
-            ms=round(elapsed * 1e3, 3),
-        )
-        return build_reply(request.step_id, samples, out, elapsed, self.draining, runner.features)
+            out = self._run_or_roll_back(runner, work, plan, undo, request.step_id, defer)
+            flight = Flight(plan, out, t0)
+            if out.launched is not None and out.launched.deferred:
+                flight.reserve()
+                self._flights.append(flight)
+            else:
+                flight.done(record_samples(plan, out.by_id))
+        return flight
 
     def _run_or_roll_back(
-        self, runner: ModelRunner, work: StepWork, plan: StepPlan, undo: _Undo, step_id: int
+        self,
+        runner: ModelRunner,
+        work: StepWork,
+        plan: StepPlan,
+        undo: _Undo,
+        step_id: int,
+        defer: bool,
     ) -> StepOutput:
         try:
-            return run_step(runner, work, plan)
+            return run_step(runner, work, plan, defer)
         except Exception:
             self._rollback(undo)
             log.exception("step.failed", step_id=step_id, num_seqs=len(work.seqs))
@@ -387,6 +438,32 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             u.state.num_computed_tokens = u.num_computed_tokens
         for s in undo.dropped:
             self._seqs[s.seq_id] = s
+
+
+class _Turn:
+    """A step's place in the order of steps: ended once it is launched (or failed), which is
+    when a step planned to follow it may start."""
+
+    __slots__ = ("_servicer", "_step_id", "_ended")
+
+    def __init__(self, servicer: ExecutorServicer, step_id: int) -> None:
+        self._servicer = servicer
+        self._step_id = step_id
+        self._ended = False
+
+    def end(self, ok: bool) -> None:
+        if not self._ended:
+            self._ended = True
+            self._servicer._end_turn(self._step_id, ok)
+
+
+def _reads_tokens(plan: StepPlan) -> bool:
+    """Whether the step reads its sequences' token values on the host (penalties do), so the
+    tokens of a step still in flight must be there first."""
+    return any(
+        p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+        for p in (s.sampling_params for s, _ in plan.scheduled)
+    )
 
 
 class _StepFailed(Exception):

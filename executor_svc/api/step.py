@@ -6,17 +6,24 @@ it once the step is validated and its diffs applied (``service.ExecutorServicer.
 3. ``record_samples``: sampled tokens appended to the live sequence states;
 4. ``build_reply``: the ``ExecuteModelResponse``.
 
+Overlapped steps (``Flight``) split 3: when the step is launched, ``Flight.reserve`` advances
+the sequences and appends ``PENDING`` where each will get its token, so the next step can be
+validated and launched at once (its inputs take those tokens on the device); ``Flight.settle``
+fills them in when the draws reach the host, and gives what the reply carries.
+
 Nothing here takes the lock, rolls back or logs: the servicer owns the state and the
 transaction; these functions get exactly what they use.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from executor_svc.api.validation import StepPlan
 from executor_svc.features.base import Features, sampled_pb
+from executor_svc.runner.launched import PENDING, Launched
 from executor_svc.runner.model_runner import ModelRunner, SampleResult, ScheduledSequence
 from protos import executor_pb2 as pb
 
@@ -43,6 +50,7 @@ class StepWork:
                 num_computed_tokens=s.num_computed_tokens,
                 num_scheduled_tokens=n,
                 sampling_params=s.sampling_params,
+                pending=s.pending,
             )
             for s, n in plan.scheduled
         ]
@@ -67,20 +75,28 @@ class StepOutput:
 
     by_id: dict[str, SampleResult]
     outputs: dict[str, list[Any]] = field(default_factory=dict)
+    launched: Launched | None = None
 
 
-def run_step(runner: ModelRunner, work: StepWork, plan: StepPlan) -> StepOutput:
+def run_step(
+    runner: ModelRunner, work: StepWork, plan: StepPlan, defer: bool = False
+) -> StepOutput:
     """The forward and sampling of one step; raises when the runner's results do not match the
-    plan (the caller rolls the step back)."""
+    plan (the caller rolls the step back). With ``defer`` the draws may still be on their way
+    (``StepOutput.launched``; ``by_id`` is then filled by ``Flight.settle``)."""
     out = StepOutput({}, runner.features.outputs())
-    results: list[SampleResult] = []
+    launched = Launched.ready([])
     if not work.is_empty:
-        results = runner.execute(work.seqs, work.swap_out, work.swap_in, work.copy, **out.outputs)
-    out.by_id = {r.seq_id: r for r in results}
-    if len(out.by_id) != len(results) or not out.by_id.keys() <= plan.states.keys():
+        args = (work.seqs, work.swap_out, work.swap_in, work.copy)
+        launched = runner.launch(*args, **out.outputs, defer=defer)
+    out.launched = launched
+    ids = set(launched.seq_ids)
+    if len(ids) != len(launched.seq_ids) or not ids <= plan.states.keys():
         raise RuntimeError("model runner returned results for unexpected sequences")
-    if any(s.seq_id not in out.by_id for s in plan.lane):
+    if any(s.seq_id not in ids for s in plan.lane):
         raise RuntimeError("model runner sampled nothing for a decode lane sequence")
+    if not launched.deferred:
+        out.by_id = {r.seq_id: r for r in launched.results()}
     return out
 
 
@@ -119,6 +135,65 @@ def record_samples(plan: StepPlan, by_id: dict[str, SampleResult]) -> Samples:
         lane_tokens.append(r.token_id)
         lane_logprobs.append(r.logprob)
     return Samples(sampled, lane_tokens, lane_logprobs)
+
+
+class Flight:
+    """A launched step whose draws may not be on the host yet (overlapped steps)."""
+
+    def __init__(self, plan: StepPlan, out: StepOutput, t0: float) -> None:
+        self.plan = plan
+        self.out = out
+        self.t0 = t0  # perf_counter() when the step began
+        self._samples: Samples | None = None
+        self._lock = threading.Lock()
+        # (state, index in its token list) per sampling row, as reserved
+        self._slots: list[tuple[Any, int]] = []
+
+    @property
+    def settled(self) -> bool:
+        return self._samples is not None
+
+    def done(self, samples: Samples) -> None:
+        """A step run through: its draws were recorded when it ran (``record_samples``)."""
+        self._samples = samples
+
+    def reserve(self) -> None:
+        """Advance the scheduled sequences and hold a place for each draw (``PENDING``), which
+        the next step's inputs take from the device until ``settle`` fills it in."""
+        plan, launched = self.plan, self.out.launched
+        assert launched is not None
+        for s, n in plan.scheduled:
+            s.num_computed_tokens += n
+        for j, seq_id in enumerate(launched.seq_ids):
+            s = plan.states[seq_id]
+            idx = len(s.token_ids)
+            s.token_ids.append(PENDING)
+            s.pending = (launched, j, idx)
+            self._slots.append((s, idx))
+
+    def settle(self) -> Samples:
+        """Wait for the draws, fill the reserved places, and return what the reply carries
+        (once; any thread, any number of times)."""
+        if self._samples is None:
+            with self._lock:
+                if self._samples is None:
+                    self._samples = self._fill()
+        return self._samples
+
+    def _fill(self) -> Samples:
+        launched = self.out.launched
+        assert launched is not None
+        results = launched.results()
+        for (s, idx), r in zip(self._slots, results, strict=True):
+            s.token_ids[idx] = r.token_id
+        self.out.by_id = by_id = {r.seq_id: r for r in results}
+        plan = self.plan
+        num_regular = len(plan.scheduled) - len(plan.lane)
+        sampled = [
+            sampled_pb(r) for s, _ in plan.scheduled[:num_regular] if (r := by_id.get(s.seq_id))
+        ]
+        lane = [by_id[s.seq_id] for s in plan.lane]
+        return Samples(sampled, [r.token_id for r in lane], [r.logprob for r in lane])
 
 
 def build_reply(

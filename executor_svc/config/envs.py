@@ -23,6 +23,7 @@ their command line): nothing writes the environment to pass settings on. The one
 | ``LLMSERVE_LOAD_FORMAT`` | ``auto`` | ``runner.loader``: ``dummy`` fills the weights with seeded random values instead of reading a checkpoint (benchmarks of model shapes one has no weights for; vLLM's ``--load-format dummy``) |
 | ``LLMSERVE_ENFORCE_EAGER`` | off | ``runner.cuda_graphs``: ``1`` never captures CUDA graphs (vLLM's ``--enforce-eager``) |
 | ``LLMSERVE_MAX_GRAPH_BATCH`` | ``256`` | ``runner.cuda_graphs``: the largest decode batch replayed from a CUDA graph |
+| ``LLMSERVE_OVERLAP_STEPS`` | ``auto`` | ``api.service``: ``1`` launches a step before the host has the previous step's draws (they stay on the device and become its input ids; ``api/step.py`` ``Flight``), ``0`` never; ``auto``: on for a single-process CUDA executor |
 | ``LLMSERVE_CUDA_FUSED`` | on | ``models.llama``: ``0`` runs RMSNorm, SiLU-and-multiply and rope as plain torch ops on CUDA instead of the fused Triton kernels (``kernels.triton_elementwise``) |
 | ``LLMSERVE_CUDA_INVARIANT`` | off | ``models.llama``, ``attention.triton_ops``, ``kernels.sampling``: ``1`` (with step-invariant numerics) runs CUDA linears through ``kernels.triton_gemm``, the Triton attention with fixed tiles and no context split, and the sampler's argmax/logsumexp through ``kernels.triton_sampling``: step-invariant on CUDA (the invariance test passed on an H200, fp32), at ~0.6x the default's serving throughput (docs/benchmarks.md, "CUDA") |
 | ``LLMSERVE_CACHE`` | ``~/.cache/llmserve`` | ``demo.demo_model``: where the demo checkpoint is built |
@@ -74,6 +75,15 @@ def install(flags: RuntimeFlags) -> None:
 
 def runtime_flags() -> RuntimeFlags:
     return _flags
+
+
+def overlap_steps() -> bool | None:
+    """``LLMSERVE_OVERLAP_STEPS``: True (1/true/yes/on), False (0/false/no/off), or None (unset
+    or ``auto``: the executor decides by its device)."""
+    value = os.environ.get("LLMSERVE_OVERLAP_STEPS", "auto").strip().lower()
+    if value in ("", "auto"):
+        return None
+    return value not in _FALSE
 
 
 def deterministic() -> bool:

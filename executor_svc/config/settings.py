@@ -146,6 +146,7 @@ environment (flags win where both exist; the table in executor_svc/config/envs.p
   LLMSERVE_LOAD_FORMAT           auto or dummy (--load-format sets it for this executor)
   LLMSERVE_ENFORCE_EAGER=1       no CUDA graphs (--enforce-eager)
   LLMSERVE_MAX_GRAPH_BATCH       largest decode batch replayed from a CUDA graph (256)
+  LLMSERVE_OVERLAP_STEPS=0       never launch a step before the last one's draws reach the host
   LLMSERVE_CUDA_FUSED=0          plain torch ops instead of the fused Triton elementwise kernels
   LLMSERVE_CUDA_INVARIANT=1      step-invariant CUDA kernels (~0.6x the speed)
   LLMSERVE_CPU_KERNEL=0          never load the compiled CPU kernels

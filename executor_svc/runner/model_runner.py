@@ -12,7 +12,6 @@ sequence that completed its scheduled tokens up to the end of what is known.
 from __future__ import annotations
 
 import functools
-import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from executor_svc.features.lora.manager import LoraConfig
 from executor_svc.features.registry import build_features
 from executor_svc.runner.batch import BatchInputs
 from executor_svc.runner.cuda_graphs import DecodeGraphs, build_decode_graphs
+from executor_svc.runner.inputs import build_inputs
 from executor_svc.runner.kv_cache import (
     GIB,
     PROFILE_NUM_TOKENS,
@@ -37,6 +37,7 @@ from executor_svc.runner.kv_cache import (
     cuda_num_blocks,
     max_useful_blocks,
 )
+from executor_svc.runner.launched import Launched, SampleResult
 from executor_svc.runner.loader import ModelInfo, load_model, resolve_device
 
 if TYPE_CHECKING:
@@ -68,18 +69,11 @@ class ScheduledSequence:
     # LoRA: the adapter's name and directory; None = the base model.
     lora_name: str | None = None
     lora_path: str | None = None
+    # Overlapped steps: (the launched step, its draw's row, the index in token_ids) of a token
+    # the host may not have yet (runner/inputs.py gathers it on the device).
+    pending: tuple[Launched, int, int] | None = None
     # A token is sampled iff num_computed_tokens + num_scheduled_tokens == len(token_ids), and
     # never for a prompt-only sequence (sampling_params.prompt_only).
-
-
-@dataclass(slots=True)
-class SampleResult:
-    seq_id: str
-    token_id: int
-    logprob: float
-    top_logprobs: list[tuple[int, float]]  # most likely first, len == num_logprobs
-    # Speculation: the draw after each proposal (features/spec/verify.py), else None.
-    spec: list[SampleResult] | None = None
 
 
 class ModelRunner:
@@ -175,8 +169,13 @@ class ModelRunner:
                 num_device_blocks=self.num_device_blocks,
             )
         self._sampler: Sampler | None = None
+        self._gpu_start: torch.cuda.Event | None = None  # the running step's (launch)
         # Seconds per phase of execute(), for metrics (plain floats: one add per phase a step).
+        # On CUDA also "wait" (the host waiting for a step's draws) and "gpu" (each step's span
+        # on the device, from its first operation to its draws' copy: runner/launched.py).
         self.phase_seconds = {"cache_ops": 0.0, "forward": 0.0, "sampling": 0.0}
+        if self.device.type == "cuda":
+            self.phase_seconds.update(wait=0.0, gpu=0.0)
         # Rank 0 of a tensor-parallel group sends every step to the other ranks first.
         self._send_step = None
         if tp is not None and tp.is_first and tp.world_size > 1:
@@ -197,7 +196,6 @@ class ModelRunner:
         """The draft model of speculative decoding (None without one)."""
         return self.features.handle("spec")
 
-    @torch.inference_mode()
     def execute(
         self,
         seqs: list[ScheduledSequence],
@@ -210,20 +208,47 @@ class ModelRunner:
         """One step: cache operations, inputs, forward, sampling, with the hooks of the features
         the step uses between them; the lists given receive what those features return beside
         the samples (prompt logprobs, the vectors of embedding prompts completed)."""
+        return self.launch(
+            seqs, blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, prompt_logprobs, pooled
+        ).results()
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        seqs: list[ScheduledSequence],
+        blocks_to_swap_out: BlockPairs,
+        blocks_to_swap_in: BlockPairs,
+        blocks_to_copy: BlockPairs,
+        prompt_logprobs: list | None = None,
+        pooled: list | None = None,
+        *,
+        defer: bool = False,
+    ) -> Launched:
+        """``execute`` up to its draws; with ``defer`` (and no feature of the step using them)
+        they stay on the device on their way to the host (runner/launched.py)."""
         outputs = {"prompt_logprobs": prompt_logprobs, "pooled": pooled}
         step = Step(seqs, self.features.active(seqs) if seqs else (), outputs)
         blocks = (blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
         batch = self._broadcast_step(step, *blocks) if self._send_step is not None else None
+        self._gpu_start = self._device_event()
         self._cache_ops(*blocks)
         if not seqs:
-            return []
+            return Launched.ready([])
         sample_idx, logits = self._forward_step(step, batch)
         if not sample_idx:
-            return []
+            return Launched.ready([])
         t0 = time.perf_counter()
-        results = self._sample_step(step, sample_idx, logits)
+        launched = self._sample_step(step, sample_idx, logits, defer)
         self.phase_seconds["sampling"] += time.perf_counter() - t0
-        return results
+        return launched
+
+    def _device_event(self) -> torch.cuda.Event | None:
+        """On CUDA, an event at the start of a step (its span on the device: phase "gpu")."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _forward_step(
         self, step: Step, batch: BatchInputs | None
@@ -316,96 +341,34 @@ class ModelRunner:
         device: torch.device | None = None,
         features: Sequence[Feature] = (),
     ) -> BatchInputs:
-        """Flatten the step's sequences onto ``device`` (default: the model's); per-sequence
-        Python work only, never per token. ``features``: the step's, which may change the rows
-        that sample."""
-        bs = self.block_size
-        num_seqs = len(seqs)
-        starts = [s.num_computed_tokens for s in seqs]
-        q_lens = [s.num_scheduled_tokens for s in seqs]
-        seq_lens = [a + n for a, n in zip(starts, q_lens, strict=True)]
-        if min(q_lens) <= 0:
-            raise ValueError("every scheduled sequence must compute at least one token")
-        if max(seq_lens) > self.info.max_model_len:
-            raise ValueError(f"a sequence exceeds max_model_len={self.info.max_model_len}")
-        blocks_needed = [-(-n // bs) for n in seq_lens]
-        max_blocks = max(blocks_needed)
-        # Filled row by row in numpy: building the tensor from nested Python lists costs ~3x
-        # more, which at long contexts (hundreds of blocks per sequence) is milliseconds a step.
-        table = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-        for i, (s, n) in enumerate(zip(seqs, blocks_needed, strict=True)):
-            if len(s.block_table) < n:
-                raise ValueError(f"sequence {s.seq_id} needs {n} blocks, has {len(s.block_table)}")
-            # Only the blocks that hold context this step: trailing pre-allocated ones would
-            # only widen the gather in attention.
-            table[i, :n] = s.block_table[:n]
-        input_ids = list(
-            itertools.chain.from_iterable(
-                s.token_ids[a : a + n] for s, a, n in zip(seqs, starts, q_lens, strict=True)
-            )
-        )
-        num_tokens = len(input_ids)
-        if num_tokens != sum(q_lens):
-            raise ValueError("num_computed + num_scheduled exceeds the known tokens")
-
-        block_tables = torch.from_numpy(table)
-        starts_t = torch.tensor(starts, dtype=torch.long)
-        if num_tokens == num_seqs:  # decode only: one token per sequence, at position `start`
-            seq_idx = torch.arange(num_seqs)
-            positions = starts_t
-        else:
-            q_lens_t = torch.tensor(q_lens, dtype=torch.long)
-            seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
-            first_row = torch.cumsum(q_lens_t, 0) - q_lens_t  # row of each sequence's 1st token
-            positions = torch.arange(num_tokens) - first_row[seq_idx] + starts_t[seq_idx]
-        slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
-        query_start_loc = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
-
-        sample_seq_indices = [
-            i
-            for i, s in enumerate(seqs)
-            # (forward-only callers, tests among them, pass no sampling params)
-            if seq_lens[i] == len(s.token_ids)
-            and not (s.sampling_params is not None and s.sampling_params.prompt_only)
-        ]
-        sample_rows = query_start_loc[1:].long()[sample_seq_indices] - 1
-        for f in features:
-            rows = f.sample_rows(seqs, sample_seq_indices, query_start_loc)
-            if rows is not None:
-                sample_seq_indices, sample_rows = rows
-
-        dev = self.device if device is None else device
-        md = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            block_tables=block_tables.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=query_start_loc.to(dev),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            num_decode_seqs=sum(1 for n in q_lens if n == 1),
-        )
-        return BatchInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=positions.to(dev),
-            attn_metadata=md,
-            sample_seq_indices=sample_seq_indices,
-            sample_rows=sample_rows.to(dev),
+        """Flatten the step's sequences onto ``device`` (default: the model's); ``features``:
+        the step's, which may change the rows that sample (runner/inputs.py)."""
+        return build_inputs(
+            seqs,
+            block_size=self.block_size,
+            max_model_len=self.info.max_model_len,
+            device=self.device if device is None else device,
+            features=features,
         )
 
     def _sample_step(
-        self, step: Step, sample_idx: list[int], logits: torch.Tensor
-    ) -> list[SampleResult]:
+        self, step: Step, sample_idx: list[int], logits: torch.Tensor, defer: bool
+    ) -> Launched:
         """The sequence each logits row samples as (features may give views of it, or change
-        the logits), the draws, and one result per sequence (features may group rows)."""
+        the logits), the draws, and one result per sequence (features may group rows). Draws
+        stay on the device when ``defer`` and no feature of the step needs them."""
         rows = [step.seqs[i] for i in sample_idx]
         for f in step.active:
             rows = f.before_sample(step, sample_idx, rows, logits)
-        results = self._sample(rows, logits)
+        drawn = self._sample(rows, logits)
+        if defer and not step.active:
+            return drawn
+        results = drawn.results()
         for f in step.active:
             results = f.after_sample(step, sample_idx, results)
-        return results
+        return Launched.ready(results)
 
-    def _sample(self, seqs: list[ScheduledSequence], logits: torch.Tensor) -> list[SampleResult]:
+    def _sample(self, seqs: list[ScheduledSequence], logits: torch.Tensor) -> Launched:
         if self._sampler is None:
             # Imported here: the sampler module is optional for forward-only use and tests.
             from executor_svc.runner.sampler import Sampler
@@ -424,20 +387,7 @@ class ModelRunner:
                 prompts.append(())
                 outputs.append(range(len(s.token_ids) - n))
         out = self._sampler(logits, [s.sampling_params for s in seqs], prompts, outputs)
-        token_ids = out.token_ids.tolist()
-        logprobs = out.logprobs.tolist()
-        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        results = []
-        for j, s in enumerate(seqs):
-            k = s.sampling_params.num_logprobs
-            top = (
-                list(zip(top_ids[j][:k], top_lps[j][:k], strict=True))
-                if k > 0 and top_ids is not None and top_lps is not None
-                else []
-            )
-            results.append(SampleResult(s.seq_id, int(token_ids[j]), float(logprobs[j]), top))
-        return results
+        return Launched.of(seqs, out, self.phase_seconds, self._gpu_start)
 
     # ------------------------------------------------------------------ profiling
 

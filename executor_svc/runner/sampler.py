@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from executor_svc.features.pooling.pooling import PoolingState
 from executor_svc.kernels import sampling
+from executor_svc.runner.inputs import upload
 from executor_svc.runner.noise import race, row_key
 
 if TYPE_CHECKING:
@@ -273,7 +274,8 @@ def _row_params(
             for p in params
         ],
         dtype=torch.float64,
-    ).to(device)
+    )
+    table = upload(table, device)
     return table[:, 0].float(), table[:, 1].long(), table[:, 2].float(), table[:, 3].float()
 
 
@@ -297,7 +299,7 @@ def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> list[_Group
         sel = [i for i, k in enumerate(kinds) if k == kind]
         if not sel:
             continue
-        rows = torch.tensor(sel, device=device)
+        rows = upload(torch.tensor(sel), device)
         whole = len(sel) == n  # then sub is the caller's tensor: never scale it in place
         sub = logits if whole else logits[rows]  # [m, V]; indexing beats index_select on CPU
         temperature, top_k, top_p, min_p = _row_params([params[i] for i in sel], vocab, device)
@@ -418,10 +420,10 @@ class Sampler:
             token_ids = torch.empty(n, dtype=torch.int64, device=device)
             greedy = [i for i, p in enumerate(params) if p.temperature < _SAMPLING_EPS]
             if greedy:
-                g_idx = torch.tensor(greedy, device=device)
+                g_idx = upload(torch.tensor(greedy), device)
                 token_ids[g_idx] = proc[g_idx].argmax(dim=-1)
         if sampled:
-            s_idx = torch.tensor(sampled, device=device)
+            s_idx = upload(torch.tensor(sampled), device)
             keys = torch.tensor(
                 [
                     row_key(
@@ -431,7 +433,8 @@ class Sampler:
                     for i in sampled
                 ],
                 dtype=torch.int32,
-            ).to(device)  # [num_sampled, 2]
+            )  # [num_sampled, 2]
+            keys = upload(keys, device)
             sub = proc if len(sampled) == n else proc[s_idx]
             for rows, scores, ids in _filtered(sub, [params[i] for i in sampled]):
                 col = race(scores, ids, keys[rows])

@@ -6,11 +6,17 @@ by a stop token and by a stop string in the middle of a run of planned-ahead ste
 token must never show), with logprobs (sent as differences, not in the decode lane) and n > 1
 (never planned ahead). Outputs must be identical, and the async stack must really have planned
 steps ahead (its Prometheus counter says how many).
+
+The async stack's executor also overlaps its steps (``LLMSERVE_OVERLAP_STEPS=1``, the CUDA
+default): a step planned ahead is launched before the host has the draws of the one before,
+whose tokens it takes on the device (api/step.py ``Flight``).
 """
 
 from __future__ import annotations
 
+import os
 import time
+from unittest import mock
 
 import pytest
 
@@ -45,7 +51,9 @@ def stacks(tmp_path_factory):
             redis.start()
             cleanup.append(redis.close)
             port = free_port()
-            stack = make_stack(tmp, redis, scheduler_args=["--metrics-port", str(port), *extra])
+            overlap = {"LLMSERVE_OVERLAP_STEPS": "1" if name == "async" else "0"}
+            with mock.patch.dict(os.environ, overlap):
+                stack = make_stack(tmp, redis, scheduler_args=["--metrics-port", str(port), *extra])
             cleanup.append(stack.stop)
             channel, stub = stub_for(stack.address)
             cleanup.append(channel.close)

@@ -390,7 +390,7 @@ def test_failed_forward_rolls_back(executor, reference, monkeypatch) -> None:
     def broken(*args, **kwargs):
         raise RuntimeError("simulated device failure")
 
-    monkeypatch.setattr(runner, "execute", broken)
+    monkeypatch.setattr(runner, "launch", broken)
     with pytest.raises(grpc.RpcError) as err:
         stub.ExecuteModel(req)
     monkeypatch.undo()
