@@ -42,6 +42,16 @@ export PYTHONPATH=${PYTHONPATH:-$PWD}
 export PATH=/tmp/site/bin:$PATH
 steps=${*:-tests decode serve}
 
+# Before any device time goes to a step: every entry point imports with this interpreter and
+# the carried wheels (a missing package, e.g. grpcio-reflection or llguidance, once cost a
+# whole device call; docs/benchmarks.md "CUDA" lists the wheels to carry).
+if ! $PY -c "import executor_svc.cli, scheduler_svc.cli, client.bench.cli
+from scheduler_svc.local.redis_server import find_redis_server; find_redis_server()" \
+  >"$OUT/preflight.txt" 2>&1; then
+  echo "preflight failed: an import is missing (carry its wheel in .whl/)"; cat "$OUT/preflight.txt"
+  exit 3
+fi
+
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
@@ -104,14 +114,25 @@ for step in $steps; do
       --metrics-port 9464 \
       "${extra[@]}" ${EXECUTOR_ARGS:-} >"$log" 2>&1 &
     epid=$!
-    for _ in $(seq 600); do [ -s "$work/executor.port" ] && break; sleep 0.5; done
+    # Waits end as soon as the process is gone (a start that fails must not eat device time).
+    for _ in $(seq 600); do
+      [ -s "$work/executor.port" ] || ! kill -0 $epid 2>/dev/null && break; sleep 0.5
+    done
+    if [ ! -s "$work/executor.port" ]; then
+      echo "$step: the executor did not start"; tail -5 "$log"; continue
+    fi
     $PY -m scheduler_svc --executor "127.0.0.1:$(cat "$work/executor.port")" \
       --redis-dir "$work/redis" --port 0 --port-file "$work/scheduler.port" \
       --max-num-seqs "$MAX_SEQS" --max-num-batched-tokens 8192 --log-level warning \
       --metrics-port 9465 \
       >>"$log" 2>&1 &
     spid=$!
-    for _ in $(seq 240); do [ -s "$work/scheduler.port" ] && break; sleep 0.5; done
+    for _ in $(seq 240); do
+      [ -s "$work/scheduler.port" ] || ! kill -0 $spid 2>/dev/null && break; sleep 0.5
+    done
+    if [ ! -s "$work/scheduler.port" ]; then
+      echo "$step: the scheduler did not start"; tail -5 "$log"; kill "$epid"; continue
+    fi
     if [ -n "${PROFILE:-}" ] && command -v py-spy >/dev/null; then
       # Where the two processes' CPU time goes, as collapsed stacks (one line per stack).
       (sleep "${PROFILE_DELAY:-12}"
