@@ -124,8 +124,8 @@ inline int chunk_blocks(int BS) { return std::max(1, CHUNK_KEYS / BS); }
 
 // Blocks a walk reads ahead of the one in hand, towards L2 (the next block's prefetches in
 // scores and weigh then find it there). Measured on a Zen 4 core, 64 decodes x 193 keys over
-// 30 layers' bf16 caches: 2 and 3 blocks into L1 were slower than none, 3-5 into L2 ~20 %
-// faster, 8 less so (docs/benchmarks.md, "bf16 decode attention").
+// 30 layers' bf16 caches (docs/benchmarks.md, "bf16 decode attention"): 36-39 ms without,
+// 25-27 ms with 2 to 6 blocks ahead into L2; into L1 (2 or 3 ahead) slower than none.
 constexpr int AHEAD_BLOCKS = 4;
 
 // The blocks of a walk in the order it reads them, one chunk after the other: the chunk's K
