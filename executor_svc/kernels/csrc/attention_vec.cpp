@@ -164,11 +164,12 @@ struct BlockOrder {
 // the chunk's last one the chunk's first V block, where the weighted sum starts), then
 // softmax(key0, nk) over its nk keys from key0, then weigh(i, keys, vb, vn) for each block's V
 // (vn: the next V block, or the next chunk's first K block). Before each block, the one
-// AHEAD_BLOCKS further in the reading order goes towards L2. Prefetches only: what is computed,
+// AHEAD_BLOCKS further in the reading order goes towards L2 (not when `far` is false: the
+// many-row walks, whose work per block hides the latency). Prefetches only: what is computed,
 // and in which order, is the same with or without them.
 template <class Scores, class Softmax, class Weigh>
 inline void walk_chunks(const Args& a, const Rows& w, Scores&& scores, Softmax&& softmax,
-                        Weigh&& weigh) {
+                        Weigh&& weigh, bool far = true) {
   const int BS = a.BS, chunk = chunk_blocks(BS);
   const int64_t ts = (int64_t)a.KVH * a.D, head0 = (int64_t)w.g0 * a.D;
   const auto block = [&](const kv_t* cache, int b) {
@@ -179,6 +180,7 @@ inline void walk_chunks(const Args& a, const Rows& w, Scores&& scores, Softmax&&
   for (int i = 0; i < AHEAD_BLOCKS && !later.done(); ++i) later.next();
   const int64_t key_bytes = (int64_t)w.heads * a.D * sizeof(kv_t);
   const auto ahead = [&]() {
+    if (!far) return;
     BlockOrder& o = later.done() ? after : later;
     if (o.done()) return;
     const char* p = (const char*)o.block();
