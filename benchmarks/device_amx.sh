@@ -69,9 +69,9 @@ serve_throughput() {
       --max-num-seqs "${SCALING_MAX_SEQS:-64}" --log-level warning >>"$OUT/serve-$n.log" 2>&1 &
     spid=$!
     for _ in $(seq 240); do [ -s "$work/scheduler.port" ] && break; sleep 0.25; done
-    taskset -c "$first" timeout "${SCALING_SERVE_TIMEOUT:-60}" $PY -m client.bench throughput \
+    taskset -c "$first" timeout "${SCALING_SERVE_TIMEOUT:-50}" $PY -m client.bench throughput \
       --backend llmserve --address "127.0.0.1:$(cat "$work/scheduler.port")" \
-      --workload sharegpt-like --num-prompts "${SCALING_PROMPTS:-32}" --no-progress \
+      --workload sharegpt-like --num-prompts "${SCALING_PROMPTS:-20}" --no-progress \
       --output "$work/tp-$n.json" >>"$OUT/serve-$n.log" 2>&1
     echo "rc=$?" >>"$OUT/serve-$n.log"
     $PY -c "import json, sys
@@ -79,7 +79,7 @@ r, n, p = json.load(open(sys.argv[1]))['results'][0], sys.argv[2], sys.argv[3]
 print(f'scaling throughput executor_threads={n} prompts={p} completed={r[\"completed\"]}',
       f'duration_s={r[\"duration_s\"]:.2f} output_tok_s={r[\"output_throughput\"]:.1f}',
       f'total_tok_s={r[\"total_token_throughput\"]:.1f}')" "$work/tp-$n.json" "$n" \
-      "${SCALING_PROMPTS:-32}" 2>/dev/null || echo "scaling throughput executor_threads=$n failed"
+      "${SCALING_PROMPTS:-20}" 2>/dev/null || echo "scaling throughput executor_threads=$n failed"
     kill "$spid" 2>/dev/null; sleep 1; kill "$epid" 2>/dev/null; wait "$spid" "$epid" 2>/dev/null
   done
 }
