@@ -11,7 +11,10 @@ workload's shapes: 64 decodes whose first 1 024 tokens are the same blocks, and 
 tokens after that shared 1 024 (the step that admits them).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_cpu_attention.py [--kernel-only] \
-        [--cases prefill,shared]
+        [--cases prefill,shared] [--bf16]
+
+``--bf16``: the cache in bf16 (what a bf16 model keeps; the kernel's bf16-K/V build), the
+query in fp32 as the backend hands it over.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def batch(
         table[i, :n] = ids[start : start + n]
         start += n
     kc, vc = torch.randn(num_blocks, BS, KVH, D), torch.randn(num_blocks, BS, KVH, D)
+    if "--bf16" in sys.argv[1:]:
+        kc, vc = kc.bfloat16(), vc.bfloat16()
     if shared:  # every sequence's first `shared` blocks are the first sequence's (a system prompt)
         table[1:, :shared] = table[0, :shared]
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)

@@ -11,10 +11,17 @@
 #   sweep   1 thread, batches 1 and 64: the tiles against the vector paths, prefetch distances,
 #           load orders
 #   profile benchmarks/profile_step.py: the bf16 decode step by op family, batches 1 and 64
+#   scaling many cores, bf16 (<= 150 s on the 16-core host): benchmarks/bench_scaling.py at 1, 4,
+#           8, 16 threads, one per physical core (the GEMMs of a decode step, ours and oneDNN's;
+#           the decode step at batch 64; its attention, GEMMs and sampler), then the offline
+#           throughput of the whole stack (client.bench throughput, sharegpt-like, a
+#           SmolLM2-135M-shaped bf16 model with random weights) with the executor on 1 core
+#           and on 15, the scheduler, Redis and the client on the core left over. Smaller:
+#           SCALING_THREADS=1,2 SCALING_SERVE="1" SCALING_PROMPTS=16
 # Every step runs whatever the one before did; logs go to $OUT (the device tool's folder) or
 # ./amx-out. Wheels the image lacks are installed from $WHEELS when present (docs/benchmarks.md,
 # "AMX").
-#     OUT=/tmp/o bash benchmarks/device_amx.sh [env build probe tests bench1 bench8 sweep]
+#     OUT=/tmp/o bash benchmarks/device_amx.sh [env build probe tests bench1 bench8 sweep profile scaling]
 set -u
 OUT=${OUT:-amx-out}
 mkdir -p "$OUT"
@@ -33,6 +40,49 @@ steps=${*:-env build probe tests bench1 bench8 sweep profile}
 CORES8=$(cat /sys/devices/system/cpu/cpu[0-9]*/topology/thread_siblings_list 2>/dev/null |
   sort -u | cut -d, -f1 | cut -d- -f1 | sort -n | head -8 | paste -sd,)
 CORES8=${CORES8:-0-7}
+CORES=$(cat /sys/devices/system/cpu/cpu[0-9]*/topology/thread_siblings_list 2>/dev/null |
+  sort -u | cut -d, -f1 | cut -d- -f1 | sort -n | paste -sd,)
+CORES=${CORES:-$(seq -s, 0 $(($(nproc) - 1)))}
+
+# The whole stack serving sharegpt-like prompts offline, with the executor on $n cores (one
+# thread each) after the first of $CORES, for each n of $SCALING_SERVE; the scheduler, its Redis
+# and the client share the first core. One line per run.
+serve_throughput() {
+  local work n cores first epid spid
+  work=$(mktemp -d)
+  first=${CORES%%,*}
+  $PY -m executor_svc.demo.demo_model "$work/m" --no-weights --set hidden_size=576 \
+    --set num_hidden_layers=30 --set num_attention_heads=9 --set num_key_value_heads=3 \
+    --set intermediate_size=1536 --set vocab_size=49152 --set max_position_embeddings=8192 \
+    --set rope_theta=100000.0 --set tie_word_embeddings=true --set initializer_range=0.02 \
+    >/dev/null
+  for n in ${SCALING_SERVE:-1 15}; do
+    cores=$(echo "$CORES" | tr , '\n' | sed 1d | head -"$n" | paste -sd,)
+    rm -f "$work"/*.port
+    $PY -m executor_svc --model "$work/m" --device cpu --dtype bfloat16 --load-format dummy \
+      --cpu-cores "$cores" --cpu-threads "$n" --port 0 --port-file "$work/executor.port" \
+      --log-level warning >"$OUT/serve-$n.log" 2>&1 &
+    epid=$!
+    for _ in $(seq 240); do [ -s "$work/executor.port" ] && break; sleep 0.25; done
+    taskset -c "$first" $PY -m scheduler_svc --executor "127.0.0.1:$(cat "$work/executor.port")" \
+      --redis-dir "$work/redis-$n" --port 0 --port-file "$work/scheduler.port" \
+      --max-num-seqs "${SCALING_MAX_SEQS:-64}" --log-level warning >>"$OUT/serve-$n.log" 2>&1 &
+    spid=$!
+    for _ in $(seq 240); do [ -s "$work/scheduler.port" ] && break; sleep 0.25; done
+    taskset -c "$first" timeout "${SCALING_SERVE_TIMEOUT:-50}" $PY -m client.bench throughput \
+      --backend llmserve --address "127.0.0.1:$(cat "$work/scheduler.port")" \
+      --workload sharegpt-like --num-prompts "${SCALING_PROMPTS:-20}" --no-progress \
+      --output "$work/tp-$n.json" >>"$OUT/serve-$n.log" 2>&1
+    echo "rc=$?" >>"$OUT/serve-$n.log"
+    $PY -c "import json, sys
+r, n, p = json.load(open(sys.argv[1]))['results'][0], sys.argv[2], sys.argv[3]
+print(f'scaling throughput executor_threads={n} prompts={p} completed={r[\"completed\"]}',
+      f'duration_s={r[\"duration_s\"]:.2f} output_tok_s={r[\"output_throughput\"]:.1f}',
+      f'total_tok_s={r[\"total_token_throughput\"]:.1f}')" "$work/tp-$n.json" "$n" \
+      "${SCALING_PROMPTS:-20}" 2>/dev/null || echo "scaling throughput executor_threads=$n failed"
+    kill "$spid" 2>/dev/null; sleep 1; kill "$epid" 2>/dev/null; wait "$spid" "$epid" 2>/dev/null
+  done
+}
 
 for step in $steps; do
   echo "=== $step $(date -u +%T)"
@@ -96,6 +146,12 @@ print('variant', l.variant(), 'path', gemm_bf16.isa_path(), 'init', l.load().llm
   profile)
     timeout 120 taskset -c "${CORES8%%,*}" $PY benchmarks/profile_step.py --dtype bfloat16 \
       --batches 1,64 --iters 5 --no-prefill 2>&1 | grep -v "^20..-" | tee "$OUT/profile.log"
+    ;;
+ scaling)
+    timeout "${SCALING_TIMEOUT:-70}" $PY benchmarks/bench_scaling.py --cores "$CORES" \
+      --threads "${SCALING_THREADS:-1,4,8,16}" --iters "${SCALING_ITERS:-5}" 2>&1 |
+      grep -E "^scaling|Error" | tee "$OUT/scaling.log"
+    serve_throughput | tee -a "$OUT/scaling.log"
     ;;
   esac
 done

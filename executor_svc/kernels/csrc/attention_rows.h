@@ -182,5 +182,7 @@ void attend_lanes(const Args& a, const Rows& w, std::vector<float>& buf) {
       weighted_v<DV, RB_V<DV>>(buf.data() + hl * per + (size_t)i * BS * rp, ph, 1, rp, vb, ts,
                                keys, w.acc + (size_t)hl * ph * D, vn ? vn + hl * D : nullptr);
   };
-  walk_chunks(a, w, scores, softmax, weigh);
+  // No far prefetches: a tile's work per block hides the latency, and they cost a prefill
+  // 512 tokens and the 63 chunks after a shared prefix 2-5 % (bench_cpu_attention.py --bf16).
+  walk_chunks(a, w, scores, softmax, weigh, false);
 }
