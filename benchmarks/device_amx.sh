@@ -30,11 +30,24 @@ WHEELS=${WHEELS:-.whl}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export LLMSERVE_KERNEL_DIR=${LLMSERVE_KERNEL_DIR:-/tmp/llmserve-kernels}
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  # Wheels for several Pythons may be there (benchmarks/device_wheels.sh): the pure ones and
+  # this interpreter's.
+  cp=$($PY -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  wheels=$(ls "$WHEELS"/*.whl | grep -E -- "-(py3|py2.py3|$cp|cp[0-9]+-abi3|cp39-abi3)-")
+  # shellcheck disable=SC2086 # a list of files
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site:$PWD
+    --target /tmp/site $wheels && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 steps=${*:-env build probe tests bench1 bench8 sweep profile}
+# Every entry point the steps start imports with this interpreter and the carried wheels, before
+# any step spends device time (a missing wheel once cost a whole device call).
+if ! $PY -c "import executor_svc.cli, scheduler_svc.cli, client.bench.cli
+from scheduler_svc.local.redis_server import find_redis_server; find_redis_server()" \
+  >"$OUT/preflight.txt" 2>&1; then
+  echo "preflight failed: an import is missing (benchmarks/device_wheels.sh)"; cat "$OUT/preflight.txt"
+  exit 3
+fi
 # One logical CPU per physical core, the first 8 (AMX is per core: two threads of one core
 # would share it).
 CORES8=$(cat /sys/devices/system/cpu/cpu[0-9]*/topology/thread_siblings_list 2>/dev/null |
@@ -63,12 +76,16 @@ serve_throughput() {
       --cpu-cores "$cores" --cpu-threads "$n" --port 0 --port-file "$work/executor.port" \
       --log-level warning >"$OUT/serve-$n.log" 2>&1 &
     epid=$!
-    for _ in $(seq 240); do [ -s "$work/executor.port" ] && break; sleep 0.25; done
+    for _ in $(seq 240); do
+      [ -s "$work/executor.port" ] || ! kill -0 "$epid" 2>/dev/null && break; sleep 0.25
+    done
     taskset -c "$first" $PY -m scheduler_svc --executor "127.0.0.1:$(cat "$work/executor.port")" \
       --redis-dir "$work/redis-$n" --port 0 --port-file "$work/scheduler.port" \
       --max-num-seqs "${SCALING_MAX_SEQS:-64}" --log-level warning >>"$OUT/serve-$n.log" 2>&1 &
     spid=$!
-    for _ in $(seq 240); do [ -s "$work/scheduler.port" ] && break; sleep 0.25; done
+    for _ in $(seq 240); do
+      [ -s "$work/scheduler.port" ] || ! kill -0 "$spid" 2>/dev/null && break; sleep 0.25
+    done
     taskset -c "$first" timeout "${SCALING_SERVE_TIMEOUT:-50}" $PY -m client.bench throughput \
       --backend llmserve --address "127.0.0.1:$(cat "$work/scheduler.port")" \
       --workload sharegpt-like --num-prompts "${SCALING_PROMPTS:-20}" --no-progress \
