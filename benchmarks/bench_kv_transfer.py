@@ -14,12 +14,16 @@ of the same bytes in one process (``dst.copy_(src)`` on warmed buffers) and the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
+
+import grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -28,7 +32,8 @@ import torch  # noqa: E402
 
 from executor_svc.kv_transfer.client import move_kv  # noqa: E402
 from protos import executor_pb2 as pb  # noqa: E402
-from tests.support.executor_driver import executor_channel, executor_subprocess  # noqa: E402
+from protos import executor_pb2_grpc as pb_grpc  # noqa: E402
+from tests.support.executor_driver import executor_subprocess  # noqa: E402
 from tests.support.model_factory import make_tiny_checkpoint  # noqa: E402
 
 MODEL = dict(
@@ -42,6 +47,14 @@ MODEL = dict(
 BLOCK_SIZE = 16
 BLOCK_BYTES = 2 * 4 * BLOCK_SIZE * 8 * 64 * 4  # K and V, 4 layers, fp32: 256 KiB
 MB = 1 << 20
+
+
+@contextlib.contextmanager
+def channel(port: int) -> Iterator[pb_grpc.ExecutorStub]:
+    """A stub whose channel takes chunks over gRPC's default 4 MiB (--chunk-mb above 4)."""
+    options = [("grpc.max_receive_message_length", 128 * MB)]
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as ch:
+        yield pb_grpc.ExecutorStub(ch)
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -89,8 +102,8 @@ def main() -> None:
         with (
             executor_subprocess(model, Path(tmp) / "a", *flags) as (_, port_a),
             executor_subprocess(model, Path(tmp) / "b", *flags) as (_, port_b),
-            executor_channel(port_a) as a,
-            executor_channel(port_b) as b,
+            channel(port_a) as a,
+            channel(port_b) as b,
         ):
             assert a.Describe(pb.DescribeRequest()).num_device_blocks == num_blocks
             for size in sizes:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import grpc
+
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 
@@ -41,7 +43,23 @@ def move_kv(
         instance_id=src_instance_id,
     )
     chunks = src.ExportKV(request, timeout=timeout)
-    return dst.ImportKV(retarget(chunks, block_lists(dst_blocks), dst_instance_id), timeout=timeout)
+    export_failed: list[grpc.RpcError] = []
+
+    def relayed() -> Iterator[pb.KVChunk]:
+        try:
+            yield from retarget(chunks, block_lists(dst_blocks), dst_instance_id)
+        except grpc.RpcError as e:  # the import is cancelled, nothing written there
+            export_failed.append(e)
+            raise
+
+    try:
+        return dst.ImportKV(relayed(), timeout=timeout)
+    except grpc.RpcError:
+        # The export's own status (e.g. a bad source block), not gRPC's "Exception iterating
+        # requests!" on the import it cut short.
+        if export_failed:
+            raise export_failed[0] from None
+        raise
 
 
 def retarget(

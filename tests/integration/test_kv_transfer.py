@@ -244,6 +244,15 @@ def test_bad_exports_get_clear_statuses(ends):
     _expect(grpc.StatusCode.FAILED_PRECONDITION, lambda: list(a.stub.ExportKV(req)), "gone")
 
 
+def test_move_kv_reports_the_exports_own_status(ends):
+    a, b = ends
+    _expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: move_kv(a.stub, b.stub, {"x": [1, NUM_BLOCKS]}, {"x": [1, 2]}),
+        "block id 64",
+    )
+
+
 def test_bad_imports_get_clear_statuses(ends, tmp_path: Path):
     a, b = ends
     bad = grpc.StatusCode.INVALID_ARGUMENT
