@@ -7,14 +7,83 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KVTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TRANSPORT_UNSPECIFIED: _ClassVar[KVTransport]
+    KV_TRANSPORT_GRPC: _ClassVar[KVTransport]
+    KV_TRANSPORT_SHM: _ClassVar[KVTransport]
+
 class PoolingType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     POOLING_TYPE_UNSPECIFIED: _ClassVar[PoolingType]
     POOLING_TYPE_LAST: _ClassVar[PoolingType]
     POOLING_TYPE_MEAN: _ClassVar[PoolingType]
+KV_TRANSPORT_UNSPECIFIED: KVTransport
+KV_TRANSPORT_GRPC: KVTransport
+KV_TRANSPORT_SHM: KVTransport
 POOLING_TYPE_UNSPECIFIED: PoolingType
 POOLING_TYPE_LAST: PoolingType
 POOLING_TYPE_MEAN: PoolingType
+
+class KVBlockList(_message.Message):
+    __slots__ = ("seq_id", "block_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExportKVRequest(_message.Message):
+    __slots__ = ("sequences", "transport", "chunk_bytes", "instance_id")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[KVBlockList]
+    transport: KVTransport
+    chunk_bytes: int
+    instance_id: str
+    def __init__(self, sequences: _Optional[_Iterable[_Union[KVBlockList, _Mapping]]] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., chunk_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class KVHeader(_message.Message):
+    __slots__ = ("sequences", "dtype", "shape", "num_bytes", "crc32", "transport", "shm_name", "host_id", "instance_id")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[KVBlockList]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    num_bytes: int
+    crc32: int
+    transport: KVTransport
+    shm_name: str
+    host_id: str
+    instance_id: str
+    def __init__(self, sequences: _Optional[_Iterable[_Union[KVBlockList, _Mapping]]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., shm_name: _Optional[str] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("header", "offset", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: KVHeader
+    offset: int
+    data: bytes
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ImportKVResponse(_message.Message):
+    __slots__ = ("num_blocks", "num_bytes")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    num_bytes: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("name", "path")

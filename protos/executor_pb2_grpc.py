@@ -59,6 +59,16 @@ class ExecutorStub:
                 request_serializer=protos_dot_executor__pb2.LoadLoraAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_executor__pb2.LoadLoraAdapterResponse.FromString,
                 _registered_method=True)
+        self.ExportKV = channel.unary_stream(
+                '/llmserve.executor.v1.Executor/ExportKV',
+                request_serializer=protos_dot_executor__pb2.ExportKVRequest.SerializeToString,
+                response_deserializer=protos_dot_executor__pb2.KVChunk.FromString,
+                _registered_method=True)
+        self.ImportKV = channel.stream_unary(
+                '/llmserve.executor.v1.Executor/ImportKV',
+                request_serializer=protos_dot_executor__pb2.KVChunk.SerializeToString,
+                response_deserializer=protos_dot_executor__pb2.ImportKVResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -101,6 +111,29 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportKV(self, request, context):
+        """KV transfer between executors (issue 47): the KV of some device blocks as one payload,
+        layer-major (per layer, K then V of the blocks in the order asked), with its layout and a
+        CRC-32 of its bytes. The bytes travel in the stream's chunks (KV_TRANSPORT_GRPC) or in a
+        shared memory segment the first chunk names (KV_TRANSPORT_SHM: both ends on one host). The
+        blocks are read under the step lock, so no step changes them mid-copy. Bad block ids:
+        INVALID_ARGUMENT; a tensor-parallel executor: FAILED_PRECONDITION (not supported yet).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportKV(self, request_iterator, context):
+        """Writes a payload (an ExportKV stream whose first chunk's header names destination blocks)
+        into device blocks of this executor, under the step lock. A payload whose layout differs
+        from this cache's, bad or live destination blocks: INVALID_ARGUMENT; a checksum mismatch:
+        DATA_LOSS; a segment of another host: FAILED_PRECONDITION. A refused import leaves every
+        destination block as it was.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +161,16 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.LoadLoraAdapter,
                     request_deserializer=protos_dot_executor__pb2.LoadLoraAdapterRequest.FromString,
                     response_serializer=protos_dot_executor__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'ExportKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportKV,
+                    request_deserializer=protos_dot_executor__pb2.ExportKVRequest.FromString,
+                    response_serializer=protos_dot_executor__pb2.KVChunk.SerializeToString,
+            ),
+            'ImportKV': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportKV,
+                    request_deserializer=protos_dot_executor__pb2.KVChunk.FromString,
+                    response_serializer=protos_dot_executor__pb2.ImportKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +308,60 @@ class Executor:
             '/llmserve.executor.v1.Executor/LoadLoraAdapter',
             protos_dot_executor__pb2.LoadLoraAdapterRequest.SerializeToString,
             protos_dot_executor__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llmserve.executor.v1.Executor/ExportKV',
+            protos_dot_executor__pb2.ExportKVRequest.SerializeToString,
+            protos_dot_executor__pb2.KVChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportKV(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/llmserve.executor.v1.Executor/ImportKV',
+            protos_dot_executor__pb2.KVChunk.SerializeToString,
+            protos_dot_executor__pb2.ImportKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -173,6 +173,8 @@ class ExecutorServer:
         self._stopped.set()
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        if self.servicer.kv is not None:
+            self.servicer.kv.close()  # shared memory segments no importer took
         if self.tp_workers is not None:
             self.tp_workers.stop(self.servicer.step_lock)
         log.info("executor.stopped")

@@ -8,7 +8,6 @@ short).
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 import uuid
@@ -16,12 +15,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import structlog
 
 from executor_svc.api import tracing
+from executor_svc.api.rpc_errors import (
+    Fenced,
+    NotReady,
+    OutOfOrder,
+    Refused,
+    StepFailed,
+    WrongInstance,
+    rpc,
+)
 from executor_svc.api.seq_state import SeqState
 from executor_svc.api.step import (
     Flight,
@@ -35,6 +43,7 @@ from executor_svc.api.validation import InvalidStep, StepPlan, validate_step
 from executor_svc.config import envs
 from executor_svc.features.lora.peft import LoraError
 from executor_svc.kernels import library
+from executor_svc.kv_transfer.endpoint import KVEndpoint
 from executor_svc.runner.loader import tokenizer_class_name
 from executor_svc.runner.model_runner import ModelRunner
 from protos import executor_pb2 as pb
@@ -69,55 +78,6 @@ class _CachedUndo:
     num_tokens: int
     block_table: list[int]
     num_computed_tokens: int
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _rpc(method: F) -> F:
-    """Turn exceptions into clean statuses: no stack trace ever reaches the client."""
-
-    @functools.wraps(method)
-    def wrapper(self: ExecutorServicer, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return method(self, request, context)
-        except InvalidStep as e:
-            log.warning("rpc.invalid_argument", method=method.__name__, error=str(e))
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except LoraError as e:  # LoadLoraAdapter
-            code = grpc.StatusCode.NOT_FOUND if e.not_found else grpc.StatusCode.INVALID_ARGUMENT
-            context.abort(code, str(e))
-        except _NotReady:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "executor is still loading its model")
-        except (_WrongInstance, _Fenced, _OutOfOrder) as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except _StepFailed:
-            # Already logged with its traceback; the step was rolled back.
-            context.abort(
-                grpc.StatusCode.INTERNAL,
-                "the forward pass failed; the step was rolled back, executor state is unchanged",
-            )
-        except Exception:
-            log.exception("rpc.failed", method=method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed inside the executor")
-
-    return wrapper  # type: ignore[return-value]
-
-
-class _NotReady(Exception):
-    pass
-
-
-class _WrongInstance(Exception):
-    pass
-
-
-class _Fenced(Exception):
-    pass
-
-
-class _OutOfOrder(Exception):
-    """A step planned to follow another (after_step_id) that did not run just before it."""
 
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
@@ -161,6 +121,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         # settled, oldest first.
         self.overlap = False
         self._flights: list[Flight] = []
+        self.kv: KVEndpoint | None = None  # KV transfers (ExportKV/ImportKV), made at first use
         if runner is not None:
             self.attach(
                 runner,
@@ -191,7 +152,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     @property
     def runner(self) -> ModelRunner:
         if self._runner is None:
-            raise _NotReady()
+            raise NotReady()
         return self._runner
 
     @property
@@ -214,7 +175,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
     # ---------------------------------------------------------------- RPCs
 
-    @_rpc
+    @rpc
     def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> Any:
         runner = self.runner
         info = runner.info
@@ -239,7 +200,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             **runner.features.describe(),
         )
 
-    @_rpc
+    @rpc
     def GetTokenizer(self, request: pb.GetTokenizerRequest, context: grpc.ServicerContext) -> Any:
         self.runner  # noqa: B018 -- the model directory is only known once loaded
         files = []
@@ -255,16 +216,43 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 self._tokenizer_class = tokenizer_class_name(self._model_dir) if has_files else ""
         return pb.GetTokenizerResponse(files=files, tokenizer_class=self._tokenizer_class or "")
 
-    @_rpc
+    @rpc
     def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context: Any) -> Any:
         runner = self.runner
         if runner.lora is None:
             raise InvalidStep("this executor serves no LoRA (start it with --enable-lora)")
-        with self._lock:  # the adapter cache is the steps' too
-            adapter = runner.lora.load(request.name, request.path)  # LoraError: see _rpc
+        try:
+            with self._lock:  # the adapter cache is the steps' too
+                adapter = runner.lora.load(request.name, request.path)
+        except LoraError as e:
+            code = grpc.StatusCode.NOT_FOUND if e.not_found else grpc.StatusCode.INVALID_ARGUMENT
+            raise Refused(code, str(e)) from None
         return pb.LoadLoraAdapterResponse(rank=adapter.rank)
 
-    @_rpc
+    @rpc
+    def ExportKV(self, request: pb.ExportKVRequest, context: grpc.ServicerContext) -> Any:
+        # The blocks are copied before the stream starts: errors come out as a status here.
+        return self._kv_endpoint().export(request)
+
+    @rpc
+    def ImportKV(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
+        return self._kv_endpoint().import_(request_iterator)
+
+    def _kv_endpoint(self) -> KVEndpoint:
+        runner = self.runner
+        if runner.tp is not None and runner.tp.world_size > 1:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "KV transfer is not supported with tensor parallelism yet",
+            )
+        if self.kv is None:
+            self.kv = KVEndpoint(runner.kv_cache, self._lock, self._live_blocks, self.instance_id)
+        return self.kv
+
+    def _live_blocks(self) -> dict[int, str]:
+        return {b: s.seq_id for s in self._seqs.values() for b in s.block_table}
+
+    @rpc
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> Any:
         with self._lock:
             self._check_epoch(request.leader_epoch)
@@ -278,7 +266,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         log.info("executor.reset", num_dropped=num_dropped)
         return pb.ResetResponse(num_dropped=num_dropped)
 
-    @_rpc
+    @rpc
     def ExecuteModel(self, request: pb.ExecuteModelRequest, context: grpc.ServicerContext) -> Any:
         if request.after_step_id:
             self._wait_for_step(request.after_step_id, context)
@@ -315,13 +303,13 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 timeout=context.time_remaining(),
             )
             if not active():
-                raise _OutOfOrder(f"the caller went away while step {step_id} was awaited")
+                raise OutOfOrder(f"the caller went away while step {step_id} was awaited")
             if self._generation != generation:
-                raise _OutOfOrder(f"the executor was reset before step {step_id} ran")
+                raise OutOfOrder(f"the executor was reset before step {step_id} ran")
             if not arrived:
-                raise _OutOfOrder(f"step {step_id}, which this step follows, never ran")
+                raise OutOfOrder(f"step {step_id}, which this step follows, never ran")
             if not self._last_step[1]:
-                raise _OutOfOrder(f"step {step_id}, which this step follows, failed")
+                raise OutOfOrder(f"step {step_id}, which this step follows, failed")
 
     def _execute(
         self, request: pb.ExecuteModelRequest, turn: _Turn | None = None
@@ -390,18 +378,18 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         except Exception:
             self._rollback(undo)
             log.exception("step.failed", step_id=step_id, num_seqs=len(work.seqs))
-            raise _StepFailed() from None
+            raise StepFailed() from None
 
     def _check_instance(self, instance_id: str) -> None:
         if instance_id and instance_id != self.instance_id:
-            raise _WrongInstance(
+            raise WrongInstance(
                 f"step planned for executor instance {instance_id}, this is "
                 f"{self.instance_id} (restarted: its KV cache is gone); Describe and Reset first"
             )
 
     def _check_epoch(self, epoch: int) -> None:
         if epoch < self.leader_epoch:
-            raise _Fenced(
+            raise Fenced(
                 f"scheduler leadership epoch {epoch} is older than {self.leader_epoch}: another "
                 "scheduler leads now"
             )
@@ -464,10 +452,6 @@ def _reads_tokens(plan: StepPlan) -> bool:
         p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
         for p in (s.sampling_params for s, _ in plan.scheduled)
     )
-
-
-class _StepFailed(Exception):
-    """The forward failed; state was rolled back. Reported to the client as INTERNAL."""
 
 
 @dataclass(slots=True)

@@ -16,6 +16,9 @@ FLOORS = {
     "kernels": 1,
     "attention": 2,
     "parallel": 2,
+    # KV transfer between executors (issue 47): reads and writes the cache's tensors, which it
+    # is handed; imports nothing of the executor, so the runner (a host tier) may use it too.
+    "kv_transfer": 2,
     "models": 3,
     # Optional features, a folder each (LoRA, speculation, structured outputs, pooling, prompt
     # logprobs, GGUF), on hooks the runner and api call (features/base.py); no runner imports.

@@ -1,0 +1,305 @@
+"""KV transfer between two real executors (issue 47, first slice): ExportKV on A, ImportKV on B,
+both gRPC servers on loopback.
+
+A prefills and decodes some sequences, its blocks move to other block ids on B, and B continues
+them: B's tokens and logprobs equal A's undisturbed continuation bit for bit (fp32 CPU steps are
+step-invariant). Also: the bytes each transport moves are the cache's bytes, a corrupted
+payload is refused with the destination unchanged, and bad input gets a clear status.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from executor_svc.kv_transfer.client import block_lists, move_kv, retarget
+from executor_svc.kv_transfer.shm import shm_dir
+from protos import executor_pb2 as pb
+from tests.support.executor_driver import (
+    DriverSeq,
+    ExecutorDriver,
+    executor_channel,
+    running_executor,
+)
+from tests.support.model_factory import make_tiny_checkpoint
+
+NUM_BLOCKS = 64
+KWARGS = dict(device="cpu", dtype="float32", block_size=4, num_device_blocks=NUM_BLOCKS)
+PROMPTS = {"a": [11 + i for i in range(9)], "b": [40, 41, 42], "c": [100 + i for i in range(14)]}
+PARAMS = {
+    "a": pb.SamplingParams(num_logprobs=2),
+    "b": pb.SamplingParams(temperature=0.8, seed=7),
+    "c": pb.SamplingParams(),
+}
+TRANSPORTS = {"grpc": pb.KV_TRANSPORT_GRPC, "shm": pb.KV_TRANSPORT_SHM}
+
+
+class End:
+    """One executor: its server (for the cache's tensors) and a stub."""
+
+    def __init__(self, srv, stub) -> None:
+        self.srv, self.stub = srv, stub
+        self.info = stub.Describe(pb.DescribeRequest())
+
+    @property
+    def cache(self):
+        return self.srv.servicer.runner.kv_cache
+
+    def blocks(self, ids: list[int]) -> torch.Tensor:
+        """The K and V bytes of ``ids``, [2, num_layers, len(ids), ...] as int32 bits."""
+        idx = torch.tensor(ids)
+        return torch.stack([self.cache.key[:, idx], self.cache.value[:, idx]]).view(torch.int32)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory):
+    model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+    with (
+        running_executor(model_dir, **KWARGS) as (srv_a, port_a),
+        running_executor(model_dir, **KWARGS) as (srv_b, port_b),
+        executor_channel(port_a) as stub_a,
+        executor_channel(port_b) as stub_b,
+    ):
+        yield End(srv_a, stub_a), End(srv_b, stub_b)
+
+
+@pytest.fixture
+def ends(pair):
+    a, b = pair
+    for end in pair:
+        end.stub.Reset(pb.ResetRequest())
+        end.cache.key.zero_()
+        end.cache.value.zero_()
+    return a, b
+
+
+def run_a(a: End, num_steps: int) -> ExecutorDriver:
+    d = ExecutorDriver(a.stub, a.info)
+    for seq_id, prompt in PROMPTS.items():
+        d.add(seq_id, prompt, PARAMS[seq_id])
+    for _ in range(num_steps):
+        d.step()
+    return d
+
+
+def high_blocks(d: ExecutorDriver, n: int) -> list[int]:
+    """``n`` ids from the top of a driver's free list (A's come from the bottom)."""
+    d.free_device.sort()
+    taken, d.free_device[:] = d.free_device[-n:][::-1], d.free_device[:-n]
+    return taken
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_moved_sequences_continue_bit_identical(ends, transport: str):
+    a, b = ends
+    da = run_a(a, num_steps=4)  # prefill + 3 decodes
+    db = ExecutorDriver(b.stub, b.info)
+    src = {k: list(s.block_table) for k, s in da.seqs.items()}
+    dst = {k: high_blocks(db, len(v)) for k, v in src.items()}
+    reply = move_kv(
+        a.stub,
+        b.stub,
+        src,
+        dst,
+        transport=TRANSPORTS[transport],
+        src_instance_id=a.info.instance_id,
+        dst_instance_id=b.info.instance_id,
+    )
+    assert reply.num_blocks == sum(len(v) for v in src.values())
+    moved = {
+        k: DriverSeq(
+            k,
+            list(s.token_ids),
+            s.num_prompt_tokens,
+            s.params,
+            block_table=dst[k],
+            num_computed_tokens=s.num_computed_tokens,
+        )
+        for k, s in da.seqs.items()
+    }
+    db.seqs.update(moved)
+    num_before = {k: len(s.outputs) for k, s in da.seqs.items()}
+    for _ in range(6):
+        da.step()
+        db.step()
+    for k in PROMPTS:
+        undisturbed = [s.SerializeToString() for s in da.seqs[k].outputs[num_before[k] :]]
+        continued = [s.SerializeToString() for s in db.seqs[k].outputs]
+        assert len(continued) == 6 and continued == undisturbed, k
+    assert da.seqs["a"].outputs[-1].top_logprobs  # logprobs were compared too
+
+
+def test_without_the_move_the_continuation_differs(ends):
+    """The control: B continuing on blocks that never received A's KV gives other tokens."""
+    a, b = ends
+    da = run_a(a, num_steps=4)
+    db = ExecutorDriver(b.stub, b.info)
+    for k, s in da.seqs.items():
+        db.seqs[k] = DriverSeq(
+            k,
+            list(s.token_ids),
+            s.num_prompt_tokens,
+            s.params,
+            block_table=high_blocks(db, len(s.block_table)),
+            num_computed_tokens=s.num_computed_tokens,
+        )
+    num_before = {k: len(s.outputs) for k, s in da.seqs.items()}
+    for _ in range(4):
+        da.step()
+        db.step()
+    assert any(
+        db.seqs[k].output_token_ids != da.seqs[k].output_token_ids[num_before[k] :] for k in PROMPTS
+    )
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_each_transport_moves_the_cache_bytes(ends, transport: str):
+    a, b = ends
+    a.cache.key.normal_()
+    a.cache.value.normal_()
+    src = {"x": [5, 2, 9], "y": [30]}
+    dst = {"x": [60, 0, 17], "y": [3]}
+    exported = list(
+        a.stub.ExportKV(
+            pb.ExportKVRequest(
+                sequences=block_lists(src), transport=TRANSPORTS[transport], chunk_bytes=1000
+            )
+        )
+    )
+    header = exported[0].header
+    assert header.dtype == "float32" and header.transport == TRANSPORTS[transport]
+    num_layers, _, block_size, heads, head_dim = a.cache.key.shape
+    assert list(header.shape) == [num_layers, 2, 4, block_size, heads, head_dim]
+    assert header.num_bytes == 4 * num_layers * 2 * 4 * block_size * heads * head_dim
+    if transport == "grpc":
+        assert len(exported) == -(-header.num_bytes // 1000)
+        data = b"".join(c.data for c in exported)
+        want = torch.stack([a.cache.key[:, [5, 2, 9, 30]], a.cache.value[:, [5, 2, 9, 30]]], 1)
+        assert data == want.contiguous().numpy().tobytes()  # layer-major: [L, K/V, blocks, ...]
+    else:
+        assert len(exported) == 1 and not exported[0].data
+        assert (shm_dir() / header.shm_name).stat().st_size == header.num_bytes
+    before = b.blocks(list(range(NUM_BLOCKS)))
+    b.stub.ImportKV(retarget(iter(exported), block_lists(dst), b.info.instance_id))
+    assert torch.equal(b.blocks([60, 0, 17, 3]), a.blocks([5, 2, 9, 30]))
+    after = b.blocks(list(range(NUM_BLOCKS)))
+    untouched = [i for i in range(NUM_BLOCKS) if i not in (60, 0, 17, 3)]
+    assert torch.equal(after[:, :, untouched], before[:, :, untouched])
+    if transport == "shm":  # imported once: the segment is gone
+        assert not (shm_dir() / header.shm_name).exists()
+
+
+def _expect(code: grpc.StatusCode, call, *words: str) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == code, err.value.details()
+    details = err.value.details()
+    assert "Traceback" not in details
+    for w in words:
+        assert w in details, details
+
+
+def _export(end: End, src: dict, transport: int = pb.KV_TRANSPORT_GRPC) -> list[pb.KVChunk]:
+    req = pb.ExportKVRequest(sequences=block_lists(src), transport=transport, chunk_bytes=512)
+    return list(end.stub.ExportKV(req))
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_a_corrupted_payload_is_refused_and_changes_nothing(ends, transport: str):
+    a, b = ends
+    a.cache.key.normal_()
+    b.cache.value.normal_()
+    chunks = _export(a, {"x": [1, 2]}, TRANSPORTS[transport])
+    if transport == "grpc":
+        chunks[1].data = bytes([chunks[1].data[0] ^ 1]) + chunks[1].data[1:]
+    else:
+        path = shm_dir() / chunks[0].header.shm_name
+        raw = bytearray(path.read_bytes())
+        raw[100] ^= 0x40
+        path.write_bytes(bytes(raw))
+    before = b.blocks(list(range(NUM_BLOCKS)))
+    dst = block_lists({"x": [7, 8]})
+    _expect(
+        grpc.StatusCode.DATA_LOSS,
+        lambda: b.stub.ImportKV(retarget(iter(chunks), dst, "")),
+        "CRC-32",
+        "unchanged",
+    )
+    assert torch.equal(b.blocks(list(range(NUM_BLOCKS))), before)
+    if transport == "shm":
+        assert not (shm_dir() / chunks[0].header.shm_name).exists()
+
+
+def test_bad_exports_get_clear_statuses(ends):
+    a, _ = ends
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    _expect(bad, lambda: _export(a, {"x": [3, NUM_BLOCKS]}), "block id 64", "out of range")
+    _expect(bad, lambda: _export(a, {"x": [3], "y": [3]}), "block id 3", "twice")
+    _expect(bad, lambda: _export(a, {}), "no source blocks")
+    _expect(bad, lambda: _export(a, {"x": [1]}, transport=9), "unknown KV transport")
+    req = pb.ExportKVRequest(sequences=block_lists({"x": [1]}), instance_id="gone")
+    _expect(grpc.StatusCode.FAILED_PRECONDITION, lambda: list(a.stub.ExportKV(req)), "gone")
+
+
+def test_move_kv_reports_the_exports_own_status(ends):
+    a, b = ends
+    _expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: move_kv(a.stub, b.stub, {"x": [1, NUM_BLOCKS]}, {"x": [1, 2]}),
+        "block id 64",
+    )
+
+
+def test_bad_imports_get_clear_statuses(ends, tmp_path: Path):
+    a, b = ends
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    good = _export(a, {"x": [1, 2]})
+
+    def send(chunks: list[pb.KVChunk], dst: dict | None = None, instance: str = ""):
+        dst_lists = block_lists(dst if dst is not None else {"x": [5, 6]})
+        return lambda: b.stub.ImportKV(retarget(iter(chunks), dst_lists, instance))
+
+    def edited(**fields) -> list[pb.KVChunk]:
+        chunks = [pb.KVChunk.FromString(c.SerializeToString()) for c in good]
+        for k, v in fields.items():
+            if isinstance(v, list):
+                del getattr(chunks[0].header, k)[:]
+                getattr(chunks[0].header, k).extend(v)
+            else:
+                setattr(chunks[0].header, k, v)
+        return chunks
+
+    _expect(bad, lambda: b.stub.ImportKV(iter([pb.KVChunk(data=b"x")])), "KVHeader")
+    _expect(bad, send(good, {"x": [5, NUM_BLOCKS + 3]}), "destination block id 67")
+    _expect(bad, send(good, {"x": [5]}), "1 destination blocks", "payload of 2")
+    shape = list(good[0].header.shape)
+    _expect(bad, send(edited(shape=[shape[0] + 1, *shape[1:]])), "does not match")
+    _expect(bad, send(edited(dtype="bfloat16")), "does not match")
+    _expect(bad, send(edited(dtype="int8")), "dtype")
+    _expect(bad, send(good[:-1]), "the stream ended after")
+    _expect(bad, send([good[0], good[2], *good[3:]]), "expected 512")
+    _expect(grpc.StatusCode.FAILED_PRECONDITION, send(good, instance="other"), "other")
+    shm = _export(a, {"x": [1, 2]}, pb.KV_TRANSPORT_SHM)
+    name = shm[0].header.shm_name
+
+    def shm_edited(**fields) -> list[pb.KVChunk]:
+        chunk = pb.KVChunk.FromString(shm[0].SerializeToString())
+        for k, v in fields.items():
+            setattr(chunk.header, k, v)
+        return [chunk]
+
+    _expect(grpc.StatusCode.FAILED_PRECONDITION, send(shm_edited(host_id="x")), "another host")
+    _expect(bad, send(shm_edited(shm_name="../../etc/passwd")), "not a KV segment name")
+    _expect(bad, send([*shm, good[1]]), "one chunk")
+    # A destination block that a live sequence holds.
+    db = ExecutorDriver(b.stub, b.info)
+    db.add("live", [3, 4, 5])
+    db.step()
+    live_block = db.seqs["live"].block_table[0]
+    _expect(bad, send(shm, {"x": [9, live_block]}), f"block {live_block}", "'live'")
+    # Every refusal left the segment for a retry where it could; a good import consumes it.
+    b.stub.ImportKV(retarget(iter(shm), block_lists({"x": [9, 10]}), ""))
+    assert not (shm_dir() / name).exists()
