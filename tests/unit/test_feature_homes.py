@@ -72,7 +72,7 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 # Files naming each feature outside its homes, at most, per package ("protos": the .proto
 # sources): where the tree stands after issue 43's first pass (scheduler/executor/frontend/
-# client/protos): LoRA 25/14/3/6/2 (50), speculative 16/5/0/3/2 (26), structured outputs
+# client/protos): LoRA 25/14/3/6/2 (50), speculative 8/3/0/3/2 (16), structured outputs
 # 7/3/11/2/2 (25), pooling 10/6/4/6/2 (28), prompt logprobs 9/4/4/2/2 (21). Main before it,
 # same patterns, its homes then (scheduler_svc/lora and /grammar, executor_svc/lora, the
 # frontend and client modules above): LoRA 26/16/9/6/2, speculative 17/9/0/3/2, structured
@@ -80,11 +80,19 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # count grew with the reasoning parser and strict tools (issue 46), its pooling count with the
 # Batch API (whose lines may name /v1/embeddings), the scheduler's with the
 # flag and settings modules of one configuration object (every feature has a flag there).
+# Speculative 16/5 -> 8/3 (scheduler/executor): its flags, the executor check at connect, the
+# core's configuration and the step message's proposals moved behind hooks into its folders
+# (features/flags.py registers the flags a feature declares; features/base.py check_executor,
+# scheduling, step_message). Left: the scheduling core's part (the proposer, the step budget,
+# the scheduler output's proposals, SamplingParams.disable_speculation), its conversion from
+# the proto, EngineConfig.speculative and ServerInfo's counters, and on the executor the one
+# owner of request state (SeqState.draft_num_computed), the runner's per-step view and its
+# draft, the flag's field in ModelSettings.
 LIMITS: dict[str, dict[str, int]] = {
     "lora": {"scheduler_svc": 25, "executor_svc": 14, "frontend_svc": 3, "client": 6, "protos": 2},
     "speculative": {
-        "scheduler_svc": 16,
-        "executor_svc": 5,
+        "scheduler_svc": 8,
+        "executor_svc": 3,
         "frontend_svc": 0,
         "client": 3,
         "protos": 2,
