@@ -29,10 +29,6 @@ def executor_params(params: SamplingParams, seed: int | None) -> epb.SamplingPar
         msg.num_prompt_logprobs = params.prompt_logprobs
     if not params.max_tokens:
         msg.prompt_only = True
-        pooling = getattr(params, "pooling", None)  # an embedding request (core/pooling.py)
-        if pooling is not None:
-            msg.pooling.type, msg.pooling.normalize = pooling.type, pooling.normalize
-            msg.pooling.dimensions = pooling.dimensions
     if params.min_tokens > 0:
         # EOS is masked too, but the executor knows its own EOS ids: only stop ids travel, and
         # only for the (rare) requests that ask for min_tokens.
