@@ -73,7 +73,7 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # Files naming each feature outside its homes, at most, per package ("protos": the .proto
 # sources): where the tree stands after issue 43's first pass (scheduler/executor/frontend/
 # client/protos): LoRA 25/14/3/6/2 (50), speculative 8/3/0/3/2 (16), structured outputs
-# 7/3/11/2/2 (25), pooling 5/3/3/4/2 (17), prompt logprobs 9/4/4/2/2 (21). Main before it,
+# 3/3/9/2/2 (19), pooling 5/3/3/4/2 (17), prompt logprobs 9/4/4/2/2 (21). Main before it,
 # same patterns, its homes then (scheduler_svc/lora and /grammar, executor_svc/lora, the
 # frontend and client modules above): LoRA 26/16/9/6/2, speculative 17/9/0/3/2, structured
 # outputs 9/5/7/2/2, pooling 12/8/2/6/2, prompt logprobs 9/5/4/2/2. The frontend's structured
@@ -97,6 +97,13 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # RequestFront.embed), the executor's per-sequence PoolingState (runner/sampler.py) and
 # execute's list of pooled vectors, the frontend's router and Batch API endpoint, the
 # client's embed methods (the public API), and each registry.
+# Structured outputs 7/11 -> 3/9 (scheduler/frontend): ahead planning and speculation ask
+# SamplingParams.step_by_step (each step depends on the one before) instead of naming the
+# field; comments that used the words in another sense or described tool calling's schemas
+# reworded. Left: SamplingParams.structured_output and its conversion, the registries, on the
+# executor the runner's per-step token_mask and speculation's refusal of a constrained
+# sequence (its error names token_masks), the frontend's handlers and protocol modules that
+# read the fields, the reasoning wrapper and the structural-tag grammar of tool calling.
 LIMITS: dict[str, dict[str, int]] = {
     "lora": {"scheduler_svc": 25, "executor_svc": 14, "frontend_svc": 3, "client": 6, "protos": 2},
     "speculative": {
@@ -107,9 +114,9 @@ LIMITS: dict[str, dict[str, int]] = {
         "protos": 2,
     },
     "structured outputs": {
-        "scheduler_svc": 7,
+        "scheduler_svc": 3,
         "executor_svc": 3,
-        "frontend_svc": 11,
+        "frontend_svc": 9,
         "client": 2,
         "protos": 2,
     },
