@@ -73,7 +73,7 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # Files naming each feature outside its homes, at most, per package ("protos": the .proto
 # sources): where the tree stands after issue 43's first pass (scheduler/executor/frontend/
 # client/protos): LoRA 25/14/3/6/2 (50), speculative 8/3/0/3/2 (16), structured outputs
-# 3/3/9/2/2 (19), pooling 5/3/3/4/2 (17), prompt logprobs 9/4/4/2/2 (21). Main before it,
+# 3/3/9/2/2 (19), pooling 5/3/2/4/2 (16), prompt logprobs 9/4/4/2/2 (21). Main before it,
 # same patterns, its homes then (scheduler_svc/lora and /grammar, executor_svc/lora, the
 # frontend and client modules above): LoRA 26/16/9/6/2, speculative 17/9/0/3/2, structured
 # outputs 9/5/7/2/2, pooling 12/8/2/6/2, prompt logprobs 9/5/4/2/2. The frontend's structured
@@ -88,11 +88,12 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # the proto, EngineConfig.speculative and ServerInfo's counters, and on the executor the one
 # owner of request state (SeqState.draft_num_computed), the runner's per-step view and its
 # draft, the flag's field in ModelSettings.
-# Pooling 10/6/4/6 -> 5/3/3/4: the NewSequence's pooling (step_message hook), the "embed"
+# Pooling 10/6/4/6 -> 5/3/2/4: the NewSequence's pooling (step_message hook), the "embed"
 # task (server_info hook) and the Embed RPC's conversion (features/pooling/proto.py) moved to
 # its folder; a MEAN request's recompute-only preemption is Request.swappable, set by
 # core/pooling.py; six files used the words in another sense (a connection pool, a model's
-# token embeddings, latencies pooled over requests, the tasks field) and were reworded. Left:
+# token embeddings, latencies pooled over requests, the tasks field) and were reworded; the
+# Batch API's runner aborts the lines of lines.ABORTABLE endpoints instead of naming one. Left:
 # the core's prompt-only request (core/pooling.py), the Embed RPC (servicer, EngineClient,
 # RequestFront.embed), the executor's per-sequence PoolingState (runner/sampler.py) and
 # execute's list of pooled vectors, the frontend's router and Batch API endpoint, the
@@ -123,7 +124,7 @@ LIMITS: dict[str, dict[str, int]] = {
     "pooling": {
         "scheduler_svc": 5,
         "executor_svc": 3,
-        "frontend_svc": 3,
+        "frontend_svc": 2,
         "client": 4,
         "protos": 2,
     },
