@@ -71,8 +71,8 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 # Files naming each feature outside its homes, at most, per package ("protos": the .proto
-# sources): where the tree stands after issue 43's first pass (scheduler/executor/frontend/
-# client/protos): LoRA 25/14/3/6/2 (50), speculative 8/3/0/3/2 (16), structured outputs
+# sources): where the tree stands after issue 43's first pass and, for speculative,
+# structured outputs and pooling, its second (below) (scheduler/executor/frontend/client/protos): LoRA 25/14/3/6/2 (50), speculative 8/3/0/3/2 (16), structured outputs
 # 3/3/9/2/2 (19), pooling 5/3/2/4/2 (16), prompt logprobs 9/4/4/2/2 (21). Main before it,
 # same patterns, its homes then (scheduler_svc/lora and /grammar, executor_svc/lora, the
 # frontend and client modules above): LoRA 26/16/9/6/2, speculative 17/9/0/3/2, structured
@@ -87,7 +87,8 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # the scheduler output's proposals, SamplingParams.disable_speculation), its conversion from
 # the proto, EngineConfig.speculative and ServerInfo's counters, and on the executor the one
 # owner of request state (SeqState.draft_num_computed), the runner's per-step view and its
-# draft, the flag's field in ModelSettings.
+# draft, the flag's field in ModelSettings. The client's (params, server info, the offline
+# LLM's speculative_config) and the protos' are public API, unchanged.
 # Pooling 10/6/4/6 -> 5/3/2/4: the NewSequence's pooling (step_message hook), the "embed"
 # task (server_info hook) and the Embed RPC's conversion (features/pooling/proto.py) moved to
 # its folder; a MEAN request's recompute-only preemption is Request.swappable, set by
