@@ -297,7 +297,7 @@ class ServerInfo:
     kv_cache_usage: float
     executors: list[ExecutorInfo]
     routing: str = ""
-    tasks: list[str] = field(default_factory=list)  # "generate", "embed"
+    tasks: list[str] = field(default_factory=list)  # what the model serves (proto: tasks)
     hidden_size: int = 0  # an embedding's length without `dimensions`
     # Speculative decoding: accepted / proposed tokens so far, and k (0: off).
     spec_decode_acceptance_rate: float = 0.0

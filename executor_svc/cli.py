@@ -17,6 +17,11 @@ from executor_svc.api.server import ExecutorServer
 from executor_svc.config import envs, numerics
 from executor_svc.config.logs import configure_logging
 from executor_svc.config.settings import ENVIRONMENT_HELP, SECTIONS, ExecutorConfig
+from executor_svc.features.flags import (
+    add_feature_flags,
+    feature_server_options,
+    feature_usage_errors,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -74,12 +79,7 @@ def _model_flags(g: argparse._ArgumentGroup) -> None:
         "alone (benchmarks of model shapes without their weights); wins over "
         "$LLMSERVE_LOAD_FORMAT, also in tensor-parallel workers",
     )
-    g.add_argument(
-        "--speculative-model",
-        default=None,
-        help="a draft checkpoint (same tokenizer, fewer layers) for the scheduler's "
-        '--speculative-config \'{"method": "draft_model", ...}\'; not with TP > 1',
-    )
+    add_feature_flags("model", g)  # the flags features declare in their folders
     g.add_argument("--max-model-len", type=int, default=None)
 
 
@@ -284,8 +284,8 @@ def _check(config: ExecutorConfig, parser: argparse.ArgumentParser) -> None:
         parser.error("--tls-cert and --tls-key go together; --tls-ca needs them")
     if server.drain_timeout < 0 or server.grace < 0:
         parser.error("--drain-timeout and --grace are seconds >= 0")
-    if config.model.speculative_model and config.compute.tensor_parallel_size > 1:
-        parser.error("--speculative-model does not run with --tensor-parallel-size > 1 yet")
+    for error in feature_usage_errors(config):
+        parser.error(error)
     tp_error = _tensor_parallel_error(config)
     if tp_error is not None:
         parser.error(tp_error)
@@ -331,7 +331,7 @@ def _build_server(config: ExecutorConfig, lora: Any) -> ExecutorServer:
         max_model_len=model.max_model_len,
         attention_backend=model.attention_backend,
         **({"quantization": model.quantization} if model.quantization else {}),
-        **({"speculative_model": model.speculative_model} if model.speculative_model else {}),
+        **feature_server_options(config),
         tls=config.tls.credentials(),
         tensor_parallel_size=config.compute.tensor_parallel_size,
         log_level=config.server.log_level,

@@ -36,7 +36,7 @@ async def models(request: Request):
         "root": name,
         "parent": None,
         "max_model_len": await state.max_model_len(),
-        # What the model serves: "generate" and "embed" (/v1/embeddings).
+        # The tasks the model serves, as the scheduler lists them (GetServerInfo.tasks).
         "supported_tasks": (await state.info()).tasks or ["generate"],
     }
     cards = []  # the features' other model names (model_variants.py)

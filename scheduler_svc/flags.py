@@ -8,9 +8,9 @@ import argparse
 from pathlib import Path
 
 from scheduler_svc import envs
-from scheduler_svc.core.spec_decode import SpeculativeConfig
 from scheduler_svc.engine.fleet.routing import ROUTING_POLICIES
 from scheduler_svc.features.deadlines.timeouts import check_timeout
+from scheduler_svc.features.flags import add_feature_flags
 from scheduler_svc.state.connect import parse_sentinels
 
 
@@ -116,16 +116,7 @@ def _scheduling_flags(g: argparse._ArgumentGroup) -> None:
 
 
 def _features_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument(
-        "--speculative-config",
-        type=_speculative_config,
-        default=None,
-        help='speculative decoding, off by default; JSON like {"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}, or '
-        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (the executors '
-        "then need --speculative-model PATH). Outputs (greedy and seeded) are unchanged; only "
-        "the speed changes",
-    )
+    add_feature_flags(g)  # the flags features declare in their folders (features/flags.py)
     g.add_argument(
         "--lora-modules",
         nargs="+",
@@ -278,13 +269,6 @@ def _sentinels(text: str) -> tuple[tuple[str, int], ...]:
     try:
         return parse_sentinels(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _speculative_config(text: str) -> SpeculativeConfig:
-    try:
-        return SpeculativeConfig.from_json(text)
-    except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 

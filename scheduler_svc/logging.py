@@ -19,7 +19,7 @@ def configure_logging(level: str = "info", *, json: bool = False) -> None:
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
-            # exc_info as a structured traceback in JSON (the console renderer prints its own).
+            # exc_info as a traceback of fields in JSON (the console renderer prints its own).
             *([structlog.processors.dict_tracebacks] if json else []),
             renderer,
         ],

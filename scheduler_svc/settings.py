@@ -12,6 +12,7 @@ from pathlib import Path
 
 from scheduler_svc import envs
 from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.features.flags import feature_settings
 from scheduler_svc.features.lora.registry import parse_lora_modules
 
 __all__ = ["SchedulerSettings", "ServerSettings"]
@@ -85,7 +86,6 @@ def engine_config(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         preemption_mode=args.preemption_mode,
         enable_prefix_caching=not args.no_prefix_caching,
         async_scheduling=not args.no_async_scheduling,
-        speculative=args.speculative_config,
         watermark=args.watermark,
         max_logprobs=args.max_logprobs,
         finished_ttl_s=args.finished_ttl,
@@ -110,4 +110,5 @@ def engine_config(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         leader_election=args.leader_election,
         lease_ttl_s=args.leader_lease_ttl,
         lora_modules=parse_lora_modules(args.lora_modules),
+        **feature_settings(args),
     )

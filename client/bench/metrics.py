@@ -6,7 +6,7 @@ the system or for a --max-concurrency slot, counts towards its latency on every 
 - TTFT: first output token received - request start.
 - TPOT: (last token - first token) / (output tokens - 1), per request; requests with a single
   output token have no TPOT.
-- ITL: gaps between consecutive output tokens of a request, pooled over all requests. Tokens
+- ITL: gaps between consecutive output tokens of a request, gathered over all requests. Tokens
   that arrive in one message share a timestamp and contribute zero gaps.
 - E2EL: last token (or failure) - request start.
 - Goodput: successful requests per second whose TTFT, TPOT and E2EL are all within the given

@@ -380,7 +380,7 @@ def make_weights(config: dict[str, Any], *, seed: int = 0) -> dict[str, torch.Te
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # Names and shapes come from transformers itself on the meta device (no memory, no init
-    # work), so every override (head_dim, biases, tied embeddings) lays out exactly as HF does.
+    # work), so every override (head_dim, biases, a tied lm_head) lays out exactly as HF does.
     hf_config = LlamaConfig(**_config_kwargs(config))
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in LlamaForCausalLM(hf_config).state_dict().items()}

@@ -1,16 +1,16 @@
 """The executor's features, built once at start-up from its configuration, in the order their
 hooks run (features/base.py).
 
-Order matters twice: structured outputs check their masks before speculation checks that no
-constrained sequence verifies proposals (``check_step``); prompt logprobs' LM-head passes come
-before pooling's rows and the sampling pass, as the tensor-parallel workers expect. The
-per-request features (structured outputs, speculation's verification, prompt logprobs,
-pooling) are always on; LoRA and the draft model only with their configuration.
+Order matters twice: a feature's ``check_step`` may rely on the checks of those before it
+(features/spec: no constrained sequence verifies proposals, so the masks are checked first);
+prompt logprobs' LM-head passes come before pooling's rows and the sampling pass, as the
+tensor-parallel workers expect. The per-request features are always on; LoRA and a feature's
+optional model part only with their configuration (``options``: each feature reads its own).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 from executor_svc.features.base import Features
 from executor_svc.features.lora.feature import Lora
@@ -23,14 +23,13 @@ from executor_svc.features.structured.feature import StructuredOutput
 __all__ = ["build_features"]
 
 
-def build_features(
-    *, lora: LoraConfig | None = None, speculative_model: str | Path | None = None
-) -> Features:
-    """``lora``: serve adapters (None: refuse them); ``speculative_model``: a draft checkpoint."""
+def build_features(*, lora: LoraConfig | None = None, **options: Any) -> Features:
+    """``lora``: serve adapters (None: refuse them); ``options``: the runner's keyword
+    arguments that configure a feature, by the name the feature reads."""
     return Features(
         [
             StructuredOutput(),
-            SpecDecode(speculative_model),
+            SpecDecode.build(options),
             Lora(lora),
             PromptLogprobs(),
             Pooling(),

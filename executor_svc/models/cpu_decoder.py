@@ -167,7 +167,7 @@ def _set_caches(plan: _Plan, kv_caches: Any) -> bool:
 
 def forward(
     model: Any,
-    x: torch.Tensor,  # [num_tokens, hidden] fp32: the embeddings (overwritten)
+    x: torch.Tensor,  # [num_tokens, hidden] fp32: the input hidden states (overwritten)
     rope: tuple[torch.Tensor, torch.Tensor],
     kv_caches: Any,
     md: AttentionMetadata,

@@ -8,9 +8,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ENDPOINTS", "BatchLine", "LineError", "parse_lines", "parse_window"]
+__all__ = ["ABORTABLE", "ENDPOINTS", "BatchLine", "LineError", "parse_lines", "parse_window"]
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# The endpoints whose lines run as scheduler requests that an abort stops (an embeddings line
+# is one unary call, with no request to abort).
+ABORTABLE = frozenset({"/v1/chat/completions", "/v1/completions"})
 _WINDOW = re.compile(r"^(\d+)([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_CUSTOM_ID_LEN = 512

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import structlog
 
-from frontend_svc.batch.lines import BatchLine, parse_lines
+from frontend_svc.batch.lines import ABORTABLE, BatchLine, parse_lines
 from frontend_svc.batch.settings import BatchSettings, key_fingerprint
 from frontend_svc.batch.store import FINAL, BatchStore
 
@@ -232,10 +232,10 @@ class BatchRunner:
         return _dumps(out), resp.status_code == 200
 
     async def _abort(self, bid: str, lines: list[BatchLine], key: str | None) -> None:
-        """Abort the scheduler requests of lines cut short (embeddings have none)."""
+        """Abort the scheduler requests of lines cut short (lines.ABORTABLE: some have none)."""
         client = self.app.state.frontend.client_for(key)
         for line in lines:
-            if line.url == "/v1/embeddings":
+            if line.url not in ABORTABLE:
                 continue
             base, n = request_id(bid, line.index), line.body.get("n") or 1
             for rid in [base] if n == 1 else [f"{base}-{i}" for i in range(int(n))]:

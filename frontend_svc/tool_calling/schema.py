@@ -1,5 +1,5 @@
 """JSON Schemas that hold a model to tool calls, for `tool_choice: "required"` and a named
-function (the scheduler enforces them as structured outputs).
+function (the scheduler enforces them as it does any constraint on a request's output).
 
 Named: the output is the function's arguments, so the schema is its `parameters`.
 Required: the output is a JSON list of `{"name": <one of the tools>, "parameters": {...}}`,
@@ -52,8 +52,8 @@ def call_list_schema(functions: list[FunctionDefinition], *, parallel: bool) -> 
 
 def compact_json(schema: dict[str, Any]) -> dict[str, Any]:
     """`schema` asking llguidance for compact JSON (", " and ": ", no free whitespace), as the
-    scheduler asks of a json_schema constraint, where a schema sits inside a grammar (a
-    structural tag, the reasoning grammar) and would otherwise let a model pad with whitespace
+    scheduler asks of a json_schema constraint, where a schema sits inside a larger constraint
+    (a structural tag, the one that lets reasoning through first) and would otherwise let a model pad with whitespace
     without end. A schema's own x-guidance options win."""
     options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     return {"x-guidance": options, **schema}

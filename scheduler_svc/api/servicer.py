@@ -19,7 +19,7 @@ import structlog
 from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
 from scheduler_svc import tracing
-from scheduler_svc.api import convert, embed
+from scheduler_svc.api import convert
 from scheduler_svc.api.auth import bearer_token, key_name
 from scheduler_svc.api.rpc_guard import Malformed, RateLimitedLog, reject_malformed
 from scheduler_svc.core.errors import EngineError, NotFound, QueueFull, Unavailable, ValidationError
@@ -27,6 +27,7 @@ from scheduler_svc.core.request import FinishReason
 from scheduler_svc.engine.client import EngineClient
 from scheduler_svc.engine.config import AbortOutcome, public_id, scoped_id
 from scheduler_svc.engine.streams import EngineEvent, RequestHandle
+from scheduler_svc.features.pooling import proto as embed
 
 log = structlog.get_logger(__name__)
 

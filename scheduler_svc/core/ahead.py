@@ -52,8 +52,8 @@ def plan_ahead(
     for req in running:
         if req.status != _RUNNING:
             continue
-        if len(req.seqs) != 1 or req.sampling_params.structured_output is not None:
-            # A constrained sequence's next mask depends on the token still being sampled.
+        if len(req.seqs) != 1 or req.sampling_params.step_by_step:
+            # Its next step depends on the token still being sampled (a constraint's mask).
             return None
         seq = req.seqs[0]
         if seq.seq_id not in sampling:

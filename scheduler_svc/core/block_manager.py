@@ -242,9 +242,10 @@ class BlockManager:
     # ------------------------------------------------------------------ release
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Give back seq's blocks past those its first `num_tokens` tokens need (speculative
-        slots of rejected proposals). Only blocks no token of seq is computed in go: they are
-        neither cached nor shared (grow() made them seq's own), so they return to the free list."""
+        """Give back seq's blocks past those its first `num_tokens` tokens need (slots of
+        extra query positions whose tokens a step did not keep). Only blocks no token of seq is
+        computed in go: they are neither cached nor shared (grow() made them seq's own), so they
+        return to the free list."""
         keep = self.num_blocks_for(num_tokens)
         table = seq.block_table
         if keep >= len(table):

@@ -52,6 +52,7 @@ def embed_request(
     req = Request(req_id, token_ids, params, priority=priority, arrival_time=arrival_time)
     for seq in req.seqs:
         seq.use_prefix_cache = pooling.type == PoolingType.LAST
+    req.swappable = swappable(req)
     return req
 
 

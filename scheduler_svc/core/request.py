@@ -160,6 +160,9 @@ class Request:
     # Its plain decode steps may use the step message's packed decode lane (which carries no
     # top logprobs, so only requests that ask for none).
     decode_lane: bool = field(init=False, default=True)
+    # False: preempted by recompute, never by swap (the executor keeps state of it outside its
+    # KV blocks that a swapped-in sequence would not get back).
+    swappable: bool = field(init=False, default=True)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -46,6 +46,13 @@ class SamplingParams:
     # Opt out of speculative decoding (--speculative-config); outputs are the same either way.
     disable_speculation: bool = False
 
+    @property
+    def step_by_step(self) -> bool:
+        """Whether each step's sampling depends on the tokens of the step before (a constrained
+        request's mask is computed from them): none of its steps is planned before the previous
+        one is applied (core/ahead.py), none verifies proposed tokens (core/spec_decode.py)."""
+        return self.structured_output is not None
+
     def validate(self, *, max_logprobs: int, vocab_size: int | None = None) -> None:
         """Raise ValidationError naming the first field out of range."""
         if not 1 <= self.n <= MAX_N:

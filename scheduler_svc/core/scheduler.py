@@ -19,7 +19,6 @@ from __future__ import annotations
 from scheduler_svc.core.ahead import plan_ahead
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.lora import LoraBudget
-from scheduler_svc.core.pooling import swappable
 from scheduler_svc.core.prefix_wait import (
     prefix_blocks_in_flight,
     uncomputed_prompt_hashes,
@@ -436,8 +435,7 @@ class Scheduler(SchedulerState):
             if seq.sent:
                 out.finished_seq_ids.append(seq.seq_id)
                 seq.sent = False
-        # (swappable: a mean-pooling embedding request is always recomputed; core/pooling.py)
-        if self.config.preemption_mode == "swap" and bm.can_swap_out(live) and swappable(req):
+        if self.config.preemption_mode == "swap" and bm.can_swap_out(live) and req.swappable:
             out.blocks_to_swap_out.extend(bm.swap_out(live))
             self._set_status(req, live, RequestStatus.SWAPPED)
             self._swapped.push(req)

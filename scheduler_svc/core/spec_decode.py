@@ -202,7 +202,7 @@ class SpecDecoder:
 
     def eligible(self, req: Request) -> bool:
         p = req.sampling_params
-        return p.n == 1 and p.structured_output is None and not p.disable_speculation
+        return p.n == 1 and not p.step_by_step and not p.disable_speculation
 
     def propose(self, req: Request, seq: Sequence, max_len: int, budget: int) -> list[int]:
         """Proposals for seq's next step (a decode), bounded by max_tokens (the last token of

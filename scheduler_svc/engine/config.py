@@ -189,10 +189,10 @@ class ServerInfo:
     num_preemptions: int
     prefix_cache_hit_rate: float
     routing: str = "kv"
-    # Every model llmserve loads is a decoder LLM: it generates, and its last hidden states pool
-    # into embeddings (as vLLM's pooling runner does for decoder checkpoints).
-    tasks: list[str] = field(default_factory=lambda: ["generate", "embed"])
-    hidden_size: int = 0  # the size of an embedding (features/pooling/embeds.py)
+    # Every model llmserve loads is a decoder LLM: it generates; features add the other tasks
+    # it serves (their server_info hook).
+    tasks: list[str] = field(default_factory=lambda: ["generate"])
+    hidden_size: int = 0  # the width of the model's final hidden state (Describe)
     # Speculative decoding (core/spec_decode.py), summed over executors; zeros when off.
     spec_decode_acceptance_rate: float = 0.0
     num_speculative_tokens: int = 0

@@ -8,6 +8,8 @@ feature. The hooks, and who calls them:
 
 | point | hook | called by |
 | --- | --- | --- |
+| connect | ``check_executor`` | the fleet's handshake with each executor |
+| scheduling budget | ``scheduling`` | the fleet's ``new_scheduler`` (the core's configuration) |
 | validate/submit | ``validate`` (async), ``handle_fields`` | ``RequestFront.submit`` |
 | admit (submit and recovery) | ``admit`` | ``RequestTable.add`` |
 | between steps | ``between_steps``, ``holds_ahead`` | ``StepLoop`` (the executor's lock held) |
@@ -17,8 +19,8 @@ feature. The hooks, and who calls them:
 | metrics, server info | ``metrics``, ``server_info`` | ``EngineMetrics.collect``, ``RequestFront.server_info`` |
 
 What a feature changes in a step's scheduling budget (distinct adapters per step, extra query
-positions) stays in the scheduling core, which imports nothing outside itself: there it is
-configured (core/config.py), not hooked.
+positions) stays in the scheduling core, which imports nothing outside itself: the feature
+hands the core its part of the configuration (``scheduling``: core/config.py's fields).
 
 Cost: ``Features`` lists, per hook, only the features that override it, once; a hook nobody
 uses is an empty tuple. Per sequence, the reply loop calls one ``Taker`` per sampled sequence:
@@ -105,6 +107,18 @@ class Feature:
 
     name: ClassVar[str] = ""
 
+    # ------------------------------------------------------------------ connect, budget
+
+    def check_executor(self, describe: epb.DescribeResponse) -> str | None:
+        """Why an executor, as its Describe reports it, cannot serve the feature (None: it
+        can); the scheduler refuses it before resetting it."""
+        return None
+
+    def scheduling(self) -> dict[str, Any]:
+        """The fields of each executor's scheduling core's configuration (core/config.py
+        ``SchedulerConfig``) the feature sets."""
+        return {}
+
     # ------------------------------------------------------------------ validate/submit
 
     async def validate(self, inp: GenerateInput) -> None:
@@ -182,6 +196,10 @@ class Features:
         def having(hook: str) -> tuple[Any, ...]:
             return tuple(getattr(f, hook) for f in self.all if _overrides(f, hook))
 
+        self.check_executor: tuple[Callable[[epb.DescribeResponse], str | None], ...] = having(
+            "check_executor"
+        )
+        self._scheduling = having("scheduling")
         self._validate = having("validate")
         self._handle_fields = having("handle_fields")
         self.admit: tuple[Callable[[RequestHandle], None], ...] = having("admit")
@@ -205,6 +223,12 @@ class Features:
     def get(self, name: str) -> Any:
         """The named feature (None when it is not built)."""
         return self.by_name.get(name)
+
+    def scheduling(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        for hook in self._scheduling:
+            fields.update(hook())
+        return fields
 
     async def validate(self, inp: GenerateInput) -> None:
         for hook in self._validate:

@@ -4,7 +4,7 @@ order their hooks run (features/base.py).
 Order matters once: a request's taker is chosen by ``admit`` in this order, and a constrained
 request's grammar check wraps whatever was chosen before it (a prompt-only request ends without
 one). Prompt logprobs, structured outputs, LoRA names, embeddings and deadlines are per request
-and always on; speculation's reply hook only with ``--speculative-config``.
+and always on; a feature with a ``build`` decides from the configuration whether it is on.
 """
 
 from __future__ import annotations
@@ -47,6 +47,5 @@ def build_features(
         Pooling(embeds),
         Deadlines(config.request_timeout_s, table, persister),
     ]
-    if config.speculative is not None:
-        features.append(SpecDecode(config.speculative, pool))
-    return Features(features)
+    optional = (SpecDecode.build(config, pool),)
+    return Features([*features, *(f for f in optional if f is not None)])

@@ -26,7 +26,7 @@ import structlog
 
 from scheduler_svc import cli as scheduler_cli
 from scheduler_svc import envs
-from scheduler_svc.core.spec_decode import SpeculativeConfig
+from scheduler_svc.features.flags import add_launch_flags, launch_args
 from scheduler_svc.logging import configure_logging
 
 log = structlog.get_logger(__name__)
@@ -70,17 +70,6 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> None:
             proc.wait()
 
 
-def speculative_executor_args(speculative_config: str | None) -> list[str]:
-    """The executor's share of a ``--speculative-config``: a draft model's checkpoint."""
-    if not speculative_config:
-        return []
-    try:
-        config = SpeculativeConfig.from_json(speculative_config)
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"--speculative-config: {e}") from None
-    return ["--speculative-model", config.model] if config.uses_draft else []
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llmserve-launch", description=__doc__)
     p.add_argument("--model", default=envs.local_model())
@@ -116,12 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="passed to the scheduler, after the launcher's own (so it wins), e.g. "
         "--scheduler-arg=--max-num-seqs=64",
     )
-    p.add_argument(
-        "--speculative-config",
-        default=None,
-        help="the scheduler's --speculative-config; a draft_model's checkpoint is also passed to "
-        "the executor (--speculative-model)",
-    )
+    add_launch_flags(p)  # features' own (features/flags.py)
     return p
 
 
@@ -140,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     log.info("launch.executor_starting", model=args.model)
     executor_args = ["--log-level", args.log_level, *args.executor_arg]
-    executor_args += speculative_executor_args(args.speculative_config)
+    executor_args += launch_args(args)[0]
     if args.metrics_port:
         executor_args += ["--metrics-port", str(args.metrics_port + 1)]
     redis_args: list[str] = []
@@ -173,7 +157,7 @@ def scheduler_argv(
         "--port", str(args.scheduler_port), "--redis-dir", args.redis_dir,
         "--log-level", args.log_level,
         *(["--metrics-port", str(args.metrics_port)] if args.metrics_port else []),
-        *(["--speculative-config", args.speculative_config] if args.speculative_config else []),
+        *launch_args(args)[1],
         *redis_args, *args.scheduler_arg,
     ]  # fmt: skip
 

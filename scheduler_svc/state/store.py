@@ -309,7 +309,7 @@ class RequestStore:
                 raise StoreGapError(f"stored tokens of {a.req_id}/{a.index} end before {a.offset}")
 
     async def _run_append(self, packed: bytes) -> list[int]:
-        """Send a pre-packed EVALSHA of the append script on a pooled connection.
+        """Send a pre-packed EVALSHA of the append script on a connection of the pool.
 
         The step's command is packed here (`keys.pack_appends`) rather than by redis-py, whose
         per-argument packing costs more scheduler CPU than the rest of the write together.

@@ -71,36 +71,62 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 # Files naming each feature outside its homes, at most, per package ("protos": the .proto
-# sources): where the tree stands after issue 43's first pass (scheduler/executor/frontend/
-# client/protos): LoRA 25/14/3/6/2 (50), speculative 16/5/0/3/2 (26), structured outputs
-# 7/3/11/2/2 (25), pooling 10/6/4/6/2 (28), prompt logprobs 9/4/4/2/2 (21). Main before it,
+# sources): where the tree stands after issue 43's first pass and, for speculative,
+# structured outputs and pooling, its second (below) (scheduler/executor/frontend/client/protos): LoRA 25/14/3/6/2 (50), speculative 8/3/0/3/2 (16), structured outputs
+# 3/3/9/2/2 (19), pooling 5/3/2/4/2 (16), prompt logprobs 9/4/4/2/2 (21). Main before it,
 # same patterns, its homes then (scheduler_svc/lora and /grammar, executor_svc/lora, the
 # frontend and client modules above): LoRA 26/16/9/6/2, speculative 17/9/0/3/2, structured
 # outputs 9/5/7/2/2, pooling 12/8/2/6/2, prompt logprobs 9/5/4/2/2. The frontend's structured
 # count grew with the reasoning parser and strict tools (issue 46), its pooling count with the
 # Batch API (whose lines may name /v1/embeddings), the scheduler's with the
 # flag and settings modules of one configuration object (every feature has a flag there).
+# Speculative 16/5 -> 8/3 (scheduler/executor): its flags, the executor check at connect, the
+# core's configuration and the step message's proposals moved behind hooks into its folders
+# (features/flags.py registers the flags a feature declares; features/base.py check_executor,
+# scheduling, step_message). Left: the scheduling core's part (the proposer, the step budget,
+# the scheduler output's proposals, SamplingParams.disable_speculation), its conversion from
+# the proto, EngineConfig.speculative and ServerInfo's counters, and on the executor the one
+# owner of request state (SeqState.draft_num_computed), the runner's per-step view and its
+# draft, the flag's field in ModelSettings. The client's (params, server info, the offline
+# LLM's speculative_config) and the protos' are public API, unchanged.
+# Pooling 10/6/4/6 -> 5/3/2/4: the NewSequence's pooling (step_message hook), the "embed"
+# task (server_info hook) and the Embed RPC's conversion (features/pooling/proto.py) moved to
+# its folder; a MEAN request's recompute-only preemption is Request.swappable, set by
+# core/pooling.py; six files used the words in another sense (a connection pool, a model's
+# token embeddings, latencies pooled over requests, the tasks field) and were reworded; the
+# Batch API's runner aborts the lines of lines.ABORTABLE endpoints instead of naming one. Left:
+# the core's prompt-only request (core/pooling.py), the Embed RPC (servicer, EngineClient,
+# RequestFront.embed), the executor's per-sequence PoolingState (runner/sampler.py) and
+# execute's list of pooled vectors, the frontend's router and Batch API endpoint, the
+# client's embed methods (the public API), and each registry.
+# Structured outputs 7/11 -> 3/9 (scheduler/frontend): ahead planning and speculation ask
+# SamplingParams.step_by_step (each step depends on the one before) instead of naming the
+# field; comments that used the words in another sense or described tool calling's schemas
+# reworded. Left: SamplingParams.structured_output and its conversion, the registries, on the
+# executor the runner's per-step token_mask and speculation's refusal of a constrained
+# sequence (its error names token_masks), the frontend's handlers and protocol modules that
+# read the fields, the reasoning wrapper and the structural-tag grammar of tool calling.
 LIMITS: dict[str, dict[str, int]] = {
     "lora": {"scheduler_svc": 25, "executor_svc": 14, "frontend_svc": 3, "client": 6, "protos": 2},
     "speculative": {
-        "scheduler_svc": 16,
-        "executor_svc": 5,
+        "scheduler_svc": 8,
+        "executor_svc": 3,
         "frontend_svc": 0,
         "client": 3,
         "protos": 2,
     },
     "structured outputs": {
-        "scheduler_svc": 7,
+        "scheduler_svc": 3,
         "executor_svc": 3,
-        "frontend_svc": 11,
+        "frontend_svc": 9,
         "client": 2,
         "protos": 2,
     },
     "pooling": {
-        "scheduler_svc": 10,
-        "executor_svc": 6,
-        "frontend_svc": 4,
-        "client": 6,
+        "scheduler_svc": 5,
+        "executor_svc": 3,
+        "frontend_svc": 2,
+        "client": 4,
         "protos": 2,
     },
     "prompt logprobs": {

@@ -30,6 +30,7 @@ from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.fleet.step_message import executor_params
+from scheduler_svc.features.pooling.feature import with_pooling
 from tests.support.model_factory import make_tiny_checkpoint
 
 HIDDEN = 8
@@ -212,10 +213,13 @@ def test_only_last_pooling_uses_the_prefix_cache(kind, cached):
 
 
 def test_the_step_message_carries_the_pooling():
-    msg = executor_params(embed("e", PoolingType.MEAN).sampling_params, None)
+    params = embed("e", PoolingType.MEAN).sampling_params
+    # The pooling is added by the feature's step_message hook (features/pooling).
+    msg = with_pooling(executor_params(params, None), params)
     assert msg.prompt_only and msg.pooling.type == epb.POOLING_TYPE_MEAN and msg.pooling.normalize
     assert ExecutorParams.from_proto(msg).pooling == PoolingState(MEAN, True, 0)
-    assert not executor_params(SamplingParams(max_tokens=0), None).HasField("pooling")
+    plain = SamplingParams(max_tokens=0)
+    assert not with_pooling(executor_params(plain, None), plain).HasField("pooling")
 
 
 @pytest.mark.parametrize(("kind", "swapped"), [(PoolingType.LAST, True), (PoolingType.MEAN, False)])

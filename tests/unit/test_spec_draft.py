@@ -279,7 +279,7 @@ def test_executor_refuses_malformed_draft_requests(runners: dict[str, ModelRunne
 
 
 def test_launch_hands_the_draft_to_the_executor() -> None:
-    from scheduler_svc.local.launch import speculative_executor_args
+    from scheduler_svc.features.spec.flags import speculative_executor_args
 
     assert speculative_executor_args(None) == []
     assert speculative_executor_args('{"method": "ngram"}') == []
@@ -306,6 +306,7 @@ def test_scheduler_asks_the_draft_and_takes_its_proposals() -> None:
     from scheduler_svc.core.scheduler import Scheduler
     from scheduler_svc.core.spec_decode import take_draft_proposals
     from scheduler_svc.engine.fleet.step_message import execute_request
+    from scheduler_svc.features.spec.feature import add_proposals
 
     sched = Scheduler(
         SchedulerConfig(
@@ -320,7 +321,9 @@ def test_scheduler_asks_the_draft_and_takes_its_proposals() -> None:
     out = sched.schedule()
     (c,) = out.cached_seqs
     assert (c.num_scheduled_tokens, c.num_draft_tokens, c.spec_token_ids) == (4, 3, [])
-    (wire,) = execute_request(out, out.step_id).cached_sequences
+    msg = execute_request(out, out.step_id)
+    add_proposals(msg, out)  # the feature's step_message hook
+    (wire,) = msg.cached_sequences
     assert (wire.num_draft_tokens, list(wire.spec_token_ids)) == (3, [])
     with pytest.raises(ValueError, match="2 draft proposals"):
         take_draft_proposals(out, {seq.seq_id: [41, 42]})

@@ -79,7 +79,7 @@ def load_gguf_weights(model: LlamaForCausalLM, gguf_path: str | Path) -> dict[st
     # Linear module name -> shard id -> (tensor, rows in HF order)
     quantized: dict[str, dict[Any, tuple[GGUFTensor, np.ndarray]]] = {}
     loaded: set[tuple[str, Any]] = set()
-    embed: GGUFTensor | None = None
+    token_embd: GGUFTensor | None = None
     head: GGUFTensor | None = None  # an untied lm_head of a block type
     held_rows = 0  # row-parallel shards kept as blocks
     for t in file.tensors.values():
@@ -87,7 +87,7 @@ def load_gguf_weights(model: LlamaForCausalLM, gguf_path: str | Path) -> dict[st
             continue
         target = model.checkpoint_to_param_name(t.hf_name)
         if t.hf_name == "model.embed_tokens.weight":
-            embed = t
+            token_embd = t
         if target is None:
             continue
         name, shard_id = target
@@ -128,19 +128,23 @@ def load_gguf_weights(model: LlamaForCausalLM, gguf_path: str | Path) -> dict[st
         held_q = _pack_linear(model.get_submodule(owner_name), owner_name, shards, params)
         held["quantized"] += held_q
     if head is None and model.config.tie_word_embeddings:
-        head = embed if embed is not None and embed.type_id not in quant.FLOAT_TYPES else None
+        head = (
+            token_embd
+            if token_embd is not None and token_embd.type_id not in quant.FLOAT_TYPES
+            else None
+        )
     if sharded and head is not None:  # this rank's vocabulary rows, padding rows zero blocks
         model.packed_lm_head = _vocab_shard(model, head)
         if model.lm_head is not model.embed_tokens:
             model.lm_head.data = model.lm_head.data.new_empty(0)
         held["quantized"] += model.packed_lm_head.nbytes
         head = None
-    if embed is not None and embed.type_id not in quant.FLOAT_TYPES and not sharded:
-        data = torch.from_numpy(np.array(embed.data))
-        model.quant_embedding = quant.QuantWeight(data, embed.type_id, embed.shape[1])
+    if token_embd is not None and token_embd.type_id not in quant.FLOAT_TYPES and not sharded:
+        data = torch.from_numpy(np.array(token_embd.data))
+        model.quant_embedding = quant.QuantWeight(data, token_embd.type_id, token_embd.shape[1])
         model.embed_tokens.data = model.embed_tokens.data.new_empty(0)
         held["quantized"] += data.numel()
-        if head is embed:  # tied: the lm_head reads the same blocks
+        if head is token_embd:  # tied: the lm_head reads the same blocks
             model.packed_lm_head = model.quant_embedding
             head = None
     if head is not None:

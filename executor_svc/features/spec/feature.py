@@ -46,6 +46,13 @@ class SpecDecode(Feature):
         self.handle: DraftModel | None = None
         self._prepare: Any = None
 
+    @classmethod
+    def build(cls, options: dict[str, Any]) -> SpecDecode:
+        """Always on (verification); the draft with the runner's ``speculative_model``. Runs
+        after structured outputs in the registry: ``check_step`` refuses a constrained
+        sequence that verifies proposals, its mask having been checked first."""
+        return cls(options.get("speculative_model"))
+
     # ------------------------------------------------------------------ load
 
     def load(self, ctx: LoadContext) -> None:

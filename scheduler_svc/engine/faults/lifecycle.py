@@ -49,7 +49,7 @@ class Lifecycle:
         self.state = EngineState.STANDBY if leader_election else EngineState.STARTING
         self.lost_reason: str | None = None  # why leadership was lost
         self.leadership_lost = asyncio.Event()  # the CLI restarts the process as a standby
-        # A configuration the executors cannot serve (e.g. a draft model they lack): the CLI
+        # A configuration the executors cannot serve (e.g. a model part a feature needs): the CLI
         # exits with this message, no traceback.
         self.failure: str | None = None
         self.failed = asyncio.Event()

@@ -95,7 +95,7 @@ class Recovery:
             tracing.request_recovered(handle)  # linked to its stored trace context
             # From what clients may have seen (acknowledged), not more: nothing else survived.
             req, record = resumed_request(handle, handle.acked_outputs()), EngineStep()
-            for resumed in self.features.resumed:  # e.g. a grammar its stored tokens complete
+            for resumed in self.features.resumed:  # e.g. a sequence its stored tokens complete
                 resumed(handle, req, record)
             if handle.all_finished:
                 # It had produced its last token before the crash; its finish was not written.

@@ -12,7 +12,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -21,7 +21,6 @@ from protos import executor_pb2 as epb
 from protos import executor_pb2_grpc as epb_grpc
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.core.spec_decode import SpeculativeConfig, draft_executor_error
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle, ExecutorState, Sent
 from scheduler_svc.engine.fleet.routing import Router
 from scheduler_svc.state.store import RequestStore, StoreUnavailable
@@ -66,6 +65,10 @@ class ExecutorPool:
         # This scheduler's leader epoch (0: no leader election), sent with every Reset and
         # step: executors refuse older ones.
         self.epoch = 0
+        # Set by the engine from its features (features/base.py): what each executor must
+        # offer (why not, or None), and their fields of each core's configuration.
+        self.checks: tuple[Callable[[epb.DescribeResponse], str | None], ...] = ()
+        self.core_options: dict[str, Any] = {}
 
     async def initial_addresses(self) -> list[str]:
         """The executors to connect at start-up (with discovery and no addresses: the
@@ -83,7 +86,7 @@ class ExecutorPool:
             channel = self._channel(address)
             stub = epb_grpc.ExecutorStub(channel)
             try:
-                describe = await _handshake(stub, self.epoch, self.config.speculative)
+                describe = await _handshake(stub, self.epoch, self.checks)
             except IncompatibleExecutor:
                 await channel.close()
                 raise
@@ -129,7 +132,7 @@ class ExecutorPool:
         longer fits it). It is not marked healthy here: the caller first fixes the core."""
         await asyncio.sleep(min(0.1 * 2**ex.consecutive_failures, 2.0))
         try:
-            describe = await _handshake(ex.stub, self.epoch, self.config.speculative)
+            describe = await _handshake(ex.stub, self.epoch, self.checks)
         except IncompatibleExecutor as e:  # came back without what this scheduler needs
             log.error("executor.incompatible", address=ex.address, reason=str(e))
             return None
@@ -212,10 +215,10 @@ class ExecutorPool:
                 preemption_mode=c.preemption_mode,
                 enable_prefix_caching=c.enable_prefix_caching,
                 watermark=c.watermark,
-                speculative=c.speculative,
                 max_loras=d.max_loras,
                 # The engine enforces the queue cap across executors; never refuse here.
                 max_waiting=1 << 30,
+                **self.core_options,
             )
         )
 
@@ -308,21 +311,23 @@ class ExecutorPool:
 
 
 class IncompatibleExecutor(Exception):
-    """An executor that cannot serve this scheduler's configuration (e.g. speculative decoding
-    with a draft model it has not loaded); found before it is reset."""
+    """An executor that cannot serve this scheduler's configuration (a feature's check of its
+    Describe failed); found before it is reset."""
 
 
 async def _handshake(
-    stub: epb_grpc.ExecutorStub, epoch: int, speculative: SpeculativeConfig | None = None
+    stub: epb_grpc.ExecutorStub,
+    epoch: int,
+    checks: tuple[Callable[[epb.DescribeResponse], str | None], ...] = (),
 ) -> epb.DescribeResponse:
     """Describe, then Reset: a scheduler (re)connecting owns no blocks on the executor yet,
     and the executor must agree before the first step. An executor that cannot serve the
     configuration is left untouched (IncompatibleExecutor)."""
     describe = await stub.Describe(epb.DescribeRequest(), timeout=5)
-    d = describe
-    error = draft_executor_error(speculative, d.draft_model_name, d.draft_vocab_size, d.vocab_size)
-    if error is not None:
-        raise IncompatibleExecutor(error)
+    for check in checks:
+        error = check(describe)
+        if error is not None:
+            raise IncompatibleExecutor(error)
     await stub.Reset(epb.ResetRequest(leader_epoch=epoch), timeout=5)
     return describe
 

@@ -29,10 +29,6 @@ def executor_params(params: SamplingParams, seed: int | None) -> epb.SamplingPar
         msg.num_prompt_logprobs = params.prompt_logprobs
     if not params.max_tokens:
         msg.prompt_only = True
-        pooling = getattr(params, "pooling", None)  # an embedding request (core/pooling.py)
-        if pooling is not None:
-            msg.pooling.type, msg.pooling.normalize = pooling.type, pooling.normalize
-            msg.pooling.dimensions = pooling.dimensions
     if params.min_tokens > 0:
         # EOS is masked too, but the executor knows its own EOS ids: only stop ids travel, and
         # only for the (rare) requests that ask for min_tokens.
@@ -80,18 +76,7 @@ def _add_cached(msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:
     argument costs a conversion)."""
     add_cached = msg.cached_sequences.add
     for c in out.cached_seqs:
-        if c.spec_token_ids or c.num_draft_tokens:  # speculative decoding (core/spec_decode.py)
-            cached = add_cached(
-                seq_id=c.seq_id,
-                new_block_ids=c.new_block_ids,
-                num_scheduled_tokens=c.num_scheduled_tokens,
-                num_computed_tokens=c.num_computed_tokens,
-                spec_token_ids=c.spec_token_ids,
-                num_draft_tokens=c.num_draft_tokens,
-            )
-            for logical_index, block_id in c.replaced_blocks:
-                cached.replaced_blocks.add(logical_index=logical_index, block_id=block_id)
-        elif c.new_block_ids or c.replaced_blocks:
+        if c.new_block_ids or c.replaced_blocks:
             cached = add_cached(
                 seq_id=c.seq_id,
                 new_block_ids=c.new_block_ids,

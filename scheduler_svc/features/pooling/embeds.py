@@ -52,7 +52,7 @@ DEFAULT_POOLING = PoolingType.LAST  # vLLM's default for decoder LLMs (with norm
 
 @dataclass(slots=True)
 class EmbedInput:
-    """An Embed call, converted at the edge (api/convert.py does not know it: api/embed.py)."""
+    """An Embed call, converted at the edge (api/convert.py does not know it: proto.py)."""
 
     inputs: list[str | list[int]]  # texts or token-id lists
     pooling: PoolingType | None = None  # None: DEFAULT_POOLING

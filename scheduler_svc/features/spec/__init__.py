@@ -1,2 +1,2 @@
-"""Speculative decoding's reply side on the scheduler's hooks (the proposals and their step
-budget are the scheduling core's: core/spec_decode.py)."""
+"""Speculative decoding on the scheduler's hooks (``feature.py``) and its flags (``flags.py``);
+the proposals and their step budget are the scheduling core's (core/spec_decode.py)."""

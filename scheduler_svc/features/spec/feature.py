@@ -1,6 +1,8 @@
-"""Speculative decoding's reply on the scheduler's hooks: the executor's draws after each
-proposal (and a draft model's proposals) go to the core's verification, and each speculating
-sequence's accepted run goes through the stop checks token by token."""
+"""Speculative decoding on the scheduler's hooks: executors checked for a draft model at
+connect, the core configured with the proposer, each step's proposals into the step message,
+and on the reply the executor's draws after each proposal (and a draft model's proposals) go to
+the core's verification, each speculating sequence's accepted run through the stop checks token
+by token."""
 
 from __future__ import annotations
 
@@ -9,12 +11,18 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from protos import executor_pb2 as epb
 from scheduler_svc.core.request import RequestStatus, Sequence
-from scheduler_svc.core.spec_decode import SpeculativeConfig, take_draft_proposals
+from scheduler_svc.core.scheduler_output import SchedulerOutput
+from scheduler_svc.core.spec_decode import (
+    SpeculativeConfig,
+    draft_executor_error,
+    take_draft_proposals,
+)
 from scheduler_svc.features.base import Feature, StepReply
 from scheduler_svc.features.metric_families import counter
 
-__all__ = ["SpecDecode"]
+__all__ = ["SpecDecode", "add_proposals"]
 
 
 class SpecDecode(Feature):
@@ -23,6 +31,23 @@ class SpecDecode(Feature):
     def __init__(self, config: SpeculativeConfig, pool: Any) -> None:
         self.config = config
         self.pool = pool  # engine.fleet.executors.ExecutorPool: each core's counters
+
+    @classmethod
+    def build(cls, config: Any, pool: Any) -> SpecDecode | None:
+        """On only with ``--speculative-config`` (``config``: the engine's)."""
+        return cls(config.speculative, pool) if config.speculative is not None else None
+
+    def check_executor(self, describe: epb.DescribeResponse) -> str | None:
+        d = describe
+        return draft_executor_error(
+            self.config, d.draft_model_name, d.draft_vocab_size, d.vocab_size
+        )
+
+    def scheduling(self) -> dict[str, Any]:
+        return {"speculative": self.config}
+
+    def step_message(self, msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:
+        add_proposals(msg, out)
 
     def metrics(self, model: str, cores: list[Any], stats: list[Any]) -> Iterator[Metric]:
         """Counters under vLLM's spec_decode names, summed over the executors' cores."""
@@ -68,6 +93,19 @@ class SpecDecode(Feature):
             s.seq_id: [x.token_id for x in s.spec_sampled] for s in sampled if s.spec_sampled
         }
         reply.takers = dict.fromkeys(out.spec_token_ids, take_verified)
+
+
+def add_proposals(msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:
+    """The proposals each speculating sequence verifies this step, or how many its draft
+    proposes, onto the step message's running sequences (one per ``out.cached_seqs``, in order);
+    a step that speculates on nothing costs one test."""
+    if not out.spec_token_ids:
+        return
+    for cached, c in zip(msg.cached_sequences, out.cached_seqs, strict=True):
+        if c.spec_token_ids:
+            cached.spec_token_ids.extend(c.spec_token_ids)
+        if c.num_draft_tokens:
+            cached.num_draft_tokens = c.num_draft_tokens
 
 
 def take_verified(handle: Any, seq: Sequence, reply: StepReply) -> RequestStatus | None:

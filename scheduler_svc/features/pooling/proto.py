@@ -1,4 +1,5 @@
-"""Edge conversion of the Embed RPC (protobuf <-> features/pooling/embeds.py)."""
+"""Edge conversion of the Embed RPC (protobuf <-> embeds.py), beside the feature it serves; the
+servicer calls it (api/servicer.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,35 @@
+"""The flags features declare in their own folders: each module listed here adds its flags to
+the ``--help`` group of a section of ``ExecutorConfig`` (``add_flags(section, group)``; the
+values land in that section's fields), may refuse a combination (``usage_error``), and hands
+the server its options (``server_options``). A feature's flags keep their names; only where
+they are declared moved."""
+
+from __future__ import annotations
+
+import argparse
+from types import ModuleType
+from typing import Any
+
+from executor_svc.features.spec import flags as _spec
+
+__all__ = ["add_feature_flags", "feature_server_options", "feature_usage_errors"]
+
+FEATURE_FLAGS: tuple[ModuleType, ...] = (_spec,)
+
+
+def add_feature_flags(section: str, g: argparse._ArgumentGroup) -> None:
+    for module in FEATURE_FLAGS:
+        module.add_flags(section, g)
+
+
+def feature_usage_errors(config: Any) -> list[str]:
+    """``config``: the ``ExecutorConfig``."""
+    errors = (module.usage_error(config) for module in FEATURE_FLAGS)
+    return [e for e in errors if e is not None]
+
+
+def feature_server_options(config: Any) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for module in FEATURE_FLAGS:
+        options.update(module.server_options(config))
+    return options
