@@ -42,38 +42,9 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
 def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
-    out = SamplingParams()
-    for name in ("n", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty"):
-        if p.HasField(name):
-            setattr(out, name, getattr(p, name))
-    out.min_tokens = p.min_tokens
-    out.min_p = p.min_p
-    out.presence_penalty = p.presence_penalty
-    out.frequency_penalty = p.frequency_penalty
-    out.seed = p.seed if p.HasField("seed") else None
-    out.stop = list(p.stop)
-    out.stop_token_ids = list(p.stop_token_ids)
-    out.include_stop_str_in_output = p.include_stop_str_in_output
-    out.ignore_eos = p.ignore_eos
-    out.disable_speculation = p.disable_speculation
-    out.logprobs = p.logprobs if p.HasField("logprobs") else None
-    if p.HasField("skip_special_tokens"):
-        out.skip_special_tokens = p.skip_special_tokens
-    out.logit_bias = dict(p.logit_bias)
-    out.prompt_logprobs = p.prompt_logprobs if p.HasField("prompt_logprobs") else None
-    if p.HasField("structured_output"):
-        out.structured_output = structured_output_from_proto(p.structured_output)
-    return out
-
-
-def structured_output_from_proto(so: pb.StructuredOutput) -> dict[str, object]:
-    """The oneof as a one-key dict (SamplingParams.structured_output)."""
-    kind = so.WhichOneof("kind")
-    if kind is None:
-        raise ValidationError("params.structured_output must set one of its kinds")
-    if kind == "choice":
-        return {"choice": list(so.choice.choices)}
-    return {kind: getattr(so, kind)}
+    """The shared model's conversion (protos/sampling.py): unset optionals take vLLM's
+    defaults; a constraint set with no kind is ValidationError."""
+    return SamplingParams.from_proto(p)
 
 
 def generate_input_from_proto(r: pb.GenerateRequest) -> GenerateInput:

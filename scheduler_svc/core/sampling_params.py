@@ -1,168 +1,29 @@
-"""Public sampling parameters: defaults as in vLLM, and validation with messages naming the field."""
+"""The scheduler's sampling parameters: the one model shared with the client (protos/sampling.py,
+where the fields, vLLM's defaults, the validation, the proto conversion and the stored form
+live), re-exported here under the names the scheduler has always used.
 
-from __future__ import annotations
+The core holds it as a plain dataclass and never calls its proto conversion (api/convert.py
+does); importing it loads no wire types.
+"""
 
-import dataclasses
-import math
-from dataclasses import dataclass, field
-from typing import Any
+from protos.sampling import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+    ValidationError,
+)
 
-MAX_N = 16
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_LEN = 256
-MAX_STOP_TOKEN_IDS = 64
-MAX_LOGIT_BIAS = 1024
-LOGIT_BIAS_LIMIT = 100.0
-
-
-class ValidationError(ValueError):
-    """Invalid user input; the message names the offending field and is safe to show a client."""
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    n: int = 1
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0 = disabled
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top-n logprobs per token; None = none
-    skip_special_tokens: bool = True
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logit
-    prompt_logprobs: int | None = None  # top-n logprobs per prompt token; None = none
-    # One-key dict mirroring the public StructuredOutput oneof, e.g. {"regex": "[0-9]+"};
-    # compiled and enforced by scheduler_svc/features/structured. None = unconstrained.
-    structured_output: dict[str, Any] | None = None
-    # Opt out of speculative decoding (--speculative-config); outputs are the same either way.
-    disable_speculation: bool = False
-
-    @property
-    def step_by_step(self) -> bool:
-        """Whether each step's sampling depends on the tokens of the step before (a constrained
-        request's mask is computed from them): none of its steps is planned before the previous
-        one is applied (core/ahead.py), none verifies proposed tokens (core/spec_decode.py)."""
-        return self.structured_output is not None
-
-    def validate(self, *, max_logprobs: int, vocab_size: int | None = None) -> None:
-        """Raise ValidationError naming the first field out of range."""
-        if not 1 <= self.n <= MAX_N:
-            raise ValidationError(f"params.n must be in [1, {MAX_N}], got {self.n}")
-        # 0 is a prompt-only request (scoring with prompt_logprobs): it ends after its prefill.
-        if self.max_tokens < 0:
-            raise ValidationError(f"params.max_tokens must be >= 0, got {self.max_tokens}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValidationError(
-                f"params.min_tokens must be in [0, max_tokens={self.max_tokens}], "
-                f"got {self.min_tokens}"
-            )
-        _finite("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValidationError(f"params.temperature must be >= 0, got {self.temperature}")
-        _finite("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise ValidationError(f"params.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValidationError(f"params.top_k must be -1 (disabled) or >= 0, got {self.top_k}")
-        _finite("min_p", self.min_p)
-        if not 0 <= self.min_p <= 1:
-            raise ValidationError(f"params.min_p must be in [0, 1], got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _finite(name, value)
-            if not -2 <= value <= 2:
-                raise ValidationError(f"params.{name} must be in [-2, 2], got {value}")
-        _finite("repetition_penalty", self.repetition_penalty)
-        if not 0 < self.repetition_penalty <= 2:
-            raise ValidationError(
-                f"params.repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
-            )
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValidationError(f"params.seed must be in [0, 2^63), got {self.seed}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValidationError(
-                f"params.stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
-            )
-        for s in self.stop:
-            if not s or len(s) > MAX_STOP_STRING_LEN:
-                raise ValidationError(
-                    f"params.stop strings must be 1..{MAX_STOP_STRING_LEN} characters long"
-                )
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValidationError(
-                f"params.stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
-                f"got {len(self.stop_token_ids)}"
-            )
-        if vocab_size is not None:
-            for t in self.stop_token_ids:
-                if not 0 <= t < vocab_size:
-                    raise ValidationError(
-                        f"params.stop_token_ids contains {t}, outside the vocabulary "
-                        f"[0, {vocab_size})"
-                    )
-        self._validate_logit_bias(vocab_size)
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= max_logprobs:
-            raise ValidationError(
-                f"params.prompt_logprobs must be in [0, {max_logprobs}], got {self.prompt_logprobs}"
-            )
-        so = self.structured_output
-        if so is not None and (not isinstance(so, dict) or len(so) != 1):
-            raise ValidationError("params.structured_output must set exactly one kind")
-        if so is not None and (self.ignore_eos or self.min_tokens):
-            # The grammar ends a sequence through EOS, which both of these would suppress.
-            raise ValidationError(
-                "params.structured_output cannot be combined with ignore_eos or min_tokens"
-            )
-        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
-            raise ValidationError(
-                f"params.logprobs must be in [0, {max_logprobs}], got {self.logprobs}"
-            )
-
-    def _validate_logit_bias(self, vocab_size: int | None) -> None:
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValidationError(
-                f"params.logit_bias may hold at most {MAX_LOGIT_BIAS} entries, "
-                f"got {len(self.logit_bias)}"
-            )
-        for token_id, bias in self.logit_bias.items():
-            if vocab_size is not None and not 0 <= token_id < vocab_size:
-                raise ValidationError(
-                    f"params.logit_bias has token id {token_id}, outside the vocabulary "
-                    f"[0, {vocab_size})"
-                )
-            if not (math.isfinite(bias) and -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT):
-                raise ValidationError(
-                    f"params.logit_bias[{token_id}] must be in [-{LOGIT_BIAS_LIMIT:g}, "
-                    f"{LOGIT_BIAS_LIMIT:g}], got {bias}"
-                )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (how the store keeps a request's parameters)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
-        """From `to_dict`'s form; fields this version does not know are ignored."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        out = cls(**{k: v for k, v in d.items() if k in known})
-        # JSON object keys are strings: token ids come back as "123".
-        out.logit_bias = {int(k): float(v) for k, v in out.logit_bias.items()}
-        return out
-
-
-def _finite(name: str, value: float) -> None:
-    if not math.isfinite(value):
-        raise ValidationError(f"params.{name} must be a finite number, got {value}")
+__all__ = [
+    "LOGIT_BIAS_LIMIT",
+    "MAX_LOGIT_BIAS",
+    "MAX_N",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_LEN",
+    "MAX_STOP_TOKEN_IDS",
+    "SamplingParams",
+    "ValidationError",
+]
