@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
@@ -212,9 +213,8 @@ class SamplingParams:
         """Inverse of `to_proto`: an unset optional field takes this class's default. A
         structured_output set with no kind is ValidationError (the scheduler's answer)."""
         kwargs: dict[str, Any] = {}
-        fields_by_name = msg.DESCRIPTOR.fields_by_name
-        for name in _PROTO_FIELDS:
-            if fields_by_name[name].has_presence and not msg.HasField(name):
+        for name, has_presence in _proto_fields(msg.DESCRIPTOR):
+            if has_presence and not msg.HasField(name):
                 continue
             value = getattr(msg, name)
             if name == "structured_output":
@@ -290,6 +290,13 @@ class SamplingParams:
 # The fields the public message carries (a subclass may add fields of its own, e.g. the
 # scheduler's EmbedSamplingParams.pooling, which the public message does not carry).
 _PROTO_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+@functools.cache
+def _proto_fields(descriptor: Any) -> tuple[tuple[str, bool], ...]:
+    """(name, whether the proto tracks its presence) per field, read once from the descriptor."""
+    by_name = descriptor.fields_by_name
+    return tuple((name, by_name[name].has_presence) for name in _PROTO_FIELDS)
 
 
 def _finite(name: str, value: float) -> None:
