@@ -51,9 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=ENVIRONMENT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    # One group per section of ExecutorConfig (config/settings.py), named as the section.
+    # One group per section of ExecutorConfig (config/settings.py), named as the section; a
+    # section of a feature's own holds the flags it declares in its folder (features/flags.py).
     for name, (_, about) in SECTIONS.items():
-        FLAG_GROUPS[name](p.add_argument_group(name, about))
+        g = p.add_argument_group(name, about)
+        if name in FLAG_GROUPS:
+            FLAG_GROUPS[name](g)
+        else:
+            add_feature_flags(name, g)
     return p
 
 
@@ -204,19 +209,6 @@ def _registry_flags(g: argparse._ArgumentGroup) -> None:
     )
 
 
-def _lora_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument(
-        "--enable-lora",
-        action="store_true",
-        help="serve LoRA adapters (the scheduler names each sequence's PEFT directory)",
-    )
-    g.add_argument("--max-loras", type=int, default=4, help="distinct adapters in one step")
-    g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank")
-    g.add_argument(
-        "--max-cpu-loras", type=int, default=16, help="adapters kept loaded on the host (LRU)"
-    )
-
-
 FLAG_GROUPS = {
     "model": _model_flags,
     "cache": _cache_flags,
@@ -224,7 +216,6 @@ FLAG_GROUPS = {
     "server": _server_flags,
     "tls": _tls_flags,
     "registry": _registry_flags,
-    "lora": _lora_flags,
 }
 
 
@@ -235,19 +226,6 @@ def _sentinels(text: str) -> tuple[tuple[str, int], ...]:
         return parse_sentinels(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _lora_config(config: ExecutorConfig, parser: argparse.ArgumentParser) -> Any:
-    """The LoRA manager's configuration (``lora.manager.LoraConfig``), or None without LoRA."""
-    lora = config.lora
-    if not lora.enable_lora:
-        return None
-    from executor_svc.features.lora.manager import LoraConfig
-
-    try:
-        return LoraConfig(lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras)
-    except ValueError as e:
-        parser.error(f"--max-loras/--max-lora-rank/--max-cpu-loras: {e}")
 
 
 def _write_port_file(path: Path, port: int) -> None:
@@ -261,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     config = ExecutorConfig.from_args(parser.parse_args(argv))
     _check(config, parser)
-    lora = _lora_config(config, parser)
     cores = _pin_cores(config.compute.cpu_cores, parser)
     configure_logging(config.server.log_level)
     # What the flags say over the variables, for this process's runner and kernels; rank 0
@@ -274,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(threads)
-    return _serve(config, _build_server(config, lora))
+    return _serve(config, _build_server(config))
 
 
 def _check(config: ExecutorConfig, parser: argparse.ArgumentParser) -> None:
@@ -316,7 +293,7 @@ def _pin_cores(cpu_cores: str | None, parser: argparse.ArgumentParser) -> set[in
     return cores
 
 
-def _build_server(config: ExecutorConfig, lora: Any) -> ExecutorServer:
+def _build_server(config: ExecutorConfig) -> ExecutorServer:
     model, cache = config.model, config.cache
     server = ExecutorServer(
         model.model,
@@ -335,7 +312,6 @@ def _build_server(config: ExecutorConfig, lora: Any) -> ExecutorServer:
         tls=config.tls.credentials(),
         tensor_parallel_size=config.compute.tensor_parallel_size,
         log_level=config.server.log_level,
-        **({"lora": lora} if lora is not None else {}),
     )
     server.install_signal_handlers(config.server.grace, config.server.drain_timeout)
     if config.server.metrics_port is not None:

@@ -37,7 +37,7 @@ router = APIRouter()
 async def prepare(
     body: ChatCompletionRequest, state: FrontendState
 ) -> tuple[str, ToolPlan, SamplingParams]:
-    """A chat call's model variant (check_model's answer: "" or a LoRA adapter), tool plan and
+    """A chat call's model variant (check_model's answer: "" or an adapter's name), tool plan and
     sampling parameters (also the Messages API's, which runs as a chat call)."""
     variant = await state.check_model(body.model)
     plan = body.plan(state.tool_config)

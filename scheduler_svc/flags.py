@@ -117,13 +117,6 @@ def _scheduling_flags(g: argparse._ArgumentGroup) -> None:
 
 def _features_flags(g: argparse._ArgumentGroup) -> None:
     add_feature_flags(g)  # the flags features declare in their folders (features/flags.py)
-    g.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help="LoRA adapters (PEFT directories the executors can read) served under these names",
-    )
 
 
 def _state_flags(g: argparse._ArgumentGroup) -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 from scheduler_svc import envs
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.features.flags import feature_settings
-from scheduler_svc.features.lora.registry import parse_lora_modules
 
 __all__ = ["SchedulerSettings", "ServerSettings"]
 
@@ -109,6 +108,5 @@ def engine_config(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         executor_tls_server_name=args.executor_tls_server_name,
         leader_election=args.leader_election,
         lease_ttl_s=args.leader_lease_ttl,
-        lora_modules=parse_lora_modules(args.lora_modules),
         **feature_settings(args),
     )

@@ -10,11 +10,12 @@ import argparse
 from types import ModuleType
 from typing import Any
 
+from executor_svc.features.lora import flags as _lora
 from executor_svc.features.spec import flags as _spec
 
 __all__ = ["add_feature_flags", "feature_server_options", "feature_usage_errors"]
 
-FEATURE_FLAGS: tuple[ModuleType, ...] = (_spec,)
+FEATURE_FLAGS: tuple[ModuleType, ...] = (_spec, _lora)
 
 
 def add_feature_flags(section: str, g: argparse._ArgumentGroup) -> None:

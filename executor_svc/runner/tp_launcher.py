@@ -90,7 +90,7 @@ class TPWorkers:
             "127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False
         )
         env = envs.child_environment(str(PACKAGE_ROOT))
-        # A LoRA config goes as its fields (tp_worker builds it again).
+        # A dataclass option (an adapter config) goes as its fields (tp_worker builds it again).
         kwargs = json.dumps(self.runner_kwargs, default=dataclasses.asdict)
         # The command line's settings (--load-format, ...) go as an object, not as variables.
         flags = envs.runtime_flags().to_json()

@@ -10,11 +10,12 @@ import argparse
 from types import ModuleType
 from typing import Any
 
+from scheduler_svc.features.lora import flags as _lora
 from scheduler_svc.features.spec import flags as _spec
 
 __all__ = ["add_feature_flags", "add_launch_flags", "feature_settings", "launch_args"]
 
-FEATURE_FLAGS: tuple[ModuleType, ...] = (_spec,)
+FEATURE_FLAGS: tuple[ModuleType, ...] = (_spec, _lora)
 
 
 def add_feature_flags(g: argparse._ArgumentGroup) -> None:

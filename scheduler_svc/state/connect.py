@@ -1,6 +1,6 @@
 """Where the scheduler's Redis connections come from: one plain server, or Sentinel's primary.
 
-Every connection of the scheduler (request store, persister, LoRA registry, leader lease) is
+Every connection of the scheduler (request store, persister, adapter registry, leader lease) is
 made here, so a deployment changes in one place:
 - plain: `--redis-url redis://host:port/db` (or rediss:// for TLS), exactly as before;
 - Sentinel: `--redis-sentinel host:port,host:port,...` and `--redis-sentinel-master NAME`. The
