@@ -66,10 +66,9 @@ def _encode(vec: list[float], encoding_format: str) -> list[float] | str:
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request):
     state: FrontendState = request.app.state.frontend
-    if await state.check_model(body.model):
-        raise bad_request(
-            "embeddings of a LoRA adapter are not supported; use the base model", "model"
-        )
+    if variant := await state.check_model(body.model):
+        noun = state.variant_noun(variant)
+        raise bad_request(f"embeddings of {noun} are not supported; use the base model", "model")
     inputs = body.inputs()
     if body.dimensions is not None and body.dimensions < 1:
         raise bad_request(f"dimensions must be >= 1, got {body.dimensions}", "dimensions")

@@ -22,6 +22,8 @@ router = APIRouter()
 class LoraAdapters:
     """The scheduler's loaded adapters as model names (a ``ModelVariants``)."""
 
+    noun = "a LoRA adapter"
+
     async def names(self, client: Any) -> set[str]:
         return {a.name for a in (await client.server_info()).lora_adapters}
 

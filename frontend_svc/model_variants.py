@@ -14,6 +14,9 @@ __all__ = ["ModelVariants"]
 
 
 class ModelVariants(Protocol):
+    # What one of its names is, in error messages ("... of {noun} are not supported").
+    noun: str
+
     async def names(self, client: Any) -> set[str]:
         """The model names served now (read again each time: they may change live)."""
         ...

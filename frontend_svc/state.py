@@ -135,6 +135,10 @@ class FrontendState:
             code="model_not_found",
         )
 
+    def variant_noun(self, variant: str) -> str:
+        """What ``variant`` (a name check_model returned) is, in messages."""
+        return self._variant_of[variant].noun
+
     async def prompt_text(self, prompt: PromptInput) -> str:
         if isinstance(prompt, str):
             return prompt

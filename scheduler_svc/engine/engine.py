@@ -107,7 +107,7 @@ class Engine:
         self.client.features = self.steps.features = self.recovery.features = features
         self.table.admit = features.admit
         self.metrics.feature_families = features.metrics
-        self.pool.checks, self.pool.core_options = features.check_executor, features.scheduling()
+        self.pool.checks, self.pool.core_options = features.check_executor, features.scheduling
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -114,9 +114,9 @@ class Feature:
         can); the scheduler refuses it before resetting it."""
         return None
 
-    def scheduling(self) -> dict[str, Any]:
+    def scheduling(self, describe: epb.DescribeResponse) -> dict[str, Any]:
         """The fields of each executor's scheduling core's configuration (core/config.py
-        ``SchedulerConfig``) the feature sets."""
+        ``SchedulerConfig``) the feature sets (``describe``: that executor's Describe)."""
         return {}
 
     # ------------------------------------------------------------------ validate/submit
@@ -224,10 +224,10 @@ class Features:
         """The named feature (None when it is not built)."""
         return self.by_name.get(name)
 
-    def scheduling(self) -> dict[str, Any]:
+    def scheduling(self, describe: epb.DescribeResponse) -> dict[str, Any]:
         fields: dict[str, Any] = {}
         for hook in self._scheduling:
-            fields.update(hook())
+            fields.update(hook(describe))
         return fields
 
     async def validate(self, inp: GenerateInput) -> None:

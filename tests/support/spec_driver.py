@@ -22,6 +22,7 @@ from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.spec_decode import SpeculativeConfig, take_draft_proposals
 from scheduler_svc.engine.fleet.step_message import execute_request
+from scheduler_svc.features.lora.feature import add_adapters
 from scheduler_svc.features.spec.feature import add_proposals
 
 
@@ -87,7 +88,8 @@ def run_requests(
         )
         assert not out.is_empty, "a step with unfinished requests scheduled nothing"
         msg = execute_request(out, out.step_id)
-        add_proposals(msg, out)  # the feature's step_message hook (features/spec)
+        add_proposals(msg, out)  # the features' step_message hooks (features/spec, /lora)
+        add_adapters(msg, out)
         resp = servicer._execute(msg)
         run.steps += 1
         tokens = dict(zip(out.decode_seq_ids, resp.decode_token_ids, strict=True))

@@ -66,9 +66,10 @@ class ExecutorPool:
         # step: executors refuse older ones.
         self.epoch = 0
         # Set by the engine from its features (features/base.py): what each executor must
-        # offer (why not, or None), and their fields of each core's configuration.
+        # offer (why not, or None), and their fields of each core's configuration (from the
+        # executor's Describe).
         self.checks: tuple[Callable[[epb.DescribeResponse], str | None], ...] = ()
-        self.core_options: dict[str, Any] = {}
+        self.core_options: Callable[[epb.DescribeResponse], dict[str, Any]] = lambda d: {}
 
     async def initial_addresses(self) -> list[str]:
         """The executors to connect at start-up (with discovery and no addresses: the
@@ -215,10 +216,9 @@ class ExecutorPool:
                 preemption_mode=c.preemption_mode,
                 enable_prefix_caching=c.enable_prefix_caching,
                 watermark=c.watermark,
-                max_loras=d.max_loras,
                 # The engine enforces the queue cap across executors; never refuse here.
                 max_waiting=1 << 30,
-                **self.core_options,
+                **self.core_options(d),
             )
         )
 

@@ -56,8 +56,6 @@ def execute_request(out: SchedulerOutput, step_id: int) -> epb.ExecuteModelReque
                 block_table=s.block_table,
                 num_computed_tokens=s.num_computed_tokens,
                 num_scheduled_tokens=s.num_scheduled_tokens,
-                lora_name=s.lora.name if s.lora else "",
-                lora_path=s.lora.path if s.lora else "",
             )
         )
     _add_cached(msg, out)

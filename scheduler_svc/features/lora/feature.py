@@ -1,6 +1,8 @@
 """LoRA on the scheduler's hooks: resolve a request's adapter name (submit), keep it with the
-stored request (persist), and restore the live-loaded adapters at start (recover); plus the
-Load/UnloadLoraAdapter calls the request front hands over.
+stored request (persist), restore the live-loaded adapters at start (recover), hand each core
+its executor's cap on distinct adapters per step (scheduling) and each new sequence's adapter
+to the executor (step message); plus the Load/UnloadLoraAdapter calls the request front hands
+over.
 
 The adapter's part in scheduling (the distinct adapters a step may hold, the prefix-cache root)
 is the scheduling core's (core/lora.py)."""
@@ -13,8 +15,10 @@ from typing import Any
 import structlog
 from prometheus_client.core import Metric
 
+from protos import executor_pb2 as epb
 from scheduler_svc.core.errors import Unavailable, ValidationError
 from scheduler_svc.core.lora import stored_lora
+from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.features.base import Feature
 from scheduler_svc.features.lora.durable import LoraAdapterStore, restore_live_adapters
 from scheduler_svc.features.lora.registry import LoraRegistry, load_on_executors
@@ -23,7 +27,7 @@ from scheduler_svc.state.store import RequestStore, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["Lora"]
+__all__ = ["Lora", "add_adapters"]
 
 
 class Lora(Feature):
@@ -40,6 +44,12 @@ class Lora(Feature):
         self.lora_store = LoraAdapterStore(store)  # live-loaded ones, kept in Redis
         self.pool = pool  # engine.fleet.executors.ExecutorPool: the executors' ranks
         self.check_available = check_available  # raises Unavailable (RequestFront)
+
+    def scheduling(self, describe: epb.DescribeResponse) -> dict[str, Any]:
+        return {"max_loras": describe.max_loras}  # distinct adapters in one step
+
+    def step_message(self, msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:
+        add_adapters(msg, out)
 
     def handle_fields(self, inp: Any) -> dict[str, Any]:
         if not inp.lora_adapter:
@@ -99,3 +109,13 @@ class Lora(Feature):
     def server_info(self, info: Any) -> None:
         info.lora_adapters = [(a.ref.name, a.ref.path, a.rank) for a in self.loras.adapters()]
         info.max_loras = self.pool.executors[0].describe.max_loras  # the executors' slots
+
+
+def add_adapters(msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:
+    """A new sequence's adapter onto its NewSequence (one per ``out.new_seqs``, in order);
+    running ones never carry it (a step without new sequences costs one test)."""
+    if not out.new_seqs:
+        return
+    for new, s in zip(msg.new_sequences, out.new_seqs, strict=True):
+        if s.lora is not None:
+            new.lora_name, new.lora_path = s.lora.name, s.lora.path

@@ -43,7 +43,7 @@ class SpecDecode(Feature):
             self.config, d.draft_model_name, d.draft_vocab_size, d.vocab_size
         )
 
-    def scheduling(self) -> dict[str, Any]:
+    def scheduling(self, describe: epb.DescribeResponse) -> dict[str, Any]:
         return {"speculative": self.config}
 
     def step_message(self, msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:
