@@ -242,14 +242,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def LoadLoraAdapter(
         self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoadLoraAdapterResponse:
-        name, path, rank = await self.engine.load_lora_adapter(request.name, request.path)
+        lora = self.engine.feature("lora")  # features/lora: (name, resolved path, rank)
+        name, path, rank = await lora.load(request.name, request.path)
         return pb.LoadLoraAdapterResponse(adapter=pb.LoraAdapter(name=name, path=path, rank=rank))
 
     @_rpc(pb.UnloadLoraAdapterResponse)
     async def UnloadLoraAdapter(
         self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnloadLoraAdapterResponse:
-        await self.engine.unload_lora_adapter(request.name)
+        await self.engine.feature("lora").unload(request.name)  # NotFound if unknown
         return pb.UnloadLoraAdapterResponse()
 
     @_rpc(pb.EmbedResponse)

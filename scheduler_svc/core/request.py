@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.sampling_params import SamplingParams
@@ -180,6 +181,21 @@ class Request:
         else:
             self.forked = True
             self.seqs = [self._make_seq(i, out) for i, out in enumerate(outputs)]
+
+    @classmethod
+    def of(cls, handle: Any, output_token_ids: list[list[int]] | None = None) -> Request:
+        """The core's side of an engine request (anything with its ``req_id``,
+        ``prompt_token_ids``, ``params``, ``priority``, ``arrival_time`` and ``lora``: the
+        engine's ``RequestHandle``); ``output_token_ids``: what a resumed one recomputes."""
+        return cls(
+            handle.req_id,
+            handle.prompt_token_ids,
+            handle.params,
+            priority=handle.priority,
+            arrival_time=handle.arrival_time,
+            output_token_ids=output_token_ids,
+            lora=handle.lora,
+        )
 
     def _make_seq(self, index: int, outputs: list[int]) -> Sequence:
         return Sequence(

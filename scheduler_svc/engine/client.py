@@ -6,7 +6,7 @@ engine's request front (`requests.RequestFront`) is what implements it.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from scheduler_svc.engine.config import AbortOutcome, GenerateInput, ServerInfo
 from scheduler_svc.engine.streams import RequestHandle, RequestView
@@ -42,12 +42,9 @@ class EngineClient(Protocol):
         self, token_ids: list[int], skip_special_tokens: bool
     ) -> tuple[str, list[str]]: ...
 
-    async def load_lora_adapter(self, name: str, path: str) -> tuple[str, str, int]:
-        """Register a LoRA adapter: (name, resolved path, rank); ValidationError/NotFound."""
-        ...
-
-    async def unload_lora_adapter(self, name: str) -> None:
-        """Forget a LoRA adapter's name (NotFound if unknown), in Redis too."""
+    def feature(self, name: str) -> Any:
+        """The named feature (features/<name>/feature.py; None when it is not built), for the
+        RPCs only it serves: the servicer calls its own methods."""
         ...
 
     async def embed(self, inp: EmbedInput) -> EmbedResult:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 import structlog
 
@@ -135,14 +136,7 @@ class RequestFront:
     def _admit(self, handle: RequestHandle) -> None:
         self.table.add(handle)
         self.table.usage.admitted(handle)
-        req = Request(
-            handle.req_id,
-            handle.prompt_token_ids,
-            handle.params,
-            priority=handle.priority,
-            arrival_time=handle.arrival_time,
-            lora=handle.lora,
-        )
+        req = Request.of(handle)
         handle.executor = self.pool.place(req)
 
     async def abort(self, req_id: str, *, missing_ok: bool = False) -> AbortOutcome:
@@ -256,12 +250,9 @@ class RequestFront:
         m = self.model
         return RequestView.from_stored(rec, params, m.tokenizer, m.eos_token_ids, m.max_model_len)
 
-    async def load_lora_adapter(self, name: str, path: str) -> tuple[str, str, int]:
-        """Register an adapter: name, path, rank (features/lora)."""
-        return await self.features.get("lora").load(name, path)
-
-    async def unload_lora_adapter(self, name: str) -> None:
-        await self.features.get("lora").unload(name)
+    def feature(self, name: str) -> Any:
+        """The named feature (None when it is not built), for the RPCs only it serves."""
+        return self.features.get(name)
 
     def server_info(self) -> ServerInfo:
         self.lifecycle.check()

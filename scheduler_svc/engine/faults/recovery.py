@@ -39,15 +39,7 @@ __all__ = ["Recovery", "resumed_request"]
 
 def resumed_request(handle: RequestHandle, outputs: list[list[int]]) -> Request:
     """A scheduler-core request that recomputes `handle`'s prompt plus `outputs`."""
-    req = Request(
-        handle.req_id,
-        handle.prompt_token_ids,
-        handle.params,
-        priority=handle.priority,
-        arrival_time=handle.arrival_time,
-        output_token_ids=[list(o) for o in outputs],
-        lora=handle.lora,
-    )
+    req = Request.of(handle, [list(o) for o in outputs])
     for seq, state in zip(req.seqs, handle.states, strict=True):
         if state.finished:  # n > 1: this one had finished already
             seq.status = state.finish_status
