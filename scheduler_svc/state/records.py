@@ -12,6 +12,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Created",
     "FinishRecord",
+    "JSON_FIELDS",
     "StoreFormatError",
     "StoredRequest",
     "TokenAppend",
@@ -19,6 +20,9 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+# Optional fields of a request's hash written at creation as JSON, absent when None (readers
+# ignore fields they do not know, so each keeps format version 1).
+JSON_FIELDS = ("lora",)
 
 
 class StoreFormatError(RuntimeError):

@@ -52,6 +52,7 @@ from scheduler_svc.state.keys import (
 from scheduler_svc.state.leader import EPOCH_KEY
 from scheduler_svc.state.records import (
     FORMAT_VERSION,
+    JSON_FIELDS,
     Created,
     FinishRecord,
     StoredRequest,
@@ -146,7 +147,8 @@ class RequestStore:
 
     @property
     def redis(self) -> Any:
-        """The connection, for small keyspaces kept beside the requests (lora/durable.py)."""
+        """The connection, for small keyspaces kept beside the requests (a feature's durable
+        state, such as the adapters loaded live)."""
         return self._redis
 
     async def close(self) -> None:
@@ -199,8 +201,10 @@ class RequestStore:
             "stop_reasons": json.dumps([None] * rec.n),
             "error": "",
         }
-        if rec.lora is not None:
-            mapping["lora"] = json.dumps(rec.lora)
+        for name in JSON_FIELDS:
+            value = getattr(rec, name)
+            if value is not None:
+                mapping[name] = json.dumps(value)
         if rec.deadline:  # absent = none: records of earlier versions read the same
             mapping["deadline"] = repr(rec.deadline)
         if rec.trace_context:

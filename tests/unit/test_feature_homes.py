@@ -75,7 +75,7 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # scheduler, which took the fields' names out of both; counted so that the move is not a
 # saving: speculative 6/3/0/2/3 (14), structured outputs 1/3/9/2/3 (18), pooling 5/3/2/4/3
 # (17), prompt logprobs 8/4/4/1/3 (20) after it): where the tree stands after issue 43's first pass and, for speculative,
-# structured outputs and pooling, its second (below) (scheduler/executor/frontend/client/protos): LoRA 25/14/3/6/2 (50, 40 after its own pass below), speculative 8/3/0/3/2 (16), structured outputs
+# structured outputs and pooling, its second (below) (scheduler/executor/frontend/client/protos): LoRA 25/14/3/6/2 (50, 39 after its own pass below), speculative 8/3/0/3/2 (16), structured outputs
 # 3/3/9/2/2 (19), pooling 5/3/2/4/2 (16), prompt logprobs 9/4/4/2/2 (21). Main before it,
 # same patterns, its homes then (scheduler_svc/lora and /grammar, executor_svc/lora, the
 # frontend and client modules above): LoRA 26/16/9/6/2, speculative 17/9/0/3/2, structured
@@ -109,7 +109,7 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # executor the runner's per-step token_mask and speculation's refusal of a constrained
 # sequence (its error names token_masks), the frontend's handlers and protocol modules that
 # read the fields, the reasoning wrapper and the structural-tag grammar of tool calling.
-# LoRA 25/14/3/6/2 (50) -> 18/13/1/6/2 (40): its flags declared in its folders (scheduler
+# LoRA 25/14/3/6/2 (50) -> 17/13/1/6/2 (39): its flags declared in its folders (scheduler
 # features/lora/flags.py --lora-modules, executor features/lora/flags.py --enable-lora and its
 # limits, their usage check and the server's option) and registered in features/flags.py (which
 # now names it, as it names speculative decoding); each core's max_loras from its executor's
@@ -117,10 +117,11 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # the step message (step_message hook, add_adapters); the core's side of a request built by
 # Request.of(handle) (the request front and recovery name no adapter); the Load/Unload RPCs
 # reach the feature through EngineClient.feature(name); the frontend's embeddings refusal
-# names the variant through ModelVariants.noun; three comments reworded. Left: the scheduling
+# names the variant through ModelVariants.noun; the store writes the record's optional JSON
+# fields that records.py lists (JSON_FIELDS); four comments reworded. Left: the scheduling
 # core's part (core/lora.py, the budget, the prefix-cache root, the sequence's and the
 # output's adapter), routing by adapter (fleet/routing.py), RequestHandle.lora and the stored
-# record's field (streams.py, state/), EngineConfig.lora_modules, GenerateInput.lora_adapter
+# record's field (streams.py, state/records.py), EngineConfig.lora_modules, GenerateInput.lora_adapter
 # and ServerInfo's adapters (engine/config.py, api/convert.py), the servicer's RPCs, each
 # registry; on the executor SeqState's adapter (the one owner of request state), its RPC, its
 # configuration section, the runner's per-step view and the tensor-parallel step's adapter
@@ -128,7 +129,7 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # signature in kernels/library.py beside every other; app.py registering it in the frontend;
 # the client's and the protos' (public API), unchanged.
 LIMITS: dict[str, dict[str, int]] = {
-    "lora": {"scheduler_svc": 18, "executor_svc": 13, "frontend_svc": 1, "client": 6, "protos": 2},
+    "lora": {"scheduler_svc": 17, "executor_svc": 13, "frontend_svc": 1, "client": 6, "protos": 2},
     "speculative": {
         "scheduler_svc": 6,
         "executor_svc": 3,
