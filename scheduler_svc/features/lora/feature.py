@@ -113,9 +113,11 @@ class Lora(Feature):
 
 def add_adapters(msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:
     """A new sequence's adapter onto its NewSequence (one per ``out.new_seqs``, in order);
-    running ones never carry it (a step without new sequences costs one test)."""
-    if not out.new_seqs:
+    running ones never carry it."""
+    loras = [s.lora for s in out.new_seqs]
+    if loras.count(None) == len(loras):  # the base model's only: the message is not touched
         return
-    for new, s in zip(msg.new_sequences, out.new_seqs, strict=True):
-        if s.lora is not None:
-            new.lora_name, new.lora_path = s.lora.name, s.lora.path
+    for new, lora in zip(msg.new_sequences, loras, strict=True):
+        if lora is not None:
+            new.lora_name = lora.name
+            new.lora_path = lora.path
