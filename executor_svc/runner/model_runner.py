@@ -169,7 +169,6 @@ class ModelRunner:
                 num_device_blocks=self.num_device_blocks,
             )
         self._sampler: Sampler | None = None
-        self._gpu_start: torch.cuda.Event | None = None  # the running step's (launch)
         # Seconds per phase of execute(), for metrics (plain floats: one add per phase a step).
         # On CUDA also "wait" (the host waiting for a step's draws) and "gpu" (each step's span
         # on the device, from its first operation to its draws' copy: runner/launched.py).
@@ -230,7 +229,7 @@ class ModelRunner:
         step = Step(seqs, self.features.active(seqs) if seqs else (), outputs)
         blocks = (blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
         batch = self._broadcast_step(step, *blocks) if self._send_step is not None else None
-        self._gpu_start = self._device_event()
+        gpu_start = self._device_event()
         self._cache_ops(*blocks)
         if not seqs:
             return Launched.ready([])
@@ -238,7 +237,7 @@ class ModelRunner:
         if not sample_idx:
             return Launched.ready([])
         t0 = time.perf_counter()
-        launched = self._sample_step(step, sample_idx, logits, defer)
+        launched = self._sample_step(step, sample_idx, logits, defer, gpu_start)
         self.phase_seconds["sampling"] += time.perf_counter() - t0
         return launched
 
@@ -352,7 +351,12 @@ class ModelRunner:
         )
 
     def _sample_step(
-        self, step: Step, sample_idx: list[int], logits: torch.Tensor, defer: bool
+        self,
+        step: Step,
+        sample_idx: list[int],
+        logits: torch.Tensor,
+        defer: bool,
+        gpu_start: torch.cuda.Event | None = None,
     ) -> Launched:
         """The sequence each logits row samples as (features may give views of it, or change
         the logits), the draws, and one result per sequence (features may group rows). Draws
@@ -360,7 +364,7 @@ class ModelRunner:
         rows = [step.seqs[i] for i in sample_idx]
         for f in step.active:
             rows = f.before_sample(step, sample_idx, rows, logits)
-        drawn = self._sample(rows, logits)
+        drawn = self._sample(rows, logits, gpu_start)
         if defer and not step.active:
             return drawn
         results = drawn.results()
@@ -368,7 +372,12 @@ class ModelRunner:
             results = f.after_sample(step, sample_idx, results)
         return Launched.ready(results)
 
-    def _sample(self, seqs: list[ScheduledSequence], logits: torch.Tensor) -> Launched:
+    def _sample(
+        self,
+        seqs: list[ScheduledSequence],
+        logits: torch.Tensor,
+        gpu_start: torch.cuda.Event | None = None,
+    ) -> Launched:
         if self._sampler is None:
             # Imported here: the sampler module is optional for forward-only use and tests.
             from executor_svc.runner.sampler import Sampler
@@ -387,7 +396,7 @@ class ModelRunner:
                 prompts.append(())
                 outputs.append(range(len(s.token_ids) - n))
         out = self._sampler(logits, [s.sampling_params for s in seqs], prompts, outputs)
-        return Launched.of(seqs, out, self.phase_seconds, self._gpu_start)
+        return Launched.of(seqs, out, self.phase_seconds, gpu_start)
 
     # ------------------------------------------------------------------ profiling
 
