@@ -28,6 +28,7 @@ class SchedulerState:
             num_cpu_blocks=config.num_cpu_blocks,
             watermark=config.watermark,
             enable_prefix_caching=config.enable_prefix_caching,
+            num_host_cache_blocks=config.num_host_cache_blocks,
         )
         self._waiting = RequestQueue()
         self._swapped = RequestQueue()
