@@ -150,6 +150,9 @@ class EngineMetrics:
                       "prefix cache.", sum(s.prefix_cache_queries for s in stats))  # fmt: skip
         yield counter(model, "llmserve:prefix_cache_hits", "Prompt tokens found in the prefix "
                       "cache.", sum(s.prefix_cache_hits for s in stats))  # fmt: skip
+        yield counter(model, "llmserve:prefix_cache_host_hits", "Of those, tokens found in "
+                      "the host-memory prefix tier (copied in, not recomputed).",
+                      sum(s.prefix_cache_host_hits for s in stats))  # fmt: skip
         preemptions = CounterMetricFamily(
             "llmserve:num_preemptions",
             "Preemptions of running requests.",

@@ -211,6 +211,7 @@ class ExecutorPool:
                 block_size=d.block_size,
                 num_device_blocks=num_device,
                 num_cpu_blocks=num_cpu,
+                num_host_cache_blocks=min(c.host_cache_blocks, num_cpu),
                 max_model_len=min(d.max_model_len, c.max_model_len or d.max_model_len),
                 policy=c.policy,
                 preemption_mode=c.preemption_mode,
