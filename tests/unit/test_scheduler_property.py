@@ -63,6 +63,9 @@ class FakeExecutor:
         for sid in out.finished_seq_ids:
             assert sid in self.seqs, f"drop of {sid}, which the executor does not hold"
             del self.seqs[sid]
+        for pairs in (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy):
+            dsts = [d for _, d in pairs]
+            assert len(set(dsts)) == len(dsts), f"a block written twice in one step: {pairs}"
         for dev, cpu in out.blocks_to_swap_out:
             assert 0 <= dev < self.num_device_blocks and 0 <= cpu < self.num_cpu_blocks
             self._move(self.kv, self.cpu_kv, dev, cpu)
