@@ -75,7 +75,7 @@ def run_chat(stub: pb_grpc.SchedulerStub, w: ChatWorkload, tag: str = "") -> Cha
             for c, h in enumerate(history)
         ]
         fns = [
-            lambda c=c, p=p: _turn(
+            lambda c=c, p=p, turn=turn: _turn(
                 stub, p, w.max_tokens, None if c % 2 == 0 else 1000 + c, f"{tag}t{turn}c{c}"
             )
             for c, p in enumerate(prompts)
