@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.block_pool import Block
 from scheduler_svc.core.host_tier import HostHit
-from scheduler_svc.core.request import Sequence
+from scheduler_svc.core.request import Request, RequestStatus, Sequence
+from scheduler_svc.core.sampling_params import SamplingParams
+from tests.unit.test_scheduler import add, make_scheduler, step
 from tests.unit.test_scheduler_property import config_st, run_workload
 
 
@@ -191,3 +193,37 @@ def test_multi_turn_workloads_with_the_tier_read_only_their_own_kv(
     cfg = dict(cfg, num_host_cache_blocks=host, enable_prefix_caching=True)
     cfg["num_cpu_blocks"] = max(cfg["num_cpu_blocks"], host)
     run_workload(cfg, _conversations(turns), reset_at, ahead)
+
+
+def _serve(sched, rid: str, prompt: list[int]):
+    """Run a request to its first token and finish it there; returns the first step."""
+    add(sched, [Request(rid, prompt, SamplingParams(max_tokens=1))])
+    out = step(sched)
+    sched.finish_sequence(f"{rid}/0", RequestStatus.FINISHED_LENGTH)
+    return out
+
+
+def test_the_scheduler_puts_the_tiers_copies_in_the_step_that_needs_them():
+    sched = make_scheduler(
+        enable_prefix_caching=True, num_device_blocks=6, num_cpu_blocks=4, num_host_cache_blocks=4
+    )
+    prompt = list(range(1, 10))  # 2 full blocks + 1 token
+    out = _serve(sched, "a", prompt)
+    assert not (out.blocks_to_swap_out or out.blocks_to_swap_in)
+    # b takes every device block: a's two cached blocks go to the host in b's step.
+    out = _serve(sched, "b", list(range(100, 123)))
+    (b,) = out.new_seqs
+    assert sorted(out.blocks_to_swap_out) == [(0, 1), (1, 0)]  # a's blocks 0 and 1
+    assert out.blocks_to_swap_in == []
+    # a's prompt again: both blocks come back from the host, only the last token is computed.
+    out = _serve(sched, "a2", prompt)
+    (a2,) = out.new_seqs
+    assert a2.num_computed_tokens == 8 and a2.num_scheduled_tokens == 1
+    assert out.blocks_to_swap_in == [(1, a2.block_table[0]), (0, a2.block_table[1])]
+    # The device blocks it took held b's cached blocks: those went to the two free host
+    # blocks, not to 0 or 1, which this step reads.
+    assert sorted(cpu for _, cpu in out.blocks_to_swap_out) == [2, 3]
+    assert sched.get_stats().prefix_cache_host_hits == 8
+    step(sched)  # the drop of a2
+    sched.check_invariants()
+    assert sched.num_free_blocks == 6 and sched.num_unfinished == 0
