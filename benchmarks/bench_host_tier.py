@@ -64,6 +64,7 @@ def run_once(stack: Stack, w: ChatWorkload, sched_args: list[str], tag: str) -> 
     ex = info.executors[0]
     return {
         "tag": tag,
+        "dtype": ex.dtype,
         "hit_rate": ex.prefix_cache_hits / ex.prefix_cache_queries,
         "queries": ex.prefix_cache_queries,
         "hits": ex.prefix_cache_hits,
@@ -128,7 +129,7 @@ def main() -> None:
                     run["mode"] = mode
                     runs.append(run)
                     print(
-                        f"{run['tag']:>5}: hit rate {run['hit_rate']:.1%} (host {run['host_hits']}"
+                        f"{run['tag']:>5} ({run['dtype']}): hit rate {run['hit_rate']:.1%} (host {run['host_hits']}"
                         f" tokens), recomputed {run['recomputed']} of {run['queries']} prompt "
                         f"tokens, TTFT mean {run['ttft_mean_ms']:.1f} ms, later turns "
                         f"{run['ttft_later_mean_ms']:.1f} ms",

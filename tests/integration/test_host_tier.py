@@ -11,6 +11,7 @@ import pytest
 from scheduler_svc.local.redis_server import RedisServer
 from tests.support.api_helpers import stub_for, wait_until_idle
 from tests.support.chat_workload import ChatWorkload, run_chat
+from tests.support.prom import free_port, scrape, total
 from tests.support.stack import make_stack, stop_process
 
 DEVICE_BLOCKS = 20  # of 16 tokens: 320 tokens
@@ -47,7 +48,9 @@ def _run(stack, scheduler_args: list[str], tag: str):
 def test_the_tier_serves_hits_and_outputs_stay_identical(stack):
     assert WORKLOAD.working_set_tokens() >= 3 * DEVICE_BLOCKS * 16
     off, info_off = _run(stack, [], "off")
-    on, info_on = _run(stack, ["--host-cache-blocks", "128"], "on")
+    port = free_port()
+    on, info_on = _run(stack, ["--host-cache-blocks", "128", "--metrics-port", str(port)], "on")
+    metrics = scrape(port)
     assert off.errors == [] and on.errors == [], stack.logs()
     assert all(len(o) == WORKLOAD.max_tokens for o in off.outputs)
     assert on.outputs == off.outputs
@@ -55,6 +58,7 @@ def test_the_tier_serves_hits_and_outputs_stay_identical(stack):
     assert ex_off.prefix_cache_host_hits == 0 and ex_off.num_host_cache_blocks == 0
     assert ex_on.num_host_cache_blocks == 128
     assert ex_on.prefix_cache_host_hits > 0
+    assert total(metrics, "llmserve:prefix_cache_host_hits_total") == ex_on.prefix_cache_host_hits
     recomputed_off = ex_off.prefix_cache_queries - ex_off.prefix_cache_hits
     recomputed_on = ex_on.prefix_cache_queries - ex_on.prefix_cache_hits
     # Preemptions (the turns of a round run at once) make both counts vary from run to run;
