@@ -228,6 +228,9 @@ class EngineMetrics:
                  lambda ex: ex.sched.block_manager.prefix_cache_queries),
                 ("llmserve:executor_prefix_cache_hits", "Of those, tokens found in the "
                  "executor's prefix cache.", lambda ex: ex.sched.block_manager.prefix_cache_hits),
+                ("llmserve:executor_prefix_cache_host_hits", "Of those, tokens found in the "
+                 "executor's host-memory prefix tier.",
+                 lambda ex: ex.sched.block_manager.prefix_cache_host_hits),
             )
         ]  # fmt: skip
         for family, value in families:

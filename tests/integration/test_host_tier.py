@@ -58,7 +58,8 @@ def test_the_tier_serves_hits_and_outputs_stay_identical(stack):
     assert ex_off.prefix_cache_host_hits == 0 and ex_off.num_host_cache_blocks == 0
     assert ex_on.num_host_cache_blocks == 128
     assert ex_on.prefix_cache_host_hits > 0
-    assert total(metrics, "llmserve:prefix_cache_host_hits_total") == ex_on.prefix_cache_host_hits
+    for name in ("prefix_cache_host_hits", "executor_prefix_cache_host_hits"):
+        assert total(metrics, f"llmserve:{name}_total") == ex_on.prefix_cache_host_hits
     recomputed_off = ex_off.prefix_cache_queries - ex_off.prefix_cache_hits
     recomputed_on = ex_on.prefix_cache_queries - ex_on.prefix_cache_hits
     # Preemptions (the turns of a round run at once) make both counts vary from run to run;
@@ -68,3 +69,16 @@ def test_the_tier_serves_hits_and_outputs_stay_identical(stack):
     for info in (info_off, info_on):  # no block leaked
         assert info.num_running == 0 and info.kv_cache_usage == 0.0
         assert info.executors[0].num_free_blocks == info.executors[0].num_device_blocks
+
+
+def test_swap_preemption_beside_the_tier_keeps_outputs_identical(stack):
+    """The round's turns at once overflow the 20 device blocks: preempted requests are swapped
+    out to the CPU blocks below the tier's, while the tier keeps the evicted prefix blocks."""
+    off, _ = _run(stack, [], "off2")
+    swap, info = _run(stack, ["--host-cache-blocks", "64", "--preemption-mode", "swap"], "swap")
+    assert swap.errors == [], stack.logs()
+    assert swap.outputs == off.outputs
+    (ex,) = info.executors
+    assert ex.prefix_cache_host_hits > 0
+    print("preemptions", info.num_preemptions)
+    assert info.kv_cache_usage == 0.0 and ex.num_free_blocks == ex.num_device_blocks
