@@ -80,5 +80,4 @@ def test_swap_preemption_beside_the_tier_keeps_outputs_identical(stack):
     assert swap.outputs == off.outputs
     (ex,) = info.executors
     assert ex.prefix_cache_host_hits > 0
-    print("preemptions", info.num_preemptions)
     assert info.kv_cache_usage == 0.0 and ex.num_free_blocks == ex.num_device_blocks
