@@ -267,6 +267,7 @@ class ExecutorInfo:
     healthy: bool
     prefix_cache_queries: int = 0  # prompt tokens looked up in its prefix cache
     prefix_cache_hits: int = 0  # of which found there
+    prefix_cache_host_hits: int = 0  # of the hits, those found in its host-memory tier
     draining: bool = False
     dtype: str = ""  # its compute dtype ("float32", "bfloat16", ...)
     cpu_kernel_isa: str = ""  # its CPU kernel variant ("avx512bf16", "avx512", "avx2"; "" = none)
@@ -330,6 +331,7 @@ class ServerInfo:
                     healthy=e.healthy,
                     prefix_cache_queries=e.prefix_cache_queries,
                     prefix_cache_hits=e.prefix_cache_hits,
+                    prefix_cache_host_hits=e.prefix_cache_host_hits,
                     draining=e.draining,
                     dtype=e.dtype,
                     cpu_kernel_isa=e.cpu_kernel_isa,

@@ -111,6 +111,14 @@ def _scheduling_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--max-logprobs", type=int, default=20)
     g.add_argument("--num-device-blocks", type=int, help="use at most this many KV blocks")
     g.add_argument("--num-cpu-blocks", type=int, help="use at most this many swap blocks")
+    g.add_argument(
+        "--host-cache-blocks",
+        type=int,
+        default=0,
+        help="host-memory prefix tier: of each executor's CPU blocks (its --swap-space), keep "
+        "this many for prefix blocks evicted from the device, copied back in on a later hit "
+        "instead of recomputed; swap keeps the rest (default 0: no tier)",
+    )
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--max-backlog-steps", type=int, default=1024)
 

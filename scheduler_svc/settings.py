@@ -95,6 +95,7 @@ def engine_config(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         health_interval_s=args.health_interval,
         num_device_blocks=args.num_device_blocks,
         num_cpu_blocks=args.num_cpu_blocks,
+        host_cache_blocks=args.host_cache_blocks,
         max_model_len=args.max_model_len,
         executor_tls=(
             (

@@ -1,4 +1,5 @@
-"""Block manager for one executor: block tables, ref counts, copy-on-write, prefix cache, swap.
+"""Block manager for one executor: block tables, ref counts, copy-on-write, prefix cache, swap,
+and the host-memory prefix tier beneath the prefix cache (core/host_tier.py).
 
 Sequences own their `block_table` field; only this module changes it. A block shared by several
 tables (a fork, or a prefix-cache hit) carries one reference per table entry. Tables grow at the
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from scheduler_svc.core.block_pool import Block, BlockPool, hash_block_tokens
+from scheduler_svc.core.host_tier import HostHit, HostTier
 from scheduler_svc.core.lora import lora_root_hash
 from scheduler_svc.core.request import Sequence
 
@@ -25,21 +27,33 @@ class BlockManager:
         num_cpu_blocks: int = 0,
         watermark: float = 0.0,
         enable_prefix_caching: bool = True,
+        num_host_cache_blocks: int = 0,
     ) -> None:
+        if not 0 <= num_host_cache_blocks <= num_cpu_blocks:
+            raise ValueError(
+                f"the host prefix tier's {num_host_cache_blocks} blocks must come out of the "
+                f"{num_cpu_blocks} CPU blocks"
+            )
         self.block_size = block_size
         self.num_device_blocks = num_device_blocks
-        self.num_cpu_blocks = num_cpu_blocks
+        # The CPU pool's top num_host_cache_blocks ids are the host tier's; swap has the rest.
+        self.num_cpu_blocks = num_cpu_blocks - num_host_cache_blocks
         # Free blocks kept back from admitting new work, so running decodes do not hit the wall
         # (and preempt) right after an admission.
         self.watermark_blocks = int(watermark * num_device_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_device_blocks)
+        self.host_tier: HostTier | None = None
+        if enable_prefix_caching and num_host_cache_blocks:
+            self.host_tier = HostTier(self.num_cpu_blocks, num_host_cache_blocks)
+            self.pool.on_evict = self.host_tier.on_evict
         self._cpu_ref = [0] * num_cpu_blocks
         self._cpu_free: list[int] = []
         # Every sequence holding a device or CPU table, for check_invariants and reset.
         self._holders: dict[str, Sequence] = {}
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which found (their computation was skipped)
+        self.prefix_cache_host_hits = 0  # of which found in the host tier (copied in)
         self.reset()
 
     # ------------------------------------------------------------------ counts
@@ -63,8 +77,9 @@ class BlockManager:
 
     # ------------------------------------------------------------------ admission
 
-    def find_cached_prefix(self, seq: Sequence, max_tokens: int) -> list[Block]:
-        """Blocks already holding a leading run of seq's tokens, at most `max_tokens` of them.
+    def find_cached_prefix(self, seq: Sequence, max_tokens: int) -> list[Block | HostHit]:
+        """Blocks already holding a leading run of seq's tokens, at most `max_tokens` of them:
+        device blocks, or host-tier entries where the device no longer has the content.
 
         The caller bounds max_tokens below the tokens it must compute, so at least one token is
         computed and there is a logit to sample from.
@@ -74,17 +89,30 @@ class BlockManager:
         bs = self.block_size
         max_blocks = max_tokens // bs
         self.ensure_hashes(seq, max_blocks)
-        hits = []
+        hits: list[Block | HostHit] = []
+        cached = self.pool.cached
+        tier = self.host_tier
         for h in seq.block_hashes[:max_blocks]:
-            block = self.pool.cached.get(h)
+            block = cached.get(h)
             if block is None:
-                break
-            hits.append(block)
+                host = tier.lookup(h) if tier is not None else None
+                if host is None:
+                    break
+                hits.append(HostHit(h, host))
+            else:
+                hits.append(block)
         return hits
 
-    def plan_admission(self, seqs: list[Sequence]) -> tuple[list[list[Block]], int]:
+    def holds_prefix_block(self, block_hash: bytes) -> bool:
+        """Whether a prefix lookup would hit `block_hash` (on the device or in the host tier)."""
+        if block_hash in self.pool.cached:
+            return True
+        return self.host_tier is not None and self.host_tier.lookup(block_hash) is not None
+
+    def plan_admission(self, seqs: list[Sequence]) -> tuple[list[list[Block | HostHit]], int]:
         """Prefix-cache hits of each sequence (for allocate_group) and the free blocks that
-        admitting them all takes: fresh blocks, plus hit blocks that sit in the free list now.
+        admitting them all takes: fresh blocks (host-tier hits included: they are copied into
+        one), plus hit blocks that sit in the free list now.
 
         Each hit stops short of the last token, so at least one token is computed and there is
         a logit to sample from.
@@ -95,8 +123,9 @@ class BlockManager:
         for seq in seqs:
             seq_hits = self.find_cached_prefix(seq, len(seq.token_ids) - 1)
             hits.append(seq_hits)
-            need += self.num_blocks_for(len(seq.token_ids)) - len(seq_hits)
-            free_hits.update(b.block_id for b in seq_hits if b.ref_cnt == 0)
+            on_device = [b for b in seq_hits if isinstance(b, Block)]
+            need += self.num_blocks_for(len(seq.token_ids)) - len(on_device)
+            free_hits.update(b.block_id for b in on_device if b.ref_cnt == 0)
         return hits, need + len(free_hits)
 
     def ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
@@ -108,7 +137,7 @@ class BlockManager:
             parent = hashes[-1] if i else lora_root_hash(seq.lora)
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
 
-    def allocate(self, seq: Sequence, hits: list[Block], num_tokens: int) -> None:
+    def allocate(self, seq: Sequence, hits: list[Block | HostHit], num_tokens: int) -> None:
         """Give seq a table for its first `num_tokens` tokens: the hit blocks, then fresh ones.
 
         Sets num_computed_tokens to what the hits cover. Caller checked that enough blocks are
@@ -117,19 +146,28 @@ class BlockManager:
         self.allocate_group([seq], [hits], [num_tokens])
 
     def allocate_group(
-        self, seqs: list[Sequence], hits: list[list[Block]], num_tokens: list[int]
+        self, seqs: list[Sequence], hits: list[list[Block | HostHit]], num_tokens: list[int]
     ) -> None:
         """allocate() for several sequences looked up together (one request's sequences).
 
         Every hit is taken before any fresh block: a fresh block comes off the front of the
-        free list and may evict cached content that a sibling's lookup has just found.
+        free list and may evict cached content that a sibling's lookup has just found (a
+        host-tier hit is pinned there until its own fresh block is filled by a copy-in).
         """
         pool = self.pool
+        num_host = 0
         for seq, seq_hits in zip(seqs, hits, strict=True):
             assert not seq.block_table, f"{seq.seq_id} already has blocks"
             for block in seq_hits:
-                pool.touch(block)
-                seq.block_table.append(block.block_id)
+                if isinstance(block, HostHit):
+                    self.host_tier.pin(block)
+                    seq.block_table.append(-1)  # filled below
+                    num_host += 1
+                else:
+                    pool.touch(block)
+                    seq.block_table.append(block.block_id)
+        if num_host:
+            self._load_host_hits(seqs, hits)
         for seq, seq_hits, n in zip(seqs, hits, num_tokens, strict=True):
             seq.exclusive_until = 0  # the first grow() vouches for it
             table = seq.block_table
@@ -141,6 +179,33 @@ class BlockManager:
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += len(seq.token_ids)
                 self.prefix_cache_hits += seq.num_computed_tokens
+        self.prefix_cache_host_hits += num_host * self.block_size
+
+    def _load_host_hits(self, seqs: list[Sequence], hits: list[list[Block | HostHit]]) -> None:
+        """Fresh device blocks for the host-tier hits, each filled by a copy-in this step and
+        findable on the device at once (the swap-in runs before the step's forward)."""
+        pool = self.pool
+        tier = self.host_tier
+        loaded: dict[bytes, Block] = {}  # siblings hitting the same entry share one copy
+        for seq, seq_hits in zip(seqs, hits, strict=True):
+            for i, hit in enumerate(seq_hits):
+                if not isinstance(hit, HostHit):
+                    continue
+                block = loaded.get(hit.block_hash)
+                if block is None:
+                    block = loaded[hit.block_hash] = pool.allocate()
+                    tier.load(hit, block.block_id)
+                    pool.register(block, hit.block_hash)
+                else:
+                    pool.touch(block)
+                seq.block_table[i] = block.block_id
+
+    def take_host_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host tier's (device, cpu) swap-outs and (cpu, device) swap-ins of the step being
+        planned; whoever builds a step's message appends them to its swap lists."""
+        if self.host_tier is None:
+            return [], []
+        return self.host_tier.take_transfers()
 
     def fork(self, parent: Sequence, children: Iterable[Sequence]) -> None:
         """Children share every block of the parent (one more reference each)."""
@@ -343,6 +408,8 @@ class BlockManager:
             seq.exclusive_until = 0
         self._holders.clear()
         self.pool.reset()
+        if self.host_tier is not None:
+            self.host_tier.reset()
         self._cpu_ref = [0] * self.num_cpu_blocks
         # A stack popped from the end: lowest id first, so runs are reproducible.
         self._cpu_free = list(range(self.num_cpu_blocks - 1, -1, -1))
@@ -353,6 +420,8 @@ class BlockManager:
         With expect_empty (every request finished or aborted), every block must be free.
         """
         self.pool.check()
+        if self.host_tier is not None:
+            self.host_tier.check()
         ref = [0] * self.num_device_blocks
         cpu_ref = [0] * self.num_cpu_blocks
         for seq_id, seq in self._holders.items():

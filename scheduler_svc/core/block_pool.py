@@ -9,6 +9,7 @@ recently freed one, and eviction is least-recently-used first at no extra cost.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from hashlib import blake2b
 
 
@@ -49,6 +50,9 @@ class BlockPool:
         self._tail = Block(-1)
         self.cached: dict[bytes, Block] = {}  # block hash -> block holding that content
         self.num_evictions = 0
+        # Called with (block id, hash) before a free block's cached content is overwritten (the
+        # host tier keeps a copy); None: the content is simply lost.
+        self.on_evict: Callable[[int, bytes], None] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -74,6 +78,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
             block.block_hash = None
             self.num_evictions += 1
         block.ref_cnt = 1

@@ -15,6 +15,9 @@ class SchedulerConfig:
     block_size: int = 16
     num_device_blocks: int = 1024
     num_cpu_blocks: int = 0  # swap pool; 0 makes swap preemption fall back to recompute
+    # Of the CPU blocks, those given to the host prefix tier (core/host_tier.py); swap keeps the
+    # rest. 0: no tier.
+    num_host_cache_blocks: int = 0
     max_model_len: int = 2048
     policy: str = "fcfs"  # "fcfs" | "priority" (larger priority first, then arrival)
     preemption_mode: str = "recompute"  # "recompute" | "swap"
@@ -31,6 +34,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_device_blocks < 1 or self.num_cpu_blocks < 0:
             raise ValueError("num_device_blocks must be >= 1 and num_cpu_blocks >= 0")
+        if not 0 <= self.num_host_cache_blocks <= self.num_cpu_blocks:
+            raise ValueError("num_host_cache_blocks must be in [0, num_cpu_blocks]")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Otherwise the decodes of a full batch could not all run in one step.
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")

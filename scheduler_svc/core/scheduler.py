@@ -75,6 +75,7 @@ class Scheduler(SchedulerState):
         # Last, so that sequences ended during this call are dropped in this very step.
         out.finished_seq_ids.extend(self._pending_drops)
         self._pending_drops.clear()
+        self._add_host_transfers(out)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - step.tokens
         # A step that computes nothing has no result to wait for: the engine may skip it (or
         # send it for its drops and copies) without calling update_from_output().
@@ -116,8 +117,15 @@ class Scheduler(SchedulerState):
         self._step_id += 1
         out.finished_seq_ids.extend(self._pending_drops)
         self._pending_drops.clear()
+        self._add_host_transfers(out)
         self._in_flight.append(out)
         return out
+
+    def _add_host_transfers(self, out: SchedulerOutput) -> None:
+        """The host prefix tier's copies planned by this step's allocations (core/host_tier.py)."""
+        to_host, from_host = self.block_manager.take_host_transfers()
+        out.blocks_to_swap_out += to_host
+        out.blocks_to_swap_in += from_host
 
     def _schedule_running(self, step: StepBudget, out: SchedulerOutput) -> list[Request]:
         """Phase 1: decodes of running requests, best first; victims come off the tail.

@@ -102,3 +102,4 @@ class SchedulerStats:
     num_preemptions: int
     num_lora_loads: int = 0  # adapters the steps had to load onto the executor's device
     num_loras_in_step: int = 0  # distinct adapters in the latest step
+    prefix_cache_host_hits: int = 0  # of prefix_cache_hits, tokens found in the host tier

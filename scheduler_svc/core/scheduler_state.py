@@ -28,6 +28,7 @@ class SchedulerState:
             num_cpu_blocks=config.num_cpu_blocks,
             watermark=config.watermark,
             enable_prefix_caching=config.enable_prefix_caching,
+            num_host_cache_blocks=config.num_host_cache_blocks,
         )
         self._waiting = RequestQueue()
         self._swapped = RequestQueue()
@@ -298,6 +299,7 @@ class SchedulerState:
             kv_cache_usage=bm.usage,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
+            prefix_cache_host_hits=bm.prefix_cache_host_hits,
             num_preemptions=self.num_preemptions,
             num_lora_loads=self.num_lora_loads,
             num_loras_in_step=self.num_loras_in_step,

@@ -101,6 +101,9 @@ class EngineConfig:
     num_device_blocks: int | None = None
     num_cpu_blocks: int | None = None
     max_model_len: int | None = None
+    # Of each executor's CPU blocks, those kept for the host-memory prefix tier
+    # (core/host_tier.py; capped at what it has); swap keeps the rest. 0: no tier.
+    host_cache_blocks: int = 0
     # TLS to the executors: (CA that signed their certificates, our client certificate chain,
     # its key), PEM; None = plaintext. With a certificate, executors that require client
     # certificates (mutual TLS) let us in.
@@ -166,6 +169,8 @@ class ExecutorInfo:
     prefix_cache_queries: int = 0  # prompt tokens looked up in its prefix cache
     prefix_cache_hits: int = 0  # of which found there
     draining: bool = False
+    prefix_cache_host_hits: int = 0  # of the hits, those found in its host tier
+    num_host_cache_blocks: int = 0  # its host prefix tier's CPU blocks (core/host_tier.py)
     dtype: str = ""  # its weights' and KV cache's dtype, as it described itself
     cpu_kernel_isa: str = ""  # its CPU kernel library's instruction-set variant ("" = none)
 

@@ -150,6 +150,9 @@ class EngineMetrics:
                       "prefix cache.", sum(s.prefix_cache_queries for s in stats))  # fmt: skip
         yield counter(model, "llmserve:prefix_cache_hits", "Prompt tokens found in the prefix "
                       "cache.", sum(s.prefix_cache_hits for s in stats))  # fmt: skip
+        yield counter(model, "llmserve:prefix_cache_host_hits", "Of those, tokens found in "
+                      "the host-memory prefix tier (copied in, not recomputed).",
+                      sum(s.prefix_cache_host_hits for s in stats))  # fmt: skip
         preemptions = CounterMetricFamily(
             "llmserve:num_preemptions",
             "Preemptions of running requests.",
@@ -225,6 +228,9 @@ class EngineMetrics:
                  lambda ex: ex.sched.block_manager.prefix_cache_queries),
                 ("llmserve:executor_prefix_cache_hits", "Of those, tokens found in the "
                  "executor's prefix cache.", lambda ex: ex.sched.block_manager.prefix_cache_hits),
+                ("llmserve:executor_prefix_cache_host_hits", "Of those, tokens found in the "
+                 "executor's host-memory prefix tier.",
+                 lambda ex: ex.sched.block_manager.prefix_cache_host_hits),
             )
         ]  # fmt: skip
         for family, value in families:

@@ -52,6 +52,8 @@ def _executor_info(ex: ExecutorHandle) -> ExecutorInfo:
         healthy=ex.healthy,
         prefix_cache_queries=ex.sched.block_manager.prefix_cache_queries,
         prefix_cache_hits=ex.sched.block_manager.prefix_cache_hits,
+        prefix_cache_host_hits=ex.sched.block_manager.prefix_cache_host_hits,
+        num_host_cache_blocks=ex.sched.config.num_host_cache_blocks,
         draining=ex.draining,
         dtype=ex.describe.dtype,
         cpu_kernel_isa=ex.describe.cpu_kernel_isa,

@@ -183,3 +183,26 @@ def test_a_lora_prefix_is_not_a_base_model_hit() -> None:
     )
     assert cached_prefix_blocks(a, lora_req, {}) == 0
     assert cached_prefix_blocks(a, request("r", PREFIX_A, own=1), {}) == len(PREFIX_A) // BS
+
+
+def test_blocks_in_the_host_tier_count_as_cached() -> None:
+    # 12 device blocks: warming PREFIX_B evicts PREFIX_A from a's device into its host tier.
+    sched = make_scheduler(
+        enable_prefix_caching=True,
+        num_device_blocks=12,
+        num_cpu_blocks=16,
+        num_host_cache_blocks=16,
+        block_size=BS,
+        max_num_seqs=16,
+    )
+    describe = epb.DescribeResponse(instance_id="a", block_size=BS, num_device_blocks=12)
+    a = ExecutorHandle("a", None, None, describe, sched)  # type: ignore[arg-type]
+    b = executor("b")
+    warm(a, PREFIX_A, "wa")
+    warm(a, PREFIX_B, "wb")
+    req = request("r", PREFIX_A, own=1)
+    seq = req.seqs[0]
+    hits = a.sched.block_manager.find_cached_prefix(seq, len(seq.token_ids) - 1)
+    assert [type(h).__name__ for h in hits] == ["HostHit"] * (len(PREFIX_A) // BS)
+    assert cached_prefix_blocks(a, req, {}) == len(PREFIX_A) // BS
+    assert Router("kv").choose([b, a], req) is a

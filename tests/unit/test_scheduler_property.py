@@ -63,6 +63,9 @@ class FakeExecutor:
         for sid in out.finished_seq_ids:
             assert sid in self.seqs, f"drop of {sid}, which the executor does not hold"
             del self.seqs[sid]
+        for pairs in (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy):
+            dsts = [d for _, d in pairs]
+            assert len(set(dsts)) == len(dsts), f"a block written twice in one step: {pairs}"
         for dev, cpu in out.blocks_to_swap_out:
             assert 0 <= dev < self.num_device_blocks and 0 <= cpu < self.num_cpu_blocks
             self._move(self.kv, self.cpu_kv, dev, cpu)
@@ -139,6 +142,8 @@ config_st = st.fixed_dictionaries(
         "block_size": st.sampled_from([1, 2, 4]),
         "num_device_blocks": st.integers(4, 24),
         "num_cpu_blocks": st.integers(0, 12),
+        # Of those, the host prefix tier's (clamped to num_cpu_blocks).
+        "num_host_cache_blocks": st.sampled_from([0, 0, 1, 3, 8]),
         "max_num_seqs": st.integers(1, 6),
         "extra_budget": st.integers(0, 20),
         "policy": st.sampled_from(["fcfs", "priority"]),
@@ -156,6 +161,7 @@ def run_workload(
 ) -> None:
     cfg = dict(cfg)
     cfg["max_num_batched_tokens"] = cfg["max_num_seqs"] + cfg.pop("extra_budget")
+    cfg["num_host_cache_blocks"] = min(cfg.get("num_host_cache_blocks", 0), cfg["num_cpu_blocks"])
     sched = Scheduler(SchedulerConfig(max_waiting=100, **cfg))
     ex = FakeExecutor(
         cfg["num_device_blocks"], cfg["num_cpu_blocks"], cfg["block_size"], cfg["max_model_len"]

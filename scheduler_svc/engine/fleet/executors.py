@@ -204,6 +204,18 @@ class ExecutorPool:
         num_cpu = min(
             d.num_cpu_blocks, c.num_cpu_blocks if c.num_cpu_blocks is not None else 1 << 30
         )
+        num_host = min(c.host_cache_blocks, num_cpu)
+        no_swap = c.preemption_mode == "swap" and num_host and num_host == num_cpu
+        if num_host < c.host_cache_blocks or no_swap:
+            # The tier is carved out of the CPU pool (swap has the rest): the executor's
+            # --swap-space is too small for both.
+            log.warning(
+                "executor.host_cache_short",
+                instance_id=d.instance_id,
+                host_cache_blocks=num_host,
+                asked=c.host_cache_blocks,
+                swap_blocks_left=num_cpu - num_host,
+            )
         return Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=c.max_num_batched_tokens,
@@ -211,6 +223,7 @@ class ExecutorPool:
                 block_size=d.block_size,
                 num_device_blocks=num_device,
                 num_cpu_blocks=num_cpu,
+                num_host_cache_blocks=num_host,
                 max_model_len=min(d.max_model_len, c.max_model_len or d.max_model_len),
                 policy=c.policy,
                 preemption_mode=c.preemption_mode,

@@ -7,7 +7,9 @@
   a token to every step). The cheapest wins: a request goes where its prefix is cached unless
   that executor is busier by more than the prefill it saves, the trade Dynamo's KV router and
   llm-d's prefix scorer make. Blocks in use are not load: shared prefix blocks are what a
-  request with that prefix would reuse, not add to.
+  request with that prefix would reuse, not add to. A block in the executor's host-memory
+  prefix tier (core/host_tier.py) counts as cached: copying it in costs a memcpy of its KV,
+  far below computing it.
   A LoRA request also costs ``ADAPTER_MISS_BLOCKS`` where its adapter has not been routed
   lately (the executor would read it from disk first), so requests of one adapter keep to the
   executors that hold it unless those are busier by more than that.
@@ -54,19 +56,20 @@ def cached_prefix_blocks(
     hashes: dict[int, list[bytes]],
     soon: dict[bytes, int] | None = None,
 ) -> int:
-    """Leading full blocks of `req`'s tokens that `ex` holds in its prefix cache, or (with
-    `soon`: hash -> step id) will hold once requests already routed there are prefilled.
+    """Leading full blocks of `req`'s tokens that `ex` holds in its prefix cache (on the device
+    or in its host tier), or (with `soon`: hash -> step id) will hold once requests already
+    routed there are prefilled.
 
     `hashes` memoizes the hash chains across executors (see _chain).
     """
     bm = ex.sched.block_manager
     if not (bm.enable_prefix_caching and req.seqs[0].use_prefix_cache):
         return 0
-    cached = bm.pool.cached
+    holds = bm.holds_prefix_block
     oldest = ex.step_id - _SOON_STEPS
     n = 0
     for h in _chain(req, bm.block_size, hashes):
-        if h not in cached and (soon is None or soon.get(h, oldest - 1) < oldest):
+        if not holds(h) and (soon is None or soon.get(h, oldest - 1) < oldest):
             break
         n += 1
     return n
