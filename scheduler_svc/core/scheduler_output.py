@@ -4,9 +4,9 @@ plain dataclasses) plus bookkeeping the scheduler needs back in update_from_outp
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.request import Sequence
 from scheduler_svc.core.sampling_params import SamplingParams
 
@@ -23,7 +23,7 @@ class NewSeqData:
     block_table: list[int]  # snapshot of the full device block table
     num_computed_tokens: int  # leading tokens already in the cache (prefix hit, fork, swap-in)
     num_scheduled_tokens: int
-    lora: LoraRef | None = None  # the adapter it runs with; None = the base model
+    tag: Hashable | None = None  # its request's (Request.tag), for the step message's hooks
 
 
 @dataclass(slots=True)
@@ -100,5 +100,3 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     num_preemptions: int
-    num_lora_loads: int = 0  # adapters the steps had to load onto the executor's device
-    num_loras_in_step: int = 0  # distinct adapters in the latest step

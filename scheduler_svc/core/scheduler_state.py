@@ -8,7 +8,6 @@ from __future__ import annotations
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.errors import QueueFull
-from scheduler_svc.core.lora import LoraSlots
 from scheduler_svc.core.request import Request, RequestStatus, Sequence
 from scheduler_svc.core.request_queue import RequestQueue
 from scheduler_svc.core.scheduler_output import SchedulerOutput, SchedulerStats
@@ -44,13 +43,10 @@ class SchedulerState:
         # or two when schedule_ahead() planned the next while the first was running.
         self._in_flight: list[SchedulerOutput] = []
         self.num_preemptions = 0
-        # LoRA: the adapters the executor's device slots hold (core/lora.py), the adapter
-        # loads the steps so far needed, and the distinct adapters of the latest step.
-        self.lora_slots = LoraSlots(config.max_loras)
-        self.num_lora_loads = 0
-        self.num_loras_in_step = 0
-        # Waiting requests skipped for their adapter: req_id -> step of the first skip.
-        self._lora_skipped: dict[str, int] = {}
+        # A feature's admission constraint per step (core/step_budget.py), this core's own.
+        self.step_limit = config.step_limit() if config.step_limit is not None else None
+        # Waiting requests the step limit skipped: req_id -> step of the first skip.
+        self._skipped: dict[str, int] = {}
         # Speculative decoding (core/spec_decode.py); None when off.
         self.spec = SpecDecoder(config.speculative) if config.speculative is not None else None
 
@@ -299,8 +295,6 @@ class SchedulerState:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
-            num_lora_loads=self.num_lora_loads,
-            num_loras_in_step=self.num_loras_in_step,
         )
 
     def check_invariants(self) -> None:

@@ -8,15 +8,16 @@ source for client streams, so a client never sees a token that a crash could los
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from scheduler_svc.core.errors import Unavailable
-from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.request import FinishReason, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.features.base import Taker, take_logprobs, take_token
+from scheduler_svc.features.lora.ref import LoraRef
 from scheduler_svc.output.processor import OutputDelta, SequenceOutputState
 from scheduler_svc.state.persister import StepRecord
 from scheduler_svc.state.store import FinishRecord, StoredRequest, TokenAppend, tokens_key_bulk
@@ -132,6 +133,9 @@ class RequestHandle:
     first_token_time: float | None = None  # when its first token came back
     trace_context = ""  # its request span's traceparent, stored with it ("" untraced)
     trace_span: Any = None  # that span while open here
+    # Fields of the core's side of the request (core.request.Request.of), replaced (never
+    # changed in place) by a feature's admit hook: none by default.
+    core_fields: Mapping[str, Any] = MappingProxyType({})
 
     def __init__(
         self,
