@@ -8,9 +8,8 @@ source for client streams, so a client never sees a token that a crash could los
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 from scheduler_svc.core.errors import Unavailable
@@ -133,9 +132,8 @@ class RequestHandle:
     first_token_time: float | None = None  # when its first token came back
     trace_context = ""  # its request span's traceparent, stored with it ("" untraced)
     trace_span: Any = None  # that span while open here
-    # Fields of the core's side of the request (core.request.Request.of), replaced (never
-    # changed in place) by a feature's admit hook: none by default.
-    core_fields: Mapping[str, Any] = MappingProxyType({})
+    # The core Request's fields (Request.of); a feature's admit hook replaces, never changes it.
+    core_fields: dict[str, Any] = {}
 
     def __init__(
         self,
@@ -286,10 +284,8 @@ class RequestHandle:
         top_logprobs: Any,
         step: EngineStep,
     ) -> RequestStatus | None:
-        """One sampled token of sequence `index`: stop checks, text, the step's records.
-
-        Returns the finish status when the token ended the sequence.
-        """
+        """One sampled token of sequence `index`: stop checks, text, the step's records;
+        returns the finish status when the token ended the sequence."""
         state = self.states[index]
         offset = len(state.output_token_ids)
         if not offset:
