@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler_svc.core.lookahead import LookaheadFactory
 from scheduler_svc.core.request import Request, Sequence
-from scheduler_svc.core.spec_decode import SpeculativeConfig
 from scheduler_svc.core.step_budget import StepLimitFactory
 
 
@@ -23,7 +23,9 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of device blocks kept free from admissions
     max_waiting: int = 1024  # add_request raises QueueFull beyond this many waiting requests
     long_prefill_token_threshold: int | None = None  # max prefill tokens per sequence per step
-    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # A feature's decodes with lookahead positions (core/lookahead.py), built once per core;
+    # None: every decode computes one position.
+    lookahead: LookaheadFactory | None = None
     # A feature's admission constraint per step (core/step_budget.py), built once per core;
     # None: none (features/base.py, `scheduling`, sets it from the executor's Describe).
     step_limit: StepLimitFactory | None = None

@@ -26,7 +26,6 @@ from scheduler_svc.core.prefix_wait import (
 from scheduler_svc.core.request import Request, RequestStatus, Sequence
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.core.scheduler_state import SchedulerState
-from scheduler_svc.core.spec_decode import schedule_spec
 from scheduler_svc.core.step_budget import Admit, StepBudget
 from scheduler_svc.core.step_entry import add_to_step
 
@@ -94,10 +93,10 @@ class Scheduler(SchedulerState):
         """
         if len(self._in_flight) != 1 or len(self._swapped):
             return None
-        spec = self.spec
+        la = self.lookahead
         running = self._running
-        if spec is not None and spec.active(len(running)) and any(map(spec.eligible, running)):
-            return None  # a speculating sequence's next step depends on what is accepted
+        if la is not None and la.active(len(running)) and any(map(la.eligible, running)):
+            return None  # a lookahead decode's next step depends on what is accepted
         out = plan_ahead(
             self._in_flight[0],
             self._running,
@@ -128,7 +127,7 @@ class Scheduler(SchedulerState):
         max_len = self.config.max_model_len
         tokens, num_seqs = step.tokens, step.num_seqs
         i, end = 0, len(running)
-        spec = self.spec if self.spec is not None and self.spec.active(end) else None
+        la = self.lookahead if self.lookahead is not None and self.lookahead.active(end) else None
         while i < end:
             req = running[i]
             i += 1
@@ -140,19 +139,9 @@ class Scheduler(SchedulerState):
                     num_seqs += 1
                     continue
                 if (
-                    spec is not None
+                    la is not None
                     and seq.sent
-                    and (
-                        k := schedule_spec(
-                            spec,
-                            self.block_manager,
-                            req,
-                            seq,
-                            tokens,
-                            self.config.max_model_len,
-                            out,
-                        )
-                    )
+                    and (k := la.schedule(self.block_manager, req, seq, tokens, max_len, out))
                 ):
                     num_seqs += 1
                     tokens -= 1 + k

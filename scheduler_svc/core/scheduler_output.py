@@ -39,9 +39,10 @@ class CachedSeqData:
     replaced_blocks: list[tuple[int, int]]  # (logical_index, new block id), copy-on-write
     num_scheduled_tokens: int
     num_computed_tokens: int  # consistency check on the executor side
-    # Speculative decoding: proposals verified after the decode token (core/spec_decode.py).
+    # Lookahead positions after the decode token (core/lookahead.py): their tokens, checked
+    # against the draws when the result is back (executor.proto's names).
     spec_token_ids: list[int] = field(default_factory=list)
-    # Or that many proposals made by the executor's draft model (they come back with the draws).
+    # Or that many positions whose tokens the executor supplies (they come back with the draws).
     num_draft_tokens: int = 0
 
 
@@ -66,9 +67,9 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # (sequence, tokens scheduled) in batch order; read back by update_from_output.
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list, repr=False)
-    # Speculative decoding: seq_id -> proposals verified this step (with a draft model: empty
-    # until the reply brings them, spec_draft.take_draft_proposals); update_from_output fills
-    # spec_num_accepted (seq_id -> proposals accepted) when the result is back.
+    # Lookahead (core/lookahead.py): seq_id -> the tokens at its lookahead positions this step
+    # (empty until the reply brings them when the executor supplies them); update_from_output
+    # fills spec_num_accepted (seq_id -> how many were accepted) when the result is back.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_num_accepted: dict[str, int] = field(default_factory=dict)
 

@@ -140,10 +140,20 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # core). The router keeps affinity by tag and hashes from cache_root (fleet/routing.py).
 # Left on the scheduler: RequestHandle.lora and its import (streams.py), the stored record's
 # field, the configuration, the conversion, the servicer's RPCs, the registries.
+# Speculative's scheduler 6 -> 3 (14 -> 11): the core's one interface for it is a lookahead
+# (core/lookahead.py: a decode plus k positions whose draws come back to ``verified``), given
+# to each core by the scheduling hook (SchedulerConfig.lookahead); the proposer, the step
+# budget, acceptance and counters moved with core/spec_decode.py to features/spec/decode.py
+# (SpecDecoder implements it). Left: the step output's fields and update_from_output's use of
+# them, under executor.proto's names (spec_token_ids), and EngineConfig.speculative.
+# Pooling's scheduler 5 -> 4 (17 -> 16): the prompt-only pooled request moved from
+# core/pooling.py to features/pooling/params.py (the policy reads only Request.swappable and
+# Sequence.use_prefix_cache). Left: the Embed RPC (servicer, EngineClient, RequestFront.embed)
+# and the registry.
 LIMITS: dict[str, dict[str, int]] = {
     "lora": {"scheduler_svc": 7, "executor_svc": 13, "frontend_svc": 1, "client": 6, "protos": 2},
     "speculative": {
-        "scheduler_svc": 6,
+        "scheduler_svc": 3,
         "executor_svc": 3,
         "frontend_svc": 0,
         "client": 2,
@@ -157,7 +167,7 @@ LIMITS: dict[str, dict[str, int]] = {
         "protos": 3,
     },
     "pooling": {
-        "scheduler_svc": 5,
+        "scheduler_svc": 4,
         "executor_svc": 3,
         "frontend_svc": 2,
         "client": 4,
