@@ -146,10 +146,11 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # budget, acceptance and counters moved with core/spec_decode.py to features/spec/decode.py
 # (SpecDecoder implements it). Left: the step output's fields and update_from_output's use of
 # them, under executor.proto's names (spec_token_ids), and EngineConfig.speculative.
-# Pooling's scheduler 5 -> 4 (17 -> 16): the prompt-only pooled request moved from
+# Pooling's scheduler 5 -> 2 (17 -> 14): the prompt-only pooled request moved from
 # core/pooling.py to features/pooling/params.py (the policy reads only Request.swappable and
-# Sequence.use_prefix_cache). Left: the Embed RPC (servicer, EngineClient, RequestFront.embed)
-# and the registry.
+# Sequence.use_prefix_cache); the Embed RPC reaches the feature through
+# EngineClient.feature("pooling") as LoRA's Load/Unload do (EngineClient.embed and
+# RequestFront.embed are gone). Left: the servicer's Embed RPC and the registry.
 LIMITS: dict[str, dict[str, int]] = {
     "lora": {"scheduler_svc": 7, "executor_svc": 13, "frontend_svc": 1, "client": 6, "protos": 2},
     "speculative": {
@@ -167,7 +168,7 @@ LIMITS: dict[str, dict[str, int]] = {
         "protos": 3,
     },
     "pooling": {
-        "scheduler_svc": 4,
+        "scheduler_svc": 2,
         "executor_svc": 3,
         "frontend_svc": 2,
         "client": 4,
