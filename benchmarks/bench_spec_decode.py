@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from executor_svc.config.logs import configure_logging  # noqa: E402
 from executor_svc.runner.model_runner import ModelRunner  # noqa: E402
 from scheduler_svc.core.sampling_params import SamplingParams  # noqa: E402
-from scheduler_svc.core.spec_decode import SpeculativeConfig  # noqa: E402
+from scheduler_svc.features.spec.decode import SpeculativeConfig  # noqa: E402
 from tests.support.draft_models import truncate_checkpoint  # noqa: E402
 from tests.support.smollm2 import ensure_smollm2  # noqa: E402
 from tests.support.spec_driver import run_requests  # noqa: E402

@@ -37,7 +37,7 @@ from bench_spec_decode import compare, grounded_prompts  # noqa: E402
 
 from executor_svc.config.logs import configure_logging  # noqa: E402
 from executor_svc.runner.model_runner import ModelRunner  # noqa: E402
-from scheduler_svc.core.spec_decode import SpeculativeConfig  # noqa: E402
+from scheduler_svc.features.spec.decode import SpeculativeConfig  # noqa: E402
 from tests.support.smollm2 import ensure_smollm2  # noqa: E402
 
 RUNNER = Path(__file__).resolve().parent / "spec_vllm_runner.py"

@@ -183,7 +183,7 @@ class SamplingParams:
         """Whether each step's sampling depends on the tokens of the step before (a constrained
         request's mask is computed from them): the scheduler plans none of its steps before the
         previous one is applied (core/ahead.py) and verifies no proposed tokens for it
-        (core/spec_decode.py)."""
+        (features/spec/decode.py)."""
         return self.structured_output is not None
 
     # ------------------------------------------------------------------ the public proto

@@ -262,6 +262,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         span = tracing.rpc_span("llmserve.embed", context.invocation_metadata(),
                                 **{"llmserve.num_inputs": len(request.inputs)})  # fmt: skip
         try:
-            return embed.embed_result_to_proto(await self.engine.embed(inp))
+            embeds = self.engine.feature("pooling").embeds  # features/pooling/embeds.py
+            return embed.embed_result_to_proto(await embeds.embed(inp))
         finally:
             tracing.end(span)

@@ -14,7 +14,6 @@ from collections.abc import Iterable
 
 from scheduler_svc.core.block_pool import Block, BlockPool, hash_block_tokens
 from scheduler_svc.core.host_tier import HostHit, HostTier
-from scheduler_svc.core.lora import lora_root_hash
 from scheduler_svc.core.request import Sequence
 
 
@@ -134,7 +133,7 @@ class BlockManager:
         bs = self.block_size
         tokens = seq.token_ids
         for i in range(len(hashes), min(num_blocks, len(tokens) // bs)):
-            parent = hashes[-1] if i else lora_root_hash(seq.lora)
+            parent = hashes[-1] if i else seq.cache_root
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
 
     def allocate(self, seq: Sequence, hits: list[Block | HostHit], num_tokens: int) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler_svc.core.lookahead import LookaheadFactory
 from scheduler_svc.core.request import Request, Sequence
-from scheduler_svc.core.spec_decode import SpeculativeConfig
+from scheduler_svc.core.step_budget import StepLimitFactory
 
 
 @dataclass(slots=True)
@@ -25,8 +26,12 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of device blocks kept free from admissions
     max_waiting: int = 1024  # add_request raises QueueFull beyond this many waiting requests
     long_prefill_token_threshold: int | None = None  # max prefill tokens per sequence per step
-    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
-    max_loras: int = 0  # distinct LoRA adapters in one step (the executor's --max-loras); 0: no cap
+    # A feature's decodes with lookahead positions (core/lookahead.py), built once per core;
+    # None: every decode computes one position.
+    lookahead: LookaheadFactory | None = None
+    # A feature's admission constraint per step (core/step_budget.py), built once per core;
+    # None: none (features/base.py, `scheduling`, sets it from the executor's Describe).
+    step_limit: StepLimitFactory | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len"):
@@ -47,8 +52,6 @@ class SchedulerConfig:
             )
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-        if self.max_loras < 0:
-            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.sampling_params import SamplingParams
 
 _SEED_MASK = (1 << 63) - 1
@@ -112,8 +112,9 @@ class Sequence:
     use_prefix_cache: bool = True
     # max_tokens is 0: the executor samples nothing for it; it ends once its prompt is computed.
     prompt_only: bool = False
-    # Its LoRA adapter (None: the base model); roots its prefix-cache hash chain.
-    lora: LoraRef | None = None
+    # Parent hash of its first block (its request's cache_root): prefix-cache hits never
+    # cross roots. None: the shared root.
+    cache_root: bytes | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -156,8 +157,14 @@ class Request:
     forked: bool = True
     # Queue order under the scheduler's policy; set by the scheduler on add_request.
     sort_key: tuple = ()
-    # The LoRA adapter every sequence runs with (None: the base model).
-    lora: LoraRef | None = None
+    # What a feature attaches to the request (its admit hook, through Request.of): opaque to
+    # the core, which hands it to the step limit (core/step_budget.py) and with each new
+    # sequence to the step message's hooks (NewSeqData.tag). None: nothing attached.
+    tag: Hashable | None = None
+    # The root of its sequences' prefix-cache hash chains, set with the tag by the same
+    # feature (a namespace like vLLM's cache salt: requests whose KV differs from the first
+    # token on never share blocks). None: the shared root.
+    cache_root: bytes | None = None
     # Its plain decode steps may use the step message's packed decode lane (which carries no
     # top logprobs, so only requests that ask for none).
     decode_lane: bool = field(init=False, default=True)
@@ -185,8 +192,10 @@ class Request:
     @classmethod
     def of(cls, handle: Any, output_token_ids: list[list[int]] | None = None) -> Request:
         """The core's side of an engine request (anything with its ``req_id``,
-        ``prompt_token_ids``, ``params``, ``priority``, ``arrival_time`` and ``lora``: the
-        engine's ``RequestHandle``); ``output_token_ids``: what a resumed one recomputes."""
+        ``prompt_token_ids``, ``params``, ``priority``, ``arrival_time`` and ``core_fields``:
+        the engine's ``RequestHandle``, whose ``core_fields`` its features' admit hooks set,
+        e.g. ``tag`` and ``cache_root``); ``output_token_ids``: what a resumed one
+        recomputes."""
         return cls(
             handle.req_id,
             handle.prompt_token_ids,
@@ -194,7 +203,7 @@ class Request:
             priority=handle.priority,
             arrival_time=handle.arrival_time,
             output_token_ids=output_token_ids,
-            lora=handle.lora,
+            **handle.core_fields,
         )
 
     def _make_seq(self, index: int, outputs: list[int]) -> Sequence:
@@ -207,7 +216,7 @@ class Request:
             seed=sequence_seed(self.sampling_params.seed, index),
             use_prefix_cache=self.sampling_params.prompt_logprobs is None,
             prompt_only=self.sampling_params.max_tokens == 0,
-            lora=self.lora,
+            cache_root=self.cache_root,
         )
 
     def fork(self) -> list[Sequence]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from scheduler_svc.core.ahead import plan_ahead
 from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.core.lora import LoraBudget
 from scheduler_svc.core.prefix_wait import (
     prefix_blocks_in_flight,
     uncomputed_prompt_hashes,
@@ -27,7 +26,6 @@ from scheduler_svc.core.prefix_wait import (
 from scheduler_svc.core.request import Request, RequestStatus, Sequence
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.core.scheduler_state import SchedulerState
-from scheduler_svc.core.spec_decode import schedule_spec
 from scheduler_svc.core.step_budget import Admit, StepBudget
 from scheduler_svc.core.step_entry import add_to_step
 
@@ -39,9 +37,9 @@ _RUNNING = RequestStatus.RUNNING
 class Scheduler(SchedulerState):
     """Plans each step for one executor (the policy); its state lives in SchedulerState."""
 
-    # A waiting request skipped this many steps for its adapter (max_loras) starts a drain: no
-    # request on an adapter is admitted behind it until it is, so the step's adapters run out.
-    lora_starvation_steps = 32
+    # A waiting request the step limit skipped this many steps starts a drain: no request the
+    # limit claims is admitted behind it until it is, so what the step holds runs out.
+    starvation_steps = 32
 
     # ------------------------------------------------------------------ step
 
@@ -61,7 +59,9 @@ class Scheduler(SchedulerState):
         out = SchedulerOutput(self._step_id)
         step = StepBudget(self.config.max_num_batched_tokens)
         running = self._schedule_running(step, out)
-        step.loras = LoraBudget(self.config.max_loras, (r.lora for r in running))
+        limit = self.step_limit
+        if limit is not None:
+            limit.begin(running)
         self._schedule_prefill_chunks(step, out)
         if not out.preempted_req_ids:
             # New work only when nothing was just pushed out (it would be pushed out again).
@@ -81,14 +81,9 @@ class Scheduler(SchedulerState):
         # send it for its drops and copies) without calling update_from_output().
         if out.scheduled:
             self._in_flight.append(out)
-            self._count_lora_loads(step.loras)
+            if limit is not None:
+                limit.scheduled()
         return out
-
-    def _count_lora_loads(self, loras: LoraBudget) -> None:
-        """The step's adapters against those the executor's device slots hold (core/lora.py)."""
-        self.num_loras_in_step = len(loras.loras)
-        if loras.loras:
-            self.num_lora_loads += self.lora_slots.use(loras.loras)
 
     def schedule_ahead(self) -> SchedulerOutput | None:
         """Async scheduling: the decode step after the one in flight, planned before its
@@ -99,10 +94,10 @@ class Scheduler(SchedulerState):
         """
         if len(self._in_flight) != 1 or len(self._swapped):
             return None
-        spec = self.spec
+        la = self.lookahead
         running = self._running
-        if spec is not None and spec.active(len(running)) and any(map(spec.eligible, running)):
-            return None  # a speculating sequence's next step depends on what is accepted
+        if la is not None and la.active(len(running)) and any(map(la.eligible, running)):
+            return None  # a lookahead decode's next step depends on what is accepted
         out = plan_ahead(
             self._in_flight[0],
             self._running,
@@ -140,7 +135,7 @@ class Scheduler(SchedulerState):
         max_len = self.config.max_model_len
         tokens, num_seqs = step.tokens, step.num_seqs
         i, end = 0, len(running)
-        spec = self.spec if self.spec is not None and self.spec.active(end) else None
+        la = self.lookahead if self.lookahead is not None and self.lookahead.active(end) else None
         while i < end:
             req = running[i]
             i += 1
@@ -152,19 +147,9 @@ class Scheduler(SchedulerState):
                     num_seqs += 1
                     continue
                 if (
-                    spec is not None
+                    la is not None
                     and seq.sent
-                    and (
-                        k := schedule_spec(
-                            spec,
-                            self.block_manager,
-                            req,
-                            seq,
-                            tokens,
-                            self.config.max_model_len,
-                            out,
-                        )
-                    )
+                    and (k := la.schedule(self.block_manager, req, seq, tokens, max_len, out))
                 ):
                     num_seqs += 1
                     tokens -= 1 + k
@@ -261,20 +246,22 @@ class Scheduler(SchedulerState):
     def _schedule_swapped(self, step: StepBudget, out: SchedulerOutput) -> None:
         """Phase 3: swapped requests come back, oldest first, before any new work."""
         bm = self.block_manager
+        limit = self.step_limit
         while step.tokens > 0 and (req := self._swapped.peek()) is not None:
             live = req.live_seqs
             n = req.num_seqs_when_running
             if step.num_seqs + n > self.config.max_num_seqs or step.tokens < len(live):
                 break
-            if not step.loras.fits(req.lora):
-                break  # its adapter waits for a step with a free adapter slot
+            if limit is not None and not limit.admits(req):
+                break  # it waits for a step the limit admits it to
             need = bm.num_blocks_to_swap_in(live) + self._blocks_to_resume(req, live)
             if not self._can_take(need, req, "swap it back in"):
                 if req.is_finished:
                     continue
                 break
             self._swapped.pop()
-            step.loras.add(req.lora)
+            if limit is not None:
+                limit.add(req)
             out.blocks_to_swap_in.extend(bm.swap_in(live))
             self._set_status(req, live, _RUNNING)
             if not req.forked and live[0].num_computed_tokens == req.num_prompt_tokens - 1:
@@ -294,38 +281,40 @@ class Scheduler(SchedulerState):
         the prefix cache and the request skips it, instead of computing the same prefix again
         beside it (a burst of requests with one long system prompt computes it once).
 
-        A request whose adapter would be one too many for the step (max_loras) is skipped for
-        this step, keeping its place in the queue (vLLM does the same).
+        A request the step limit refuses (core/step_budget.py) is skipped for this step,
+        keeping its place in the queue (vLLM does the same).
         """
         skipped: list[Request] = []
         try:
             self._admit_waiting(step, out, skipped)
         finally:
-            for req in skipped:  # back in their places: first in line once their adapter fits
+            for req in skipped:  # back in their places: first in line once the limit admits
                 self._waiting.push(req)
-        if self._lora_skipped:  # forget the ones admitted, aborted or ended meanwhile
-            for req_id in [r for r in self._lora_skipped if r not in self._waiting]:
-                del self._lora_skipped[req_id]
+        if self._skipped:  # forget the ones admitted, aborted or ended meanwhile
+            for req_id in [r for r in self._skipped if r not in self._waiting]:
+                del self._skipped[req_id]
 
     def _admit_waiting(
         self, step: StepBudget, out: SchedulerOutput, skipped: list[Request]
     ) -> None:
         inflight: set[bytes] | None = None
-        drain = False  # a request starves for an adapter slot: adapters stop coming in
+        limit = self.step_limit
+        drain = False  # a request starves for the limit: what it claims stops coming in
         while step.tokens > 0 and (req := self._waiting.peek()) is not None:
             n = req.num_seqs_when_running
             if step.num_seqs + n > self.config.max_num_seqs:
                 break
-            if not step.loras.fits(req.lora):
-                # One adapter too many for this step: skip it (no head-of-line blocking);
-                # requests behind it whose adapter is in the step, or the base model, go on.
-                since = self._lora_skipped.setdefault(req.req_id, self._step_id)
-                drain = drain or self._step_id - since >= self.lora_starvation_steps
-                skipped.append(self._waiting.pop())
-                continue
-            if drain and req.lora is not None:
-                skipped.append(self._waiting.pop())
-                continue
+            if limit is not None:
+                if not limit.admits(req):
+                    # Skipped for this step (no head-of-line blocking): requests behind it
+                    # that the limit admits go on.
+                    since = self._skipped.setdefault(req.req_id, self._step_id)
+                    drain = drain or self._step_id - since >= self.starvation_steps
+                    skipped.append(self._waiting.pop())
+                    continue
+                if drain and limit.claims(req):
+                    skipped.append(self._waiting.pop())
+                    continue
             if self.block_manager.enable_prefix_caching:
                 if inflight is None:
                     inflight = prefix_blocks_in_flight(self.block_manager, self._running)
@@ -338,7 +327,8 @@ class Scheduler(SchedulerState):
                 break
             step.num_seqs += n
             step.added.append(req)
-            step.loras.add(req.lora)
+            if limit is not None:
+                limit.add(req)
             if inflight is not None:
                 inflight.update(uncomputed_prompt_hashes(self.block_manager, req))
 

@@ -4,9 +4,9 @@ plain dataclasses) plus bookkeeping the scheduler needs back in update_from_outp
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.request import Sequence
 from scheduler_svc.core.sampling_params import SamplingParams
 
@@ -23,7 +23,7 @@ class NewSeqData:
     block_table: list[int]  # snapshot of the full device block table
     num_computed_tokens: int  # leading tokens already in the cache (prefix hit, fork, swap-in)
     num_scheduled_tokens: int
-    lora: LoraRef | None = None  # the adapter it runs with; None = the base model
+    tag: Hashable | None = None  # its request's (Request.tag), for the step message's hooks
 
 
 @dataclass(slots=True)
@@ -39,9 +39,10 @@ class CachedSeqData:
     replaced_blocks: list[tuple[int, int]]  # (logical_index, new block id), copy-on-write
     num_scheduled_tokens: int
     num_computed_tokens: int  # consistency check on the executor side
-    # Speculative decoding: proposals verified after the decode token (core/spec_decode.py).
+    # Lookahead positions after the decode token (core/lookahead.py): their tokens, checked
+    # against the draws when the result is back (executor.proto's names).
     spec_token_ids: list[int] = field(default_factory=list)
-    # Or that many proposals made by the executor's draft model (they come back with the draws).
+    # Or that many positions whose tokens the executor supplies (they come back with the draws).
     num_draft_tokens: int = 0
 
 
@@ -66,9 +67,9 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # (sequence, tokens scheduled) in batch order; read back by update_from_output.
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list, repr=False)
-    # Speculative decoding: seq_id -> proposals verified this step (with a draft model: empty
-    # until the reply brings them, spec_draft.take_draft_proposals); update_from_output fills
-    # spec_num_accepted (seq_id -> proposals accepted) when the result is back.
+    # Lookahead (core/lookahead.py): seq_id -> the tokens at its lookahead positions this step
+    # (empty until the reply brings them when the executor supplies them); update_from_output
+    # fills spec_num_accepted (seq_id -> how many were accepted) when the result is back.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_num_accepted: dict[str, int] = field(default_factory=dict)
 
@@ -100,6 +101,4 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     num_preemptions: int
-    num_lora_loads: int = 0  # adapters the steps had to load onto the executor's device
-    num_loras_in_step: int = 0  # distinct adapters in the latest step
     prefix_cache_host_hits: int = 0  # of prefix_cache_hits, tokens found in the host tier

@@ -8,11 +8,9 @@ from __future__ import annotations
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.errors import QueueFull
-from scheduler_svc.core.lora import LoraSlots
 from scheduler_svc.core.request import Request, RequestStatus, Sequence
 from scheduler_svc.core.request_queue import RequestQueue
 from scheduler_svc.core.scheduler_output import SchedulerOutput, SchedulerStats
-from scheduler_svc.core.spec_decode import SpecDecoder
 
 __all__ = ["SchedulerState"]
 
@@ -45,15 +43,12 @@ class SchedulerState:
         # or two when schedule_ahead() planned the next while the first was running.
         self._in_flight: list[SchedulerOutput] = []
         self.num_preemptions = 0
-        # LoRA: the adapters the executor's device slots hold (core/lora.py), the adapter
-        # loads the steps so far needed, and the distinct adapters of the latest step.
-        self.lora_slots = LoraSlots(config.max_loras)
-        self.num_lora_loads = 0
-        self.num_loras_in_step = 0
-        # Waiting requests skipped for their adapter: req_id -> step of the first skip.
-        self._lora_skipped: dict[str, int] = {}
-        # Speculative decoding (core/spec_decode.py); None when off.
-        self.spec = SpecDecoder(config.speculative) if config.speculative is not None else None
+        # A feature's admission constraint per step (core/step_budget.py), this core's own.
+        self.step_limit = config.step_limit() if config.step_limit is not None else None
+        # Waiting requests the step limit skipped: req_id -> step of the first skip.
+        self._skipped: dict[str, int] = {}
+        # Decodes with lookahead positions (core/lookahead.py), this core's own; None: none.
+        self.lookahead = config.lookahead() if config.lookahead is not None else None
 
     # ------------------------------------------------------------------ requests
 
@@ -152,9 +147,10 @@ class SchedulerState:
     ) -> list[Sequence]:
         """Apply a step's results: advance computed counts, append sampled tokens.
 
-        A speculating sequence (output.spec_token_ids) gets the accepted run: its draw in
-        `sampled`, then the draws after each proposal in `spec_drawn`; the count of accepted
-        proposals goes to output.spec_num_accepted.
+        A sequence with lookahead positions (output.spec_token_ids, core/lookahead.py) gets
+        what the lookahead accepts of its draws: the first in `sampled`, then the draws after
+        each lookahead token in `spec_drawn`; the count accepted goes to
+        output.spec_num_accepted.
 
         Returns the sequences that got a token (or, prompt-only, completed their prompt), in
         batch order. Sequences that ended while the
@@ -174,9 +170,10 @@ class SchedulerState:
             seq.num_computed_tokens = nc
             tokens = seq.token_ids
             proposed = output.spec_token_ids.get(seq.seq_id) if output.spec_token_ids else None
-            if proposed is not None and self.spec is not None and spec_drawn is not None:
+            if proposed is not None and self.lookahead is not None and spec_drawn is not None:
                 drawn = [sampled[seq.seq_id], *spec_drawn.get(seq.seq_id, ())]
-                output.spec_num_accepted[seq.seq_id] = self.spec.verified(seq, proposed, drawn, bm)
+                accepted = self.lookahead.verified(seq, proposed, drawn, bm)
+                output.spec_num_accepted[seq.seq_id] = accepted
                 nc = seq.num_computed_tokens
                 got.append(seq)
             elif nc == len(tokens):
@@ -301,8 +298,6 @@ class SchedulerState:
             prefix_cache_hits=bm.prefix_cache_hits,
             prefix_cache_host_hits=bm.prefix_cache_host_hits,
             num_preemptions=self.num_preemptions,
-            num_lora_loads=self.num_lora_loads,
-            num_loras_in_step=self.num_loras_in_step,
         )
 
     def check_invariants(self) -> None:

@@ -50,7 +50,7 @@ def add_to_step(
                 list(seq.block_table),
                 seq.num_computed_tokens,
                 num_tokens,
-                req.lora,
+                req.tag,
             )
         )
         seq.sent = True

@@ -10,7 +10,6 @@ from typing import Any, Protocol
 
 from scheduler_svc.engine.config import AbortOutcome, GenerateInput, ServerInfo
 from scheduler_svc.engine.streams import RequestHandle, RequestView
-from scheduler_svc.features.pooling.embeds import EmbedInput, EmbedResult
 
 __all__ = ["EngineClient"]
 
@@ -45,8 +44,4 @@ class EngineClient(Protocol):
     def feature(self, name: str) -> Any:
         """The named feature (features/<name>/feature.py; None when it is not built), for the
         RPCs only it serves: the servicer calls its own methods."""
-        ...
-
-    async def embed(self, inp: EmbedInput) -> EmbedResult:
-        """Every input's vector; raises ValidationError, QueueFull or Unavailable."""
         ...

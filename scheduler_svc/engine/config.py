@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from scheduler_svc.core.sampling_params import SamplingParams
-from scheduler_svc.core.spec_decode import SpeculativeConfig
+from scheduler_svc.features.spec.decode import SpeculativeConfig
 from scheduler_svc.state.connect import RedisTarget
 
 __all__ = [
@@ -83,7 +83,7 @@ class EngineConfig:
     # Plan and send the next decode step while the executor runs the current one (see
     # core/ahead.py): the executor never waits for the scheduler between decode steps.
     async_scheduling: bool = True
-    # Speculative decoding (core/spec_decode.py: n-gram proposals verified in one step; output
+    # Speculative decoding (features/spec/decode.py: n-gram proposals verified in one step; output
     # unchanged); None: off. Planning ahead is skipped while a request may speculate.
     speculative: SpeculativeConfig | None = None
     # An executor unreachable this long hands its requests to the live ones (recomputed there).
@@ -198,7 +198,7 @@ class ServerInfo:
     # it serves (their server_info hook).
     tasks: list[str] = field(default_factory=lambda: ["generate"])
     hidden_size: int = 0  # the width of the model's final hidden state (Describe)
-    # Speculative decoding (core/spec_decode.py), summed over executors; zeros when off.
+    # Speculative decoding (features/spec/decode.py), summed over executors; zeros when off.
     spec_decode_acceptance_rate: float = 0.0
     num_speculative_tokens: int = 0
     spec_decode_num_draft_tokens: int = 0

@@ -35,7 +35,6 @@ from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.server_info import server_info
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
 from scheduler_svc.features.base import NO_FEATURES, Features
-from scheduler_svc.features.pooling.embeds import EmbedInput, EmbedResult
 from scheduler_svc.output.tokenizer import encode_chat, encode_infill, encode_prompt
 from scheduler_svc.state.persister import Persister
 from scheduler_svc.state.store import (
@@ -195,10 +194,6 @@ class RequestFront:
                 f"{self.model.max_model_len} (prompt + at least one output token)"
             )
         return prompt
-
-    async def embed(self, inp: EmbedInput) -> EmbedResult:
-        """Every input's vector (nothing is stored: features/pooling/embeds.py)."""
-        return await self.features.get("pooling").embeds.embed(inp)
 
     def check_available(self) -> None:
         """New work needs a serving engine, an executor and a Redis that takes writes."""

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler_svc.core.errors import Unavailable
-from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.request import FinishReason, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.features.base import Taker, take_logprobs, take_token
+from scheduler_svc.features.lora.ref import LoraRef
 from scheduler_svc.output.processor import OutputDelta, SequenceOutputState
 from scheduler_svc.state.persister import StepRecord
 from scheduler_svc.state.store import FinishRecord, StoredRequest, TokenAppend, tokens_key_bulk
@@ -132,6 +132,8 @@ class RequestHandle:
     first_token_time: float | None = None  # when its first token came back
     trace_context = ""  # its request span's traceparent, stored with it ("" untraced)
     trace_span: Any = None  # that span while open here
+    # The core Request's fields (Request.of); a feature's admit hook replaces, never changes it.
+    core_fields: dict[str, Any] = {}
 
     def __init__(
         self,
@@ -282,10 +284,8 @@ class RequestHandle:
         top_logprobs: Any,
         step: EngineStep,
     ) -> RequestStatus | None:
-        """One sampled token of sequence `index`: stop checks, text, the step's records.
-
-        Returns the finish status when the token ended the sequence.
-        """
+        """One sampled token of sequence `index`: stop checks, text, the step's records;
+        returns the finish status when the token ended the sequence."""
         state = self.states[index]
         offset = len(state.output_token_ids)
         if not offset:

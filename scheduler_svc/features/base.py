@@ -18,9 +18,12 @@ feature. The hooks, and who calls them:
 | persist/recover | ``stored_fields``, ``recover`` (async) | ``RequestFront``/``Recovery``, ``Engine`` start |
 | metrics, server info | ``metrics``, ``server_info`` | ``EngineMetrics.collect``, ``RequestFront.server_info`` |
 
-What a feature changes in a step's scheduling budget (distinct adapters per step, extra query
-positions) stays in the scheduling core, which imports nothing outside itself: the feature
-hands the core its part of the configuration (``scheduling``: core/config.py's fields).
+The scheduling core imports nothing outside itself; what a feature changes in a step reaches
+it through the core's generic extension points, which the feature implements in its folder and
+hands each core through ``scheduling`` (core/config.py's fields: a per-step admission limit,
+core/step_budget.py ``StepLimit``; decodes with lookahead positions, core/lookahead.py), and
+through ``admit``, which may set the fields of the request's core side
+(``RequestHandle.core_fields``: ``Request.tag``, ``Request.cache_root``).
 
 Cost: ``Features`` lists, per hook, only the features that override it, once; a hook nobody
 uses is an empty tuple. Per sequence, the reply loop calls one ``Taker`` per sampled sequence:
@@ -130,7 +133,8 @@ class Feature:
 
     def admit(self, handle: RequestHandle) -> None:
         """A request entering the table (new, or resumed by recovery): the feature may choose
-        its ``take`` (how each step's result for it is applied)."""
+        its ``take`` (how each step's result for it is applied) and set ``core_fields`` (what
+        ``Request.of`` gives its core side; replace the dict, never change it in place)."""
 
     # ------------------------------------------------------------------ between steps
 

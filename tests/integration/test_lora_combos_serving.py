@@ -14,8 +14,8 @@ import pytest
 from executor_svc.features.lora.manager import LoraConfig
 from executor_svc.runner.model_runner import ModelRunner
 from protos import scheduler_pb2 as pb
-from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.features.lora.ref import LoraRef
 from tests.support.api_helpers import collect, gen_request, run_in_threads, stub_for
 from tests.support.lora_factory import SPECS, make_adapter
 from tests.support.spec_driver import run_requests

@@ -16,13 +16,13 @@ from typing import Any
 from executor_svc.api.service import ExecutorServicer
 from executor_svc.runner.model_runner import ModelRunner
 from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.core.spec_decode import SpeculativeConfig, take_draft_proposals
 from scheduler_svc.engine.fleet.step_message import execute_request
 from scheduler_svc.features.lora.feature import add_adapters
+from scheduler_svc.features.lora.ref import LoraRef, core_fields
+from scheduler_svc.features.spec.decode import SpeculativeConfig, lookahead, take_draft_proposals
 from scheduler_svc.features.spec.feature import add_proposals
 
 
@@ -67,13 +67,13 @@ def run_requests(
             max_model_len=runner.info.max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode,
-            speculative=spec,
+            lookahead=lookahead(spec),
         )
     )
     reqs = {}
     for i, (prompt, params) in enumerate(requests):
         lora = loras[i] if loras is not None else None
-        req = Request(f"r{i}", list(prompt), params, arrival_time=float(i), lora=lora)
+        req = Request(f"r{i}", list(prompt), params, arrival_time=float(i), **core_fields(lora))
         reqs[req.req_id] = req
         sched.add_request(req)
     run = Run({})
@@ -153,7 +153,7 @@ def oracle(reference: Any, prompts: list[list[int]], rate: float, seed: int):
 
 def with_proposer(fn: Callable[[], Any], proposer: Callable[[list[int], int], list[int]]) -> Any:
     """``fn()`` with every SpecDecoder built meanwhile using ``proposer``."""
-    import scheduler_svc.core.spec_decode as sd
+    import scheduler_svc.features.spec.decode as sd
 
     orig = sd.SpecDecoder.__init__
 

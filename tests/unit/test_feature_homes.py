@@ -128,10 +128,33 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # rows (tp_step.py, tp_worker.py), the models' packed layers that apply it, the kernel's
 # signature in kernels/library.py beside every other; app.py registering it in the frontend;
 # the client's and the protos' (public API), unchanged.
+# LoRA's scheduling core 17 -> 7 (39 -> 29 in all): the core names no adapter. It has generic
+# extension points: a step limit (core/step_budget.py StepLimit: a request joins a step only if
+# the limit admits it; skipped requests keep their place; the starvation drain), given to each
+# core by the scheduling hook (SchedulerConfig.step_limit); Request.tag (opaque, handed to the
+# limit and with each new sequence to the step message's hooks, NewSeqData.tag) and
+# Request/Sequence.cache_root (the root of the prefix-cache hash chain: a namespace), set from
+# RequestHandle.core_fields, which the feature's admit hook fills. LoRA's implementations live
+# in features/lora (ref.py: LoraRef, the root hash, the core fields; scheduling.py: the
+# adapter limit, the device slots' LRU and the load counters its metrics hook reads from each
+# core). The router keeps affinity by tag and hashes from cache_root (fleet/routing.py).
+# Left on the scheduler: RequestHandle.lora and its import (streams.py), the stored record's
+# field, the configuration, the conversion, the servicer's RPCs, the registries.
+# Speculative's scheduler 6 -> 3 (14 -> 11): the core's one interface for it is a lookahead
+# (core/lookahead.py: a decode plus k positions whose draws come back to ``verified``), given
+# to each core by the scheduling hook (SchedulerConfig.lookahead); the proposer, the step
+# budget, acceptance and counters moved with core/spec_decode.py to features/spec/decode.py
+# (SpecDecoder implements it). Left: the step output's fields and update_from_output's use of
+# them, under executor.proto's names (spec_token_ids), and EngineConfig.speculative.
+# Pooling's scheduler 5 -> 2 (17 -> 14): the prompt-only pooled request moved from
+# core/pooling.py to features/pooling/params.py (the policy reads only Request.swappable and
+# Sequence.use_prefix_cache); the Embed RPC reaches the feature through
+# EngineClient.feature("pooling") as LoRA's Load/Unload do (EngineClient.embed and
+# RequestFront.embed are gone). Left: the servicer's Embed RPC and the registry.
 LIMITS: dict[str, dict[str, int]] = {
-    "lora": {"scheduler_svc": 17, "executor_svc": 13, "frontend_svc": 1, "client": 6, "protos": 2},
+    "lora": {"scheduler_svc": 7, "executor_svc": 13, "frontend_svc": 1, "client": 6, "protos": 2},
     "speculative": {
-        "scheduler_svc": 6,
+        "scheduler_svc": 3,
         "executor_svc": 3,
         "frontend_svc": 0,
         "client": 2,
@@ -145,7 +168,7 @@ LIMITS: dict[str, dict[str, int]] = {
         "protos": 3,
     },
     "pooling": {
-        "scheduler_svc": 5,
+        "scheduler_svc": 2,
         "executor_svc": 3,
         "frontend_svc": 2,
         "client": 4,
@@ -248,7 +271,7 @@ def test_the_step_functions_branch_on_no_feature_and_fit_a_screen() -> None:
 
 
 def test_the_counter_sees_a_name() -> None:
-    assert "scheduler_svc/core/lora.py" in files_naming(r"lora", "scheduler_svc")
+    assert "scheduler_svc/engine/streams.py" in files_naming(r"lora", "scheduler_svc")
     assert "scheduler_svc/features/lora/feature.py" not in files_naming(
         r"lora", "scheduler_svc", ("scheduler_svc/features/lora",)
     )

@@ -20,9 +20,9 @@ import torch
 
 from executor_svc.features.lora.manager import LoraConfig
 from executor_svc.runner.model_runner import ModelRunner
-from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.sampling_params import SamplingParams
-from scheduler_svc.core.spec_decode import SpeculativeConfig
+from scheduler_svc.features.lora.ref import LoraRef
+from scheduler_svc.features.spec.decode import SpeculativeConfig
 from tests.support.lora_factory import SPECS, make_adapter
 from tests.support.model_factory import load_hf_model, make_tiny_checkpoint
 from tests.support.spec_driver import oracle, run_requests, with_proposer

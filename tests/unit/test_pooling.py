@@ -1,6 +1,6 @@
 """Embedding pooling: the math (executor_svc/features/pooling/pooling.py), its invariance to how a prompt's rows
 were split into steps, the executor's checks, and what the scheduler core does differently for
-a pooled request (core/pooling.py, the step message)."""
+a pooled request (features/pooling/params.py, the step message)."""
 
 from __future__ import annotations
 
@@ -24,13 +24,18 @@ from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence
 from executor_svc.runner.sampler import SamplingParams as ExecutorParams
 from protos import executor_pb2 as epb
 from protos import scheduler_pb2 as pb
-from scheduler_svc.core.pooling import PoolingParams, PoolingType, embed_request, swappable
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.fleet.step_message import executor_params
 from scheduler_svc.features.pooling.feature import with_pooling
+from scheduler_svc.features.pooling.params import (
+    PoolingParams,
+    PoolingType,
+    embed_request,
+    swappable,
+)
 from tests.support.model_factory import make_tiny_checkpoint
 
 HIDDEN = 8

@@ -151,7 +151,7 @@ def test_a_burst_with_a_new_prefix_follows_the_first_request() -> None:
 
 
 def test_lora_requests_prefer_the_executor_holding_their_adapter() -> None:
-    from scheduler_svc.core.lora import LoraRef
+    from scheduler_svc.features.lora.ref import LoraRef, core_fields
 
     a, b = executor("a"), executor("b")
     router = Router("kv")
@@ -159,7 +159,7 @@ def test_lora_requests_prefer_the_executor_holding_their_adapter() -> None:
 
     def lora_request(rid: str, own: int) -> Request:
         prompt = [9000 + own * 10 + j for j in range(7)]
-        return Request(rid, prompt, SamplingParams(max_tokens=2), lora=lora)
+        return Request(rid, prompt, SamplingParams(max_tokens=2), **core_fields(lora))
 
     first = router.choose([a, b], lora_request("r0", 0))
     other = b if first is a else a
@@ -174,12 +174,12 @@ def test_lora_requests_prefer_the_executor_holding_their_adapter() -> None:
 
 
 def test_a_lora_prefix_is_not_a_base_model_hit() -> None:
-    from scheduler_svc.core.lora import LoraRef
+    from scheduler_svc.features.lora.ref import LoraRef, core_fields
 
     a = executor("a")
     warm(a, PREFIX_A, "w")
     lora_req = Request(
-        "l", [*PREFIX_A, 1, 2, 3], SamplingParams(max_tokens=2), lora=LoraRef("x", "/x")
+        "l", [*PREFIX_A, 1, 2, 3], SamplingParams(max_tokens=2), **core_fields(LoraRef("x", "/x"))
     )
     assert cached_prefix_blocks(a, lora_req, {}) == 0
     assert cached_prefix_blocks(a, request("r", PREFIX_A, own=1), {}) == len(PREFIX_A) // BS

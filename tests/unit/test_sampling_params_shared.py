@@ -13,9 +13,9 @@ from client import structured
 from protos import sampling
 from protos import scheduler_pb2 as pb
 from scheduler_svc.api.convert import params_from_proto
-from scheduler_svc.core.pooling import EmbedSamplingParams
 from scheduler_svc.core.sampling_params import SamplingParams as SchedulerParams
 from scheduler_svc.core.sampling_params import ValidationError
+from scheduler_svc.features.pooling.params import EmbedSamplingParams
 
 
 def _defaults(cls: type) -> list[tuple[str, object]]:

@@ -1,13 +1,18 @@
-"""LoRA in the scheduling core: at most max_loras distinct adapters per step (a request one
-adapter too many is skipped for the step, keeping its place), the adapter goes out with each new sequence, and prefix-cache
-hits never cross adapters."""
+"""LoRA in the scheduling core, through its generic fields (features/lora: the step limit
+``scheduling.AdapterLimit``, the request's ``tag`` and ``cache_root``): at most max_loras
+distinct adapters per step (a request one adapter too many is skipped for the step, keeping its
+place), the adapter goes out with each new sequence, and prefix-cache hits never cross
+adapters."""
 
 from __future__ import annotations
 
-from scheduler_svc.core.lora import LoraRef
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.sampling_params import SamplingParams
-from tests.unit.test_scheduler import add, make_scheduler, step
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.features.lora.ref import LoraRef, core_fields
+from scheduler_svc.features.lora.scheduling import adapter_limit
+from tests.unit import test_scheduler
+from tests.unit.test_scheduler import add, step
 
 A, B, C = (LoraRef(n, f"/adapters/{n}") for n in "abc")
 
@@ -15,11 +20,17 @@ A, B, C = (LoraRef(n, f"/adapters/{n}") for n in "abc")
 def _req(i: int, lora: LoraRef | None, prompt: list[int] | None = None, max_tokens=3) -> Request:
     prompt = prompt or [100 * (i + 1) + j for j in range(5)]
     params = SamplingParams(max_tokens=max_tokens)
-    return Request(f"r{i}", prompt, params, arrival_time=float(i), lora=lora)
+    return Request(f"r{i}", prompt, params, arrival_time=float(i), **core_fields(lora))
+
+
+def make_scheduler(max_loras: int = 0, **kw) -> Scheduler:
+    """A core whose step limit is the LoRA feature's for an executor with max_loras slots
+    (what its scheduling hook gives each core)."""
+    return test_scheduler.make_scheduler(step_limit=adapter_limit(max_loras), **kw)
 
 
 def _loras_of(out) -> set:
-    return {s.lora for s in out.new_seqs}
+    return {s.tag for s in out.new_seqs}
 
 
 def test_more_adapters_than_max_loras_are_split_over_steps():
@@ -86,25 +97,24 @@ def test_adapter_loads_are_counted_against_the_executors_device_slots():
     sched = make_scheduler(max_loras=2, num_device_blocks=64)
     add(sched, [_req(0, A), _req(1, B), _req(2, None)])
     step(sched)
-    stats = sched.get_stats()
-    assert (stats.num_lora_loads, stats.num_loras_in_step) == (2, 2)
+    stats = sched.step_limit
+    assert (stats.num_loads, stats.num_in_step) == (2, 2)
     step(sched)  # A and B are still on the device: no new load
-    assert sched.get_stats().num_lora_loads == 2
+    assert stats.num_loads == 2
     sched.abort_request("r1")
     add(sched, [_req(3, C)])
     step(sched)  # C takes B's slot
-    stats = sched.get_stats()
-    assert (stats.num_lora_loads, stats.num_loras_in_step) == (3, 2)
-    assert set(sched.lora_slots.held()) == {A, C}
+    assert (stats.num_loads, stats.num_in_step) == (3, 2)
+    assert set(stats.slots.held()) == {A, C}
     sched.abort_request("r3")
     add(sched, [_req(4, B)])
     step(sched)  # B was evicted (slots: A, C): loaded again
-    assert sched.get_stats().num_lora_loads == 4
+    assert stats.num_loads == 4
 
 
 def test_a_request_skipped_too_long_drains_the_adapters_ahead_of_it():
     sched = make_scheduler(max_loras=1, num_device_blocks=64)
-    sched.lora_starvation_steps = 3
+    sched.starvation_steps = 3
     add(sched, [_req(0, A), _req(1, B)])
     step(sched)  # B skipped
     add(sched, [_req(2, A), _req(3, None)])
@@ -121,4 +131,4 @@ def test_a_request_skipped_too_long_drains_the_adapters_ahead_of_it():
     out = step(sched)  # A drained: B is in, r4 waits for A to get a slot again
     assert [s.seq_id for s in out.new_seqs] == ["r1/0"]
     assert sched.waiting_request_ids() == ["r4"]
-    assert list(sched._lora_skipped) == ["r4"]  # r1 forgotten; r4 now waits for B
+    assert list(sched._skipped) == ["r4"]  # r1 forgotten; r4 now waits for B

@@ -15,7 +15,7 @@ import pytest
 
 from executor_svc.runner.model_runner import ModelRunner
 from scheduler_svc.core.sampling_params import SamplingParams
-from scheduler_svc.core.spec_decode import SpeculativeConfig, accept, propose_ngram
+from scheduler_svc.features.spec.decode import SpeculativeConfig, accept, propose_ngram
 from tests.support.model_factory import make_tiny_checkpoint
 from tests.support.spec_driver import oracle, run_requests, with_proposer
 
@@ -214,7 +214,7 @@ def test_rejected_proposals_back_off() -> None:
     64 after each miss) and once every 65 steps after that; an accepted proposal ends the pause,
     and a sequence that hits often enough keeps proposing through its misses."""
     from scheduler_svc.core.request import Request
-    from scheduler_svc.core.spec_decode import SpecDecoder
+    from scheduler_svc.features.spec.decode import SpecDecoder
 
     dec = SpecDecoder(SPEC)
     dec.proposer = lambda tokens, k: [1] * k  # always proposes (and here always "misses")

@@ -16,7 +16,7 @@ import torch
 from executor_svc.features.spec.draft import draft_computed_after
 from executor_svc.runner.model_runner import ModelRunner
 from scheduler_svc.core.sampling_params import SamplingParams
-from scheduler_svc.core.spec_decode import SpeculativeConfig, draft_executor_error
+from scheduler_svc.features.spec.decode import SpeculativeConfig, draft_executor_error
 from tests.support.draft_models import truncate_checkpoint
 from tests.support.model_factory import make_tiny_checkpoint
 from tests.support.spec_driver import run_requests
@@ -304,14 +304,14 @@ def test_scheduler_asks_the_draft_and_takes_its_proposals() -> None:
     from scheduler_svc.core.config import SchedulerConfig
     from scheduler_svc.core.request import Request
     from scheduler_svc.core.scheduler import Scheduler
-    from scheduler_svc.core.spec_decode import take_draft_proposals
     from scheduler_svc.engine.fleet.step_message import execute_request
+    from scheduler_svc.features.spec.decode import lookahead, take_draft_proposals
     from scheduler_svc.features.spec.feature import add_proposals
 
     sched = Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=64, max_num_seqs=4, block_size=4, num_device_blocks=32,
-            num_cpu_blocks=0, max_model_len=128, speculative=_spec(3),
+            num_cpu_blocks=0, max_model_len=128, lookahead=lookahead(_spec(3)),
         )
     )  # fmt: skip
     sched.add_request(Request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=10), 0.0))

@@ -21,7 +21,7 @@ from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.core.scheduler_output import SchedulerOutput
-from scheduler_svc.core.spec_decode import SpeculativeConfig
+from scheduler_svc.features.spec.decode import SpeculativeConfig, lookahead
 from tests.unit.test_scheduler_property import FakeExecutor
 
 VOCAB = 3
@@ -70,14 +70,16 @@ def run(cfg: dict, requests: list[dict], corrupt: float, seed: int, spec_on: boo
         SchedulerConfig(
             max_waiting=100,
             max_num_batched_tokens=cfg["max_num_seqs"] + 16,
-            speculative=SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=limit)
-            if spec_on
-            else None,
+            lookahead=lookahead(
+                SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=limit)
+                if spec_on
+                else None
+            ),
             **cfg,
         )
     )
     rng = random.Random(seed)
-    if sched.spec is not None:
+    if sched.lookahead is not None:
 
         def propose(tokens: list[int], m: int) -> list[int]:
             out: list[int] = []
@@ -86,7 +88,7 @@ def run(cfg: dict, requests: list[dict], corrupt: float, seed: int, spec_on: boo
                 out.append((t + 1) % VOCAB if rng.random() < corrupt else t)
             return out
 
-        sched.spec.proposer = propose
+        sched.lookahead.proposer = propose
     ex = SpecFakeExecutor(
         cfg["num_device_blocks"], cfg["num_cpu_blocks"], cfg["block_size"], cfg["max_model_len"]
     )

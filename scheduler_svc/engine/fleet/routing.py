@@ -10,9 +10,10 @@
   request with that prefix would reuse, not add to. A block in the executor's host-memory
   prefix tier (core/host_tier.py) counts as cached: copying it in costs a memcpy of its KV,
   far below computing it.
-  A LoRA request also costs ``ADAPTER_MISS_BLOCKS`` where its adapter has not been routed
-  lately (the executor would read it from disk first), so requests of one adapter keep to the
-  executors that hold it unless those are busier by more than that.
+  A tagged request (core ``Request.tag``: what a feature attaches, an adapter) also costs
+  ``ADAPTER_MISS_BLOCKS`` where its tag has not been routed lately (the executor would read
+  the adapter from disk first), so requests of one adapter keep to the executors that hold it
+  unless those are busier by more than that.
 - `least-loaded`: most free blocks, then fewest waiting requests (ignores caches).
 - `round-robin`: in turn.
 
@@ -22,11 +23,10 @@ Executors that are unreachable or draining get nothing while another can take th
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from scheduler_svc.core.block_pool import hash_block_tokens
-from scheduler_svc.core.lora import LoraRef, lora_root_hash
 from scheduler_svc.core.request import Request
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def _chain(req: Request, bs: int, hashes: dict[int, list[bytes]]) -> list[bytes]
     if chain is None:
         chain = hashes[bs] = []
         tokens = req.seqs[0].token_ids
-        root = lora_root_hash(req.lora)  # as the block manager's chain: per adapter
+        root = req.cache_root  # as the block manager's chain: per namespace
         for i in range((len(tokens) - 1) // bs):
             chain.append(hash_block_tokens(chain[-1] if i else root, tokens[i * bs : (i + 1) * bs]))
     return chain
@@ -78,7 +78,7 @@ def cached_prefix_blocks(
 # A block routed to an executor counts as cached there (before it is computed) for this many
 # of its steps; by then it is in its prefix cache, or the request went elsewhere.
 _SOON_STEPS = 64
-# What a LoRA request adds to the cost of an executor its adapter was not routed to within the
+# What a tagged request adds to the cost of an executor its adapter was not routed to within the
 # last ADAPTER_STEPS of its steps (in blocks of load, like a prefill).
 ADAPTER_MISS_BLOCKS = 8
 ADAPTER_STEPS = 4096
@@ -102,8 +102,8 @@ class Router:
         # requests with a new prefix follows the first one instead of being spread before the
         # prefix is in any cache.
         self._soon: dict[int, dict[bytes, int]] = {}
-        # Per executor: LoRA adapter -> step id it was last routed there at.
-        self._adapters: dict[int, dict[LoraRef, int]] = {}
+        # Per executor: tag (an adapter) -> step id it was last routed there at.
+        self._adapters: dict[int, dict[Hashable, int]] = {}
 
     def choose(self, executors: Sequence[ExecutorHandle], req: Request) -> ExecutorHandle:
         candidates = (
@@ -124,12 +124,12 @@ class Router:
         if self.policy == "kv":
             self._note_routed(chosen, req, hashes)
             self._remember(chosen, req, hashes)
-        if req.lora is not None:
-            self._adapters.setdefault(id(chosen), {})[req.lora] = chosen.step_id
+        if req.tag is not None:
+            self._adapters.setdefault(id(chosen), {})[req.tag] = chosen.step_id
         return chosen
 
     def holds_adapter(self, ex: ExecutorHandle, req: Request) -> bool:
-        step = self._adapters.get(id(ex), {}).get(req.lora) if req.lora else None
+        step = self._adapters.get(id(ex), {}).get(req.tag) if req.tag is not None else None
         return step is not None and step >= ex.step_id - ADAPTER_STEPS
 
     def _remember(self, ex: ExecutorHandle, req: Request, hashes: dict[int, list[bytes]]) -> None:
@@ -144,7 +144,7 @@ class Router:
             self._soon[id(ex)] = {h: s for h, s in soon.items() if s >= oldest}
 
     def _cost(self, ex: ExecutorHandle, req: Request, hashes: dict[int, list[bytes]]) -> float:
-        miss = req.lora is not None and not self.holds_adapter(ex, req)
+        miss = req.tag is not None and not self.holds_adapter(ex, req)
         prefill = self._to_prefill(ex, req, hashes) + (ADAPTER_MISS_BLOCKS if miss else 0)
         return self.prefill_weight * prefill + self._load(ex)
 

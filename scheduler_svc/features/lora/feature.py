@@ -1,11 +1,12 @@
 """LoRA on the scheduler's hooks: resolve a request's adapter name (submit), keep it with the
-stored request (persist), restore the live-loaded adapters at start (recover), hand each core
-its executor's cap on distinct adapters per step (scheduling) and each new sequence's adapter
-to the executor (step message); plus the Load/UnloadLoraAdapter calls the request front hands
-over.
+stored request (persist), restore the live-loaded adapters at start (recover), give the core's
+side of each request its adapter as tag and prefix-cache root (admit), hand each core its step
+limit, at most its executor's max_loras distinct adapters per step (scheduling), and each new
+sequence's adapter to the executor (step message); plus the Load/UnloadLoraAdapter calls the
+request front hands over.
 
-The adapter's part in scheduling (the distinct adapters a step may hold, the prefix-cache root)
-is the scheduling core's (core/lora.py)."""
+The scheduling core knows no adapter: ``ref.py`` (the tag and root) and ``scheduling.py`` (the
+step limit) are what it sees of one, through its generic fields."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from prometheus_client.core import Metric
 
 from protos import executor_pb2 as epb
 from scheduler_svc.core.errors import Unavailable, ValidationError
-from scheduler_svc.core.lora import stored_lora
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.features.base import Feature
 from scheduler_svc.features.lora.durable import LoraAdapterStore, restore_live_adapters
+from scheduler_svc.features.lora.ref import core_fields, stored_lora
 from scheduler_svc.features.lora.registry import LoraRegistry, load_on_executors
+from scheduler_svc.features.lora.scheduling import AdapterLimit, adapter_limit
 from scheduler_svc.features.metric_families import counter, gauge
 from scheduler_svc.state.store import RequestStore, StoreUnavailable
 
@@ -46,7 +48,11 @@ class Lora(Feature):
         self.check_available = check_available  # raises Unavailable (RequestFront)
 
     def scheduling(self, describe: epb.DescribeResponse) -> dict[str, Any]:
-        return {"max_loras": describe.max_loras}  # distinct adapters in one step
+        return {"step_limit": adapter_limit(describe.max_loras)}  # distinct adapters per step
+
+    def admit(self, handle: Any) -> None:
+        if handle.lora is not None:  # the core's side of it: Request.of reads core_fields
+            handle.core_fields = core_fields(handle.lora)
 
     def step_message(self, msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:
         add_adapters(msg, out)
@@ -99,12 +105,13 @@ class Lora(Feature):
         log.info("lora.unloaded", name=name)
 
     def metrics(self, model: str, cores: list[Any], stats: list[Any]) -> Iterator[Metric]:
-        """How often the steps' adapters were not in an executor's device slots (core/lora.py)."""
+        """How often the steps' adapters were not in an executor's device slots (scheduling.py)."""
+        limits = [c.step_limit for c in cores if isinstance(c.step_limit, AdapterLimit)]
         yield counter(model, "llmserve:lora_loads", "LoRA adapters the steps had to load onto "
-                      "an executor's device slots.", sum(s.num_lora_loads for s in stats))  # fmt: skip
+                      "an executor's device slots.", sum(x.num_loads for x in limits))  # fmt: skip
         yield gauge(model, "llmserve:lora_adapters_in_step", "Distinct LoRA adapters in the "
                     "latest step (summed over executors).",
-                    sum(s.num_loras_in_step for s in stats))  # fmt: skip
+                    sum(x.num_in_step for x in limits))  # fmt: skip
 
     def server_info(self, info: Any) -> None:
         info.lora_adapters = [(a.ref.name, a.ref.path, a.rank) for a in self.loras.adapters()]
@@ -114,7 +121,7 @@ class Lora(Feature):
 def add_adapters(msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:
     """A new sequence's adapter onto its NewSequence (one per ``out.new_seqs``, in order);
     running ones never carry it."""
-    loras = [s.lora for s in out.new_seqs]
+    loras = [s.tag for s in out.new_seqs]  # the adapter (ref.core_fields) or None
     if loras.count(None) == len(loras):  # the base model's only: the message is not touched
         return
     for new, lora in zip(msg.new_sequences, loras, strict=True):

@@ -22,7 +22,7 @@ import grpc
 
 from protos import executor_pb2 as epb
 from scheduler_svc.core.errors import NotFound, ValidationError
-from scheduler_svc.core.lora import LoraRef
+from scheduler_svc.features.lora.ref import LoraRef
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -1,4 +1,4 @@
-"""The Embed RPC in the engine: each input runs as a prompt-only pooled request (core/pooling.py).
+"""The Embed RPC in the engine: each input runs as a prompt-only pooled request (``params.py``).
 
 Durability: an embedding is not written to Redis. The call is unary and idempotent and its
 result depends on nothing but the input (the numerics are step-invariant), so a call that a
@@ -29,7 +29,6 @@ import structlog
 
 from protos import executor_pb2 as epb
 from scheduler_svc.core.errors import QueueFull, Unavailable, ValidationError
-from scheduler_svc.core.pooling import PoolingParams, PoolingType, embed_request
 from scheduler_svc.core.request import Request, RequestStatus, req_id_of
 from scheduler_svc.engine.config import EngineConfig, scoped_id
 from scheduler_svc.engine.faults.lifecycle import Lifecycle
@@ -37,6 +36,7 @@ from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
 from scheduler_svc.engine.fleet.executors import ExecutorPool
 from scheduler_svc.engine.key_usage import KeyUsage
 from scheduler_svc.engine.model import ModelInfo
+from scheduler_svc.features.pooling.params import PoolingParams, PoolingType, embed_request
 from scheduler_svc.output.tokenizer import encode_prompt
 
 log = structlog.get_logger(__name__)

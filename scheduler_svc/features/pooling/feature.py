@@ -34,7 +34,7 @@ class Pooling(Feature):
 
 
 def add_pooling(msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:
-    """An embedding input's pooling (core/pooling.py) onto its NewSequence's sampling params;
+    """An embedding input's pooling (``params.py``) onto its NewSequence's sampling params;
     the message has one new sequence per ``out.new_seqs``, in order. Only new sequences carry
     it (a step without any costs one test)."""
     if not out.new_seqs:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from protos import scheduler_pb2 as pb
 from scheduler_svc.core.errors import ValidationError
-from scheduler_svc.core.pooling import PoolingType
 from scheduler_svc.features.pooling.embeds import EmbedInput, EmbedResult
+from scheduler_svc.features.pooling.params import PoolingType
 
 __all__ = ["embed_input_from_proto", "embed_result_to_proto"]
 

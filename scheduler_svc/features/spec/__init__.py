@@ -1,2 +1,3 @@
 """Speculative decoding on the scheduler's hooks (``feature.py``) and its flags (``flags.py``);
-the proposals and their step budget are the scheduling core's (core/spec_decode.py)."""
+the proposer, the verification and the counters (``decode.py``: ``SpecDecoder``, the scheduling
+core's lookahead, core/lookahead.py)."""

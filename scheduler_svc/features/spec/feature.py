@@ -1,5 +1,5 @@
 """Speculative decoding on the scheduler's hooks: executors checked for a draft model at
-connect, the core configured with the proposer, each step's proposals into the step message,
+connect, each core given its proposer as its lookahead (``decode.SpecDecoder``), each step's proposals into the step message,
 and on the reply the executor's draws after each proposal (and a draft model's proposals) go to
 the core's verification, each speculating sequence's accepted run through the stop checks token
 by token."""
@@ -14,13 +14,15 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from protos import executor_pb2 as epb
 from scheduler_svc.core.request import RequestStatus, Sequence
 from scheduler_svc.core.scheduler_output import SchedulerOutput
-from scheduler_svc.core.spec_decode import (
-    SpeculativeConfig,
-    draft_executor_error,
-    take_draft_proposals,
-)
 from scheduler_svc.features.base import Feature, StepReply
 from scheduler_svc.features.metric_families import counter
+from scheduler_svc.features.spec.decode import (
+    SpecDecoder,
+    SpeculativeConfig,
+    draft_executor_error,
+    lookahead,
+    take_draft_proposals,
+)
 
 __all__ = ["SpecDecode", "add_proposals"]
 
@@ -44,14 +46,14 @@ class SpecDecode(Feature):
         )
 
     def scheduling(self, describe: epb.DescribeResponse) -> dict[str, Any]:
-        return {"speculative": self.config}
+        return {"lookahead": lookahead(self.config)}  # a SpecDecoder per core
 
     def step_message(self, msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:
         add_proposals(msg, out)
 
     def metrics(self, model: str, cores: list[Any], stats: list[Any]) -> Iterator[Metric]:
         """Counters under vLLM's spec_decode names, summed over the executors' cores."""
-        spec_stats = [c.spec.stats for c in cores if c.spec is not None]
+        spec_stats = [c.lookahead.stats for c in cores if isinstance(c.lookahead, SpecDecoder)]
         if not spec_stats:
             return
         for name, doc, attr in (
@@ -75,7 +77,8 @@ class SpecDecode(Feature):
 
     def server_info(self, info: Any) -> None:
         """Counters summed over the executors' cores."""
-        stats = [ex.sched.spec.stats for ex in self.pool.executors if ex.sched.spec is not None]
+        cores = [ex.sched for ex in self.pool.executors]
+        stats = [c.lookahead.stats for c in cores if isinstance(c.lookahead, SpecDecoder)]
         drafted = sum(s.num_draft_tokens for s in stats)
         accepted = sum(s.num_accepted_tokens for s in stats)
         info.spec_decode_acceptance_rate = accepted / drafted if drafted else 0.0

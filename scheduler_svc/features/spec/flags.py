@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from scheduler_svc.core.spec_decode import SpeculativeConfig
+from scheduler_svc.features.spec.decode import SpeculativeConfig
 
 __all__ = ["add_flags", "add_launch_flags", "launch_args", "settings", "speculative_executor_args"]
 

@@ -1,4 +1,4 @@
-"""Embedding requests in the scheduling core: prompt-only requests that carry pooling parameters.
+"""Embedding requests for the scheduling core: prompt-only requests that carry pooling parameters.
 
 An embedding input is scheduled like any prompt-only request (max_tokens 0): chunked prefill,
 routing and preemption as usual, no token sampled, finished after the step that completes its

@@ -1,4 +1,6 @@
-"""Speculative decoding in the scheduler: the n-gram (prompt lookup) proposer and acceptance.
+"""Speculative decoding in the scheduler: the n-gram (prompt lookup) proposer and acceptance,
+as the scheduling core's lookahead (core/lookahead.py: ``SpecDecoder``; the feature's
+``scheduling`` hook gives each core one).
 
 A speculating sequence is scheduled as its decode token plus k proposed tokens (extra query
 positions, with KV slots for all of them); the executor returns the target's draw at each of
@@ -20,12 +22,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 from scheduler_svc.core.scheduler_output import CachedSeqData
 
 if TYPE_CHECKING:
     from scheduler_svc.core.block_manager import BlockManager
+    from scheduler_svc.core.lookahead import LookaheadFactory
     from scheduler_svc.core.request import Request, Sequence
     from scheduler_svc.core.scheduler_output import SchedulerOutput
 
@@ -35,8 +39,8 @@ __all__ = [
     "SpeculativeConfig",
     "accept",
     "draft_executor_error",
+    "lookahead",
     "propose_ngram",
-    "schedule_spec",
     "take_draft_proposals",
 ]
 
@@ -101,6 +105,11 @@ class SpeculativeConfig:
                 f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}"
             )
         return cls(**obj)
+
+
+def lookahead(config: SpeculativeConfig | None) -> LookaheadFactory | None:
+    """Each core's lookahead for ``config`` (SchedulerConfig.lookahead; None: off)."""
+    return partial(SpecDecoder, config) if config is not None else None
 
 
 def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -185,7 +194,8 @@ class _Backoff:
 
 
 class SpecDecoder:
-    """One executor core's proposer, acceptance and counters."""
+    """One executor core's proposer, acceptance and counters: its lookahead
+    (core/lookahead.py ``Lookahead``)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -203,6 +213,46 @@ class SpecDecoder:
     def eligible(self, req: Request) -> bool:
         p = req.sampling_params
         return p.n == 1 and not p.step_by_step and not p.disable_speculation
+
+    def schedule(
+        self,
+        bm: BlockManager,
+        req: Request,
+        seq: Sequence,
+        budget: int,
+        max_model_len: int,
+        out: SchedulerOutput,
+    ) -> int:
+        """A decode with proposals verified after it, when the proposer has some and the blocks for
+        their slots are free; returns how many (0: decode plainly)."""
+        if self.config.uses_draft:  # the executor's draft proposes; its tokens come back
+            proposed, k = [], self.room(req, seq, max_model_len, budget)
+        else:
+            proposed = self.propose(req, seq, max_model_len, budget)
+            k = len(proposed)
+        if k <= 0:
+            return 0
+        growth = bm.grow(seq, 1 + k, out.blocks_to_copy)
+        if growth is None:
+            return 0
+        new_ids, replaced = growth
+        sid = seq.seq_id
+        out.cached_seqs.append(
+            CachedSeqData(
+                sid,
+                new_ids,
+                [replaced] if replaced else [],
+                1 + k,
+                seq.num_computed_tokens,
+                proposed,
+            )
+        )
+        if not proposed:
+            out.cached_seqs[-1].num_draft_tokens = k
+        out.spec_token_ids[sid] = proposed
+        out.num_scheduled_tokens[sid] = 1 + k
+        out.scheduled.append((seq, 1 + k))
+        return k
 
     def propose(self, req: Request, seq: Sequence, max_len: int, budget: int) -> list[int]:
         """Proposals for seq's next step (a decode), bounded by max_tokens (the last token of
@@ -263,39 +313,3 @@ class SpecDecoder:
         elif (b.hits + 1) / (b.verifies + 2) < _MIN_HIT_RATE:
             b.pause = min(max(1, _BACKOFF_GROWTH * b.pause), _MAX_BACKOFF)
             b.skip = b.pause
-
-
-def schedule_spec(
-    spec: SpecDecoder,
-    bm: BlockManager,
-    req: Request,
-    seq: Sequence,
-    budget: int,
-    max_model_len: int,
-    out: SchedulerOutput,
-) -> int:
-    """A decode with proposals verified after it, when the proposer has some and the blocks for
-    their slots are free; returns how many (0: decode plainly)."""
-    if spec.config.uses_draft:  # the executor's draft proposes; its tokens come back
-        proposed, k = [], spec.room(req, seq, max_model_len, budget)
-    else:
-        proposed = spec.propose(req, seq, max_model_len, budget)
-        k = len(proposed)
-    if k <= 0:
-        return 0
-    growth = bm.grow(seq, 1 + k, out.blocks_to_copy)
-    if growth is None:
-        return 0
-    new_ids, replaced = growth
-    sid = seq.seq_id
-    out.cached_seqs.append(
-        CachedSeqData(
-            sid, new_ids, [replaced] if replaced else [], 1 + k, seq.num_computed_tokens, proposed
-        )
-    )
-    if not proposed:
-        out.cached_seqs[-1].num_draft_tokens = k
-    out.spec_token_ids[sid] = proposed
-    out.num_scheduled_tokens[sid] = 1 + k
-    out.scheduled.append((seq, 1 + k))
-    return k
