@@ -68,7 +68,16 @@ class Recovery:
 
     def enqueue(self, handle: RequestHandle, req: Request) -> None:
         """Queue `req` (the core's side of `handle`) where the router sends it."""
+        self.count_recompute(handle, req)
         handle.executor = self.pool.place(req)
+
+    def count_recompute(self, handle: RequestHandle, req: Request) -> None:
+        """`llmserve:prompt_tokens_recomputed`: the tokens a request that had started (or has
+        output) computes again, its prompt and its outputs but the last (never computed)."""
+        if handle.scheduled_time is None and not any(s.num_output_tokens for s in req.seqs):
+            return
+        for seq in req.live_seqs:
+            self.metrics.recomputed_tokens += seq.num_tokens - (seq.num_output_tokens > 0)
 
     async def recover(self) -> None:
         """Resume every unfinished request found in Redis by recompute (scheduler start-up)."""
@@ -112,7 +121,9 @@ class Recovery:
             if handle.all_finished:  # its last token was processed, its finish was not
                 self.table.finish(handle, record)
                 continue
-            ex.sched.add_request(resumed_request(handle, handle.produced_outputs()))
+            req = resumed_request(handle, handle.produced_outputs())
+            self.count_recompute(handle, req)
+            ex.sched.add_request(req)
         self.persister.submit(record)
         ex.wake.set()
         log.warning("executor.core_rebuilt", address=ex.address, requeued=ex.sched.num_waiting)
