@@ -10,9 +10,11 @@ it comes back idle, then A gets SIGTERM after `--warm-tokens` tokens per stream.
   recomputed on B (the path without migration when the drain is short);
 - `finish`: --no-migrate-on-drain, A with --drain-timeout 60: A finishes its streams in place.
 
-Reported per run: the time from SIGTERM to the last stream continuing (per stream, the token
-that ends its longest gap between two tokens after SIGTERM; the latest of those), that longest
-gap (max and median over the streams), the time until A's process is gone, the tokens
+Reported per run: the time from SIGTERM until the scheduler logged that A's requests moved
+(`executor.migrated`, or `executor.failed_over` when A is gone and the rest is recomputed),
+until the last stream continued on B (per stream, its first token after that; the latest of
+those), the longest gap between two of a stream's tokens after SIGTERM (max and median over the
+streams), the time until A's process is gone, the tokens
 recomputed (`llmserve:prompt_tokens_recomputed`), requests migrated, and whether every stream's
 output equals the undisturbed reference (run on A alone first).
 
@@ -28,6 +30,7 @@ import statistics
 import tempfile
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 from protos import scheduler_pb2 as pb
@@ -59,7 +62,7 @@ class Stream:
             for msg in stub.Generate(req, timeout=600):
                 if msg.token_ids:
                     self.tokens.extend(msg.token_ids)
-                    self.times.append(time.perf_counter())
+                    self.times.append(time.time())
         except Exception as e:  # noqa: BLE001 -- reported
             self.error = e
 
@@ -74,6 +77,16 @@ class Stream:
         gaps = [(self.times[first] - start, self.times[first])]
         gaps += [(self.times[i] - self.times[i - 1], self.times[i]) for i in after[1:]]
         return max(gaps)
+
+
+def _moved_at(log: str) -> float:
+    """Wall time the scheduler logged that A's requests moved (migrated, or failed over to be
+    recomputed); 0.0 when they did not move."""
+    for line in log.splitlines():
+        if "executor.migrated" in line or "executor.failed_over" in line:
+            stamp = line.split()[0].replace("Z", "+00:00")
+            return datetime.fromisoformat(stamp).timestamp()
+    return 0.0
 
 
 def wait_b(stub, address: str, healthy: bool) -> None:
@@ -108,18 +121,21 @@ def one_run(args, mode: str, tmp: Path, model_dir: Path) -> dict:
             time.sleep(0.005)
         b.send_signal(signal.SIGCONT)
         wait_b(stub, stack.executor_address, healthy=True)
-        t0 = time.perf_counter()
+        t0 = time.time()
         leaving.executor_proc.send_signal(signal.SIGTERM)
         leaving.executor_proc.wait(timeout=600)
-        a_gone = time.perf_counter() - t0
+        a_gone = time.time() - t0
         for s in streams:
             s.thread.join(timeout=600)
         gaps = [g for s in streams if (g := s.longest_gap_after(t0)) is not None]
+        moved_at = _moved_at((stack.workdir / "scheduler.log").read_text(errors="replace"))
+        later = [next((t for t in s.times if t > moved_at), None) for s in streams]
         samples = scrape(port)
         channel.close()
         return {
             "mode": mode,
-            "last_continued_s": max(t for _, t in gaps) - t0 if gaps else 0.0,
+            "moved_s": moved_at - t0 if moved_at else None,
+            "last_continued_s": max(t for t in later if t is not None) - t0 if moved_at else None,
             "max_gap_s": max(g for g, _ in gaps) if gaps else 0.0,
             "median_gap_s": statistics.median(g for g, _ in gaps) if gaps else 0.0,
             "a_gone_s": a_gone,
@@ -142,9 +158,13 @@ def _start(tmp: Path, redis, model_dir: Path, drain: str, scheduler_args: list[s
         redis,
         EXECUTOR_ARGS,
         second_args=[*EXECUTOR_ARGS, "--drain-timeout", drain],
-        scheduler_args=["--executor-failover", "600", *scheduler_args],
+        scheduler_args=["--executor-failover", "600", "--log-level", "info", *scheduler_args],
         model_dir=model_dir,
     )
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f}"
 
 
 def main() -> None:
@@ -158,16 +178,16 @@ def main() -> None:
     args = p.parse_args()
     cache = Path(tempfile.gettempdir()) / "llmserve-bench-models"
     model_dir = demo_model_dir(cache, size=args.size)
-    print("| mode | SIGTERM → last stream continues (s) | longest stall max / median (s) "
-          "| A gone (s) | tokens recomputed | migrated | identical |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| mode | SIGTERM → moved (s) | SIGTERM → last stream continues on B (s) | longest "
+          "stall max / median (s) | A gone (s) | tokens recomputed | migrated | identical |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for _ in range(args.rounds):  # modes interleaved: a noisy machine affects each alike
         for mode in args.modes.split(","):
             with tempfile.TemporaryDirectory() as d:
                 (Path(d) / "run").mkdir()
                 r = one_run(args, mode, Path(d) / "run", model_dir)
             print(
-                f"| {r['mode']} | {r['last_continued_s']:.3f} | {r['max_gap_s']:.3f} / "
+                f"| {r['mode']} | {_s(r['moved_s'])} | {_s(r['last_continued_s'])} | {r['max_gap_s']:.3f} / "
                 f"{r['median_gap_s']:.3f} | {r['a_gone_s']:.2f} | {r['recomputed']:.0f} | "
                 f"{r['migrated']:.0f} | {r['identical']} |",
                 flush=True,
