@@ -1,4 +1,6 @@
-"""Graceful drain: SIGTERM to one of two executors under 32 streams.
+"""Graceful drain without live migration (--no-migrate-on-drain, which is also the path a failed
+migration takes; migration itself: test_migration.py): SIGTERM to one of two executors under
+32 streams.
 
 The executor says `draining`; the scheduler sends it nothing new and moves what it has not
 started; it finishes what it runs for up to --drain-timeout, then exits, and the scheduler
@@ -44,7 +46,7 @@ def test_drain_one_of_two_executors_under_streams(
         BASE_ARGS,
         second_args=[*BASE_ARGS, "--drain-timeout", str(drain_timeout), "--log-level", "info"],
         # A fail-over wait longer than the streams' budget: only the drain path can be in time.
-        scheduler_args=["--executor-failover", "600"],
+        scheduler_args=["--executor-failover", "600", "--no-migrate-on-drain"],
     )
     try:
         channel, stub = stub_for(stack.address)
