@@ -34,8 +34,8 @@ from tests.support.api_helpers import (
 from tests.support.prom import free_port, scrape, total
 from tests.support.stack import Stack, start_two_executor_stack
 
-NUM_STREAMS = 32
-MAX_TOKENS = 400
+NUM_STREAMS = 64
+MAX_TOKENS = 240
 EXECUTOR_ARGS = ["--num-device-blocks", "512", "--swap-space", "0.01", "--log-level", "info"]
 
 
