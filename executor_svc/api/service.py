@@ -231,6 +231,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
     @rpc
     def ExportKV(self, request: pb.ExportKVRequest, context: grpc.ServicerContext) -> Any:
+        # A scheduler moving sequences off a draining executor steps it no more meanwhile: the
+        # export counts as its activity, so the drain does not give up on it (server.drain).
+        self.last_step_time = time.monotonic()
         # The blocks are copied before the stream starts: errors come out as a status here.
         return self._kv_endpoint().export(request)
 
