@@ -135,9 +135,13 @@ class Migration:
                 "executor.migration_failed", src=src.address, dst=dst.address, error=repr(e)
             )
             return None
-        for old, _, _ in adopted:
+        for old, new, _ in adopted:
             src.sched.release_request(old.req_id)
-            self.table.get(old.req_id).executor = dst
+            handle = self.table.get(old.req_id)
+            if handle is None:  # cannot happen while src's lock is held; never leave an orphan
+                dst.sched.release_request(new.req_id)
+                continue
+            handle.executor = dst
         self.metrics.migrated += len(adopted)
         return len(adopted)
 
