@@ -126,6 +126,7 @@ class Migration:
             adopted.append((req, *got))
         if not adopted:
             return 0
+        log.info("executor.migrating", src=src.address, dst=dst.address, requests=len(adopted))
         try:
             await self._transfer(src, dst, adopted)
         except Exception as e:  # noqa: BLE001 -- any RPC error or refusal: undo, recompute later
