@@ -257,7 +257,9 @@ def test_move_kv_reports_the_exports_own_status(ends):
     )
 
 
-def relay(a: End, b: End, src: dict, dst: dict, transport: int) -> pb.ImportKVResponse:
+def relay(
+    a: End, b: End, src: dict, dst: dict, transport: int, epoch: int = 0
+) -> pb.ImportKVResponse:
     """The scheduler's relay (scheduler_svc/engine/fleet/kv_move.py, asyncio) between the two,
     each reached as the scheduler reaches an executor (an ExecutorHandle)."""
 
@@ -268,7 +270,9 @@ def relay(a: End, b: End, src: dict, dst: dict, transport: int) -> pb.ImportKVRe
             stub = pb_grpc.ExecutorStub(channel)
             handles.append(ExecutorHandle(f"127.0.0.1:{end.port}", channel, stub, end.info, None))
         try:
-            return await scheduler_move_kv(*handles, src, dst, transport=transport, timeout_s=30)
+            return await scheduler_move_kv(
+                *handles, src, dst, transport=transport, timeout_s=30, epoch=epoch
+            )
         finally:
             for h in handles:
                 await h.channel.close()
@@ -299,6 +303,26 @@ def test_the_scheduler_relay_reports_either_ends_status(ends):
         lambda: relay(a, b, {"x": [1]}, {"x": [NUM_BLOCKS]}, pb.KV_TRANSPORT_GRPC),
         "destination block id 64",
     )
+
+
+@pytest.mark.parametrize("end", ["source", "destination"])
+def test_a_deposed_leader_moves_nothing(ends, end: str):
+    """Both ends check the mover's leadership epoch as they check a step's: a scheduler that
+    lost its lease cannot write into a cache its successor (epoch 5 here) now owns."""
+    a, b = ends
+    fenced = a if end == "source" else b
+    fenced.srv.servicer.leader_epoch = 5  # what a Reset of the newer leader leaves behind
+    before = b.blocks([7])
+    try:
+        _expect(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            lambda: relay(a, b, {"x": [1]}, {"x": [7]}, pb.KV_TRANSPORT_GRPC, epoch=4),
+            "leadership epoch 4 is older than 5",
+        )
+        assert torch.equal(b.blocks([7]), before)
+        assert relay(a, b, {"x": [1]}, {"x": [7]}, pb.KV_TRANSPORT_GRPC, epoch=5).num_blocks == 1
+    finally:
+        fenced.srv.servicer.leader_epoch = 0
 
 
 def test_bad_imports_get_clear_statuses(ends, tmp_path: Path):

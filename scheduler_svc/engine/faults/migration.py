@@ -165,5 +165,11 @@ class Migration:
         if src_blocks:
             transport = transport_between(src, dst)
             await move_kv(
-                src, dst, src_blocks, dst_blocks, transport=transport, timeout_s=self.timeout_s
+                src,
+                dst,
+                src_blocks,
+                dst_blocks,
+                transport=transport,
+                timeout_s=self.timeout_s,
+                epoch=self.pool.epoch,
             )

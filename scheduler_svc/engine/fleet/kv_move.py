@@ -48,19 +48,23 @@ async def move_kv(
     *,
     transport: int,
     timeout_s: float,
+    epoch: int = 0,
 ) -> epb.ImportKVResponse:
     """Copy `src_blocks` (seq_id -> device blocks of `src`) into `dst_blocks` (as many each)
     of `dst`, each executor checked to be the instance the scheduler planned for. Raises
     grpc.aio.AioRpcError when either end fails or refuses; the destination's blocks are then
-    unchanged or unreferenced (the caller frees them)."""
+    unchanged or unreferenced (the caller frees them). `epoch`: this scheduler's leadership
+    epoch, which both ends check as they check a step's."""
     request = epb.ExportKVRequest(
         sequences=_block_lists(src_blocks),
         transport=transport,
         instance_id=src.describe.instance_id,
+        leader_epoch=epoch,
     )
     chunks = src.stub.ExportKV(request, timeout=timeout_s)
     export_failed: list[grpc.aio.AioRpcError] = []
-    relayed = _retargeted(chunks, _block_lists(dst_blocks), dst.describe.instance_id, export_failed)
+    header_to = _block_lists(dst_blocks)
+    relayed = _retargeted(chunks, header_to, dst.describe.instance_id, export_failed)
     try:
         return await dst.stub.ImportKV(relayed, timeout=timeout_s)
     except (grpc.aio.AioRpcError, asyncio.CancelledError):
