@@ -86,6 +86,13 @@ def _executors_flags(g: argparse._ArgumentGroup) -> None:
         "cache to other executors at once (live migration)",
     )
     g.add_argument(
+        "--migrate-transport",
+        choices=["auto", "grpc", "shm"],
+        default="auto",
+        help="how migrated KV travels: shared memory when both executors have loopback "
+        "addresses (auto), else relayed through the scheduler in the gRPC stream",
+    )
+    g.add_argument(
         "--health-interval",
         type=float,
         default=0.5,

@@ -91,6 +91,9 @@ class EngineConfig:
     # A draining executor's running requests move with their KV cache to executors taking new
     # work (engine/faults/migration.py) instead of finishing there or being recomputed.
     migrate_on_drain: bool = True
+    # How the moved KV travels: "auto" (shared memory between executors with loopback
+    # addresses, else gRPC), "grpc" (relayed through the scheduler) or "shm" (one host only).
+    migrate_transport: str = "auto"
     # The longest one batch of moved KV may take (ExportKV and ImportKV); past it, recompute.
     migrate_timeout_s: float = 30.0
     # Also serve executors that register themselves in Redis (llmserve-executor --redis-url),

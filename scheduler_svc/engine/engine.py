@@ -79,7 +79,8 @@ class Engine:
         self.recovery = Recovery(
             self.table, self.pool, self.persister, self.store, self.model, self.metrics
         )
-        migration = (Migration(self.pool, self.table, self.metrics, config.migrate_timeout_s)
+        migration = (Migration(self.pool, self.table, self.metrics, config.migrate_timeout_s,
+                               config.migrate_transport)
                      if config.migrate_on_drain else None)  # fmt: skip
         faults = Faults(self.table, self.pool, self.persister, self.recovery, self.lifecycle,
                         migration)  # fmt: skip

@@ -49,12 +49,18 @@ _Adopted = tuple[Request, Request, int]
 
 class Migration:
     def __init__(
-        self, pool: ExecutorPool, table: RequestTable, metrics: EngineMetrics, timeout_s: float
+        self,
+        pool: ExecutorPool,
+        table: RequestTable,
+        metrics: EngineMetrics,
+        timeout_s: float,
+        transport: str = "auto",
     ) -> None:
         self.pool = pool
         self.table = table
         self.metrics = metrics
         self.timeout_s = timeout_s
+        self.transport = transport  # "auto", "grpc" or "shm" (fleet/kv_move.transport_between)
         # Executor instances whose drain was handled (one migration per instance: requests a
         # failed move left behind stay there) and the migrations under way.
         self._started: set[str] = set()
@@ -163,7 +169,7 @@ class Migration:
             await asyncio.sleep(failpoints.delay("engine.migrate"))
             failpoints.hit("engine.migrate")
         if src_blocks:
-            transport = transport_between(src, dst)
+            transport = transport_between(src, dst, self.transport)
             await move_kv(
                 src,
                 dst,

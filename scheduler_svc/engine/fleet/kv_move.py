@@ -28,12 +28,14 @@ def _host(address: str) -> str:
     return address.rpartition(":")[0]
 
 
-def transport_between(src: ExecutorHandle, dst: ExecutorHandle) -> int:
-    """Shared memory when both executors are on this scheduler's host (loopback addresses),
-    else the gRPC stream (an executor of another host refuses a segment it cannot map)."""
-    if _host(src.address) in LOOPBACK_HOSTS and _host(dst.address) in LOOPBACK_HOSTS:
-        return epb.KV_TRANSPORT_SHM
-    return epb.KV_TRANSPORT_GRPC
+def transport_between(src: ExecutorHandle, dst: ExecutorHandle, choice: str = "auto") -> int:
+    """`choice` "grpc" or "shm", or for "auto": shared memory when both executors are on this
+    scheduler's host (loopback addresses), else the gRPC stream (an executor of another host
+    refuses a segment it cannot map)."""
+    if choice == "auto":
+        local = _host(src.address) in LOOPBACK_HOSTS and _host(dst.address) in LOOPBACK_HOSTS
+        choice = "shm" if local else "grpc"
+    return epb.KV_TRANSPORT_SHM if choice == "shm" else epb.KV_TRANSPORT_GRPC
 
 
 def _block_lists(blocks: dict[str, list[int]]) -> list[epb.KVBlockList]:
