@@ -34,19 +34,21 @@ class KVBlockList(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExportKVRequest(_message.Message):
-    __slots__ = ("sequences", "transport", "chunk_bytes", "instance_id")
+    __slots__ = ("sequences", "transport", "chunk_bytes", "instance_id", "leader_epoch")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[KVBlockList]
     transport: KVTransport
     chunk_bytes: int
     instance_id: str
-    def __init__(self, sequences: _Optional[_Iterable[_Union[KVBlockList, _Mapping]]] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., chunk_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    leader_epoch: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[KVBlockList, _Mapping]]] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., chunk_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("sequences", "dtype", "shape", "num_bytes", "crc32", "transport", "shm_name", "host_id", "instance_id")
+    __slots__ = ("sequences", "dtype", "shape", "num_bytes", "crc32", "transport", "shm_name", "host_id", "instance_id", "leader_epoch")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +58,7 @@ class KVHeader(_message.Message):
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[KVBlockList]
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -65,7 +68,8 @@ class KVHeader(_message.Message):
     shm_name: str
     host_id: str
     instance_id: str
-    def __init__(self, sequences: _Optional[_Iterable[_Union[KVBlockList, _Mapping]]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., shm_name: _Optional[str] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    leader_epoch: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[KVBlockList, _Mapping]]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., shm_name: _Optional[str] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "offset", "data")

@@ -79,6 +79,20 @@ def _executors_flags(g: argparse._ArgumentGroup) -> None:
         help="seconds an executor may be unreachable before its requests move to live ones",
     )
     g.add_argument(
+        "--no-migrate-on-drain",
+        action="store_true",
+        help="when an executor drains (SIGTERM), let it finish what it runs and recompute the "
+        "rest elsewhere once it is gone, instead of moving its running requests with their KV "
+        "cache to other executors at once (live migration)",
+    )
+    g.add_argument(
+        "--migrate-transport",
+        choices=["auto", "grpc", "shm"],
+        default="auto",
+        help="how migrated KV travels: shared memory when both executors have loopback "
+        "addresses (auto), else relayed through the scheduler in the gRPC stream",
+    )
+    g.add_argument(
         "--health-interval",
         type=float,
         default=0.5,

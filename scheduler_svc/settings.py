@@ -92,6 +92,8 @@ def engine_config(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         request_timeout_s=args.request_timeout,
         max_backlog_steps=args.max_backlog_steps,
         executor_failover_s=args.executor_failover,
+        migrate_on_drain=not args.no_migrate_on_drain,
+        migrate_transport=args.migrate_transport,
         health_interval_s=args.health_interval,
         num_device_blocks=args.num_device_blocks,
         num_cpu_blocks=args.num_cpu_blocks,

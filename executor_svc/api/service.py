@@ -8,6 +8,7 @@ short).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
@@ -231,12 +232,20 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
     @rpc
     def ExportKV(self, request: pb.ExportKVRequest, context: grpc.ServicerContext) -> Any:
+        # A scheduler moving sequences off a draining executor steps it no more meanwhile: the
+        # export counts as its activity, so the drain does not give up on it (server.drain).
+        self.last_step_time = time.monotonic()
+        self._check_epoch(request.leader_epoch)
         # The blocks are copied before the stream starts: errors come out as a status here.
         return self._kv_endpoint().export(request)
 
     @rpc
     def ImportKV(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
-        return self._kv_endpoint().import_(request_iterator)
+        first = next(request_iterator, None)
+        if first is not None:  # a deposed leader never writes into its successor's cache
+            self._check_epoch(first.header.leader_epoch)
+        chunks = itertools.chain([first] if first is not None else [], request_iterator)
+        return self._kv_endpoint().import_(chunks)
 
     def _kv_endpoint(self) -> KVEndpoint:
         runner = self.runner

@@ -82,6 +82,7 @@ class KVEndpoint:
             crc32=crc32(staged.data),
             transport=transport.kind,
             instance_id=self.instance_id,
+            leader_epoch=request.leader_epoch,
             **staged.fields,
         )
         log.info(

@@ -5,6 +5,8 @@ about them. The policy that plans a step is
 
 from __future__ import annotations
 
+import copy
+
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.errors import QueueFull
@@ -186,6 +188,70 @@ class SchedulerState:
             if caching and nc // bs > seq.num_cached_blocks:
                 bm.cache_full_blocks(seq)
         return got
+
+    # ------------------------------------------------------------------ moving (issue 47)
+
+    def movable_requests(self) -> list[Request]:
+        """Running requests whose KV may move to another executor's cache and continue there
+        (live migration): one sequence, with KV computed, and nothing kept on the executor
+        outside its blocks (`swappable`, as for a swap)."""
+        return [
+            r
+            for r in self._running
+            if r.status == _RUNNING
+            and len(r.seqs) == 1
+            and r.forked
+            and r.swappable
+            and r.seqs[0].status == _RUNNING
+            and r.seqs[0].num_computed_tokens > 0
+        ]
+
+    def adopt_request(self, other: Request) -> tuple[Request, int] | None:
+        """Take over `other` (a movable request of another executor's core) as running here,
+        with blocks for its computed tokens: this cache's prefix-cache hits first, then fresh
+        blocks. Returns the copy held here and how many leading blocks are hits; the caller
+        fills the blocks past them with the KV from the other executor before this core's next
+        step, or gives the request back with `release_request`. The executor learns the
+        sequence from a NewSequence with its num_computed_tokens, as after a swap-in; its full
+        blocks enter the prefix cache after its first step here (update_from_output), so an
+        undone move leaves no unfilled block findable. None: it does not fit (sequence slots,
+        free blocks above the watermark) or the id is taken."""
+        src = other.seqs[0]
+        nc = src.num_computed_tokens
+        bm = self.block_manager
+        if other.req_id in self._requests or self.num_running_seqs >= self.config.max_num_seqs:
+            return None
+        req, seq = copy.copy(other), copy.copy(src)
+        seq.token_ids, seq.block_hashes = list(src.token_ids), list(src.block_hashes)
+        seq.block_table, seq.cpu_block_table, seq.sent = [], [], False
+        req.seqs = [seq]
+        hits = bm.find_cached_prefix(seq, nc)
+        need = bm.num_blocks_for(nc + 1) - len(hits) + sum(1 for b in hits if b.ref_cnt == 0)
+        if bm.num_free_blocks - need < bm.watermark_blocks:
+            return None
+        bm.allocate_group([seq], [hits], [nc])
+        seq.num_computed_tokens = nc
+        self._num_added += 1
+        req.sort_key = (*other.sort_key[:-1], self._num_added)
+        self._requests[req.req_id] = req
+        self._seqs[seq.seq_id] = seq
+        self._running.append(req)
+        self._running.sort(key=lambda r: r.sort_key)
+        return req, len(hits)
+
+    def release_request(self, req_id: str) -> bool:
+        """Let go of a request without ending it (it continues on another executor, or an
+        adoption is undone): its blocks are freed, the executor told to drop its sequences,
+        and nothing is reported finished. False when it is unknown here."""
+        req = self._requests.pop(req_id, None)
+        if req is None:
+            return False
+        for seq in req.live_seqs:
+            self._end_seq(seq, RequestStatus.FINISHED_ABORTED)
+        req.status = RequestStatus.FINISHED_ABORTED  # dropped from _running by the next step
+        self._waiting.remove(req_id)
+        self._swapped.remove(req_id)
+        return True
 
     def take_finished_requests(self) -> list[Request]:
         """Requests ended since the last call (by the scheduler itself, abort, or finish)."""

@@ -88,6 +88,14 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # An executor unreachable this long hands its requests to the live ones (recomputed there).
     executor_failover_s: float = 10.0
+    # A draining executor's running requests move with their KV cache to executors taking new
+    # work (engine/faults/migration.py) instead of finishing there or being recomputed.
+    migrate_on_drain: bool = True
+    # How the moved KV travels: "auto" (shared memory between executors with loopback
+    # addresses, else gRPC), "grpc" (relayed through the scheduler) or "shm" (one host only).
+    migrate_transport: str = "auto"
+    # The longest one batch of moved KV may take (ExportKV and ImportKV); past it, recompute.
+    migrate_timeout_s: float = 30.0
     # Also serve executors that register themselves in Redis (llmserve-executor --redis-url),
     # checked every discovery_interval_s; with no executor_addresses, wait for the first one.
     discover_executors: bool = False

@@ -30,6 +30,7 @@ from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.faults.faults import Faults
 from scheduler_svc.engine.faults.health import HealthMonitor
 from scheduler_svc.engine.faults.lifecycle import EngineState, Lifecycle
+from scheduler_svc.engine.faults.migration import Migration
 from scheduler_svc.engine.faults.recovery import Recovery
 from scheduler_svc.engine.fleet.executors import ExecutorPool, IncompatibleExecutor
 from scheduler_svc.engine.key_usage import KeyUsage
@@ -78,7 +79,11 @@ class Engine:
         self.recovery = Recovery(
             self.table, self.pool, self.persister, self.store, self.model, self.metrics
         )
-        faults = Faults(self.table, self.pool, self.persister, self.recovery, self.lifecycle)
+        migration = (Migration(self.pool, self.table, self.metrics, config.migrate_timeout_s,
+                               config.migrate_transport)
+                     if config.migrate_on_drain else None)  # fmt: skip
+        faults = Faults(self.table, self.pool, self.persister, self.recovery, self.lifecycle,
+                        migration)  # fmt: skip
         self.steps = StepLoop(config, self.lifecycle, self.pool, self.table, self.persister,
                               faults, self.metrics)  # fmt: skip
         self.health = HealthMonitor(self.lifecycle, self.pool, self.store, self.persister,

@@ -85,6 +85,11 @@ class EngineMetrics:
         self.success: dict[str, int] = {}
         self.recovered = 0
         self.failovers = 0
+        # Tokens (prompt and output so far) of started requests queued to be computed again
+        # because their executor was lost, reset, drained or the scheduler restarted; and
+        # requests that moved with their KV cache instead (live migration on drain).
+        self.recomputed_tokens = 0
+        self.migrated = 0
         self.ttft = BulkHistogram(TTFT_BUCKETS)
         self.itl = BulkHistogram(ITL_BUCKETS)
         self.e2e = BulkHistogram(LATENCY_BUCKETS)
@@ -193,8 +198,7 @@ class EngineMetrics:
         # Ours beyond vLLM's set.
         yield counter(model, "llmserve:requests_recovered", "Requests resumed from Redis after "
                       "a scheduler restart.", self.recovered)  # fmt: skip
-        yield counter(model, "llmserve:executor_failovers", "Times an executor's requests moved "
-                      "to another executor.", self.failovers)  # fmt: skip
+        yield from self._fault_families(model)
         yield self.redis_write.family(
             "llmserve:redis_write_seconds", "Duration of the persister's Redis writes.", base
         )
@@ -202,6 +206,17 @@ class EngineMetrics:
                     "to Redis.", self.persister.backlog)  # fmt: skip
         if self.persister.store.min_replicas:  # --redis-min-replicas: the write barrier
             yield from self._replication_families(model)
+
+    def _fault_families(self, model: str) -> Iterator[Metric]:
+        """What executor losses and drains cost: requests moved, tokens computed again."""
+        yield counter(model, "llmserve:executor_failovers", "Times an executor's requests moved "
+                      "to another executor.", self.failovers)  # fmt: skip
+        yield counter(model, "llmserve:prompt_tokens_recomputed", "Tokens (prompt and output "
+                      "so far) of started requests computed again after a recovery, fail-over "
+                      "or drain.", self.recomputed_tokens)  # fmt: skip
+        yield counter(model, "llmserve:requests_migrated", "Running requests moved with their "
+                      "KV cache to another executor (live migration on drain).",
+                      self.migrated)  # fmt: skip
 
     def _replication_families(self, model: str) -> Iterator[Metric]:
         """How the replicas answer the per-step write barrier (issue 42)."""

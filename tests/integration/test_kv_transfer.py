@@ -9,6 +9,7 @@ payload is refused with the destination unchanged, and bad input gets a clear st
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import grpc
@@ -18,6 +19,9 @@ import torch
 from executor_svc.kv_transfer.client import block_lists, move_kv, retarget
 from executor_svc.kv_transfer.shm import shm_dir
 from protos import executor_pb2 as pb
+from protos import executor_pb2_grpc as pb_grpc
+from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
+from scheduler_svc.engine.fleet.kv_move import move_kv as scheduler_move_kv
 from tests.support.executor_driver import (
     DriverSeq,
     ExecutorDriver,
@@ -40,8 +44,8 @@ TRANSPORTS = {"grpc": pb.KV_TRANSPORT_GRPC, "shm": pb.KV_TRANSPORT_SHM}
 class End:
     """One executor: its server (for the cache's tensors) and a stub."""
 
-    def __init__(self, srv, stub) -> None:
-        self.srv, self.stub = srv, stub
+    def __init__(self, srv, stub, port: int) -> None:
+        self.srv, self.stub, self.port = srv, stub, port
         self.info = stub.Describe(pb.DescribeRequest())
 
     @property
@@ -63,7 +67,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
         executor_channel(port_a) as stub_a,
         executor_channel(port_b) as stub_b,
     ):
-        yield End(srv_a, stub_a), End(srv_b, stub_b)
+        yield End(srv_a, stub_a, port_a), End(srv_b, stub_b, port_b)
 
 
 @pytest.fixture
@@ -251,6 +255,74 @@ def test_move_kv_reports_the_exports_own_status(ends):
         lambda: move_kv(a.stub, b.stub, {"x": [1, NUM_BLOCKS]}, {"x": [1, 2]}),
         "block id 64",
     )
+
+
+def relay(
+    a: End, b: End, src: dict, dst: dict, transport: int, epoch: int = 0
+) -> pb.ImportKVResponse:
+    """The scheduler's relay (scheduler_svc/engine/fleet/kv_move.py, asyncio) between the two,
+    each reached as the scheduler reaches an executor (an ExecutorHandle)."""
+
+    async def run() -> pb.ImportKVResponse:
+        handles = []
+        for end in (a, b):
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{end.port}")
+            stub = pb_grpc.ExecutorStub(channel)
+            handles.append(ExecutorHandle(f"127.0.0.1:{end.port}", channel, stub, end.info, None))
+        try:
+            return await scheduler_move_kv(
+                *handles, src, dst, transport=transport, timeout_s=30, epoch=epoch
+            )
+        finally:
+            for h in handles:
+                await h.channel.close()
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_the_scheduler_relay_moves_the_cache_bytes(ends, transport: str):
+    a, b = ends
+    a.cache.key.normal_()
+    a.cache.value.normal_()
+    src, dst = {"x": [5, 2, 9], "y": [30]}, {"x": [60, 0, 17], "y": [3]}
+    reply = relay(a, b, src, dst, TRANSPORTS[transport])
+    assert reply.num_blocks == 4
+    assert torch.equal(b.blocks([60, 0, 17, 3]), a.blocks([5, 2, 9, 30]))
+
+
+def test_the_scheduler_relay_reports_either_ends_status(ends):
+    a, b = ends
+    _expect(  # the export's own status, not the import's cancellation it caused
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: relay(a, b, {"x": [1, NUM_BLOCKS]}, {"x": [1, 2]}, pb.KV_TRANSPORT_GRPC),
+        "source block id 64",
+    )
+    _expect(  # the import's refusal
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: relay(a, b, {"x": [1]}, {"x": [NUM_BLOCKS]}, pb.KV_TRANSPORT_GRPC),
+        "destination block id 64",
+    )
+
+
+@pytest.mark.parametrize("end", ["source", "destination"])
+def test_a_deposed_leader_moves_nothing(ends, end: str):
+    """Both ends check the mover's leadership epoch as they check a step's: a scheduler that
+    lost its lease cannot write into a cache its successor (epoch 5 here) now owns."""
+    a, b = ends
+    fenced = a if end == "source" else b
+    fenced.srv.servicer.leader_epoch = 5  # what a Reset of the newer leader leaves behind
+    before = b.blocks([7])
+    try:
+        _expect(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            lambda: relay(a, b, {"x": [1]}, {"x": [7]}, pb.KV_TRANSPORT_GRPC, epoch=4),
+            "leadership epoch 4 is older than 5",
+        )
+        assert torch.equal(b.blocks([7]), before)
+        assert relay(a, b, {"x": [1]}, {"x": [7]}, pb.KV_TRANSPORT_GRPC, epoch=5).num_blocks == 1
+    finally:
+        fenced.srv.servicer.leader_epoch = 0
 
 
 def test_bad_imports_get_clear_statuses(ends, tmp_path: Path):

@@ -162,10 +162,11 @@ def make_stack(
     *,
     executor_args: list[str] | None = None,
     scheduler_args: list[str] | None = None,
+    model_dir: Path | None = None,
 ) -> Stack:
     stack = Stack(
         workdir=tmp,
-        model_dir=tiny_model_dir(tmp.parent / "models"),
+        model_dir=model_dir or tiny_model_dir(tmp.parent / "models"),
         redis=redis,
         executor_args=executor_args or ["--num-device-blocks", "512", "--swap-space", "0.05"],
         scheduler_args=scheduler_args or [],
@@ -233,14 +234,17 @@ def start_two_executor_stack(
     *,
     second_args: list[str] | None = None,
     scheduler_args: list[str] = (),  # type: ignore[assignment]
+    model_dir: Path | None = None,
 ) -> tuple[Stack, Stack]:
     """A scheduler with two executors: `stack` (its own executor and the scheduler) and
     `second` (an executor alone, in tmp/second, with `second_args` or `executor_args`). The
-    scheduler reaches the second one with --executor; stop both stacks when done."""
+    scheduler reaches the second one with --executor; stop both stacks when done. Both serve
+    `model_dir` (default: the tiny demo model)."""
     (tmp / "second").mkdir()
+    model_dir = model_dir or tiny_model_dir(tmp.parent / "models")
     second = Stack(
         workdir=tmp / "second",
-        model_dir=tiny_model_dir(tmp.parent / "models"),
+        model_dir=model_dir,
         redis=redis,
         executor_args=second_args if second_args is not None else executor_args,
     )
@@ -251,6 +255,7 @@ def start_two_executor_stack(
             redis,
             executor_args=executor_args,
             scheduler_args=["--executor", second.executor_address, *scheduler_args],
+            model_dir=model_dir,
         )
     except BaseException:
         second.stop()

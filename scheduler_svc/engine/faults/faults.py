@@ -13,6 +13,7 @@ import structlog
 from protos import executor_pb2 as epb
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.faults.lifecycle import Lifecycle
+from scheduler_svc.engine.faults.migration import Migration
 from scheduler_svc.engine.faults.recovery import Recovery
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
 from scheduler_svc.engine.fleet.executors import ExecutorPool
@@ -33,12 +34,15 @@ class Faults:
         persister: Persister,
         recovery: Recovery,
         lifecycle: Lifecycle,
+        migration: Migration | None = None,
     ) -> None:
         self.table = table
         self.pool = pool
         self.persister = persister
         self.recovery = recovery
         self.lifecycle = lifecycle
+        # Live migration on drain (None: --no-migrate-on-drain).
+        self.migration = migration
 
     async def step_crashed(
         self,
@@ -93,13 +97,16 @@ class Faults:
         self.pool.mark_failed(ex)
 
     def draining(self, ex: ExecutorHandle) -> None:
-        """`ex` said it is shutting down gracefully: nothing new for it, and what it has not
-        started (also a request it preempts) goes elsewhere."""
+        """`ex` said it is shutting down gracefully: nothing new for it, what it has not
+        started (also a request it preempts) goes elsewhere, and what it runs moves with its
+        KV cache (live migration, unless turned off; in the background, between its steps)."""
         if not ex.draining:
             log.info("executor.draining", address=ex.address, running=ex.sched.num_running)
             ex.set_draining(True)
         if ex.sched.num_waiting:
             self.recovery.move_waiting(ex)
+        if self.migration is not None and ex.sched.num_running:
+            self.migration.start(ex)
 
     async def reconnect(self, ex: ExecutorHandle) -> None:
         """One attempt to bring `ex` back; past the fail-over time, its requests move."""

@@ -66,9 +66,20 @@ class Recovery:
             NO_FEATURES  # what they keep with a stored request, how they resume (set by the engine)
         )
 
-    def enqueue(self, handle: RequestHandle, req: Request) -> None:
-        """Queue `req` (the core's side of `handle`) where the router sends it."""
+    def enqueue(self, handle: RequestHandle, req: Request, *, lost_kv: bool = True) -> None:
+        """Queue `req` (the core's side of `handle`) where the router sends it; `lost_kv`:
+        what it had computed is gone with this move (counted as recomputed)."""
+        if lost_kv:
+            self.count_recompute(handle, req)
         handle.executor = self.pool.place(req)
+
+    def count_recompute(self, handle: RequestHandle, req: Request) -> None:
+        """`llmserve:prompt_tokens_recomputed`: the tokens a request that had started (or has
+        output) computes again, its prompt and its outputs but the last (never computed)."""
+        if handle.scheduled_time is None and not any(s.num_output_tokens for s in req.seqs):
+            return
+        for seq in req.live_seqs:
+            self.metrics.recomputed_tokens += seq.num_tokens - (seq.num_output_tokens > 0)
 
     async def recover(self) -> None:
         """Resume every unfinished request found in Redis by recompute (scheduler start-up)."""
@@ -112,7 +123,9 @@ class Recovery:
             if handle.all_finished:  # its last token was processed, its finish was not
                 self.table.finish(handle, record)
                 continue
-            ex.sched.add_request(resumed_request(handle, handle.produced_outputs()))
+            req = resumed_request(handle, handle.produced_outputs())
+            self.count_recompute(handle, req)
+            ex.sched.add_request(req)
         self.persister.submit(record)
         ex.wake.set()
         log.warning("executor.core_rebuilt", address=ex.address, requeued=ex.sched.num_waiting)
@@ -136,11 +149,13 @@ class Recovery:
         """
         if not any(e.healthy and not e.draining for e in self.pool.executors if e is not ex):
             return  # nowhere to go: they wait for it, or for the fail-over
-        moved = self._move(ex, ex.sched.waiting_request_ids())
+        # Waiting requests hold no KV (never computed, or dropped by a preemption, which is
+        # not a recovery): moving them recomputes nothing that was not to be recomputed anyway.
+        moved = self._move(ex, ex.sched.waiting_request_ids(), lost_kv=False)
         if moved:
             log.info("executor.draining.moved_waiting", address=ex.address, moved_requests=moved)
 
-    def _move(self, ex: ExecutorHandle, req_ids: list[str]) -> int:
+    def _move(self, ex: ExecutorHandle, req_ids: list[str], *, lost_kv: bool = True) -> int:
         moved = 0
         for req_id in req_ids:
             handle = self.table.get(req_id)
@@ -149,7 +164,8 @@ class Recovery:
                 continue
             # enqueue points handle.executor elsewhere, which is how the loop knows to ignore
             # the abort above when the old core reports it.
-            self.enqueue(handle, resumed_request(handle, handle.produced_outputs()))
+            req = resumed_request(handle, handle.produced_outputs())
+            self.enqueue(handle, req, lost_kv=lost_kv)
             moved += 1
         return moved
 

@@ -1,0 +1,181 @@
+"""Live migration on drain (issue 47): a draining executor's running requests move with their KV
+cache to executors taking new work, and continue there without computing any token again.
+
+Tracked like a swap. With the source's lock held (between two of its steps: nothing in flight,
+async scheduling plans nothing ahead while someone waits for the lock) and then each
+destination's, in that order (a destination is never draining, so two migrations never wait
+for each other):
+
+1. plan: the source core's movable requests (`movable_requests`: one sequence, KV computed,
+   nothing kept on the executor outside its blocks), each to the executor the router picks
+   among those up and not draining;
+2. adopt: the destination core takes each request as running with blocks for its computed
+   tokens (its own prefix-cache hits first, then fresh blocks), as long as they fit;
+3. move: ExportKV on the source piped into ImportKV on the destination, only the blocks past
+   the destination's hits (`fleet/kv_move.py`; shared memory when both are on this host);
+4. commit: the source core lets the requests go (its blocks freed, the executor told to drop
+   the sequences in its next step), each handle points at the destination, whose executor
+   learns each sequence from a NewSequence with its num_computed_tokens, as after a swap-in.
+
+Any failure in 3 (either end dies or refuses: any RPC error) undoes 2 (the destination's blocks
+are freed, nothing was registered in its prefix cache) and leaves the requests where they were,
+which is the path without migration: they run on the draining executor until it stops, and
+what is left then is recomputed elsewhere. After a failure this executor migrates nothing more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from scheduler_svc import failpoints
+from scheduler_svc.core.request import Request
+from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
+from scheduler_svc.engine.fleet.executors import ExecutorPool
+from scheduler_svc.engine.fleet.kv_move import move_kv, transport_between
+from scheduler_svc.engine.metrics import EngineMetrics
+from scheduler_svc.engine.request_table import RequestTable
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["Migration"]
+
+# (source request, its copy adopted by the destination core, leading blocks the destination's
+# prefix cache already held)
+_Adopted = tuple[Request, Request, int]
+
+
+class Migration:
+    def __init__(
+        self,
+        pool: ExecutorPool,
+        table: RequestTable,
+        metrics: EngineMetrics,
+        timeout_s: float,
+        transport: str = "auto",
+    ) -> None:
+        self.pool = pool
+        self.table = table
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self.transport = transport  # "auto", "grpc" or "shm" (fleet/kv_move.transport_between)
+        # Executor instances whose drain was handled (one migration per instance: requests a
+        # failed move left behind stay there) and the migrations under way.
+        self._started: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self, src: ExecutorHandle) -> None:
+        """`src` said it drains: move its running requests, once, in the background (the
+        caller may hold its lock: the move waits for it)."""
+        if src.describe.instance_id in self._started:
+            return
+        self._started.add(src.describe.instance_id)
+        task = asyncio.get_running_loop().create_task(self._drain(src))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drain(self, src: ExecutorHandle) -> None:
+        began = time.perf_counter()
+        async with src.exclusive():
+            if not src.healthy:
+                return  # gone already: fail-over recomputes what it held
+            moved, left = await self._move_all(src)
+        src.wake.set()  # its next step drops the moved sequences
+        log.info(
+            "executor.migrated",
+            address=src.address,
+            moved_requests=moved,
+            left_requests=left,
+            seconds=round(time.perf_counter() - began, 4),
+        )
+
+    async def _move_all(self, src: ExecutorHandle) -> tuple[int, int]:
+        """Every batch (one per destination) in turn, until one fails. Returns the requests
+        moved and those left on `src`."""
+        moved = 0
+        for dst, reqs in self._plan(src):
+            async with dst.exclusive():
+                if not (dst.healthy and not dst.draining and src.healthy):
+                    break
+                done = await self._move_batch(src, dst, reqs)
+            dst.wake.set()
+            if done is None:
+                break
+            moved += done
+        return moved, src.sched.num_running
+
+    def _plan(self, src: ExecutorHandle) -> list[tuple[ExecutorHandle, list[Request]]]:
+        """src's movable requests grouped by the executor the router picks for each."""
+        targets = [e for e in self.pool.executors if e is not src and e.healthy and not e.draining]
+        batches: dict[str, tuple[ExecutorHandle, list[Request]]] = {}
+        if not targets:
+            return []
+        for req in src.sched.movable_requests():
+            handle = self.table.get(req.req_id)
+            if handle is None or handle.finished_in_engine or handle.executor is not src:
+                continue
+            dst = self.pool.router.choose(targets, req)
+            batches.setdefault(dst.address, (dst, []))[1].append(req)
+        return list(batches.values())
+
+    async def _move_batch(
+        self, src: ExecutorHandle, dst: ExecutorHandle, reqs: list[Request]
+    ) -> int | None:
+        """Adopt, move, commit (or undo). Returns the requests moved, None when it failed."""
+        adopted: list[_Adopted] = []
+        for req in reqs:
+            got = dst.sched.adopt_request(req)
+            if got is None:
+                break  # dst is full: the rest stay on src
+            adopted.append((req, *got))
+        if not adopted:
+            return 0
+        log.info("executor.migrating", src=src.address, dst=dst.address, requests=len(adopted))
+        try:
+            await self._transfer(src, dst, adopted)
+        except Exception as e:  # noqa: BLE001 -- any RPC error or refusal: undo, recompute later
+            for _, new, _ in adopted:
+                dst.sched.release_request(new.req_id)
+            log.warning(
+                "executor.migration_failed", src=src.address, dst=dst.address, error=repr(e)
+            )
+            return None
+        for old, new, _ in adopted:
+            src.sched.release_request(old.req_id)
+            handle = self.table.get(old.req_id)
+            if handle is None:  # cannot happen while src's lock is held; never leave an orphan
+                dst.sched.release_request(new.req_id)
+                continue
+            handle.executor = dst
+        self.metrics.migrated += len(adopted)
+        return len(adopted)
+
+    async def _transfer(
+        self, src: ExecutorHandle, dst: ExecutorHandle, adopted: list[_Adopted]
+    ) -> None:
+        """The KV of the adopted requests' computed blocks, past the destination's hits."""
+        bm = src.sched.block_manager
+        src_blocks: dict[str, list[int]] = {}
+        dst_blocks: dict[str, list[int]] = {}
+        for old, new, num_hits in adopted:
+            seq = old.seqs[0]
+            end = bm.num_blocks_for(seq.num_computed_tokens)
+            if end > num_hits:
+                src_blocks[seq.seq_id] = seq.block_table[num_hits:end]
+                dst_blocks[seq.seq_id] = new.seqs[0].block_table[num_hits:end]
+        if failpoints.ARMED:  # tests: a window to kill an end in, or a refused move
+            await asyncio.sleep(failpoints.delay("engine.migrate"))
+            failpoints.hit("engine.migrate")
+        if src_blocks:
+            transport = transport_between(src, dst, self.transport)
+            await move_kv(
+                src,
+                dst,
+                src_blocks,
+                dst_blocks,
+                transport=transport,
+                timeout_s=self.timeout_s,
+                epoch=self.pool.epoch,
+            )

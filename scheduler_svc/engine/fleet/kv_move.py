@@ -1,0 +1,98 @@
+"""Moving device blocks from one executor to another (issue 47): ExportKV on the source piped
+into ImportKV on the destination, the header's blocks and instance rewritten for the
+destination (the asyncio twin of `executor_svc/kv_transfer/client.move_kv`, which this service
+may not import).
+
+The scheduler relays the stream. With `KV_TRANSPORT_SHM` (both executors on one host) only the
+header passes through it: the bytes go from the exporter's shared memory segment straight into
+the importer's cache. With `KV_TRANSPORT_GRPC` every chunk passes through the scheduler, paced
+by both streams' flow control.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos import executor_pb2 as epb
+from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
+
+__all__ = ["LOOPBACK_HOSTS", "move_kv", "transport_between"]
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0]
+
+
+def transport_between(src: ExecutorHandle, dst: ExecutorHandle, choice: str = "auto") -> int:
+    """`choice` "grpc" or "shm", or for "auto": shared memory when both executors are on this
+    scheduler's host (loopback addresses), else the gRPC stream (an executor of another host
+    refuses a segment it cannot map)."""
+    if choice == "auto":
+        local = _host(src.address) in LOOPBACK_HOSTS and _host(dst.address) in LOOPBACK_HOSTS
+        choice = "shm" if local else "grpc"
+    return epb.KV_TRANSPORT_SHM if choice == "shm" else epb.KV_TRANSPORT_GRPC
+
+
+def _block_lists(blocks: dict[str, list[int]]) -> list[epb.KVBlockList]:
+    return [epb.KVBlockList(seq_id=k, block_ids=v) for k, v in blocks.items()]
+
+
+async def move_kv(
+    src: ExecutorHandle,
+    dst: ExecutorHandle,
+    src_blocks: dict[str, list[int]],
+    dst_blocks: dict[str, list[int]],
+    *,
+    transport: int,
+    timeout_s: float,
+    epoch: int = 0,
+) -> epb.ImportKVResponse:
+    """Copy `src_blocks` (seq_id -> device blocks of `src`) into `dst_blocks` (as many each)
+    of `dst`, each executor checked to be the instance the scheduler planned for. Raises
+    grpc.aio.AioRpcError when either end fails or refuses; the destination's blocks are then
+    unchanged or unreferenced (the caller frees them). `epoch`: this scheduler's leadership
+    epoch, which both ends check as they check a step's."""
+    request = epb.ExportKVRequest(
+        sequences=_block_lists(src_blocks),
+        transport=transport,
+        instance_id=src.describe.instance_id,
+        leader_epoch=epoch,
+    )
+    chunks = src.stub.ExportKV(request, timeout=timeout_s)
+    export_failed: list[grpc.aio.AioRpcError] = []
+    header_to = _block_lists(dst_blocks)
+    relayed = _retargeted(chunks, header_to, dst.describe.instance_id, export_failed)
+    try:
+        return await dst.stub.ImportKV(relayed, timeout=timeout_s)
+    except (grpc.aio.AioRpcError, asyncio.CancelledError):
+        # The export's own status, not the import's cancellation it caused.
+        if export_failed:
+            raise export_failed[0] from None
+        raise
+    finally:
+        chunks.cancel()  # a no-op once the export ended; stops it when the import failed
+
+
+async def _retargeted(
+    chunks: AsyncIterator[epb.KVChunk],
+    header_to: list[epb.KVBlockList],
+    instance_id: str,
+    export_failed: list[grpc.aio.AioRpcError],
+) -> AsyncIterator[epb.KVChunk]:
+    """The export's chunks with the header naming the destination's blocks and instance; an
+    export that fails is noted in `export_failed` (the import is cut short, nothing written)."""
+    try:
+        async for chunk in chunks:
+            if chunk.HasField("header"):
+                del chunk.header.sequences[:]
+                chunk.header.sequences.extend(header_to)
+                chunk.header.instance_id = instance_id
+            yield chunk
+    except grpc.aio.AioRpcError as e:
+        export_failed.append(e)
+        raise

@@ -1,0 +1,74 @@
+"""Moving a running request between two executors' scheduler cores (live migration, issue 47):
+`movable_requests`, `adopt_request` (blocks for the computed tokens, prefix-cache hits first),
+`release_request` (no finish reported), and the undo of an adoption."""
+
+from scheduler_svc.core.request import RequestStatus
+from tests.unit.test_scheduler import TOKEN, add, make_requests, make_scheduler, step
+
+
+def decoding_on_a(num: int = 2, prompt_len: int = 6, num_decodes: int = 3):
+    """Core A with `num` requests decoding; core B empty."""
+    a, b = make_scheduler(enable_prefix_caching=True), make_scheduler(enable_prefix_caching=True)
+    reqs = add(a, make_requests(num, prompt_len))
+    for _ in range(1 + num_decodes):
+        step(a)
+    return a, b, reqs
+
+
+def test_movable_requests_are_the_running_single_sequence_ones():
+    a, _, reqs = decoding_on_a()
+    add(a, make_requests(1, 4, start=5, n=2))  # n > 1: not movable (shared blocks)
+    step(a)
+    assert [r.req_id for r in a.movable_requests()] == ["r0", "r1"]
+
+
+def test_adopt_then_release_moves_the_request_with_its_computed_tokens():
+    a, b, _ = decoding_on_a()
+    old = a.get_request("r0")
+    nc = old.seqs[0].num_computed_tokens
+    assert nc == 6 + 3 and old.seqs[0].token_ids[6:] == [TOKEN] * 4
+    new, num_hits = b.adopt_request(old)
+    assert num_hits == 0  # B's cache holds nothing of it
+    seq = new.seqs[0]
+    assert seq.num_computed_tokens == nc and seq.token_ids == old.seqs[0].token_ids
+    assert len(seq.block_table) == 3  # ceil(9 / 4): the computed tokens only
+    assert a.release_request("r0")
+    assert a.take_finished_requests() == []  # released, not finished
+    a.check_invariants()
+    b.check_invariants()
+    out_a = step(a)
+    assert "r0/0" in out_a.finished_seq_ids and "r0/0" not in out_a.num_scheduled_tokens
+    out_b = step(b)
+    (entry,) = out_b.new_seqs  # B's executor learns it in full, computed tokens included
+    assert (entry.seq_id, entry.num_computed_tokens, entry.num_scheduled_tokens) == ("r0/0", 9, 1)
+    assert entry.block_table == seq.block_table and entry.token_ids == old.seqs[0].token_ids
+    step(b)
+    assert seq.num_computed_tokens == 11 and seq.num_output_tokens == 6
+    assert b.block_manager.pool.cached  # its full blocks entered B's prefix cache
+
+
+def test_an_undone_adoption_frees_its_blocks_and_registers_nothing():
+    a, b, _ = decoding_on_a()
+    new, _ = b.adopt_request(a.get_request("r1"))
+    assert b.num_free_blocks == 16 - 3
+    assert b.release_request("r1")
+    assert b.num_free_blocks == 16 and not b.block_manager.pool.cached
+    assert b.take_finished_requests() == [] and b.num_unfinished == 0
+    b.check_invariants()
+    assert a.get_request("r1").status == RequestStatus.RUNNING  # still A's, untouched
+
+
+def test_adoption_uses_the_destination_prefix_cache_and_respects_its_room():
+    a, b, _ = decoding_on_a(num=1, prompt_len=8)
+    # B computed the same 8-token prompt once: two full blocks cached there.
+    add(b, make_requests(1, 8))
+    step(b)
+    step(b)
+    b.abort_request("r0")
+    b.take_finished_requests()
+    step(b)
+    new, num_hits = b.adopt_request(a.get_request("r0"))
+    assert num_hits == 2 and new.seqs[0].num_computed_tokens == 8 + 3
+    full = make_scheduler(num_device_blocks=2)
+    assert full.adopt_request(a.get_request("r0")) is None  # 3 blocks + 1 for the next token
+    assert full.num_free_blocks == 2
