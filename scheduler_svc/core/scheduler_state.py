@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 
 from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.block_pool import Block
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.errors import QueueFull
 from scheduler_svc.core.request import Request, RequestStatus, Sequence
@@ -226,7 +227,10 @@ class SchedulerState:
         seq.block_table, seq.cpu_block_table, seq.sent = [], [], False
         req.seqs = [seq]
         hits = bm.find_cached_prefix(seq, nc)
-        need = bm.num_blocks_for(nc + 1) - len(hits) + sum(1 for b in hits if b.ref_cnt == 0)
+        # A device hit sitting in the free list costs a free block; a host-tier hit costs a
+        # fresh one (copied into at this core's next step), as a fresh block does.
+        on_device = [b for b in hits if isinstance(b, Block)]
+        need = bm.num_blocks_for(nc + 1) - len(on_device) + sum(b.ref_cnt == 0 for b in on_device)
         if bm.num_free_blocks - need < bm.watermark_blocks:
             return None
         bm.allocate_group([seq], [hits], [nc])

@@ -72,3 +72,29 @@ def test_adoption_uses_the_destination_prefix_cache_and_respects_its_room():
     full = make_scheduler(num_device_blocks=2)
     assert full.adopt_request(a.get_request("r0")) is None  # 3 blocks + 1 for the next token
     assert full.num_free_blocks == 2
+
+
+def test_adoption_takes_host_tier_hits_as_copies_in():
+    """B's prefix blocks of the moved request sit in its host tier (evicted from the device): the
+    adoption counts them as hits and B's next step copies them in before its forward."""
+    a, _, _ = decoding_on_a(num=1, prompt_len=8)
+    b = make_scheduler(
+        enable_prefix_caching=True, num_device_blocks=6, num_cpu_blocks=4, num_host_cache_blocks=4
+    )
+    add(b, make_requests(1, 8))  # the same prompt: two full blocks cached on B
+    step(b)
+    b.abort_request("r0")
+    b.take_finished_requests()
+    step(b)
+    add(b, make_requests(1, 23, start=7))  # a 6-block prompt takes all of B: the two go to host
+    step(b)
+    b.abort_request("r7")
+    b.take_finished_requests()
+    step(b)
+    bm = b.block_manager
+    assert not bm.pool.cached.keys() & set(a.get_request("r0").seqs[0].block_hashes[:2])
+    new, num_hits = b.adopt_request(a.get_request("r0"))
+    assert num_hits == 2 and new.seqs[0].num_computed_tokens == 8 + 3
+    out = step(b)
+    assert sorted(dst for _, dst in out.blocks_to_swap_in) == sorted(new.seqs[0].block_table[:2])
+    b.check_invariants()
