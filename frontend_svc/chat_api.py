@@ -19,7 +19,7 @@ from client.params import SamplingParams
 from frontend_svc import features
 from frontend_svc.auth import caller_key
 from frontend_svc.errors import APIError
-from frontend_svc.logprobs import chat_logprobs, prompt_logprobs, usage
+from frontend_svc.logprobs import chat_logprobs, usage
 from frontend_svc.protocol import ChatCompletionRequest
 from frontend_svc.reasoning import ReasoningStream
 from frontend_svc.serving import Run, request_id_from, request_timeout, respond, sse
@@ -74,7 +74,7 @@ class ChatAnswer:
         self.texts = {j: "" for j in range(n)}
         self.lps: dict[int, list] = {j: [] for j in range(n)}
         self.finish: dict[int, tuple] = {}
-        self.prompt_lps: list | None = None
+        self.extra = features.response_fields()  # the features' fields of the whole body
 
     @classmethod
     async def begin(cls, body: ChatCompletionRequest, request: Request) -> ChatAnswer:
@@ -181,8 +181,8 @@ class ChatAnswer:
 
     async def add(self, i: int, d: StreamDelta) -> None:
         """Fold one delta into the whole answer (non-streaming)."""
-        if d.prompt_logprobs is not None:
-            self.prompt_lps = prompt_logprobs(d.prompt_logprobs)
+        for field in self.extra:
+            field.add(d)
         self.texts[d.index] += d.text
         lp = await self._logprobs(d)
         if lp:
@@ -216,7 +216,7 @@ class ChatAnswer:
                     "stop_reason": stop_reason,
                 }
             )
-        return {
+        out: dict[str, Any] = {
             "id": self.rid,
             "object": "chat.completion",
             "created": self.created,
@@ -224,8 +224,10 @@ class ChatAnswer:
             "choices": choices,
             "usage": self._usage(),
             "system_fingerprint": self.state.fingerprint,
-            "prompt_logprobs": self.prompt_lps,
         }
+        for field in self.extra:
+            out.update(field.fields())
+        return out
 
 
 @router.post("/v1/chat/completions")

@@ -143,8 +143,8 @@ class FrontendState:
         return text
 
     async def prompt_tokens(self, prompt: PromptInput) -> tuple[list[int], list[str]]:
-        """A prompt's token ids as Generate computes them and each token's own text (echo's
-        logprobs are per prompt token, and the first one has no logprob entry to name it)."""
+        """A prompt's token ids as Generate computes them and each token's own text (a prompt's
+        logprobs are per token, and the first one has no logprob entry to name it)."""
         try:
             ids, _ = await retrying(lambda: self.client.tokenize(prompt))
             _, pieces = await retrying(

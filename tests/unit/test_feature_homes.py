@@ -160,6 +160,18 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # also holds the embeddings and LoRA routes and LoRA's model variants, so app.py names neither);
 # a ToolPlan says what tool_choice holds the output to (a schema, strict tools' structural tag)
 # and the feature makes the constraint. Left: features.py (the registry names each feature).
+# The client's structured outputs 2 -> 1 and pooling 4 -> 2 (10 -> 9 and 14 -> 12 in all):
+# client/features.py composes the features into the public classes (the embed methods as
+# mixins from client/embeddings.py; SamplingParams.structured_output's client type and the
+# constraint flags from client/structured.py); the public API is unchanged. Left: the registry,
+# and client/__init__.py's export of EmbeddingOutput. The client's LoRA, speculative and prompt
+# logprobs names are public API (keyword arguments, methods, ServerInfo and output fields).
+# The frontend's pooling 2 -> 1: the Batch API's endpoints past chat and completions are the
+# registry's (features.BATCH_ENDPOINTS). Its prompt logprobs 4 -> 2: a whole chat answer's
+# prompt_logprobs field is logprobs.PromptLogprobsField on the response-field hook
+# (response_fields.py, iterated by ChatAnswer); state.prompt_tokens's docstring reworded.
+# Left: the completions handler (echo prepends the prompt and its logprobs to each choice) and
+# protocol.py (the prompt_logprobs and echo fields and their checks).
 LIMITS: dict[str, dict[str, int]] = {
     "lora": {"scheduler_svc": 7, "executor_svc": 13, "frontend_svc": 1, "client": 6, "protos": 2},
     "speculative": {
@@ -173,20 +185,20 @@ LIMITS: dict[str, dict[str, int]] = {
         "scheduler_svc": 1,
         "executor_svc": 3,
         "frontend_svc": 1,
-        "client": 2,
+        "client": 1,
         "protos": 3,
     },
     "pooling": {
         "scheduler_svc": 2,
         "executor_svc": 3,
-        "frontend_svc": 2,
-        "client": 4,
+        "frontend_svc": 1,
+        "client": 2,
         "protos": 3,
     },
     "prompt logprobs": {
         "scheduler_svc": 8,
         "executor_svc": 4,
-        "frontend_svc": 4,
+        "frontend_svc": 2,
         "client": 1,
         "protos": 3,
     },
