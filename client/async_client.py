@@ -15,8 +15,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import client.envs as envs
-from client.embeddings import EmbeddingOutput, build_embed_request, embeddings_from_proto
 from client.errors import LLMServeError
+from client.features import AsyncClientFeatures
 from client.outputs import (
     AbortOutcome,
     LoraAdapterInfo,
@@ -108,7 +108,7 @@ class _BearerKeyStream(_WithKey, grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(self._details(details), request)
 
 
-class AsyncLLMClient:
+class AsyncLLMClient(AsyncClientFeatures):
     """Talks to one scheduler. `timeout` (seconds) bounds unary calls only: a generation may
     legitimately stream for minutes, so streams get `stream_timeout` (None = no deadline).
 
@@ -230,21 +230,6 @@ class AsyncLLMClient:
         )
         resp = await self._unary("Detokenize", req)
         return resp.text, list(resp.token_texts)
-
-    async def embed(
-        self,
-        inputs: Any,
-        *,
-        pooling: str | None = None,
-        normalize: bool | None = None,
-        dimensions: int | None = None,
-        priority: int = 0,
-    ) -> list[EmbeddingOutput]:
-        """Embeddings of a text, a token-id list, or a list of either (client/embeddings.py)."""
-        req = build_embed_request(
-            inputs, pooling=pooling, normalize=normalize, dimensions=dimensions, priority=priority
-        )
-        return embeddings_from_proto(await self._unary("Embed", req))
 
     async def wait_ready(self, timeout: float = 30.0, *, poll_interval: float = 0.2) -> None:
         """Block until the scheduler's health service says SERVING (it does once an executor is

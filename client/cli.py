@@ -6,18 +6,16 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-import client.structured as structured
 from client.bench.cli import add_bench_parser, run_bench
 from client.envs import address as default_address
 from client.errors import run_guarded
+from client.features import add_sampling_flags, sampling_fields
 from client.health import add_health_parser
 from client.outputs import AbortOutcome, RequestOutput, StreamDelta
 from client.params import SamplingParams
 from client.prompts import ChatPrompt
-from client.structured import StructuredOutput
 from client.sync_client import LLMClient
 
 
@@ -35,28 +33,8 @@ def _params(args: argparse.Namespace) -> SamplingParams:
         stop_token_ids=list(args.stop_token_ids or []),
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
-        structured_output=_structured(args),
+        **sampling_fields(args),
     )
-
-
-def _structured(args: argparse.Namespace) -> StructuredOutput | None:
-    """At most one of --json-schema FILE, --json-object, --regex, --choice, --grammar FILE."""
-    given = [
-        so
-        for so in (
-            args.json_schema and structured.json_schema(Path(args.json_schema).read_text()),
-            args.json_object and structured.json_object(),
-            args.regex is not None and structured.regex(args.regex),
-            args.choice and structured.choice(args.choice),
-            args.grammar and structured.grammar(Path(args.grammar).read_text()),
-        )
-        if so
-    ]
-    if len(given) > 1:
-        raise ValueError(
-            "give at most one of --json-schema, --json-object, --regex, --choice, --grammar"
-        )
-    return given[0] if given else None
 
 
 def _prompt(text: str, chat: bool) -> Any:
@@ -224,11 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop-token-ids", type=int, nargs="+")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--logprobs", type=int, default=None)
-    gen.add_argument("--json-schema", metavar="FILE", help="constrain to this JSON Schema")
-    gen.add_argument("--json-object", action="store_true", help="constrain to a JSON object")
-    gen.add_argument("--regex", help="constrain the whole output to this regular expression")
-    gen.add_argument("--choice", action="append", help="an allowed output (repeat for more)")
-    gen.add_argument("--grammar", metavar="FILE", help="constrain to a Lark/GBNF grammar")
+    add_sampling_flags(gen)  # the optional features' (client/features.py)
     gen.add_argument("--priority", type=int, default=0)
     gen.add_argument("--lora-adapter", default="", help="a loaded LoRA adapter's name")
     gen.add_argument("--chat", action="store_true", help="send each prompt as a user message")

@@ -1,5 +1,5 @@
-"""Embeddings through the public Embed RPC: request building and outputs (used by
-`AsyncLLMClient.embed`, `LLMClient.embed` and the offline `LLM.embed`)."""
+"""Embeddings through the public Embed RPC: request building, outputs, and the `embed` methods
+of `AsyncLLMClient`, `LLMClient` and the offline `LLM` (mixed into them by client/features.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ from typing import Any
 
 from protos import scheduler_pb2 as pb
 
-__all__ = ["POOLING_TYPES", "EmbeddingOutput", "build_embed_request", "embeddings_from_proto"]
+__all__ = [
+    "POOLING_TYPES",
+    "AsyncEmbedMethods",
+    "EmbedMethods",
+    "EmbeddingOutput",
+    "OfflineEmbedMethods",
+    "build_embed_request",
+    "embeddings_from_proto",
+]
 
 POOLING_TYPES = {"last": pb.POOLING_TYPE_LAST, "mean": pb.POOLING_TYPE_MEAN}
 
@@ -65,3 +73,39 @@ def build_embed_request(
 
 def embeddings_from_proto(resp: pb.EmbedResponse) -> list[EmbeddingOutput]:
     return [EmbeddingOutput(list(e.values), e.num_prompt_tokens) for e in resp.embeddings]
+
+
+class AsyncEmbedMethods:
+    """``AsyncLLMClient.embed`` (the client's ``_unary`` calls the RPC)."""
+
+    async def embed(
+        self,
+        inputs: Any,
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        priority: int = 0,
+    ) -> list[EmbeddingOutput]:
+        """Embeddings of a text, a token-id list, or a list of either (client/embeddings.py)."""
+        req = build_embed_request(
+            inputs, pooling=pooling, normalize=normalize, dimensions=dimensions, priority=priority
+        )
+        return embeddings_from_proto(await self._unary("Embed", req))  # type: ignore[attr-defined]
+
+
+class EmbedMethods:
+    """``LLMClient.embed`` (over its ``AsyncLLMClient``)."""
+
+    def embed(self, inputs: Any, **kwargs: Any) -> list[EmbeddingOutput]:
+        """As AsyncLLMClient.embed (pooling, normalize, dimensions, priority)."""
+        return self._run(self._async.embed(inputs, **kwargs))  # type: ignore[attr-defined]
+
+
+class OfflineEmbedMethods:
+    """The offline ``LLM.embed`` (over its ``LLMClient``)."""
+
+    def embed(self, prompts: Any, **kwargs: Any) -> list[EmbeddingOutput]:
+        """One EmbeddingOutput per prompt (`.outputs.embedding` as in vLLM); keyword arguments
+        as LLMClient.embed (pooling "last" or "mean", normalize, dimensions)."""
+        return self._client.embed(prompts, **kwargs)  # type: ignore[attr-defined]

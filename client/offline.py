@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import client.envs as envs
-from client.embeddings import EmbeddingOutput
+from client.features import OfflineFeatures
 from client.outputs import LoraAdapterInfo, RequestOutput
 from client.params import SamplingParams
 from client.prompts import ChatPrompt
@@ -64,7 +64,7 @@ def _stop(procs: list[subprocess.Popen], workdir: Path | None) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-class LLM:
+class LLM(OfflineFeatures):
     def __init__(
         self,
         model: str = "demo",
@@ -167,11 +167,6 @@ class LLM:
             for conv in conversations
         ]
         return self._client.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def embed(self, prompts: Any, **kwargs: Any) -> list[EmbeddingOutput]:
-        """One EmbeddingOutput per prompt (`.outputs.embedding` as in vLLM); keyword arguments
-        as LLMClient.embed (pooling "last" or "mean", normalize, dimensions)."""
-        return self._client.embed(prompts, **kwargs)
 
     # ---- lifetime ----------------------------------------------------------------------------
 

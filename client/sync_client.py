@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 from client.async_client import AsyncLLMClient
-from client.embeddings import EmbeddingOutput
+from client.features import ClientFeatures
 from client.outputs import (
     AbortOutcome,
     LoraAdapterInfo,
@@ -27,7 +27,7 @@ from client.params import SamplingParams
 T = TypeVar("T")
 
 
-class LLMClient:
+class LLMClient(ClientFeatures):
     """Synchronous client of one scheduler; see AsyncLLMClient for the semantics of each call."""
 
     def __init__(
@@ -112,10 +112,6 @@ class LLMClient:
 
     def unload_lora_adapter(self, name: str) -> None:
         self._run(self._async.unload_lora_adapter(name))
-
-    def embed(self, inputs: Any, **kwargs: Any) -> list[EmbeddingOutput]:
-        """As AsyncLLMClient.embed (pooling, normalize, dimensions, priority)."""
-        return self._run(self._async.embed(inputs, **kwargs))
 
     def _iterate(self, agen: AsyncIterator[StreamDelta]) -> Iterator[StreamDelta]:
         try:

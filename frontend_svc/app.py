@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from client.errors import LLMServeError
-from frontend_svc import tracing
+from frontend_svc import features, tracing
 from frontend_svc.anthropic_api import router as anthropic_router
 from frontend_svc.api import router
 from frontend_svc.auth import api_key_asgi
@@ -21,10 +21,7 @@ from frontend_svc.batch.service import close_batches, open_batches
 from frontend_svc.batch.settings import BatchSettings
 from frontend_svc.chat_api import router as chat_router
 from frontend_svc.completions_api import router as completions_router
-from frontend_svc.embeddings import router as embeddings_router
 from frontend_svc.errors import APIError
-from frontend_svc.lora_api import LoraAdapters
-from frontend_svc.lora_api import router as lora_router
 from frontend_svc.metrics import HTTPMetrics
 from frontend_svc.reasoning import reasoning_parser as get_reasoning_parser
 from frontend_svc.responses_api import router as responses_router
@@ -92,7 +89,7 @@ def create_app(
             reasoning=reasoning,
         )
         # Features serving other model names (frontend_svc/model_variants.py).
-        app.state.frontend.model_variants.append(LoraAdapters())
+        app.state.frontend.model_variants.extend(features.model_variants())
         batches = await open_batches(app, batch or BatchSettings(), keys)
         yield
         await close_batches(app, batches)
@@ -102,8 +99,8 @@ def create_app(
     app.state.api_keys = keys
     for r in (completions_router, chat_router, responses_router, anthropic_router, router):
         app.include_router(r)
-    app.include_router(embeddings_router)  # /v1/embeddings (frontend_svc/embeddings.py)
-    app.include_router(lora_router)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+    for r in features.ROUTERS:  # the optional features' own routes (features.py)
+        app.include_router(r)
     app.include_router(batch_router)  # /v1/files, /v1/batches (frontend_svc/batch)
     # Starlette runs the middleware added last first: metrics see the 401s too.
     app.add_middleware(_ASGIMiddleware, wrap=api_key_asgi(keys))

@@ -3,11 +3,10 @@ logprobs, finishes), fed the run's deltas and shaped as stream chunks or one bod
 template is applied by the scheduler. With tools, each choice's text is read as content and
 tool calls by the call's parser (tool_calling/stream.py): whole at the end, or delta by delta. With
 `--reasoning-parser`, the reasoning is split off first (reasoning.py) and the rest is the
-answer that content, tool calls and structured outputs apply to."""
+answer that content, tool calls and the features' constraints apply to."""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -17,19 +16,17 @@ from starlette.requests import Request
 from client.errors import LLMServeError
 from client.outputs import StreamDelta
 from client.params import SamplingParams
-from client.structured import StructuredOutput
+from frontend_svc import features
 from frontend_svc.auth import caller_key
 from frontend_svc.errors import APIError
-from frontend_svc.logprobs import chat_logprobs, prompt_logprobs, usage
+from frontend_svc.logprobs import chat_logprobs, usage
 from frontend_svc.protocol import ChatCompletionRequest
-from frontend_svc.reasoning import ReasoningStream, after_reasoning
+from frontend_svc.reasoning import ReasoningStream
 from frontend_svc.serving import Run, request_id_from, request_timeout, respond, sse
 from frontend_svc.serving import token_texts as _token_texts
 from frontend_svc.state import FrontendState
-from frontend_svc.structured_output import name_param
 from frontend_svc.tool_calling.protocol import ToolPlan
 from frontend_svc.tool_calling.stream import ToolCallStream, extract
-from frontend_svc.tool_calling.tag_grammar import tag_grammar
 
 router = APIRouter()
 
@@ -42,18 +39,7 @@ async def prepare(
     variant = await state.check_model(body.model)
     plan = body.plan(state.tool_config)
     params = body.to_params(await state.max_model_len(), plan)
-    if state.reasoning is not None:
-        # The constraint holds the answer after the reasoning, not the reasoning itself.
-        tags = await state.reasoning_tags()
-        params.structured_output = after_reasoning(params.structured_output, state.reasoning, tags)
-    so = params.structured_output
-    if plan.mode == "auto" and plan.parser is not None and so is not None and so is plan.constraint:
-        # Strict tools' structural tag, with markers that are special tokens named as such.
-        markers = [m for m in (plan.parser.trigger, plan.parser.end_marker) if m]
-        if special := await state.special_markers(markers):
-            params.structured_output = StructuredOutput(
-                "grammar", tag_grammar(json.loads(so.value), special)
-            )
+    await features.fit(params, plan, state)
     return variant, plan, params
 
 
@@ -88,7 +74,7 @@ class ChatAnswer:
         self.texts = {j: "" for j in range(n)}
         self.lps: dict[int, list] = {j: [] for j in range(n)}
         self.finish: dict[int, tuple] = {}
-        self.prompt_lps: list | None = None
+        self.extra = features.response_fields()  # the features' fields of the whole body
 
     @classmethod
     async def begin(cls, body: ChatCompletionRequest, request: Request) -> ChatAnswer:
@@ -103,8 +89,7 @@ class ChatAnswer:
 
     def error(self, e: LLMServeError | APIError) -> APIError:
         err = e if isinstance(e, APIError) else APIError.from_llmserve(e)
-        param = "tool_choice" if self.plan.constraint else self.body.structured_output()[1]
-        return name_param(err, param)
+        return features.named(err, self.body, self.plan)
 
     def _finish_reason(self, reason: str | None, num_calls: int) -> str | None:
         # As OpenAI: a call the model chose to make ends the turn as "tool_calls"; one forced
@@ -196,8 +181,8 @@ class ChatAnswer:
 
     async def add(self, i: int, d: StreamDelta) -> None:
         """Fold one delta into the whole answer (non-streaming)."""
-        if d.prompt_logprobs is not None:
-            self.prompt_lps = prompt_logprobs(d.prompt_logprobs)
+        for field in self.extra:
+            field.add(d)
         self.texts[d.index] += d.text
         lp = await self._logprobs(d)
         if lp:
@@ -231,7 +216,7 @@ class ChatAnswer:
                     "stop_reason": stop_reason,
                 }
             )
-        return {
+        out: dict[str, Any] = {
             "id": self.rid,
             "object": "chat.completion",
             "created": self.created,
@@ -239,8 +224,10 @@ class ChatAnswer:
             "choices": choices,
             "usage": self._usage(),
             "system_fingerprint": self.state.fingerprint,
-            "prompt_logprobs": self.prompt_lps,
         }
+        for field in self.extra:
+            out.update(field.fields())
+        return out
 
 
 @router.post("/v1/chat/completions")

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from client.errors import LLMServeError
 from client.outputs import StreamDelta
 from client.prompts import to_prompt
+from frontend_svc import features
 from frontend_svc.auth import caller_key
 from frontend_svc.echo import prompt_echo_logprobs
 from frontend_svc.errors import APIError
@@ -31,7 +32,6 @@ from frontend_svc.protocol import CompletionRequest
 from frontend_svc.serving import Run, request_id_from, request_timeout, respond, sse
 from frontend_svc.serving import token_texts as _token_texts
 from frontend_svc.state import FrontendState
-from frontend_svc.structured_output import name_param
 
 router = APIRouter()
 
@@ -169,7 +169,7 @@ class CompletionAnswer:
 
     def error(self, e: LLMServeError | APIError) -> APIError:
         err = e if isinstance(e, APIError) else APIError.from_llmserve(e)
-        err = name_param(err, self.body.structured_output()[1])
+        err = features.named(err, self.body)
         if self.body.best_of is not None and err.message.startswith("params.n "):
             # The scheduler sees best_of as n: name the field the client sent.
             err.message, err.param = "best_of" + err.message[len("params.n") :], "best_of"

@@ -1,5 +1,6 @@
 """The logprob fields of OpenAI choices (completions and chat, whole or chunked) made from
-scheduler stream deltas, best_of's choice among candidates by cumulative logprob, and usage."""
+scheduler stream deltas, best_of's choice among candidates by cumulative logprob, and usage;
+chat's `prompt_logprobs` on the response-field hook (response_fields.py)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,18 @@ def best_candidates(scores: dict[int, float], num_prompts: int, best_of: int, n:
         mine = range(i * best_of, (i + 1) * best_of)
         out.extend(sorted(mine, key=lambda c: (-scores.get(c, 0.0), c))[:n])
     return out
+
+
+class PromptLogprobsField:
+    """A whole chat body's `prompt_logprobs` (vLLM's; null unless asked), from the delta that
+    carries them (a ``ResponseField``)."""
+
+    def __init__(self) -> None:
+        self.value: list | None = None
+
+    def add(self, d: StreamDelta) -> None:
+        if d.prompt_logprobs is not None:
+            self.value = prompt_logprobs(d.prompt_logprobs)
+
+    def fields(self) -> dict[str, Any]:
+        return {"prompt_logprobs": self.value}

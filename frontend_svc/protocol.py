@@ -4,8 +4,8 @@ translation into the scheduler's sampling parameters.
 Fields follow the OpenAI API reference; vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
 include_stop_str_in_output, priority) are accepted in the body as vLLM accepts them, and so
-are the structured-output fields (structured_output.py). Tools and tool_choice:
-tool_calling/protocol.py.
+are the optional features' fields (mixed in from features.BODY_FIELDS, turned into sampling
+parameters by features.to_params). Tools and tool_choice: tool_calling/protocol.py.
 
 Unlike vLLM, an unknown field is a 400 naming it (`extra="forbid"`): a client that asked for
 something must hear that it was not done. The few fields that clients send and that mean
@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from client.params import SamplingParams
 from client.prompts import ChatPrompt, InfillPrompt
+from frontend_svc import features
 from frontend_svc.errors import bad_request
-from frontend_svc.structured_output import StructuredFields
 from frontend_svc.tool_calling.models import Tool, ToolCall, ToolChoice
 from frontend_svc.tool_calling.protocol import ToolConfig, ToolPlan, plan_tools
 
@@ -35,7 +35,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _Common(StructuredFields):
+class _Common(*features.BODY_FIELDS, BaseModel):  # type: ignore[misc]
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
@@ -71,7 +71,9 @@ class _Common(StructuredFields):
     # features/deadlines): waiting past it is a 408, running past it finishes as "length".
     timeout: float | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, plan: ToolPlan | None = None
+    ) -> SamplingParams:
         if self.prompt_logprobs is not None and self.stream:
             # As vLLM: they would arrive before any token, in no chunk type the API defines.
             raise bad_request(
@@ -100,8 +102,8 @@ class _Common(StructuredFields):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self._logit_bias(),
             prompt_logprobs=self.prompt_logprobs,
-            structured_output=self.structured_output()[0],
         )
+        features.to_params(self, params, plan)
         if params.seed is not None and params.seed < 0:
             raise bad_request("seed must be >= 0", "seed")
         return params
@@ -266,17 +268,9 @@ class ChatCompletionRequest(_Common):
                 raise bad_request(f"{name} must be at least 1, got {value}", name)
         max_tokens = self.max_completion_tokens or self.max_tokens
         # As vLLM: with no limit, generate until the model's maximum length.
-        params = self.sampling_params(max_tokens or max_model_len, None)
+        params = self.sampling_params(max_tokens or max_model_len, None, plan)
         if self.logprobs:
             params.logprobs = self.top_logprobs or 0
-        if plan is not None and plan.constraint is not None:
-            if params.structured_output is not None:
-                raise bad_request(
-                    f"tool_choice {plan.mode!r} constrains the output itself; it cannot be "
-                    f"combined with {self.structured_output()[1]}",
-                    "tool_choice",
-                )
-            params.structured_output = plan.constraint
         keep = plan.parser.skip_special_tokens if plan is not None and plan.parser else None
         if keep is not None:
             params.skip_special_tokens = keep

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from client.errors import LLMServeError
 from client.outputs import StreamDelta
 from client.params import SamplingParams
+from frontend_svc import features
 from frontend_svc.auth import caller_key
 from frontend_svc.chat_api import prepare
 from frontend_svc.errors import APIError
@@ -36,7 +37,6 @@ from frontend_svc.serving import (
     stream_response,
 )
 from frontend_svc.state import FrontendState
-from frontend_svc.structured_output import name_param
 from frontend_svc.tool_calling.protocol import ToolPlan
 
 router = APIRouter()
@@ -229,6 +229,4 @@ async def create_response(body: ResponsesRequest, request: Request):
 
 def _named(err: APIError, plan: ToolPlan, chat: ChatCompletionRequest) -> APIError:
     """A constraint the scheduler refused, named by the Responses API's field."""
-    if plan.constraint is not None:
-        return name_param(err, "tool_choice")
-    return name_param(err, "text.format" if chat.structured_output()[1] else None)
+    return features.named(err, chat, plan, alias="text.format")

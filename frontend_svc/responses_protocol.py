@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from client.params import SamplingParams
+from frontend_svc import features
 from frontend_svc.errors import bad_request
 from frontend_svc.protocol import ChatCompletionRequest, chat_request
 
@@ -119,7 +120,7 @@ class ResponsesRequest(BaseModel):
             tools=_chat_tools(self.tools),
             tool_choice=_chat_tool_choice(self.tool_choice),
             parallel_tool_calls=self.parallel_tool_calls,
-            response_format=_response_format((self.text or {}).get("format")),
+            **features.responses_fields(self),
         )
 
     def to_params(self, max_model_len: int) -> SamplingParams:
@@ -207,18 +208,6 @@ def _chat_tool_choice(choice: Any) -> Any:
     if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
         return {"type": "function", "function": {"name": choice["name"]}}
     raise bad_request("tool_choice must be none, auto, required or a function", "tool_choice")
-
-
-def _response_format(fmt: Any) -> dict[str, Any] | None:
-    """text.format as chat's response_format."""
-    if fmt is None or fmt == {"type": "text"}:
-        return None
-    if isinstance(fmt, dict) and fmt.get("type") == "json_object" and len(fmt) == 1:
-        return {"type": "json_object"}
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        spec = {k: v for k, v in fmt.items() if k != "type"}
-        return {"type": "json_schema", "json_schema": spec}
-    raise bad_request("text.format must be text, json_object or json_schema", "text.format")
 
 
 def _message(item: Any, where: str) -> dict[str, str]:

@@ -15,10 +15,9 @@ from frontend_svc import tracing
 from frontend_svc.errors import APIError
 from frontend_svc.generation import retrying
 from frontend_svc.model_variants import ModelVariants
-from frontend_svc.reasoning import ReasoningParser, TagRefs, tag_refs
+from frontend_svc.reasoning import ReasoningParser
 from frontend_svc.serving import Run
 from frontend_svc.tool_calling.protocol import ToolConfig
-from frontend_svc.tool_calling.tag_grammar import special_markers
 
 # A scheduler that restarts should be reached again quickly, not after gRPC's default back-off
 # (which grows to two minutes).
@@ -43,7 +42,6 @@ class FrontendState:
     ) -> None:
         self.scheduler_address = scheduler_address
         self.reasoning = reasoning  # --reasoning-parser
-        self._reasoning_tags: TagRefs | None = None
         self._special: dict[str, bool] = {}
         self.tool_config = tool_config or ToolConfig()
         self.served_model_name = served_model_name
@@ -86,22 +84,15 @@ class FrontendState:
                 raise APIError.from_llmserve(e) from None
         return self._info
 
-    async def reasoning_tags(self) -> TagRefs:
-        """How a grammar names the served tokenizer's reasoning tags (asked once)."""
-        if self._reasoning_tags is None:
-            try:
-                self._reasoning_tags = await tag_refs(self.client)
-            except LLMServeError as e:
-                raise APIError.from_llmserve(e) from None
-        return self._reasoning_tags
-
     async def special_markers(self, markers: list[str]) -> set[str]:
-        """Which of `markers` the served tokenizer has as special-looking tokens (asked once
-        per marker)."""
+        """Which of `markers` the served tokenizer has as special tokens (asked once per
+        marker): `<...>`-shaped ones that tokenize to one token (one more than nothing, whatever
+        a tokenizer adds). A constraint on the output must name such a token as a token, never
+        as the text it spells."""
         todo = [m for m in markers if m not in self._special]
         if todo:
             try:
-                found = await special_markers(self.client, todo)
+                found = await _special_markers(self.client, todo)
             except LLMServeError as e:
                 raise APIError.from_llmserve(e) from None
             self._special.update({m: m in found for m in todo})
@@ -152,8 +143,8 @@ class FrontendState:
         return text
 
     async def prompt_tokens(self, prompt: PromptInput) -> tuple[list[int], list[str]]:
-        """A prompt's token ids as Generate computes them and each token's own text (echo's
-        logprobs are per prompt token, and the first one has no logprob entry to name it)."""
+        """A prompt's token ids as Generate computes them and each token's own text (a prompt's
+        logprobs are per token, and the first one has no logprob entry to name it)."""
         try:
             ids, _ = await retrying(lambda: self.client.tokenize(prompt))
             _, pieces = await retrying(
@@ -203,3 +194,14 @@ class FrontendState:
         await self.client.close()
         for client in self._by_key.values():
             await client.close()
+
+
+async def _special_markers(client: AsyncLLMClient, markers: list[str]) -> set[str]:
+    base = len((await retrying(lambda: client.tokenize("")))[0])
+    out = set()
+    for m in markers:
+        if m.startswith("<") and m.endswith(">"):
+            ids, _ = await retrying(lambda m=m: client.tokenize(m))
+            if len(ids) == base + 1:
+                out.add(m)
+    return out

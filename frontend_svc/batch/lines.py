@@ -8,11 +8,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from frontend_svc import features
+
 __all__ = ["ABORTABLE", "ENDPOINTS", "BatchLine", "LineError", "parse_lines", "parse_window"]
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-# The endpoints whose lines run as scheduler requests that an abort stops (an embeddings line
-# is one unary call, with no request to abort).
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", *features.BATCH_ENDPOINTS)
+# The endpoints whose lines run as scheduler requests that an abort stops (a feature's endpoint
+# may be one unary call, with no request to abort).
 ABORTABLE = frozenset({"/v1/chat/completions", "/v1/completions"})
 _WINDOW = re.compile(r"^(\d+)([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -78,7 +80,7 @@ def _check(obj: Any, n: int, seen: set[str]) -> LineError | BatchLine:
 def parse_lines(data: bytes, max_errors: int = 100) -> tuple[list[BatchLine], list[LineError]]:
     """Every line of a JSONL file checked (blank lines skipped, as JSONL readers do; numbering
     counts them). Unlike OpenAI, a line's url need not be the batch's endpoint: one batch may
-    mix chat, completions and embeddings lines. At most `max_errors` errors are kept."""
+    mix lines of any of ENDPOINTS. At most `max_errors` errors are kept."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

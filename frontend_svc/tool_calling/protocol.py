@@ -1,6 +1,7 @@
 """Tools in a chat request (OpenAI's shape) and what `tool_choice` makes of them: a `ToolPlan`
-saying how the output is constrained (a `StructuredOutput` for `required` and a named
-function) and read back (a parser for `auto`, the forced shapes otherwise).
+saying how the output is constrained (a JSON Schema for `required` and a named function, a
+structural tag for strict tools under `auto`; the constraint's feature turns them into the
+request's constraint) and read back (a parser for `auto`, the forced shapes otherwise).
 
 As vLLM: with tools and no `tool_choice`, the choice is `auto`; `auto` needs the frontend to
 have been started with `--enable-auto-tool-choice` and a `--tool-call-parser`; `none` keeps the
@@ -9,11 +10,9 @@ tools in the prompt (the template may describe them) and reads no calls back.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from client.structured import StructuredOutput
 from frontend_svc.errors import bad_request
 from frontend_svc.tool_calling.models import FunctionDefinition, NamedToolChoice, Tool, ToolChoice
 from frontend_svc.tool_calling.parsers import ToolParser, parser_class
@@ -24,15 +23,19 @@ from frontend_svc.tool_calling.schema import call_list_schema, compact_json, par
 @dataclass(slots=True)
 class ToolPlan:
     """How one chat call treats tools: `mode` is the effective tool_choice ("none", "auto",
-    "required" or "named"); `constraint` what the output is held to; `parser` reads calls."""
+    "required" or "named"); `schema` or `call_tag` what the output is held to; `parser` reads
+    calls."""
 
     mode: str
     tools: list[dict[str, Any]] | None = None  # handed to the chat template
-    constraint: StructuredOutput | None = None
+    # "required" and "named": the JSON Schema of the whole output.
+    schema: dict[str, Any] | None = None
     parser: ToolParser | None = None
     # parallel_tool_calls: false under "auto": calls past the first are not reported (under
     # "required" the schema allows one).
     max_calls: int | None = None
+    # "auto" with strict tools: the structural tag of their calls (strict_call_tag).
+    call_tag: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -66,26 +69,23 @@ def plan_tools(
             )
         parser = parser_class(config.tool_call_parser)()
         max_calls = 1 if parallel_tool_calls is False else None
-        constraint = _strict_calls([t.function for t in tools], parser)
-        return ToolPlan("auto", dumped, constraint, parser, max_calls)
+        tag = strict_call_tag([t.function for t in tools], parser)
+        return ToolPlan("auto", dumped, None, parser, max_calls, tag)
     functions = [t.function for t in tools]
     if choice == "required":
         schema = call_list_schema(functions, parallel=parallel_tool_calls is not False)
-        constraint = StructuredOutput("json_schema", json.dumps(schema, ensure_ascii=False))
-        return ToolPlan("required", dumped, constraint, CallListParser())
+        return ToolPlan("required", dumped, schema, CallListParser())
     assert isinstance(choice, NamedToolChoice)
     name = choice.function.name
     function = next((f for f in functions if f.name == name), None)
     if function is None:
         raise bad_request(f"Tool '{name}' has not been passed in `tools`.", "tool_choice")
-    schema = parameters_schema(function)
-    constraint = StructuredOutput("json_schema", json.dumps(schema, ensure_ascii=False))
-    return ToolPlan("named", dumped, constraint, NamedCallParser(name))
+    return ToolPlan("named", dumped, parameters_schema(function), NamedCallParser(name))
 
 
-def _strict_calls(
+def strict_call_tag(
     functions: list[FunctionDefinition], parser: ToolParser
-) -> StructuredOutput | None:
+) -> dict[str, Any] | None:
     """Under "auto", strict tools' arguments held to their schemas: a structural tag whose
     trigger is the parser's start of a call, so text outside calls stays free. Once one tool is
     strict every tool gets a structure (the others any JSON object), since a call of a tool
@@ -104,5 +104,4 @@ def _strict_calls(
                 "tools",
             )
         structures.append(structure)
-    tag = {"type": "structural_tag", "structures": structures, "triggers": [parser.trigger]}
-    return StructuredOutput("structural_tag", json.dumps(tag, ensure_ascii=False))
+    return {"type": "structural_tag", "structures": structures, "triggers": [parser.trigger]}

@@ -20,7 +20,7 @@ from frontend_svc.anthropic_protocol import (
     ToolUseBlock,
 )
 from frontend_svc.protocol import ChatMessage, TextPart
-from frontend_svc.structured_output import JsonSchemaFormat, ResponseFormat
+from frontend_svc.structured.fields import JsonSchemaFormat, ResponseFormat
 from frontend_svc.tool_calling.models import FunctionCall, FunctionDefinition, Tool, ToolCall
 from tests.integration.test_frontend_fields import (  # noqa: F401 - the fixtures
     DOCS,

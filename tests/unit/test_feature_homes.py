@@ -46,7 +46,7 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
         (
             "scheduler_svc/features/structured",
             "executor_svc/features/structured",
-            "frontend_svc/structured_output.py",
+            "frontend_svc/structured",
             "client/structured.py",
         ),
     ),
@@ -151,6 +151,27 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # Sequence.use_prefix_cache); the Embed RPC reaches the feature through
 # EngineClient.feature("pooling") as LoRA's Load/Unload do (EngineClient.embed and
 # RequestFront.embed are gone). Left: the servicer's Embed RPC and the registry.
+# Structured outputs' frontend 9 -> 1 (18 -> 10 in all): its home is the package
+# frontend_svc/structured (fields.py was structured_output.py; reasoning.py, the wrapper that
+# lets the reasoning through first, was in reasoning.py; tool_tags.py, strict tools' grammar, was
+# tool_calling/tag_grammar.py; hooks.py, what the handlers did), on the frontend's request-field
+# hook (request_fields.py: body fields mixed into the request models, to_params, fit, named,
+# responses_fields); the handlers and protocol modules call features.py, the one registry (which
+# also holds the embeddings and LoRA routes and LoRA's model variants, so app.py names neither);
+# a ToolPlan says what tool_choice holds the output to (a schema, strict tools' structural tag)
+# and the feature makes the constraint. Left: features.py (the registry names each feature).
+# The client's structured outputs 2 -> 1 and pooling 4 -> 2 (10 -> 9 and 14 -> 12 in all):
+# client/features.py composes the features into the public classes (the embed methods as
+# mixins from client/embeddings.py; SamplingParams.structured_output's client type and the
+# constraint flags from client/structured.py); the public API is unchanged. Left: the registry,
+# and client/__init__.py's export of EmbeddingOutput. The client's LoRA, speculative and prompt
+# logprobs names are public API (keyword arguments, methods, ServerInfo and output fields).
+# The frontend's pooling 2 -> 1: the Batch API's endpoints past chat and completions are the
+# registry's (features.BATCH_ENDPOINTS). Its prompt logprobs 4 -> 2: a whole chat answer's
+# prompt_logprobs field is logprobs.PromptLogprobsField on the response-field hook
+# (response_fields.py, iterated by ChatAnswer); state.prompt_tokens's docstring reworded.
+# Left: the completions handler (echo prepends the prompt and its logprobs to each choice) and
+# protocol.py (the prompt_logprobs and echo fields and their checks).
 LIMITS: dict[str, dict[str, int]] = {
     "lora": {"scheduler_svc": 7, "executor_svc": 13, "frontend_svc": 1, "client": 6, "protos": 2},
     "speculative": {
@@ -163,21 +184,21 @@ LIMITS: dict[str, dict[str, int]] = {
     "structured outputs": {
         "scheduler_svc": 1,
         "executor_svc": 3,
-        "frontend_svc": 9,
-        "client": 2,
+        "frontend_svc": 1,
+        "client": 1,
         "protos": 3,
     },
     "pooling": {
         "scheduler_svc": 2,
         "executor_svc": 3,
-        "frontend_svc": 2,
-        "client": 4,
+        "frontend_svc": 1,
+        "client": 2,
         "protos": 3,
     },
     "prompt logprobs": {
         "scheduler_svc": 8,
         "executor_svc": 4,
-        "frontend_svc": 4,
+        "frontend_svc": 2,
         "client": 1,
         "protos": 3,
     },

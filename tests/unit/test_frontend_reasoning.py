@@ -7,7 +7,8 @@ import pytest
 
 from client.structured import StructuredOutput
 from frontend_svc.errors import APIError
-from frontend_svc.reasoning import PARSERS, ReasoningStream, TagRefs, after_reasoning
+from frontend_svc.reasoning import PARSERS, ReasoningStream
+from frontend_svc.structured.reasoning import TagRefs, after_reasoning
 
 OUTPUTS = [
     "<think>\nThe user greets; say hi.\n</think>\n\nHello there!",

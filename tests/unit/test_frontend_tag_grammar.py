@@ -1,10 +1,8 @@
 """Strict tools' structural tag as a Lark grammar naming special-token markers
-(frontend_svc/tool_calling/tag_grammar.py), checked with llguidance itself on a tokenizer that has
+(frontend_svc/structured/tool_tags.py), checked with llguidance itself on a tokenizer that has
 Qwen's `<tool_call>` and `</tool_call>` as tokens (which llguidance sees as special)."""
 
 from __future__ import annotations
-
-import json
 
 import llguidance
 import llguidance.hf
@@ -12,10 +10,10 @@ import pytest
 from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerFast
 
+from frontend_svc.structured.tool_tags import tag_grammar
 from frontend_svc.tool_calling.models import FunctionDefinition
 from frontend_svc.tool_calling.parsers import parser_class
-from frontend_svc.tool_calling.protocol import _strict_calls
-from frontend_svc.tool_calling.tag_grammar import tag_grammar
+from frontend_svc.tool_calling.protocol import strict_call_tag
 from tests.support.tool_model import build_tokenizer
 
 WEATHER = FunctionDefinition(
@@ -58,7 +56,7 @@ def _ids(tokenizer, *parts: str) -> list[int]:
 
 
 def test_special_markers_are_matched_as_the_tokens_the_model_writes(tokenizer):
-    tag = json.loads(_strict_calls([WEATHER], parser_class("hermes")()).value)
+    tag = strict_call_tag([WEATHER], parser_class("hermes")())
     grammar = tag_grammar(tag, {"<tool_call>", "</tool_call>"})
     assert "TEXT <tool_call> " in grammar and grammar.rstrip().endswith("</tool_call>")
     m = _matcher(tokenizer, grammar)
@@ -70,7 +68,7 @@ def test_special_markers_are_matched_as_the_tokens_the_model_writes(tokenizer):
 
 
 def test_text_markers_keep_the_lazy_text_trigger(tokenizer):
-    tag = json.loads(_strict_calls([WEATHER], parser_class("hermes")()).value)
+    tag = strict_call_tag([WEATHER], parser_class("hermes")())
     grammar = tag_grammar(tag, set())
     assert '[lazy]: TEXT "<tool_call>"' in grammar
     _matcher(tokenizer, grammar)  # compiles

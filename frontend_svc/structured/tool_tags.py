@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from client.async_client import AsyncLLMClient
-from frontend_svc.generation import retrying
 from frontend_svc.tool_calling.schema import compact_json
 
 
@@ -48,16 +46,3 @@ def tag_grammar(tag: dict[str, Any], special: set[str]) -> str:
             rules.append(f"{name}: {name}_start {body}")
     head = ["%llguidance {}", f"start: ({' | '.join(names)})* TEXT", "TEXT: /(.|\\n)*/"]
     return "\n".join(head + rules) + "\n"
-
-
-async def special_markers(client: AsyncLLMClient, markers: list[str]) -> set[str]:
-    """The markers llguidance sees as special tokens in the served tokenizer: `<...>`-shaped
-    ones that tokenize to one token (one more than nothing, whatever a tokenizer adds)."""
-    base = len((await retrying(lambda: client.tokenize("")))[0])
-    out = set()
-    for m in markers:
-        if m.startswith("<") and m.endswith(">"):
-            ids, _ = await retrying(lambda m=m: client.tokenize(m))
-            if len(ids) == base + 1:
-                out.add(m)
-    return out
