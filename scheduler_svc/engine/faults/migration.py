@@ -32,6 +32,7 @@ import structlog
 
 from scheduler_svc import failpoints
 from scheduler_svc.core.request import Request
+from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
 from scheduler_svc.engine.fleet.executors import ExecutorPool
 from scheduler_svc.engine.fleet.kv_move import move_kv, transport_between
@@ -99,20 +100,27 @@ class Migration:
             async with dst.exclusive():
                 if not (dst.healthy and not dst.draining and src.healthy):
                     break
-                done = await self._move_batch(src, dst, reqs)
+                done = await self.move_batch(src, dst, reqs)
             dst.wake.set()
             if done is None:
                 break
             moved += done
+            self.metrics.migrated += done
         return moved, src.sched.num_running
 
     def _plan(self, src: ExecutorHandle) -> list[tuple[ExecutorHandle, list[Request]]]:
-        """src's movable requests grouped by the executor the router picks for each."""
         targets = [e for e in self.pool.executors if e is not src and e.healthy and not e.draining]
+        return self.plan(src, targets, src.sched.movable_requests())
+
+    def plan(
+        self, src: ExecutorHandle, targets: list[ExecutorHandle], reqs: list[Request]
+    ) -> list[tuple[ExecutorHandle, list[Request]]]:
+        """`reqs` (movable requests of `src`) grouped by the executor the router picks for each
+        among `targets`."""
         batches: dict[str, tuple[ExecutorHandle, list[Request]]] = {}
         if not targets:
             return []
-        for req in src.sched.movable_requests():
+        for req in reqs:
             handle = self.table.get(req.req_id)
             if handle is None or handle.finished_in_engine or handle.executor is not src:
                 continue
@@ -120,27 +128,25 @@ class Migration:
             batches.setdefault(dst.address, (dst, []))[1].append(req)
         return list(batches.values())
 
-    async def _move_batch(
-        self, src: ExecutorHandle, dst: ExecutorHandle, reqs: list[Request]
+    async def move_batch(
+        self,
+        src: ExecutorHandle,
+        dst: ExecutorHandle,
+        reqs: list[Request],
+        events: tuple[str, str] = ("executor.migrating", "executor.migration_failed"),
     ) -> int | None:
-        """Adopt, move, commit (or undo). Returns the requests moved, None when it failed."""
-        adopted: list[_Adopted] = []
-        for req in reqs:
-            got = dst.sched.adopt_request(req)
-            if got is None:
-                break  # dst is full: the rest stay on src
-            adopted.append((req, *got))
+        """Adopt, move, commit (or undo), both executors' locks held. Returns the requests
+        moved, None when it failed. `events`: the log events of a move and of a failure."""
+        adopted = self._adopt(src, dst, reqs)
         if not adopted:
             return 0
-        log.info("executor.migrating", src=src.address, dst=dst.address, requests=len(adopted))
+        log.info(events[0], src=src.address, dst=dst.address, requests=len(adopted))
         try:
             await self._transfer(src, dst, adopted)
         except Exception as e:  # noqa: BLE001 -- any RPC error or refusal: undo, recompute later
             for _, new, _ in adopted:
                 dst.sched.release_request(new.req_id)
-            log.warning(
-                "executor.migration_failed", src=src.address, dst=dst.address, error=repr(e)
-            )
+            log.warning(events[1], src=src.address, dst=dst.address, error=repr(e))
             return None
         for old, new, _ in adopted:
             src.sched.release_request(old.req_id)
@@ -149,8 +155,38 @@ class Migration:
                 dst.sched.release_request(new.req_id)
                 continue
             handle.executor = dst
-        self.metrics.migrated += len(adopted)
         return len(adopted)
+
+    def _adopt(
+        self, src: ExecutorHandle, dst: ExecutorHandle, reqs: list[Request]
+    ) -> list[_Adopted]:
+        """`reqs` adopted by dst's core, as many as fit. A request sharing a computed block
+        with one adopted before it is left for a later batch: an export names each source
+        block once, and dst's copy of a moved block enters its prefix cache only after its
+        next step."""
+        adopted: list[_Adopted] = []
+        taken: set[int] = set()
+        bm = src.sched.block_manager
+        for req in reqs:
+            seq = req.seqs[0]
+            blocks = seq.block_table[: bm.num_blocks_for(seq.num_computed_tokens)]
+            if not taken.isdisjoint(blocks):
+                continue
+            got = dst.sched.adopt_request(req)
+            if got is None:
+                break  # dst is full: the rest stay on src
+            taken.update(blocks)
+            adopted.append((req, *got))
+        return adopted
+
+    async def _flush_drops(self, dst: ExecutorHandle) -> None:
+        """Sequences dst's core ended since dst's last step still hold their blocks on the
+        executor, which drops them with its next step; adopted requests may have been given
+        those blocks, so the drops go first, in a step of their own (it computes nothing)."""
+        drops = dst.sched.take_pending_drops()
+        if drops:
+            out = SchedulerOutput(step_id=0, finished_seq_ids=drops)
+            await dst.send(out, 0, self.pool.epoch, self.timeout_s).call
 
     async def _transfer(
         self, src: ExecutorHandle, dst: ExecutorHandle, adopted: list[_Adopted]
@@ -168,6 +204,7 @@ class Migration:
         if failpoints.ARMED:  # tests: a window to kill an end in, or a refused move
             await asyncio.sleep(failpoints.delay("engine.migrate"))
             failpoints.hit("engine.migrate")
+        await self._flush_drops(dst)
         if src_blocks:
             transport = transport_between(src, dst, self.transport)
             await move_kv(
