@@ -482,3 +482,19 @@ class UnloadLoraAdapterRequest(_message.Message):
 class UnloadLoraAdapterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class MoveRequestRequest(_message.Message):
+    __slots__ = ("request_id", "to_executor")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    to_executor: str
+    def __init__(self, request_id: _Optional[str] = ..., to_executor: _Optional[str] = ...) -> None: ...
+
+class MoveRequestResponse(_message.Message):
+    __slots__ = ("from_executor", "to_executor")
+    FROM_EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    TO_EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    from_executor: str
+    to_executor: str
+    def __init__(self, from_executor: _Optional[str] = ..., to_executor: _Optional[str] = ...) -> None: ...

@@ -37,6 +37,7 @@ from scheduler_svc.engine.handoff import Handoff
 from scheduler_svc.engine.key_usage import KeyUsage
 from scheduler_svc.engine.metrics import EngineMetrics
 from scheduler_svc.engine.model import ModelInfo
+from scheduler_svc.engine.moves import RequestMoves
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.requests import RequestFront
 from scheduler_svc.engine.step_loop import StepLoop
@@ -95,6 +96,7 @@ class Engine:
             self.model,
         )  # fmt: skip
         self.persister.on_write = self.metrics.redis_write.observe
+        self.client.moves = RequestMoves(mover)
         self._plug_in()
         self.persister.on_fenced = self.lifecycle.lose_leadership
         self.pool.on_change = self.health.update
