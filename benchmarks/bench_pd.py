@@ -68,6 +68,16 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
+def _handoff_seconds(log: str) -> list[tuple[float, float]]:
+    """(lock wait, move) seconds of each handoff batch the scheduler logged."""
+    out = []
+    for line in log.splitlines():
+        if "request.handed_off" in line:
+            fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+            out.append((float(fields["lock_wait_s"]), float(fields["move_s"])))
+    return out
+
+
 def one_run(args, mode: str, tmp: Path, model_dir: Path) -> dict:
     first, second = ROLES[mode]
     redis = RedisServer(data_dir=tmp / "redis")
@@ -78,7 +88,7 @@ def one_run(args, mode: str, tmp: Path, model_dir: Path) -> dict:
         redis,
         [*EXECUTOR_ARGS, "--role", first, "--cpu-cores", "0"],
         second_args=[*EXECUTOR_ARGS, "--role", second, "--cpu-cores", "1"],
-        scheduler_args=["--metrics-port", str(port),
+        scheduler_args=["--metrics-port", str(port), "--log-level", "info",
                         "--max-num-batched-tokens", str(args.max_batched_tokens)],
         model_dir=model_dir,
     )  # fmt: skip
@@ -102,6 +112,7 @@ def one_run(args, mode: str, tmp: Path, model_dir: Path) -> dict:
         for s in streams:
             s.thread.join(timeout=900)
         gaps = [g for s in streams for g in s.gaps_within(t0, t1)]
+        moves = _handoff_seconds((tmp / "scheduler.log").read_text(errors="replace"))
         samples = scrape(port)
         channel.close()
         return {
@@ -115,12 +126,20 @@ def one_run(args, mode: str, tmp: Path, model_dir: Path) -> dict:
             "handed_off": total(samples, "llmserve:requests_handed_off_total"),
             "recomputed": total(samples, "llmserve:prompt_tokens_recomputed_total"),
             "outputs": [s.tokens for s in streams],
+            "moves": moves,
             "errors": sum(s.error is not None for s in streams + longs),
         }
     finally:
         a.stop()
         b.stop()
         redis.close()
+
+
+def _moves(moves: list[tuple[float, float]]) -> str:
+    if not moves:
+        return "-"
+    wait, move = max(w for w, _ in moves), max(m for _, m in moves)
+    return f"{len(moves)}, {1e3 * wait:.1f} / {1e3 * move:.1f}"
 
 
 def main() -> None:
@@ -140,8 +159,9 @@ def main() -> None:
     cache = Path(tempfile.gettempdir()) / "llmserve-bench-models"
     model_dir = demo_model_dir(cache, size=args.size)
     print("| mode | decode ITL p50 (ms) | p99 (ms) | max (ms) | gaps | long-prompt TTFT (s) "
-          "| window (s) | handed off | recomputed | same output | errors |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| window (s) | handed off | recomputed | same output | errors "
+          "| handoff batches: n, max lock wait / max move (ms) |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     reference = None
     for _ in range(args.rounds):  # modes interleaved: a noisy machine affects each alike
         for mode in args.modes.split(","):
@@ -152,7 +172,8 @@ def main() -> None:
             print(
                 f"| {mode} | {1e3 * r['p50']:.1f} | {1e3 * r['p99']:.1f} | {1e3 * r['max']:.1f} "
                 f"| {r['n_gaps']} | {r['ttft']:.3f} | {r['window']:.2f} | {r['handed_off']:.0f} "
-                f"| {r['recomputed']:.0f} | {r['outputs'] == reference} | {r['errors']} |",
+                f"| {r['recomputed']:.0f} | {r['outputs'] == reference} | {r['errors']} "
+                f"| {_moves(r['moves'])} |",
                 flush=True,
             )
 

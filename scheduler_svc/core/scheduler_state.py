@@ -264,6 +264,10 @@ class SchedulerState:
         out, self._pending_drops = self._pending_drops, []
         return out
 
+    def put_back_drops(self, seq_ids: list[str]) -> None:
+        """Drops from take_pending_drops whose step failed: they go with the next step."""
+        self._pending_drops[:0] = seq_ids
+
     def take_finished_requests(self) -> list[Request]:
         """Requests ended since the last call (by the scheduler itself, abort, or finish)."""
         out, self._finished = self._finished, []

@@ -20,10 +20,16 @@ decode executor up, requests stay where they were prefilled.
 
 from __future__ import annotations
 
+import time
+
+import structlog
+
 from scheduler_svc.core.request import Request
 from scheduler_svc.engine.faults.migration import Migration
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
 from scheduler_svc.engine.metrics import EngineMetrics
+
+log = structlog.get_logger(__name__)
 
 __all__ = ["Handoff"]
 
@@ -77,15 +83,20 @@ class Handoff:
     async def _move(self, src: ExecutorHandle, dst: ExecutorHandle, reqs: list[Request]) -> None:
         if dst.draining or not dst.healthy:
             return
+        began = time.perf_counter()
         async with dst.exclusive():
             if not (dst.healthy and not dst.draining and src.healthy):
                 return
+            locked = time.perf_counter()
             done = await self.mover.move_batch(src, dst, reqs, _EVENTS)
         dst.wake.set()
         if done is None:
             self._failed.update(r.req_id for r in reqs)
-        else:
-            self.metrics.handed_off += done
+            return
+        self.metrics.handed_off += done
+        log.info("request.handed_off", dst=dst.address, requests=done,
+                 lock_wait_s=round(locked - began, 4),
+                 move_s=round(time.perf_counter() - locked, 4))  # fmt: skip
 
     def _forget_gone(self, src: ExecutorHandle) -> None:
         if len(self._failed) > 1024:

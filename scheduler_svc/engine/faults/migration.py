@@ -11,8 +11,12 @@ for each other):
    among those up and not draining;
 2. adopt: the destination core takes each request as running with blocks for its computed
    tokens (its own prefix-cache hits first, then fresh blocks), as long as they fit;
-3. move: ExportKV on the source piped into ImportKV on the destination, only the blocks past
-   the destination's hits (`fleet/kv_move.py`; shared memory when both are on this host);
+3. move: the destination's pending drops first, in a step of their own (sequences its core
+   ended since its last step still hold, on the executor, blocks the adoption may have
+   reused), then ExportKV on the source piped into ImportKV on the destination, only the
+   blocks past the destination's hits (`fleet/kv_move.py`; shared memory when both are on
+   this host); requests sharing a computed block with one already in the batch wait for a
+   later one (an export names each block once);
 4. commit: the source core lets the requests go (its blocks freed, the executor told to drop
    the sequences in its next step), each handle points at the destination, whose executor
    learns each sequence from a NewSequence with its num_computed_tokens, as after a swap-in.
@@ -21,6 +25,9 @@ Any failure in 3 (either end dies or refuses: any RPC error) undoes 2 (the desti
 are freed, nothing was registered in its prefix cache) and leaves the requests where they were,
 which is the path without migration: they run on the draining executor until it stops, and
 what is left then is recomputed elsewhere. After a failure this executor migrates nothing more.
+
+`move_batch` (2-4 for one destination, both locks held) also serves prefill/decode handoffs
+(`engine/handoff.py`) and the admin move (`engine/moves.py`).
 """
 
 from __future__ import annotations
@@ -186,7 +193,13 @@ class Migration:
         drops = dst.sched.take_pending_drops()
         if drops:
             out = SchedulerOutput(step_id=0, finished_seq_ids=drops)
-            await dst.send(out, 0, self.pool.epoch, self.timeout_s).call
+            try:
+                await dst.send(out, 0, self.pool.epoch, self.timeout_s).call
+            except BaseException:
+                # Most likely not applied: the next step sends them (if they were, that step
+                # is refused, and the executor is reset and its requests recomputed).
+                dst.sched.put_back_drops(drops)
+                raise
 
     async def _transfer(
         self, src: ExecutorHandle, dst: ExecutorHandle, adopted: list[_Adopted]
