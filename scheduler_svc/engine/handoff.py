@@ -7,11 +7,8 @@ both, while one of them is up; with none up, every executor takes them). After e
 prefill executor its step loop calls `Handoff.run`, which moves the requests that are ready
 with the live migration's machinery (`faults/migration.py`: adopt on the destination, move the
 blocks past the destination's prefix-cache hits, release on the source), each to the decode
-executor (role decode or both, up, not draining) the router picks. The locks are taken in the
-migration's order, source then destination. A drain migration takes a draining executor's
-lock and then its destinations': a handoff checks, under the source's lock, that its
-destination is not draining before it waits for that destination's lock, and the lock is
-fair, so it is served before a migration that started from the destination afterwards.
+executor (role decode or both, up, not draining) the router picks. The locks are taken as
+every move takes them: the movers' lock (`Migration.lock`), the source's, the destination's.
 
 Any failure leaves the request on the prefill executor, which decodes it to the end as a
 colocated executor would (the output is the same either way); it is not tried again. With no
@@ -67,7 +64,7 @@ class Handoff:
         """Hand `src`'s ready requests to decode executors (between two of its steps)."""
         if not self.hands_off(src) or not self.ready(src):
             return
-        async with src.exclusive():
+        async with self.mover.lock, src.exclusive():
             if not self.hands_off(src):
                 return
             targets = [

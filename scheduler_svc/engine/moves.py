@@ -1,7 +1,7 @@
 """The admin move (issue 47, `MoveRequest`): one running request moves with its KV cache to the
 executor an operator names, with the live migration's machinery (`faults/migration.py`: adopt
 on the destination, move the blocks past its prefix-cache hits, release on the source; the
-source's lock, then the destination's, as a drain or a handoff takes them).
+movers' lock, the source's, then the destination's, as a drain or a handoff takes them).
 
 Statuses: NOT_FOUND, no such request running on this scheduler; INVALID_ARGUMENT, no executor
 of that address or instance id, one that is down or draining, or the one the request runs on;
@@ -35,7 +35,7 @@ class RequestMoves:
         src, dst = handle.executor, self._target(to_executor)
         if dst is src:
             raise ValidationError(f"request {public_id(req_id)!r} runs on {dst.address} already")
-        async with src.exclusive():
+        async with self.mover.lock, src.exclusive():
             req = self._movable(handle, src)
             async with dst.exclusive():
                 if not (dst.healthy and not dst.draining and src.healthy):

@@ -1,10 +1,10 @@
 """Live migration on drain (issue 47): a draining executor's running requests move with their KV
 cache to executors taking new work, and continue there without computing any token again.
 
-Tracked like a swap. With the source's lock held (between two of its steps: nothing in flight,
-async scheduling plans nothing ahead while someone waits for the lock) and then each
-destination's, in that order (a destination is never draining, so two migrations never wait
-for each other):
+Tracked like a swap. With the movers' lock (`Migration.lock`, which every move takes first:
+two moves never wait for each other's executors), then the source's lock (between two of its
+steps: nothing in flight, async scheduling plans nothing ahead while someone waits for the
+lock) and then each destination's, in that order:
 
 1. plan: the source core's movable requests (`movable_requests`: one sequence, KV computed,
    nothing kept on the executor outside its blocks), each to the executor the router picks
@@ -73,6 +73,11 @@ class Migration:
         # failed move left behind stay there) and the migrations under way.
         self._started: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
+        # Held by every move of KV between executors (a drain here, a handoff, the admin move)
+        # before it takes the source's lock and then the destination's: two moves in opposite
+        # directions never wait for each other's executor (the step loops and the one-lock
+        # holders, aborts and recovery, never wait for this one).
+        self.lock = asyncio.Lock()
 
     def start(self, src: ExecutorHandle) -> None:
         """`src` said it drains: move its running requests, once, in the background (the
@@ -86,7 +91,7 @@ class Migration:
 
     async def _drain(self, src: ExecutorHandle) -> None:
         began = time.perf_counter()
-        async with src.exclusive():
+        async with self.lock, src.exclusive():
             if not src.healthy:
                 return  # gone already: fail-over recomputes what it held
             moved, left = await self._move_all(src)
