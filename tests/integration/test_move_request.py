@@ -28,7 +28,8 @@ from tests.support.api_helpers import (
 from tests.support.prom import free_port, scrape, total
 from tests.support.stack import start_two_executor_stack
 
-MAX_TOKENS = 400
+MAX_TOKENS = 480
+NUM_STREAMS = 32  # enough to keep the steps slow while B comes back; 4 of them move
 EXECUTOR_ARGS = ["--num-device-blocks", "512", "--swap-space", "0.01"]
 
 
@@ -61,9 +62,9 @@ def test_move_request_there_and_back_keeps_the_output(tmp_path):
     try:
         b_stack.executor_proc.send_signal(signal.SIGSTOP)
         _wait_healthy(stub, b, healthy=False)
-        reqs = mixed_workload("ref", 4, MAX_TOKENS, rng_seed=3, max_prompt_len=40)
+        reqs = mixed_workload("ref", NUM_STREAMS, MAX_TOKENS, rng_seed=3, max_prompt_len=24)
         reference = run_in_threads([lambda r=r: collect(stub.Generate(r)) for r in reqs])
-        reqs = mixed_workload("mv", 4, MAX_TOKENS, rng_seed=3, max_prompt_len=40)
+        reqs = mixed_workload("mv", NUM_STREAMS, MAX_TOKENS, rng_seed=3, max_prompt_len=24)
         twin = gen_request([7, 8, 9], request_id="twin", n=2, max_tokens=MAX_TOKENS,
                            temperature=0.8, seed=1, ignore_eos=True)  # fmt: skip
         results, threads = stream_in_threads(stub, [*reqs, twin])
@@ -74,7 +75,8 @@ def test_move_request_there_and_back_keeps_the_output(tmp_path):
         def move(req_id: str, to: str) -> pb.MoveRequestResponse:
             return stub.MoveRequest(pb.MoveRequestRequest(request_id=req_id, to_executor=to))
 
-        for r in reqs:
+        assert max(len(r.tokens[0]) for r in results[:4]) < MAX_TOKENS - 50, "too late to move"
+        for r in reqs[:4]:
             assert move(r.request_id, b) == pb.MoveRequestResponse(from_executor=a, to_executor=b)
         # Back to A, named by its instance id, for half of them.
         for r in reqs[:2]:
