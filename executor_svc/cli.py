@@ -168,6 +168,15 @@ def _server_flags(g: argparse._ArgumentGroup) -> None:
         "at once. A second signal stops at once",
     )
     g.add_argument(
+        "--role",
+        choices=["both", "prefill", "decode"],
+        default="both",
+        help="prefill/decode disaggregation, advertised in Describe: prefill (schedulers send "
+        "it new prompts and hand each request to a decode executor after its first token), "
+        "decode (it continues requests handed over with their KV; it gets new prompts only "
+        "while no prefill executor is up), both (default: colocated)",
+    )
+    g.add_argument(
         "--metrics-port",
         type=int,
         help="serve Prometheus metrics over HTTP at /metrics on this port (0: any free port; "
@@ -314,6 +323,7 @@ def _build_server(config: ExecutorConfig) -> ExecutorServer:
         log_level=config.server.log_level,
     )
     server.install_signal_handlers(config.server.grace, config.server.drain_timeout)
+    server.servicer.role = config.server.role
     if config.server.metrics_port is not None:
         from executor_svc.api.metrics import ExecutorMetrics, serve_metrics
 

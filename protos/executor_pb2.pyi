@@ -7,6 +7,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ExecutorRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EXECUTOR_ROLE_UNSPECIFIED: _ClassVar[ExecutorRole]
+    EXECUTOR_ROLE_BOTH: _ClassVar[ExecutorRole]
+    EXECUTOR_ROLE_PREFILL: _ClassVar[ExecutorRole]
+    EXECUTOR_ROLE_DECODE: _ClassVar[ExecutorRole]
+
 class KVTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KV_TRANSPORT_UNSPECIFIED: _ClassVar[KVTransport]
@@ -18,6 +25,10 @@ class PoolingType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOLING_TYPE_UNSPECIFIED: _ClassVar[PoolingType]
     POOLING_TYPE_LAST: _ClassVar[PoolingType]
     POOLING_TYPE_MEAN: _ClassVar[PoolingType]
+EXECUTOR_ROLE_UNSPECIFIED: ExecutorRole
+EXECUTOR_ROLE_BOTH: ExecutorRole
+EXECUTOR_ROLE_PREFILL: ExecutorRole
+EXECUTOR_ROLE_DECODE: ExecutorRole
 KV_TRANSPORT_UNSPECIFIED: KVTransport
 KV_TRANSPORT_GRPC: KVTransport
 KV_TRANSPORT_SHM: KVTransport
@@ -108,7 +119,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("instance_id", "model_name", "architecture", "dtype", "device", "block_size", "num_device_blocks", "num_cpu_blocks", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "max_logprobs", "tensor_parallel_size", "draining", "hidden_size", "cpu_kernel_isa", "max_loras", "max_lora_rank", "draft_model_name", "draft_num_layers", "draft_vocab_size")
+    __slots__ = ("instance_id", "model_name", "architecture", "dtype", "device", "block_size", "num_device_blocks", "num_cpu_blocks", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "max_logprobs", "tensor_parallel_size", "draining", "hidden_size", "cpu_kernel_isa", "max_loras", "max_lora_rank", "draft_model_name", "draft_num_layers", "draft_vocab_size", "role")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +142,7 @@ class DescribeResponse(_message.Message):
     DRAFT_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_name: str
     architecture: str
@@ -153,7 +165,8 @@ class DescribeResponse(_message.Message):
     draft_model_name: str
     draft_num_layers: int
     draft_vocab_size: int
-    def __init__(self, instance_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., draining: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., cpu_kernel_isa: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., draft_model_name: _Optional[str] = ..., draft_num_layers: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ...) -> None: ...
+    role: ExecutorRole
+    def __init__(self, instance_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., draining: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., cpu_kernel_isa: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., draft_model_name: _Optional[str] = ..., draft_num_layers: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., role: _Optional[_Union[ExecutorRole, str]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "num_logprobs", "min_tokens", "min_tokens_suppressed_ids", "logit_bias", "num_prompt_logprobs", "prompt_only", "pooling")

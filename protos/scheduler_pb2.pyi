@@ -364,7 +364,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("address", "instance_id", "num_device_blocks", "num_free_blocks", "num_cpu_blocks", "healthy", "prefix_cache_queries", "prefix_cache_hits", "draining", "prefix_cache_host_hits", "num_host_cache_blocks", "dtype", "cpu_kernel_isa")
+    __slots__ = ("address", "instance_id", "num_device_blocks", "num_free_blocks", "num_cpu_blocks", "healthy", "prefix_cache_queries", "prefix_cache_hits", "draining", "prefix_cache_host_hits", "num_host_cache_blocks", "dtype", "cpu_kernel_isa", "role", "num_prefill_tokens")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +378,8 @@ class ExecutorInfo(_message.Message):
     NUM_HOST_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CPU_KERNEL_ISA_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     address: str
     instance_id: str
     num_device_blocks: int
@@ -391,7 +393,9 @@ class ExecutorInfo(_message.Message):
     num_host_cache_blocks: int
     dtype: str
     cpu_kernel_isa: str
-    def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_device_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., healthy: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_cache_host_hits: _Optional[int] = ..., num_host_cache_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., cpu_kernel_isa: _Optional[str] = ...) -> None: ...
+    role: str
+    num_prefill_tokens: int
+    def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_device_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., healthy: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_cache_host_hits: _Optional[int] = ..., num_host_cache_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., cpu_kernel_isa: _Optional[str] = ..., role: _Optional[str] = ..., num_prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("model", "max_model_len", "block_size", "num_waiting", "num_running", "num_swapped", "kv_cache_usage", "executors", "version", "max_logprobs", "vocab_size", "policy", "preemption_mode", "num_preemptions", "prefix_cache_hit_rate", "routing", "tasks", "hidden_size", "spec_decode_acceptance_rate", "num_speculative_tokens", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "lora_adapters", "max_loras")
@@ -478,3 +482,19 @@ class UnloadLoraAdapterRequest(_message.Message):
 class UnloadLoraAdapterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class MoveRequestRequest(_message.Message):
+    __slots__ = ("request_id", "to_executor")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    to_executor: str
+    def __init__(self, request_id: _Optional[str] = ..., to_executor: _Optional[str] = ...) -> None: ...
+
+class MoveRequestResponse(_message.Message):
+    __slots__ = ("from_executor", "to_executor")
+    FROM_EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    TO_EXECUTOR_FIELD_NUMBER: _ClassVar[int]
+    from_executor: str
+    to_executor: str
+    def __init__(self, from_executor: _Optional[str] = ..., to_executor: _Optional[str] = ...) -> None: ...

@@ -84,6 +84,11 @@ class SchedulerStub:
                 request_serializer=protos_dot_scheduler__pb2.UnloadLoraAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_scheduler__pb2.UnloadLoraAdapterResponse.FromString,
                 _registered_method=True)
+        self.MoveRequest = channel.unary_unary(
+                '/llmserve.v1.Scheduler/MoveRequest',
+                request_serializer=protos_dot_scheduler__pb2.MoveRequestRequest.SerializeToString,
+                response_deserializer=protos_dot_scheduler__pb2.MoveRequestResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -172,6 +177,17 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MoveRequest(self, request, context):
+        """Admin: moves a running request with its KV cache to another executor, where it continues
+        with the same output (issue 47). NOT_FOUND: no such request running here; INVALID_ARGUMENT:
+        no such executor, one not taking work, or the one it runs on; FAILED_PRECONDITION: the
+        request cannot move now (waiting, swapped, n > 1, no room there); UNAVAILABLE: the transfer
+        failed (the request continues where it was).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -224,6 +240,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.UnloadLoraAdapter,
                     request_deserializer=protos_dot_scheduler__pb2.UnloadLoraAdapterRequest.FromString,
                     response_serializer=protos_dot_scheduler__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'MoveRequest': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveRequest,
+                    request_deserializer=protos_dot_scheduler__pb2.MoveRequestRequest.FromString,
+                    response_serializer=protos_dot_scheduler__pb2.MoveRequestResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -496,6 +517,33 @@ class Scheduler:
             '/llmserve.v1.Scheduler/UnloadLoraAdapter',
             protos_dot_scheduler__pb2.UnloadLoraAdapterRequest.SerializeToString,
             protos_dot_scheduler__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveRequest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Scheduler/MoveRequest',
+            protos_dot_scheduler__pb2.MoveRequestRequest.SerializeToString,
+            protos_dot_scheduler__pb2.MoveRequestResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,6 +53,11 @@ from protos import executor_pb2_grpc as pb_grpc
 log = structlog.get_logger(__name__)
 
 DEFAULT_MAX_LOGPROBS = 20
+_ROLES = {
+    "both": pb.EXECUTOR_ROLE_BOTH,
+    "prefill": pb.EXECUTOR_ROLE_PREFILL,
+    "decode": pb.EXECUTOR_ROLE_DECODE,
+}
 
 # Files a tokenizer (and the scheduler's chat templating / EOS handling) may need, in the order
 # they are returned. Only those present in the model directory are sent.
@@ -109,6 +114,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         # Set by a graceful shutdown: Describe and every step reply say so, and schedulers send
         # no new sequences.
         self.draining = False
+        # Prefill/decode disaggregation (--role): "both", "prefill" or "decode", in Describe.
+        self.role = "both"
         self.last_step_time = 0.0  # time.monotonic() of the last ExecuteModel call
         # Newest scheduler leadership epoch seen in a Reset: older ones are fenced off.
         self.leader_epoch = 0
@@ -196,6 +203,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             max_logprobs=self.max_logprobs,
             tensor_parallel_size=getattr(info, "tensor_parallel_size", 1),
             draining=self.draining,
+            role=_ROLES[self.role],
             hidden_size=getattr(info, "hidden_size", 0),
             cpu_kernel_isa=library.variant() if runner.device.type == "cpu" else "",
             **runner.features.describe(),

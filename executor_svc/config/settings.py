@@ -56,6 +56,7 @@ class ServerSettings:
     advertise_address: str | None
     grace: float
     drain_timeout: float
+    role: str  # prefill/decode disaggregation: "both", "prefill" or "decode"
     metrics_port: int | None
     log_level: str
 

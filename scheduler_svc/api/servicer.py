@@ -22,7 +22,14 @@ from scheduler_svc import tracing
 from scheduler_svc.api import convert
 from scheduler_svc.api.auth import bearer_token, key_name
 from scheduler_svc.api.rpc_guard import Malformed, RateLimitedLog, reject_malformed
-from scheduler_svc.core.errors import EngineError, NotFound, QueueFull, Unavailable, ValidationError
+from scheduler_svc.core.errors import (
+    EngineError,
+    NotFound,
+    NotMovable,
+    QueueFull,
+    Unavailable,
+    ValidationError,
+)
 from scheduler_svc.core.request import FinishReason
 from scheduler_svc.engine.client import EngineClient
 from scheduler_svc.engine.config import AbortOutcome, public_id, scoped_id
@@ -34,6 +41,7 @@ log = structlog.get_logger(__name__)
 _STATUS = {
     ValidationError: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
+    NotMovable: grpc.StatusCode.FAILED_PRECONDITION,
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     ValueError: grpc.StatusCode.INVALID_ARGUMENT,  # e.g. a chat prompt without a template
@@ -252,6 +260,14 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> pb.UnloadLoraAdapterResponse:
         await self.engine.feature("lora").unload(request.name)  # NotFound if unknown
         return pb.UnloadLoraAdapterResponse()
+
+    @_rpc(pb.MoveRequestResponse)
+    async def MoveRequest(
+        self, request: pb.MoveRequestRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MoveRequestResponse:
+        req_id = self._req_id(context, request.request_id)
+        src, dst = await self.engine.move_request(req_id, request.to_executor)
+        return pb.MoveRequestResponse(from_executor=src, to_executor=dst)
 
     @_rpc(pb.EmbedResponse)
     async def Embed(

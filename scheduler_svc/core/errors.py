@@ -15,8 +15,12 @@ class QueueFull(EngineError):
     """The waiting queue is at its configured cap."""
 
 
+class NotMovable(EngineError):
+    """The request exists but cannot move to another executor now (admin MoveRequest)."""
+
+
 class Unavailable(EngineError):
     """No executor connected, Redis down, or the engine shutting down."""
 
 
-__all__ = ["EngineError", "NotFound", "QueueFull", "Unavailable", "ValidationError"]
+__all__ = ["EngineError", "NotFound", "NotMovable", "QueueFull", "Unavailable", "ValidationError"]

@@ -257,6 +257,17 @@ class SchedulerState:
         self._swapped.remove(req_id)
         return True
 
+    def take_pending_drops(self) -> list[str]:
+        """Sequences ended since the last step that the executor still holds, each with the
+        blocks this core has freed (an import into those blocks is refused until they are
+        dropped): the caller sends them in a step of its own now."""
+        out, self._pending_drops = self._pending_drops, []
+        return out
+
+    def put_back_drops(self, seq_ids: list[str]) -> None:
+        """Drops from take_pending_drops whose step failed: they go with the next step."""
+        self._pending_drops[:0] = seq_ids
+
     def take_finished_requests(self) -> list[Request]:
         """Requests ended since the last call (by the scheduler itself, abort, or finish)."""
         out, self._finished = self._finished, []

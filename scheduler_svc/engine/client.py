@@ -35,6 +35,11 @@ class EngineClient(Protocol):
 
     def server_info(self) -> ServerInfo: ...
 
+    async def move_request(self, req_id: str, to_executor: str) -> tuple[str, str]:
+        """Admin: move a running request with its KV cache to the executor of that address or
+        instance id; the addresses it ran on and runs on now (engine/moves.py)."""
+        ...
+
     async def tokenize(self, inp: GenerateInput) -> list[int]: ...
 
     def detokenize(

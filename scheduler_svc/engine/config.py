@@ -181,6 +181,8 @@ class ExecutorInfo:
     num_host_cache_blocks: int = 0  # its host prefix tier's CPU blocks (core/host_tier.py)
     dtype: str = ""  # its weights' and KV cache's dtype, as it described itself
     cpu_kernel_isa: str = ""  # its CPU kernel library's instruction-set variant ("" = none)
+    role: str = "both"  # prefill/decode disaggregation (executor --role)
+    num_prefill_tokens: int = 0  # prompt tokens it was sent to compute since connected
 
 
 @dataclass(slots=True)

@@ -33,9 +33,11 @@ from scheduler_svc.engine.faults.lifecycle import EngineState, Lifecycle
 from scheduler_svc.engine.faults.migration import Migration
 from scheduler_svc.engine.faults.recovery import Recovery
 from scheduler_svc.engine.fleet.executors import ExecutorPool, IncompatibleExecutor
+from scheduler_svc.engine.handoff import Handoff
 from scheduler_svc.engine.key_usage import KeyUsage
 from scheduler_svc.engine.metrics import EngineMetrics
 from scheduler_svc.engine.model import ModelInfo
+from scheduler_svc.engine.moves import RequestMoves
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.requests import RequestFront
 from scheduler_svc.engine.step_loop import StepLoop
@@ -79,13 +81,12 @@ class Engine:
         self.recovery = Recovery(
             self.table, self.pool, self.persister, self.store, self.model, self.metrics
         )
-        migration = (Migration(self.pool, self.table, self.metrics, config.migrate_timeout_s,
-                               config.migrate_transport)
-                     if config.migrate_on_drain else None)  # fmt: skip
+        mover = Migration(self.pool, self.table, self.metrics, config.migrate_timeout_s,
+                          config.migrate_transport)  # fmt: skip
         faults = Faults(self.table, self.pool, self.persister, self.recovery, self.lifecycle,
-                        migration)  # fmt: skip
+                        mover if config.migrate_on_drain else None)  # fmt: skip
         self.steps = StepLoop(config, self.lifecycle, self.pool, self.table, self.persister,
-                              faults, self.metrics)  # fmt: skip
+                              faults, self.metrics, handoff=Handoff(mover, self.metrics))  # fmt: skip
         self.health = HealthMonitor(self.lifecycle, self.pool, self.store, self.persister,
                                     interval_s=config.health_interval_s)  # fmt: skip
         aborts = Aborts(self.lifecycle, self.table, self.store, self.persister,
@@ -95,6 +96,7 @@ class Engine:
             self.model,
         )  # fmt: skip
         self.persister.on_write = self.metrics.redis_write.observe
+        self.client.moves = RequestMoves(mover)
         self._plug_in()
         self.persister.on_fenced = self.lifecycle.lose_leadership
         self.pool.on_change = self.health.update

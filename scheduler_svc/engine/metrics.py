@@ -90,6 +90,7 @@ class EngineMetrics:
         # requests that moved with their KV cache instead (live migration on drain).
         self.recomputed_tokens = 0
         self.migrated = 0
+        self.handed_off = 0  # prefill/decode disaggregation: requests handed to a decode executor
         self.ttft = BulkHistogram(TTFT_BUCKETS)
         self.itl = BulkHistogram(ITL_BUCKETS)
         self.e2e = BulkHistogram(LATENCY_BUCKETS)
@@ -217,6 +218,9 @@ class EngineMetrics:
         yield counter(model, "llmserve:requests_migrated", "Running requests moved with their "
                       "KV cache to another executor (live migration on drain).",
                       self.migrated)  # fmt: skip
+        yield counter(model, "llmserve:requests_handed_off", "Requests handed over with their "
+                      "KV cache from a prefill executor to a decode executor after their first "
+                      "token (prefill/decode disaggregation).", self.handed_off)  # fmt: skip
 
     def _replication_families(self, model: str) -> Iterator[Metric]:
         """How the replicas answer the per-step write barrier (issue 42)."""

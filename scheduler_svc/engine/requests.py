@@ -31,6 +31,7 @@ from scheduler_svc.engine.config import (
 from scheduler_svc.engine.faults.lifecycle import Lifecycle
 from scheduler_svc.engine.fleet.executors import ExecutorPool
 from scheduler_svc.engine.model import ModelInfo
+from scheduler_svc.engine.moves import RequestMoves
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.server_info import server_info
 from scheduler_svc.engine.streams import EngineStep, RequestHandle, RequestView
@@ -72,6 +73,8 @@ class RequestFront:
         self.model = model
         # The optional features' hooks (scheduler_svc/features); the engine sets them once built.
         self.features: Features = NO_FEATURES
+        # The admin move (engine/moves.py), set by the engine.
+        self.moves: RequestMoves | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -248,6 +251,11 @@ class RequestFront:
     def feature(self, name: str) -> Any:
         """The named feature (None when it is not built), for the RPCs only it serves."""
         return self.features.get(name)
+
+    async def move_request(self, req_id: str, to_executor: str) -> tuple[str, str]:
+        self.lifecycle.check()
+        assert self.moves is not None
+        return await self.moves.move(req_id, to_executor)
 
     def server_info(self) -> ServerInfo:
         self.lifecycle.check()

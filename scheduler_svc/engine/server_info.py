@@ -57,4 +57,6 @@ def _executor_info(ex: ExecutorHandle) -> ExecutorInfo:
         draining=ex.draining,
         dtype=ex.describe.dtype,
         cpu_kernel_isa=ex.describe.cpu_kernel_isa,
+        role=ex.role,
+        num_prefill_tokens=ex.num_prefill_tokens,
     )

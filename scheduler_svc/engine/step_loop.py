@@ -22,6 +22,7 @@ from scheduler_svc.engine.faults.faults import Faults
 from scheduler_svc.engine.faults.lifecycle import Lifecycle
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle, Sent
 from scheduler_svc.engine.fleet.executors import ExecutorPool
+from scheduler_svc.engine.handoff import Handoff
 from scheduler_svc.engine.metrics import EngineMetrics
 from scheduler_svc.engine.request_table import RequestTable
 from scheduler_svc.engine.step_results import process_step_outputs
@@ -58,6 +59,7 @@ class StepLoop:
         faults: Faults,
         metrics: EngineMetrics,
         features: Features = NO_FEATURES,
+        handoff: Handoff | None = None,
     ) -> None:
         self.step_timeout_s = config.step_timeout_s
         self.lifecycle = lifecycle
@@ -69,6 +71,8 @@ class StepLoop:
         # The optional features' hooks (scheduler_svc/features): what they add to each step's
         # message, and what they take from its reply.
         self.features = features
+        # Prefill/decode disaggregation: a prefill executor's requests move on after prefill.
+        self.handoff = handoff
         # Chosen once: True from a step means there was nothing to do.
         self.step: Callable[[ExecutorHandle], Awaitable[bool]] = (
             self._step_ahead if config.async_scheduling else self._step_plain
@@ -89,6 +93,8 @@ class StepLoop:
                 for hook in self.features.between_steps:  # e.g. requests past their deadline
                     hook(ex)
                 idle = await self.step(ex)
+            if self.handoff is not None and self.handoff.hands_off(ex):
+                await self.handoff.run(ex)
             if idle:
                 self.persister.kick()
                 ex.idle = True
@@ -163,6 +169,7 @@ class StepLoop:
             and ex.healthy
             and not ex.draining
             and ex.num_lock_waiters == 0
+            and not (self.handoff is not None and self.handoff.hands_off(ex))
             and not self.persister.over_backlog
             and not any(holds(ex) for holds in self.features.holds_ahead)
         )

@@ -98,3 +98,17 @@ def test_adoption_takes_host_tier_hits_as_copies_in():
     out = step(b)
     assert sorted(dst for _, dst in out.blocks_to_swap_in) == sorted(new.seqs[0].block_table[:2])
     b.check_invariants()
+
+
+def test_pending_drops_are_taken_for_a_step_of_their_own_and_put_back_when_it_fails():
+    """A move into a core whose ended sequences the executor still holds sends their drops
+    first (the blocks may already be adopted); a failed send puts them back for the next step."""
+    a, _, _ = decoding_on_a()
+    a.abort_request("r0")
+    a.take_finished_requests()
+    drops = a.take_pending_drops()
+    assert drops == ["r0/0"] and a.take_pending_drops() == []
+    a.put_back_drops(drops)
+    out = step(a)
+    assert out.finished_seq_ids == ["r0/0"]
+    a.check_invariants()

@@ -1,18 +1,22 @@
 """Live migration on drain (issue 47): a draining executor's running requests move with their KV
 cache to executors taking new work, and continue there without computing any token again.
 
-Tracked like a swap. With the source's lock held (between two of its steps: nothing in flight,
-async scheduling plans nothing ahead while someone waits for the lock) and then each
-destination's, in that order (a destination is never draining, so two migrations never wait
-for each other):
+Tracked like a swap. With the movers' lock (`Migration.lock`, which every move takes first:
+two moves never wait for each other's executors), then the source's lock (between two of its
+steps: nothing in flight, async scheduling plans nothing ahead while someone waits for the
+lock) and then each destination's, in that order:
 
 1. plan: the source core's movable requests (`movable_requests`: one sequence, KV computed,
    nothing kept on the executor outside its blocks), each to the executor the router picks
    among those up and not draining;
 2. adopt: the destination core takes each request as running with blocks for its computed
    tokens (its own prefix-cache hits first, then fresh blocks), as long as they fit;
-3. move: ExportKV on the source piped into ImportKV on the destination, only the blocks past
-   the destination's hits (`fleet/kv_move.py`; shared memory when both are on this host);
+3. move: the destination's pending drops first, in a step of their own (sequences its core
+   ended since its last step still hold, on the executor, blocks the adoption may have
+   reused), then ExportKV on the source piped into ImportKV on the destination, only the
+   blocks past the destination's hits (`fleet/kv_move.py`; shared memory when both are on
+   this host); requests sharing a computed block with one already in the batch wait for a
+   later one (an export names each block once);
 4. commit: the source core lets the requests go (its blocks freed, the executor told to drop
    the sequences in its next step), each handle points at the destination, whose executor
    learns each sequence from a NewSequence with its num_computed_tokens, as after a swap-in.
@@ -21,6 +25,9 @@ Any failure in 3 (either end dies or refuses: any RPC error) undoes 2 (the desti
 are freed, nothing was registered in its prefix cache) and leaves the requests where they were,
 which is the path without migration: they run on the draining executor until it stops, and
 what is left then is recomputed elsewhere. After a failure this executor migrates nothing more.
+
+`move_batch` (2-4 for one destination, both locks held) also serves prefill/decode handoffs
+(`engine/handoff.py`) and the admin move (`engine/moves.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import structlog
 
 from scheduler_svc import failpoints
 from scheduler_svc.core.request import Request
+from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
 from scheduler_svc.engine.fleet.executors import ExecutorPool
 from scheduler_svc.engine.fleet.kv_move import move_kv, transport_between
@@ -65,6 +73,11 @@ class Migration:
         # failed move left behind stay there) and the migrations under way.
         self._started: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
+        # Held by every move of KV between executors (a drain here, a handoff, the admin move)
+        # before it takes the source's lock and then the destination's: two moves in opposite
+        # directions never wait for each other's executor (the step loops and the one-lock
+        # holders, aborts and recovery, never wait for this one).
+        self.lock = asyncio.Lock()
 
     def start(self, src: ExecutorHandle) -> None:
         """`src` said it drains: move its running requests, once, in the background (the
@@ -78,7 +91,7 @@ class Migration:
 
     async def _drain(self, src: ExecutorHandle) -> None:
         began = time.perf_counter()
-        async with src.exclusive():
+        async with self.lock, src.exclusive():
             if not src.healthy:
                 return  # gone already: fail-over recomputes what it held
             moved, left = await self._move_all(src)
@@ -99,20 +112,27 @@ class Migration:
             async with dst.exclusive():
                 if not (dst.healthy and not dst.draining and src.healthy):
                     break
-                done = await self._move_batch(src, dst, reqs)
+                done = await self.move_batch(src, dst, reqs)
             dst.wake.set()
             if done is None:
                 break
             moved += done
+            self.metrics.migrated += done
         return moved, src.sched.num_running
 
     def _plan(self, src: ExecutorHandle) -> list[tuple[ExecutorHandle, list[Request]]]:
-        """src's movable requests grouped by the executor the router picks for each."""
         targets = [e for e in self.pool.executors if e is not src and e.healthy and not e.draining]
+        return self.plan(src, targets, src.sched.movable_requests())
+
+    def plan(
+        self, src: ExecutorHandle, targets: list[ExecutorHandle], reqs: list[Request]
+    ) -> list[tuple[ExecutorHandle, list[Request]]]:
+        """`reqs` (movable requests of `src`) grouped by the executor the router picks for each
+        among `targets`."""
         batches: dict[str, tuple[ExecutorHandle, list[Request]]] = {}
         if not targets:
             return []
-        for req in src.sched.movable_requests():
+        for req in reqs:
             handle = self.table.get(req.req_id)
             if handle is None or handle.finished_in_engine or handle.executor is not src:
                 continue
@@ -120,27 +140,25 @@ class Migration:
             batches.setdefault(dst.address, (dst, []))[1].append(req)
         return list(batches.values())
 
-    async def _move_batch(
-        self, src: ExecutorHandle, dst: ExecutorHandle, reqs: list[Request]
+    async def move_batch(
+        self,
+        src: ExecutorHandle,
+        dst: ExecutorHandle,
+        reqs: list[Request],
+        events: tuple[str, str] = ("executor.migrating", "executor.migration_failed"),
     ) -> int | None:
-        """Adopt, move, commit (or undo). Returns the requests moved, None when it failed."""
-        adopted: list[_Adopted] = []
-        for req in reqs:
-            got = dst.sched.adopt_request(req)
-            if got is None:
-                break  # dst is full: the rest stay on src
-            adopted.append((req, *got))
+        """Adopt, move, commit (or undo), both executors' locks held. Returns the requests
+        moved, None when it failed. `events`: the log events of a move and of a failure."""
+        adopted = self._adopt(src, dst, reqs)
         if not adopted:
             return 0
-        log.info("executor.migrating", src=src.address, dst=dst.address, requests=len(adopted))
+        log.info(events[0], src=src.address, dst=dst.address, requests=len(adopted))
         try:
             await self._transfer(src, dst, adopted)
         except Exception as e:  # noqa: BLE001 -- any RPC error or refusal: undo, recompute later
             for _, new, _ in adopted:
                 dst.sched.release_request(new.req_id)
-            log.warning(
-                "executor.migration_failed", src=src.address, dst=dst.address, error=repr(e)
-            )
+            log.warning(events[1], src=src.address, dst=dst.address, error=repr(e))
             return None
         for old, new, _ in adopted:
             src.sched.release_request(old.req_id)
@@ -149,8 +167,44 @@ class Migration:
                 dst.sched.release_request(new.req_id)
                 continue
             handle.executor = dst
-        self.metrics.migrated += len(adopted)
         return len(adopted)
+
+    def _adopt(
+        self, src: ExecutorHandle, dst: ExecutorHandle, reqs: list[Request]
+    ) -> list[_Adopted]:
+        """`reqs` adopted by dst's core, as many as fit. A request sharing a computed block
+        with one adopted before it is left for a later batch: an export names each source
+        block once, and dst's copy of a moved block enters its prefix cache only after its
+        next step."""
+        adopted: list[_Adopted] = []
+        taken: set[int] = set()
+        bm = src.sched.block_manager
+        for req in reqs:
+            seq = req.seqs[0]
+            blocks = seq.block_table[: bm.num_blocks_for(seq.num_computed_tokens)]
+            if not taken.isdisjoint(blocks):
+                continue
+            got = dst.sched.adopt_request(req)
+            if got is None:
+                break  # dst is full: the rest stay on src
+            taken.update(blocks)
+            adopted.append((req, *got))
+        return adopted
+
+    async def _flush_drops(self, dst: ExecutorHandle) -> None:
+        """Sequences dst's core ended since dst's last step still hold their blocks on the
+        executor, which drops them with its next step; adopted requests may have been given
+        those blocks, so the drops go first, in a step of their own (it computes nothing)."""
+        drops = dst.sched.take_pending_drops()
+        if drops:
+            out = SchedulerOutput(step_id=0, finished_seq_ids=drops)
+            try:
+                await dst.send(out, 0, self.pool.epoch, self.timeout_s).call
+            except BaseException:
+                # Most likely not applied: the next step sends them (if they were, that step
+                # is refused, and the executor is reset and its requests recomputed).
+                dst.sched.put_back_drops(drops)
+                raise
 
     async def _transfer(
         self, src: ExecutorHandle, dst: ExecutorHandle, adopted: list[_Adopted]
@@ -168,6 +222,7 @@ class Migration:
         if failpoints.ARMED:  # tests: a window to kill an end in, or a refused move
             await asyncio.sleep(failpoints.delay("engine.migrate"))
             failpoints.hit("engine.migrate")
+        await self._flush_drops(dst)
         if src_blocks:
             transport = transport_between(src, dst, self.transport)
             await move_kv(

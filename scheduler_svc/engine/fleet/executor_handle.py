@@ -34,6 +34,13 @@ class ExecutorState(enum.Enum):
     RETIRED = "retired"  # left the registry for good and dropped by the pool: its loop ends
 
 
+# Describe's role (prefill/decode disaggregation) by name; UNSPECIFIED (an older build): both.
+ROLE_NAMES = {
+    epb.EXECUTOR_ROLE_PREFILL: "prefill",
+    epb.EXECUTOR_ROLE_DECODE: "decode",
+    epb.EXECUTOR_ROLE_BOTH: "both",
+}
+
 _UP = (ExecutorState.UP, ExecutorState.DRAINING)
 _DRAINING = (ExecutorState.DRAINING, ExecutorState.DOWN_DRAINING)
 
@@ -76,6 +83,8 @@ class ExecutorHandle:
     last_step_done: float = 0.0
     # Tasks waiting in exclusive(): the engine loop plans no step ahead while there are any.
     num_lock_waiters: int = 0
+    # Prompt tokens (prefill chunks, recomputes) sent to it since it was connected.
+    num_prefill_tokens: int = 0
 
     @property
     def healthy(self) -> bool:
@@ -84,6 +93,21 @@ class ExecutorHandle:
     @property
     def draining(self) -> bool:
         return self.state in _DRAINING
+
+    @property
+    def role(self) -> str:
+        """What it said it is for (`--role`): "both", "prefill" or "decode"."""
+        return ROLE_NAMES.get(self.describe.role, "both")
+
+    @property
+    def prefills(self) -> bool:
+        """New prompts go to it (while one like it is up)."""
+        return self.role != "decode"
+
+    @property
+    def decodes(self) -> bool:
+        """Requests are handed over to it after their prefill."""
+        return self.role != "prefill"
 
     @property
     def retired(self) -> bool:
@@ -118,6 +142,10 @@ class ExecutorHandle:
         """Start the step `out` on the executor (right after step `after_step_id` when it was
         planned ahead; 0: none). `add_masks` adds the constrained sequences' token masks."""
         self.step_id += 1
+        for seq, n in out.scheduled:
+            self.num_prefill_tokens += max(
+                0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            )
         msg = execute_request(out, self.step_id)
         if add_masks is not None:
             add_masks(msg, out)

@@ -181,10 +181,17 @@ class ExecutorPool:
 
     def place(self, req: Request) -> ExecutorHandle:
         """Queue `req` on the executor the router picks; returns that executor."""
-        ex = self.router.choose(self.executors, req)
+        ex = self.router.choose(self.prompt_takers(), req)
         ex.sched.add_request(req)
         ex.wake.set()
         return ex
+
+    def prompt_takers(self) -> list[ExecutorHandle]:
+        """Where a prompt may go (prefill/decode disaggregation): the executors that prefill
+        (role prefill or both) while one of them takes new work; with none up, every executor,
+        decode ones included (availability first)."""
+        prefill = [e for e in self.executors if e.prefills and e.healthy and not e.draining]
+        return prefill or self.executors
 
     def wake_all(self) -> None:
         for ex in self.executors:
