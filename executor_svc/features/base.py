@@ -11,6 +11,7 @@ hooks and names no feature. Hooks by phase, and who calls them:
 | load | ``load``, ``block_bytes``, ``allocate``, ``describe`` | ``ModelRunner.__init__``, Describe |
 | validate | ``check_params``, ``check_new``, ``check_cached``, ``check_step`` | ``validate_step`` |
 | prepare inputs | ``prepare`` (api), ``active``, ``before_inputs``, ``sample_rows``, ``to_workers`` | ``StepWork.of``, ``ModelRunner.execute`` / ``prepare_inputs`` |
+| workers | ``worker_before_forward``, ``worker_after_forward`` | ``tp_worker.run_steps`` |
 | cache ops | ``copy_blocks`` | ``ModelRunner.execute`` |
 | forward | ``before_forward``, ``after_forward`` | ``ModelRunner.execute`` |
 | sample | ``before_sample``, ``after_sample`` | ``ModelRunner.execute`` |
@@ -39,6 +40,7 @@ __all__ = [
     "Features",
     "InvalidStep",
     "LoadContext",
+    "NotFound",
     "Step",
     "check_len",
     "check_tokens",
@@ -54,6 +56,10 @@ StepPlan = Any  # api.validation.StepPlan
 
 class InvalidStep(ValueError):
     """A request the executor refuses; the message names the field and is safe for clients."""
+
+
+class NotFound(InvalidStep):
+    """A refusal because something the request names cannot be found (NOT_FOUND)."""
 
 
 @dataclass(slots=True)
@@ -92,10 +98,21 @@ class Feature:
     tests reach as ``runner.features.handle(name)`` (its manager or model), None when off."""
 
     name: ClassVar[str] = ""
+    # The executor RPCs (executor.proto method names) the feature serves, through ``serve``.
+    rpcs: ClassVar[tuple[str, ...]] = ()
     # The key of the list the runner's caller gives for what the feature returns beside the
     # samples (ModelRunner.execute's keyword of that name), "" for none.
     output: ClassVar[str] = ""
     handle: Any = None
+
+    @classmethod
+    def build(cls, options: dict[str, Any]) -> Feature:
+        """The feature from the runner's feature options (features/registry.py)."""
+        return cls()
+
+    def serve(self, method: str, request: Any) -> Any:
+        """One of the feature's ``rpcs`` (under the servicer's lock); its response message."""
+        raise NotImplementedError(method)
 
     # ------------------------------------------------------------------ load
 
@@ -153,7 +170,15 @@ class Feature:
         return None
 
     def to_workers(self, step: Step, fields: dict[str, Any]) -> None:
-        """Tensor-parallel rank 0: what the other ranks need of the step (StepMessage fields)."""
+        """Tensor-parallel rank 0: what the other ranks need of the step (StepMessage fields;
+        the feature's own JSON-able data goes in ``fields["feature_data"][name]``)."""
+
+    def worker_before_forward(self, data: Any) -> None:
+        """Tensor-parallel workers, every step with a batch: before the forward, given what
+        rank 0's ``to_workers`` put in ``feature_data`` for the feature (None: nothing)."""
+
+    def worker_after_forward(self) -> None:
+        """Tensor-parallel workers: after the forward (also when it raised)."""
 
     # ------------------------------------------------------------------ cache ops and forward
 
@@ -203,6 +228,7 @@ class Features:
     def __init__(self, features: Iterable[Feature] = ()) -> None:
         self.all: tuple[Feature, ...] = tuple(features)
         self.by_name = {f.name: f for f in self.all}
+        self.by_rpc = {m: f for f in self.all for m in f.rpcs}
 
         def having(hook: str) -> tuple[Feature, ...]:
             return tuple(f for f in self.all if _overrides(f, hook))
@@ -212,6 +238,7 @@ class Features:
         self.check_cached = having("check_cached")
         self.check_step = having("check_step")
         self.copy_blocks = having("copy_blocks")
+        self.on_workers = having("worker_before_forward")
         self.reply = having("reply")
         self._active = having("active")
 
@@ -222,6 +249,10 @@ class Features:
         """The named feature's handle (its manager or model); None when it is not loaded."""
         f = self.by_name.get(name)
         return f.handle if f is not None else None
+
+    def serve(self, method: str, request: Any) -> Any:
+        """A feature's RPC (``Feature.rpcs``)."""
+        return self.by_rpc[method].serve(method, request)
 
     def active(self, seqs: Sequence[ScheduledSequence]) -> list[Feature]:
         """The features this step of the runner uses."""

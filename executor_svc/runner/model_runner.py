@@ -1,8 +1,7 @@
 """ModelRunner: one engine step on the executor — cache operations, forward, logits, sampling.
 
-Optional features (LoRA, speculative decoding, structured outputs, prompt logprobs, pooling)
-plug in at the hooks of ``features/base.py``; the step iterates the ones a step uses and names
-none of them.
+Optional features (one folder each under ``features/``) plug in at the hooks of
+``features/base.py``; the step iterates the ones a step uses and names none of them.
 
 It knows nothing about gRPC or per-request state: the service hands it fully-described sequences
 (``ScheduledSequence``) and the block lists of the step, and gets one ``SampleResult`` per
@@ -23,7 +22,6 @@ import torch
 
 from executor_svc.attention import AttentionMetadata, get_attention_backend
 from executor_svc.features.base import Feature, LoadContext, Step
-from executor_svc.features.lora.manager import LoraConfig
 from executor_svc.features.registry import build_features
 from executor_svc.runner.batch import BatchInputs
 from executor_svc.runner.cuda_graphs import DecodeGraphs, build_decode_graphs
@@ -66,9 +64,8 @@ class ScheduledSequence:
     spec_token_ids: list[int] | tuple[()] = ()
     num_draft_tokens: int = 0
     draft_num_computed: int = 0
-    # LoRA: the adapter's name and directory; None = the base model.
-    lora_name: str | None = None
-    lora_path: str | None = None
+    # The SeqState's per-feature entries (SeqState.features), shared: read-only here.
+    features: dict[str, Any] | None = None
     # Overlapped steps: (the launched step, its draw's row, the index in token_ids) of a token
     # the host may not have yet (runner/inputs.py gathers it on the device).
     pending: tuple[Launched, int, int] | None = None
@@ -90,13 +87,13 @@ class ModelRunner:
         max_model_len: int | None = None,
         attention_backend: str = "auto",
         tp: TPGroup | None = None,
-        lora: LoraConfig | None = None,
         quantization: str | None = None,
-        speculative_model: str | Path | None = None,
+        **feature_options: Any,
     ) -> None:
         """``tp``: this process's rank of a tensor-parallel group (every rank builds its own
         runner, in the same order, since loading and profiling involve collectives).
-        ``lora``, ``speculative_model``: the configuration of those features (features/)."""
+        ``feature_options``: the configuration of optional features, by the keyword each reads
+        (features/registry.py)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.device = resolve_device(device)
@@ -112,8 +109,9 @@ class ModelRunner:
             quantization=quantization,
         )
         info: ModelInfo = self.info
-        # Built once; each loads its part now (LoRA's slots before any CUDA graph is captured).
-        self.features = build_features(lora=lora, speculative_model=speculative_model)
+        # Built once; each loads its part now (a feature's per-layer deltas before any CUDA
+        # graph is captured).
+        self.features = build_features(**feature_options)
         ctx = LoadContext(
             self.model, info, self.device, self.backend, tp, load_model, KVCache, block_bytes,
             self.prepare_inputs,
@@ -184,11 +182,6 @@ class ModelRunner:
             self.phase_seconds["broadcast"] = 0.0
 
     # ------------------------------------------------------------------ step
-
-    @property
-    def lora(self) -> Any:
-        """The LoRA feature's adapter table (None when off), for tools, tests and TP workers."""
-        return self.features.handle("lora")
 
     @property
     def draft(self) -> Any:

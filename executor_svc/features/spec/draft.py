@@ -4,8 +4,8 @@ proposes the tokens a step then verifies (executor_svc/features/spec/verify.py).
 The draft has its own paged KV cache with the target's number of device blocks and block size,
 addressed by the same block tables and slot mapping: the scheduler allocates nothing more for
 it, and the slots it writes past the accepted tokens are rewritten later, as the target's are.
-A sequence's ``draft_num_computed`` (kept by the servicer beside its other state) counts the
-leading positions whose draft KV is valid; the executor sets it to 0 whenever it builds a
+A sequence's ``draft_num_computed`` (the feature's entry in the SeqState's ``features``) counts
+the leading positions whose draft KV is valid; it is 0 whenever the executor builds a
 sequence's state from a NewSequence (new, recomputed, swapped in, after a scheduler restart),
 which is exactly when that KV may be stale, so the draft then catches up over the whole context.
 

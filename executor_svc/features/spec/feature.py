@@ -110,7 +110,7 @@ class SpecDecode(Feature):
             k = data.draft.get(seq.seq_id)
             if k:  # the draft proposes in the runner (before_inputs)
                 seq.num_draft_tokens = k
-                seq.draft_num_computed = plan.states[seq.seq_id].draft_num_computed
+                seq.draft_num_computed = draft_computed(plan.states[seq.seq_id])
                 data.views[seq.seq_id] = seq
             spec = data.spec.get(seq.seq_id)
             if spec:  # proposals ride after the known tokens
@@ -154,11 +154,20 @@ class SpecDecode(Feature):
         num_known = len(state.token_ids)
         accepted = record_verified(state, data.spec[state.seq_id], result, plan.block_size)
         if k:
-            state.draft_num_computed = draft_computed_after(num_known, k, accepted)
+            if state.features is None:
+                state.features = {}
+            state.features[self.name] = draft_computed_after(num_known, k, accepted)
         sampled.spec_sampled.extend(sampled_pb(x) for x in result.spec)
         if k:
             sampled.draft_token_ids.extend(data.spec[state.seq_id])
         return True
+
+
+def draft_computed(state: Any) -> int:
+    """A SeqState's leading positions whose draft KV is valid (its entry in ``features``, kept
+    by ``record``); 0 for a state built from a NewSequence (its draft KV may be stale: the draft
+    catches up)."""
+    return state.features.get(SpecDecode.name, 0) if state.features else 0
 
 
 def record_verified(s: Any, proposed: list[int], r: Any, block_size: int) -> int:
