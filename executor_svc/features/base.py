@@ -16,6 +16,13 @@ hooks and names no feature. Hooks by phase, and who calls them:
 | forward | ``before_forward``, ``after_forward`` | ``ModelRunner.execute`` |
 | sample | ``before_sample``, ``after_sample`` | ``ModelRunner.execute`` |
 | record | ``record``, ``reply`` | ``record_samples``, ``build_reply`` |
+| rpc | ``serve`` (the feature's ``rpcs``) | the servicer's method of that name (api/service.py) |
+
+What a feature keeps per sequence is its entry in ``SeqState.features`` (the runner's view
+shares the dict); what it adds to a model's projections is their ``delta`` (models/llama.py
+``Linear``: ``delta.apply(x, y)`` returns the output plus the feature's part of the step's
+rows); what tensor-parallel workers need of a step is its entry in the step message's
+``feature_data``; its own settings section is declared beside its flags (features/flags.py).
 
 Cost: the runner asks each feature once a step whether the step uses it (``active``, one pass
 over the step's sequences at most) and calls the per-step hooks of those only; a plain decode

@@ -151,11 +151,26 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # Sequence.use_prefix_cache); the Embed RPC reaches the feature through
 # EngineClient.feature("pooling") as LoRA's Load/Unload do (EngineClient.embed and
 # RequestFront.embed are gone). Left: the servicer's Embed RPC and the registry.
+# LoRA's executor 13 -> 2 (29 -> 18 in all), speculative's 3 -> 2 (11 -> 10): the executor's
+# shared code has generic points the features fill (docs/internals.md, "Features as plug-ins",
+# executor side). The models' projections have a per-layer ``delta`` (LoRA's slots; the CPU
+# decoder declines any delta); the low-rank kernel is csrc/lowrank_rows.cpp
+# (llmserve_lowrank_rows_f32, what it computes) with its wrapper in features/lora/kernel.py;
+# SeqState.features (shared by the runner's view) holds each feature's per-sequence entry (the
+# adapter; the draft's valid KV count), so LoRA's prepare hook and the SeqState/view fields are
+# gone; tensor parallelism carries StepMessage.feature_data to the workers' new
+# worker_before/after_forward hooks, and the runner takes features' options as keywords each
+# feature's build reads (LoRA's config from JSON on the workers); the LoadLoraAdapter RPC is the
+# feature's (Feature.rpcs/serve; the servicer adds a method per registry.feature_rpcs()); LoRA's
+# settings section is declared in features/lora/flags.py (SECTION, ExecutorConfig.features).
+# Left on the executor: for LoRA the registries (features/flags.py, features/registry.py); for
+# speculative decoding ModelSettings.speculative_model (its flag sits in the model group) and
+# the runner's per-step view (num_draft_tokens, spec_token_ids) and draft handle.
 LIMITS: dict[str, dict[str, int]] = {
-    "lora": {"scheduler_svc": 7, "executor_svc": 13, "frontend_svc": 1, "client": 6, "protos": 2},
+    "lora": {"scheduler_svc": 7, "executor_svc": 2, "frontend_svc": 1, "client": 6, "protos": 2},
     "speculative": {
         "scheduler_svc": 3,
-        "executor_svc": 3,
+        "executor_svc": 2,
         "frontend_svc": 0,
         "client": 2,
         "protos": 3,

@@ -24,10 +24,11 @@ __all__ = ["Lora"]
 
 
 class Lora(Feature):
-    """Hooks: load (slots on the projections), describe, validate (a new sequence's adapter into
-    its state; the step's adapters), prepare inputs (the adapters' rows to tensor-parallel workers;
-    the views share the state's adapter), before/after forward (the step's rows per adapter). Without a config it
-    only refuses sequences that name an adapter. ``handle``: the ``LoraManager``."""
+    """Hooks: load (slots on the projections' ``delta``), describe, validate (a new sequence's
+    adapter into its state's ``features``; the step's adapters), prepare inputs (the adapters'
+    rows to tensor-parallel workers, whose worker hooks set them), before/after forward (the
+    step's rows per adapter), and the LoadLoraAdapter RPC. Without a config it only refuses
+    sequences that name an adapter. ``handle``: the ``LoraManager``."""
 
     name = "lora"
     rpcs = ("LoadLoraAdapter",)

@@ -1,6 +1,6 @@
 """The batched LoRA kernel's wrapper (``kernels/csrc/lowrank_rows.cpp``): for the rows of one
-adapter group, ``y[rows] += (x[rows] @ A) @ B_s`` per shard, each row on its own in a fixed order (step
-invariant), in one call instead of a GEMM pair per shard plus gathers. ``LoraWeights.of``
+adapter group, ``y[rows] += (x[rows] @ A) @ B_s`` per shard, each row on its own in a fixed
+order (step invariant), in one call instead of a GEMM pair per shard plus gathers. ``LoraWeights.of``
 returns None where the kernel does not apply (not fp32 CPU, no library, deterministic numerics
 off), and the caller keeps its torch path."""
 

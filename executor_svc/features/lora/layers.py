@@ -69,7 +69,8 @@ class LoraStep:
 
 
 class LoraSlot:
-    """Installed on one packed ``Linear`` (``linear.delta``, the model's per-layer extension point); reads the current ``LoraStep``."""
+    """Installed on one packed ``Linear`` as its ``delta`` (the model's per-layer extension
+    point); reads the current ``LoraStep``."""
 
     def __init__(self, key: tuple[int, str], step: LoraStep) -> None:
         self.key = key  # (layer index, packed module name)
