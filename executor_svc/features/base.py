@@ -52,6 +52,9 @@ __all__ = [
     "check_len",
     "check_tokens",
     "sampled_pb",
+    "set_step_entry",
+    "step_entry",
+    "without_entry",
 ]
 
 # The runner's and the servicer's records, named loosely here: this leaf imports none of them.
@@ -275,6 +278,28 @@ class Features:
         for f in self.all:
             fields.update(f.describe())
         return fields
+
+
+def step_entry(seq: ScheduledSequence, name: str) -> Any:
+    """The named feature's data on a runner view for this step (None: none)."""
+    d = seq.step_data
+    return d.get(name) if d else None
+
+
+def set_step_entry(seq: ScheduledSequence, name: str, value: Any) -> None:
+    if seq.step_data is None:
+        seq.step_data = {}
+    seq.step_data[name] = value
+
+
+def without_entry(seq: ScheduledSequence, name: str) -> dict[str, Any] | None:
+    """The view's step data less the named feature's (a new dict; None when nothing is left),
+    for a derived view that must not carry it."""
+    d = seq.step_data
+    if not d or name not in d:
+        return d
+    rest = {k: v for k, v in d.items() if k != name}
+    return rest or None
 
 
 def sampled_pb(r: SampleResult) -> pb.SampledToken:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from executor_svc.attention import AttentionMetadata, get_attention_backend
@@ -55,15 +54,9 @@ class ScheduledSequence:
     num_computed_tokens: int  # tokens already in the KV cache
     num_scheduled_tokens: int  # compute token_ids[num_computed : num_computed + num_scheduled]
     sampling_params: SamplingParams
-    # What features fill for this step (their ``prepare`` hook, features/*); the defaults mean
-    # unused. Structured outputs: the allowed tokens as packed uint32 words.
-    token_mask: np.ndarray | None = None
-    # Speculation: proposals at the end of token_ids, verified this step; proposals the draft
-    # model makes before the forward (it then fills spec_token_ids); leading positions whose
-    # draft KV is valid.
-    spec_token_ids: list[int] | tuple[()] = ()
-    num_draft_tokens: int = 0
-    draft_num_computed: int = 0
+    # What features add to the view for this step (their ``prepare`` and step hooks), by
+    # feature name; None: nothing (features/base.py ``step_entry``).
+    step_data: dict[str, Any] | None = None
     # The SeqState's per-feature entries (SeqState.features), shared: read-only here.
     features: dict[str, Any] | None = None
     # Overlapped steps: (the launched step, its draw's row, the index in token_ids) of a token
@@ -122,7 +115,8 @@ class ModelRunner:
         bytes_per_block = block_bytes(
             info.num_layers, block_size, info.num_kv_heads, info.head_dim, info.dtype
         )
-        # Features' per-block device bytes (a draft's KV) count when sizing the cache, not swap.
+        # Features' per-block device bytes (a second model's KV) count when sizing the cache,
+        # not swap.
         both_bytes = bytes_per_block + sum(f.block_bytes(block_size) for f in self.features)
         cap = max_useful_blocks(info.max_model_len, block_size)
         if num_device_blocks is None:
@@ -182,11 +176,6 @@ class ModelRunner:
             self.phase_seconds["broadcast"] = 0.0
 
     # ------------------------------------------------------------------ step
-
-    @property
-    def draft(self) -> Any:
-        """The draft model of speculative decoding (None without one)."""
-        return self.features.handle("spec")
 
     def execute(
         self,

@@ -163,21 +163,26 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # feature's build reads (LoRA's config from JSON on the workers); the LoadLoraAdapter RPC is the
 # feature's (Feature.rpcs/serve; the servicer adds a method per registry.feature_rpcs()); LoRA's
 # settings section is declared in features/lora/flags.py (SECTION, ExecutorConfig.features).
-# Left on the executor: for LoRA the registries (features/flags.py, features/registry.py); for
-# speculative decoding ModelSettings.speculative_model (its flag sits in the model group) and
-# the runner's per-step view (num_draft_tokens, spec_token_ids) and draft handle.
+# Speculative's executor 2 -> 1 (10 -> 9) and structured outputs' 3 -> 2 (18 -> 17): the
+# runner's per-step view carries what features add for the step in ScheduledSequence.step_data
+# (by feature name: structured outputs' token mask, speculation's SpecStep in
+# features/spec/view.py: proposals, draft count, valid draft KV), and ModelRunner.draft is gone
+# (features.handle("spec")). Left on the executor: for LoRA the registries (features/flags.py,
+# features/registry.py); for speculative decoding ModelSettings.speculative_model (its flag sits
+# in the model group); for structured outputs the registry and speculation's refusal of a
+# constrained sequence (its error names token_masks, the proto field).
 LIMITS: dict[str, dict[str, int]] = {
     "lora": {"scheduler_svc": 7, "executor_svc": 2, "frontend_svc": 1, "client": 6, "protos": 2},
     "speculative": {
         "scheduler_svc": 3,
-        "executor_svc": 2,
+        "executor_svc": 1,
         "frontend_svc": 0,
         "client": 2,
         "protos": 3,
     },
     "structured outputs": {
         "scheduler_svc": 1,
-        "executor_svc": 3,
+        "executor_svc": 2,
         "frontend_svc": 9,
         "client": 2,
         "protos": 3,
