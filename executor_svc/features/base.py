@@ -239,6 +239,7 @@ class Features:
         self.all: tuple[Feature, ...] = tuple(features)
         self.by_name = {f.name: f for f in self.all}
         self.by_rpc = {m: f for f in self.all for m in f.rpcs}
+        self.output_names = frozenset(f.output for f in self.all if f.output)
 
         def having(hook: str) -> tuple[Feature, ...]:
             return tuple(f for f in self.all if _overrides(f, hook))

@@ -183,14 +183,14 @@ class ModelRunner:
         blocks_to_swap_out: BlockPairs,
         blocks_to_swap_in: BlockPairs,
         blocks_to_copy: BlockPairs,
-        prompt_logprobs: list | None = None,
-        pooled: list | None = None,
+        **outputs: list | None,
     ) -> list[SampleResult]:
         """One step: cache operations, inputs, forward, sampling, with the hooks of the features
-        the step uses between them; the lists given receive what those features return beside
-        the samples (prompt logprobs, the vectors of embedding prompts completed)."""
+        the step uses between them; ``outputs``: lists that receive what features return beside
+        the samples, by the feature's output name (``Feature.output``; None or absent: not
+        wanted)."""
         return self.launch(
-            seqs, blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, prompt_logprobs, pooled
+            seqs, blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, **outputs
         ).results()
 
     @torch.inference_mode()
@@ -200,14 +200,16 @@ class ModelRunner:
         blocks_to_swap_out: BlockPairs,
         blocks_to_swap_in: BlockPairs,
         blocks_to_copy: BlockPairs,
-        prompt_logprobs: list | None = None,
-        pooled: list | None = None,
         *,
         defer: bool = False,
+        **outputs: list | None,
     ) -> Launched:
         """``execute`` up to its draws; with ``defer`` (and no feature of the step using them)
         they stay on the device on their way to the host (runner/launched.py)."""
-        outputs = {"prompt_logprobs": prompt_logprobs, "pooled": pooled}
+        if outputs and not outputs.keys() <= self.features.output_names:
+            raise TypeError(
+                f"no feature returns {sorted(outputs.keys() - self.features.output_names)}"
+            )
         step = Step(seqs, self.features.active(seqs) if seqs else (), outputs)
         blocks = (blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
         batch = self._broadcast_step(step, *blocks) if self._send_step is not None else None

@@ -171,6 +171,11 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # features/registry.py); for speculative decoding ModelSettings.speculative_model (its flag sits
 # in the model group); for structured outputs the registry and speculation's refusal of a
 # constrained sequence (its error names token_masks, the proto field).
+# Pooling's executor 3 -> 2 (14 -> 13), prompt logprobs' 4 -> 3 (20 -> 19): ModelRunner.execute
+# and launch take the lists features return beside the samples as keywords by output name
+# (Feature.output; Features.output_names refuses an unknown one) instead of naming them. Left:
+# the registry and the executor's SamplingParams (runner/sampler.py: PoolingState,
+# prompt_logprobs), and for prompt logprobs api/validation.py's checks of the field.
 LIMITS: dict[str, dict[str, int]] = {
     "lora": {"scheduler_svc": 7, "executor_svc": 2, "frontend_svc": 1, "client": 6, "protos": 2},
     "speculative": {
@@ -189,14 +194,14 @@ LIMITS: dict[str, dict[str, int]] = {
     },
     "pooling": {
         "scheduler_svc": 2,
-        "executor_svc": 3,
+        "executor_svc": 2,
         "frontend_svc": 2,
         "client": 4,
         "protos": 3,
     },
     "prompt logprobs": {
         "scheduler_svc": 8,
-        "executor_svc": 4,
+        "executor_svc": 3,
         "frontend_svc": 4,
         "client": 1,
         "protos": 3,
@@ -258,9 +263,9 @@ def _function(path: str, qualname: str) -> ast.FunctionDef | ast.AsyncFunctionDe
     )
 
 
-# (file, function, whether it may not even name a feature). The executor's execute still takes
-# the lists that receive prompt logprobs and pooled vectors (its callers' interface), so only
-# its branches are checked.
+# (file, function, whether it may not even name a feature). The executor's execute takes the
+# lists features return beside the samples as keywords (by output name); only its branches are
+# checked.
 STEP_FUNCTIONS = [
     ("scheduler_svc/engine/step_results.py", "process_step_outputs", True),
     ("scheduler_svc/engine/requests.py", "RequestFront.submit", True),
