@@ -62,8 +62,8 @@ def run(batch: int, blocks: int, steps: int) -> tuple[list[float], list[float], 
     seqs = [s for s in svc._seqs.values()]  # noqa: SLF001
     views = [type("V", (), {})() for _ in seqs]
     for v, s in zip(views, seqs, strict=True):
-        v.token_mask, v.spec_token_ids, v.num_draft_tokens = None, (), 0
-        v.lora_name, v.sampling_params = None, s.sampling_params
+        v.step_data = None
+        v.features, v.sampling_params = None, s.sampling_params
     n = 2000
     t0 = time.perf_counter()
     for _ in range(n):

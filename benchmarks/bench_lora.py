@@ -87,7 +87,7 @@ def decode_step(runner: ModelRunner, batch: int, loras: list[tuple[str, str] | N
     for i in range(batch):
         tokens = torch.randint(3, SMOLLM_135M["vocab_size"], (CONTEXT + 1,), generator=g).tolist()
         table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-        name, path = loras[i] or (None, None)
+        adapter = {"lora": loras[i]} if loras[i] else None  # SeqState.features
         seqs.append(
             ScheduledSequence(
                 str(i),
@@ -97,8 +97,7 @@ def decode_step(runner: ModelRunner, batch: int, loras: list[tuple[str, str] | N
                 CONTEXT,
                 1,
                 SamplingParams(),
-                lora_name=name,
-                lora_path=path,
+                features=adapter,
             )  # fmt: skip
         )
     return lambda: runner.execute(seqs, [], [], [])
@@ -143,7 +142,7 @@ def main() -> None:
             swap_space_gib=0.01,
             lora=LoraConfig(max_loras=args.adapters, max_lora_rank=64, max_cpu_loras=16),
         )
-        mgr = runner.lora
+        mgr = runner.features.handle("lora")
         # Swap-in from disk: a fresh adapter read and checked; from the host cache: its device
         # copy dropped and made again.
         disk, cache = [], []

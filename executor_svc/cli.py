@@ -19,6 +19,7 @@ from executor_svc.config.logs import configure_logging
 from executor_svc.config.settings import ENVIRONMENT_HELP, SECTIONS, ExecutorConfig
 from executor_svc.features.flags import (
     add_feature_flags,
+    feature_sections,
     feature_server_options,
     feature_usage_errors,
 )
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # One group per section of ExecutorConfig (config/settings.py), named as the section; a
     # section of a feature's own holds the flags it declares in its folder (features/flags.py).
-    for name, (_, about) in SECTIONS.items():
+    for name, (_, about) in {**SECTIONS, **feature_sections()}.items():
         g = p.add_argument_group(name, about)
         if name in FLAG_GROUPS:
             FLAG_GROUPS[name](g)
@@ -246,7 +247,7 @@ def _write_port_file(path: Path, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    config = ExecutorConfig.from_args(parser.parse_args(argv))
+    config = ExecutorConfig.from_args(parser.parse_args(argv), feature_sections())
     _check(config, parser)
     cores = _pin_cores(config.compute.cpu_cores, parser)
     configure_logging(config.server.log_level)

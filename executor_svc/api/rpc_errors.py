@@ -14,6 +14,7 @@ import grpc
 import structlog
 
 from executor_svc.api.validation import InvalidStep
+from executor_svc.features.base import NotFound
 from executor_svc.kv_transfer.payload import Refusal, TransferError
 
 log = structlog.get_logger(__name__)
@@ -62,6 +63,9 @@ def rpc(method: F) -> F:
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
+        except NotFound as e:
+            log.warning("rpc.not_found", method=method.__name__, error=str(e))
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except InvalidStep as e:
             log.warning("rpc.invalid_argument", method=method.__name__, error=str(e))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -94,12 +94,10 @@ class SeqState:
     sampling_params: SamplingParams
     block_table: BlockTable  # physical device block ids in logical order
     num_computed_tokens: int  # tokens whose KV is in the cache
-    # LoRA (features/lora): the adapter's name and directory; None = the base model.
-    lora_name: str | None = None
-    lora_path: str | None = None
-    # Draft-model speculation (features/spec): leading positions whose draft KV is valid; 0 for
-    # a state built from a NewSequence (its draft KV may be stale: the draft catches up).
-    draft_num_computed: int = 0
+    # What features keep for the sequence, by feature name (features/*: each reads and writes
+    # its own entry, in its hooks); None while no feature keeps anything. The runner's view
+    # shares the dict (entries a step's view reads are set before the step is planned).
+    features: dict[str, Any] | None = None
     # Overlapped steps (api/step.py Flight): (launched step, draw row, index in token_ids) of
     # the newest token sampled for it, which may still be PENDING in token_ids.
     pending: tuple[Any, int, int] | None = None

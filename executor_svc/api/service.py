@@ -40,9 +40,9 @@ from executor_svc.api.step import (
     record_samples,
     run_step,
 )
-from executor_svc.api.validation import InvalidStep, StepPlan, validate_step
+from executor_svc.api.validation import StepPlan, validate_step
 from executor_svc.config import envs
-from executor_svc.features.lora.peft import LoraError
+from executor_svc.features.registry import feature_rpcs
 from executor_svc.kernels import library
 from executor_svc.kv_transfer.endpoint import KVEndpoint
 from executor_svc.runner.loader import tokenizer_class_name
@@ -224,19 +224,6 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 has_files = (self._model_dir / "tokenizer.json").is_file()
                 self._tokenizer_class = tokenizer_class_name(self._model_dir) if has_files else ""
         return pb.GetTokenizerResponse(files=files, tokenizer_class=self._tokenizer_class or "")
-
-    @rpc
-    def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context: Any) -> Any:
-        runner = self.runner
-        if runner.lora is None:
-            raise InvalidStep("this executor serves no LoRA (start it with --enable-lora)")
-        try:
-            with self._lock:  # the adapter cache is the steps' too
-                adapter = runner.lora.load(request.name, request.path)
-        except LoraError as e:
-            code = grpc.StatusCode.NOT_FOUND if e.not_found else grpc.StatusCode.INVALID_ARGUMENT
-            raise Refused(code, str(e)) from None
-        return pb.LoadLoraAdapterResponse(rank=adapter.rank)
 
     @rpc
     def ExportKV(self, request: pb.ExportKVRequest, context: grpc.ServicerContext) -> Any:
@@ -443,6 +430,23 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             u.state.num_computed_tokens = u.num_computed_tokens
         for s in undo.dropped:
             self._seqs[s.seq_id] = s
+
+
+def _feature_rpc(method: str) -> Callable[..., Any]:
+    """A servicer method for an RPC a feature serves (``Feature.rpcs``), run under the
+    servicer's lock: what it changes (an adapter cache, say) the steps use too."""
+
+    def handler(self: ExecutorServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        runner = self.runner
+        with self._lock:
+            return runner.features.serve(method, request)
+
+    handler.__name__ = handler.__qualname__ = method
+    return rpc(handler)
+
+
+for _method in feature_rpcs():
+    setattr(ExecutorServicer, _method, _feature_rpc(_method))
 
 
 class _Turn:

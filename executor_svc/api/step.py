@@ -50,6 +50,7 @@ class StepWork:
                 num_computed_tokens=s.num_computed_tokens,
                 num_scheduled_tokens=n,
                 sampling_params=s.sampling_params,
+                features=s.features,
                 pending=s.pending,
             )
             for s, n in plan.scheduled

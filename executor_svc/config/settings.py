@@ -12,7 +12,7 @@ flags' part, which rank 0 hands to its tensor-parallel workers.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -88,23 +88,17 @@ class RegistrySettings:
         return bool(self.redis_url or self.redis_sentinel)
 
 
-@dataclass(frozen=True, slots=True)
-class LoraSettings:
-    enable_lora: bool
-    max_loras: int
-    max_lora_rank: int
-    max_cpu_loras: int
-
-
-# Section name -> (its dataclass, the --help group's description).
-SECTIONS: dict[str, tuple[type, str]] = {
+# Section name -> (its dataclass, the --help group's description). A feature's own section is
+# declared in its folder (features/flags.py ``feature_sections``: the CLI hands them to
+# ``from_args``) and lands in ``ExecutorConfig.features``.
+Sections = dict[str, tuple[type, str]]
+SECTIONS: Sections = {
     "model": (ModelSettings, "what to serve and how to load it"),
     "cache": (CacheSettings, "the paged KV cache"),
     "compute": (ComputeSettings, "ranks, threads, cores and numerics"),
     "server": (ServerSettings, "the gRPC server, its lifecycle and metrics"),
     "tls": (TLSSettings, "TLS for schedulers' calls (mutual with --tls-ca)"),
     "registry": (RegistrySettings, "registration in Redis, for --discover-executors"),
-    "lora": (LoraSettings, "LoRA adapters"),
 }
 
 
@@ -116,20 +110,27 @@ class ExecutorConfig:
     server: ServerSettings
     tls: TLSSettings
     registry: RegistrySettings
-    lora: LoraSettings
+    # The sections features declare (by section name), each read by its own feature.
+    features: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ExecutorConfig:
-        """The configuration the parsed flags and this process's environment give."""
+    def from_args(
+        cls, args: argparse.Namespace, feature_sections: Sections | None = None
+    ) -> ExecutorConfig:
+        """The configuration the parsed flags and this process's environment give;
+        ``feature_sections``: the features' own sections (features/flags.py)."""
         extra: dict[str, dict[str, Any]] = {
             "registry": {"redis_sentinel_password": envs.redis_sentinel_password()}
         }
-        sections = {}
-        for name, (section, _) in SECTIONS.items():
+
+        def build(name: str, section: type) -> Any:
             given = extra.get(name, {})
             values = {f.name: getattr(args, f.name) for f in fields(section) if f.name not in given}
-            sections[name] = section(**values, **given)
-        return cls(**sections)
+            return section(**values, **given)
+
+        own = {name: build(name, section) for name, (section, _) in SECTIONS.items()}
+        features = {name: build(name, s) for name, (s, _) in (feature_sections or {}).items()}
+        return cls(**own, features=features)
 
     @property
     def runtime(self) -> envs.RuntimeFlags:

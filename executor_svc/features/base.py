@@ -11,10 +11,18 @@ hooks and names no feature. Hooks by phase, and who calls them:
 | load | ``load``, ``block_bytes``, ``allocate``, ``describe`` | ``ModelRunner.__init__``, Describe |
 | validate | ``check_params``, ``check_new``, ``check_cached``, ``check_step`` | ``validate_step`` |
 | prepare inputs | ``prepare`` (api), ``active``, ``before_inputs``, ``sample_rows``, ``to_workers`` | ``StepWork.of``, ``ModelRunner.execute`` / ``prepare_inputs`` |
+| workers | ``worker_before_forward``, ``worker_after_forward`` | ``tp_worker.run_steps`` |
 | cache ops | ``copy_blocks`` | ``ModelRunner.execute`` |
 | forward | ``before_forward``, ``after_forward`` | ``ModelRunner.execute`` |
 | sample | ``before_sample``, ``after_sample`` | ``ModelRunner.execute`` |
 | record | ``record``, ``reply`` | ``record_samples``, ``build_reply`` |
+| rpc | ``serve`` (the feature's ``rpcs``) | the servicer's method of that name (api/service.py) |
+
+What a feature keeps per sequence is its entry in ``SeqState.features`` (the runner's view
+shares the dict); what it adds to a model's projections is their ``delta`` (models/llama.py
+``Linear``: ``delta.apply(x, y)`` returns the output plus the feature's part of the step's
+rows); what tensor-parallel workers need of a step is its entry in the step message's
+``feature_data``; its own settings section is declared beside its flags (features/flags.py).
 
 Cost: the runner asks each feature once a step whether the step uses it (``active``, one pass
 over the step's sequences at most) and calls the per-step hooks of those only; a plain decode
@@ -39,10 +47,14 @@ __all__ = [
     "Features",
     "InvalidStep",
     "LoadContext",
+    "NotFound",
     "Step",
     "check_len",
     "check_tokens",
     "sampled_pb",
+    "set_step_entry",
+    "step_entry",
+    "without_entry",
 ]
 
 # The runner's and the servicer's records, named loosely here: this leaf imports none of them.
@@ -54,6 +66,10 @@ StepPlan = Any  # api.validation.StepPlan
 
 class InvalidStep(ValueError):
     """A request the executor refuses; the message names the field and is safe for clients."""
+
+
+class NotFound(InvalidStep):
+    """A refusal because something the request names cannot be found (NOT_FOUND)."""
 
 
 @dataclass(slots=True)
@@ -92,10 +108,21 @@ class Feature:
     tests reach as ``runner.features.handle(name)`` (its manager or model), None when off."""
 
     name: ClassVar[str] = ""
+    # The executor RPCs (executor.proto method names) the feature serves, through ``serve``.
+    rpcs: ClassVar[tuple[str, ...]] = ()
     # The key of the list the runner's caller gives for what the feature returns beside the
     # samples (ModelRunner.execute's keyword of that name), "" for none.
     output: ClassVar[str] = ""
     handle: Any = None
+
+    @classmethod
+    def build(cls, options: dict[str, Any]) -> Feature:
+        """The feature from the runner's feature options (features/registry.py)."""
+        return cls()
+
+    def serve(self, method: str, request: Any) -> Any:
+        """One of the feature's ``rpcs`` (under the servicer's lock); its response message."""
+        raise NotImplementedError(method)
 
     # ------------------------------------------------------------------ load
 
@@ -153,7 +180,15 @@ class Feature:
         return None
 
     def to_workers(self, step: Step, fields: dict[str, Any]) -> None:
-        """Tensor-parallel rank 0: what the other ranks need of the step (StepMessage fields)."""
+        """Tensor-parallel rank 0: what the other ranks need of the step (StepMessage fields;
+        the feature's own JSON-able data goes in ``fields["feature_data"][name]``)."""
+
+    def worker_before_forward(self, data: Any) -> None:
+        """Tensor-parallel workers, every step with a batch: before the forward, given what
+        rank 0's ``to_workers`` put in ``feature_data`` for the feature (None: nothing)."""
+
+    def worker_after_forward(self) -> None:
+        """Tensor-parallel workers: after the forward (also when it raised)."""
 
     # ------------------------------------------------------------------ cache ops and forward
 
@@ -203,6 +238,8 @@ class Features:
     def __init__(self, features: Iterable[Feature] = ()) -> None:
         self.all: tuple[Feature, ...] = tuple(features)
         self.by_name = {f.name: f for f in self.all}
+        self.by_rpc = {m: f for f in self.all for m in f.rpcs}
+        self.output_names = frozenset(f.output for f in self.all if f.output)
 
         def having(hook: str) -> tuple[Feature, ...]:
             return tuple(f for f in self.all if _overrides(f, hook))
@@ -212,6 +249,7 @@ class Features:
         self.check_cached = having("check_cached")
         self.check_step = having("check_step")
         self.copy_blocks = having("copy_blocks")
+        self.on_workers = having("worker_before_forward")
         self.reply = having("reply")
         self._active = having("active")
 
@@ -222,6 +260,10 @@ class Features:
         """The named feature's handle (its manager or model); None when it is not loaded."""
         f = self.by_name.get(name)
         return f.handle if f is not None else None
+
+    def serve(self, method: str, request: Any) -> Any:
+        """A feature's RPC (``Feature.rpcs``)."""
+        return self.by_rpc[method].serve(method, request)
 
     def active(self, seqs: Sequence[ScheduledSequence]) -> list[Feature]:
         """The features this step of the runner uses."""
@@ -237,6 +279,28 @@ class Features:
         for f in self.all:
             fields.update(f.describe())
         return fields
+
+
+def step_entry(seq: ScheduledSequence, name: str) -> Any:
+    """The named feature's data on a runner view for this step (None: none)."""
+    d = seq.step_data
+    return d.get(name) if d else None
+
+
+def set_step_entry(seq: ScheduledSequence, name: str, value: Any) -> None:
+    if seq.step_data is None:
+        seq.step_data = {}
+    seq.step_data[name] = value
+
+
+def without_entry(seq: ScheduledSequence, name: str) -> dict[str, Any] | None:
+    """The view's step data less the named feature's (a new dict; None when nothing is left),
+    for a derived view that must not carry it."""
+    d = seq.step_data
+    if not d or name not in d:
+        return d
+    rest = {k: v for k, v in d.items() if k != name}
+    return rest or None
 
 
 def sampled_pb(r: SampleResult) -> pb.SampledToken:

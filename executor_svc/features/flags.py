@@ -1,8 +1,9 @@
 """The flags features declare in their own folders: each module listed here adds its flags to
 the ``--help`` group of a section of ``ExecutorConfig`` (``add_flags(section, group)``; the
-values land in that section's fields), may refuse a combination (``usage_error``), and hands
-the server its options (``server_options``). A feature's flags keep their names; only where
-they are declared moved."""
+values land in that section's fields; a feature may declare a section of its own,
+``SECTION``), may refuse a combination (``usage_error``), and hands the server its options
+(``server_options``). A feature's flags keep their names; only where they are declared
+moved."""
 
 from __future__ import annotations
 
@@ -13,9 +14,21 @@ from typing import Any
 from executor_svc.features.lora import flags as _lora
 from executor_svc.features.spec import flags as _spec
 
-__all__ = ["add_feature_flags", "feature_server_options", "feature_usage_errors"]
+__all__ = [
+    "add_feature_flags",
+    "feature_sections",
+    "feature_server_options",
+    "feature_usage_errors",
+]
 
 FEATURE_FLAGS: tuple[ModuleType, ...] = (_spec, _lora)
+
+
+def feature_sections() -> dict[str, tuple[type, str]]:
+    """The sections of ``ExecutorConfig`` features declare (a module's ``SECTION``: name, its
+    settings dataclass, the --help group's description), in registration order."""
+    sections = (getattr(module, "SECTION", None) for module in FEATURE_FLAGS)
+    return {name: (cls, about) for name, cls, about in filter(None, sections)}
 
 
 def add_feature_flags(section: str, g: argparse._ArgumentGroup) -> None:

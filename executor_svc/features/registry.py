@@ -12,26 +12,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from executor_svc.features.base import Features
+from executor_svc.features.base import Feature, Features
 from executor_svc.features.lora.feature import Lora
-from executor_svc.features.lora.manager import LoraConfig
 from executor_svc.features.pooling.feature import Pooling
 from executor_svc.features.prompt_logprobs.feature import PromptLogprobs
 from executor_svc.features.spec.feature import SpecDecode
 from executor_svc.features.structured.feature import StructuredOutput
 
-__all__ = ["build_features"]
+__all__ = ["FEATURE_TYPES", "build_features", "feature_rpcs"]
+
+FEATURE_TYPES: tuple[type[Feature], ...] = (
+    StructuredOutput,
+    SpecDecode,
+    Lora,
+    PromptLogprobs,
+    Pooling,
+)
 
 
-def build_features(*, lora: LoraConfig | None = None, **options: Any) -> Features:
-    """``lora``: serve adapters (None: refuse them); ``options``: the runner's keyword
-    arguments that configure a feature, by the name the feature reads."""
-    return Features(
-        [
-            StructuredOutput(),
-            SpecDecode.build(options),
-            Lora(lora),
-            PromptLogprobs(),
-            Pooling(),
-        ]
-    )
+def build_features(**options: Any) -> Features:
+    """``options``: the runner's keyword arguments that configure a feature, by the name the
+    feature reads (each type's ``build``; JSON-able ones as tensor-parallel workers get them)."""
+    return Features(t.build(options) for t in FEATURE_TYPES)
+
+
+def feature_rpcs() -> tuple[str, ...]:
+    """The executor RPCs features serve (``Feature.rpcs``): the servicer routes each to its
+    feature."""
+    return tuple(m for t in FEATURE_TYPES for m in t.rpcs)

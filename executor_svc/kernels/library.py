@@ -117,9 +117,10 @@ _OPTIONAL_SIGNATURES: dict[str, tuple[list, type]] = {
         [_p, _i64, _p, _i64, _p, _i64, _i64, _f32, _p, _p, _i32],
         ctypes.c_int,
     ),
-    # csrc/lora.cpp (lora.py): x, ldx, k, rows, num_rows, a, ra, r, num_shards, shard_start,
-    # shard_size, b_ptrs, y, ldy, num_threads
-    "llmserve_lora_f32": (
+    # csrc/lowrank_rows.cpp (y[rows] += (x[rows] @ A) @ B per column shard; its wrapper lives
+    # with the feature that applies it): x, ldx, k, rows, num_rows, a, ra, r, num_shards,
+    # shard_start, shard_size, b_ptrs, y, ldy, num_threads
+    "llmserve_lowrank_rows_f32": (
         [_p, _i64, _i64, _p, _i64, _p, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _i32],
         ctypes.c_int,
     ),

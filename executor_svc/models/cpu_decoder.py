@@ -9,8 +9,9 @@ its output is bit for bit the Python path's, decode or prefill, whatever the bat
 
 It takes a model whose every projection the compiled kernels run as they are: fp32 panels or a
 plain fp32 matrix (step-invariant numerics), or GGUF / ``--quantization`` blocks; fp32
-activations and KV cache; the CPU attention backend; no LoRA slots; no q/k norm (Qwen3). Any
-other model, and ``LLMSERVE_CPU_FUSED_DECODER=0``, keeps the per-layer Python forward.
+activations and KV cache; the CPU attention backend; no feature's delta on a projection
+(``Linear.delta``); no q/k norm (Qwen3). Any other model, and ``LLMSERVE_CPU_FUSED_DECODER=0``,
+keeps the per-layer Python forward.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _f32_vector(t: torch.Tensor | None, n: int) -> bool:
 def _describe(linear: Any, k: int, n: int) -> _Linear | None:
     """The kernel's view of a ``models.llama.Linear`` of ``k`` inputs and ``n`` outputs; None
     where the compiled kernels do not run it as it is."""
-    if getattr(linear, "lora", None) is not None or not _f32_vector(linear.bias, n):
+    if getattr(linear, "delta", None) is not None or not _f32_vector(linear.bias, n):
         return None
     bias = None if linear.bias is None else linear.bias.data_ptr()
     packed, w = linear.packed, linear.weight
@@ -93,7 +94,7 @@ def _describe(linear: Any, k: int, n: int) -> _Linear | None:
 class _Plan:
     model_desc: _Model
     layers: Any  # ctypes array of _Layer
-    linears: list[Any]  # every projection described (their LoRA slots are checked per call)
+    linears: list[Any]  # every projection described (their deltas are checked per call)
     keep: list[torch.Tensor]  # the norm weights the descriptors point into
     kv_key: tuple[int, ...] = ()
 
@@ -138,10 +139,10 @@ def _build(model: Any) -> _Plan | None:
     return _Plan(model_desc, layers, linears, keep)
 
 
-def _no_lora(plan: _Plan) -> bool:
-    """No LoRA slot was installed since the plan was made (weights swapped by packing or
+def _no_delta(plan: _Plan) -> bool:
+    """No feature's delta (Linear.delta) was installed since the plan was made (weights swapped by packing or
     quantizing reset the plan: ``reset``)."""
-    return all(m.lora is None for m in plan.linears)
+    return all(m.delta is None for m in plan.linears)
 
 
 def _set_caches(plan: _Plan, kv_caches: Any) -> bool:
@@ -183,7 +184,7 @@ def forward(
         model._cpu_decoder_plan = plan
     if plan is None or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
-    if not _no_lora(plan) or not _set_caches(plan, kv_caches):
+    if not _no_delta(plan) or not _set_caches(plan, kv_caches):
         return None
     cos, sin = rope
     if not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32):

@@ -175,7 +175,9 @@ class Linear(nn.Module):
         self.weight = _set_loader(nn.Parameter(torch.empty(in_features, offset)), self._load)
         self.bias = _set_loader(nn.Parameter(torch.empty(offset)), self._load) if bias else None
         self.packed: gemm.PackedWeight | None = None  # set by prepack(); weight is emptied
-        self.lora: Any = None  # lora.layers.LoraSlot when LoRA is on: adds adapter deltas
+        # A feature's per-layer extension point (None: the plain projection): an object whose
+        # ``apply(x, y)`` returns ``y`` plus what the feature adds to this step's rows.
+        self.delta: Any = None
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
         start, size = self.shard_offsets[shard_id]
@@ -199,7 +201,7 @@ class Linear(nn.Module):
             y = self.packed.linear(x, self.bias)
         else:
             y = matmul_io(x, self.weight, self.bias)
-        return y if self.lora is None else self.lora.apply(x, y)
+        return y if self.delta is None else self.delta.apply(x, y)
 
 
 class RMSNorm(nn.Module):

@@ -58,7 +58,7 @@ class RowParallelLinear(nn.Module):
         self.first = first
         self.tp = tp
         self.in_features, self.out_features = in_features, out_features  # this rank's shard
-        self.lora: Any = None  # lora.layers.LoraSlot: this rank's partial delta, before the sum
+        self.delta: Any = None  # as Linear.delta: on this rank's partial sum, before the reduce
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.weight.weight_loader = self._load  # type: ignore[attr-defined]
         _mark_slice_loader(self.weight)
@@ -88,8 +88,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = self.packed.linear(x, None) if self.packed is not None else None
         y = partial if partial is not None else matmul_io(x, self.weight)
-        if self.lora is not None:  # (x_rank @ A_rank) @ B: the all-reduce sums them to x @ A @ B
-            y = self.lora.apply(x, y)
+        if self.delta is not None:  # a delta linear in x_rank: the all-reduce sums it over ranks
+            y = self.delta.apply(x, y)
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 

@@ -1,8 +1,7 @@
 """ModelRunner: one engine step on the executor — cache operations, forward, logits, sampling.
 
-Optional features (LoRA, speculative decoding, structured outputs, prompt logprobs, pooling)
-plug in at the hooks of ``features/base.py``; the step iterates the ones a step uses and names
-none of them.
+Optional features (one folder each under ``features/``) plug in at the hooks of
+``features/base.py``; the step iterates the ones a step uses and names none of them.
 
 It knows nothing about gRPC or per-request state: the service hands it fully-described sequences
 (``ScheduledSequence``) and the block lists of the step, and gets one ``SampleResult`` per
@@ -18,12 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from executor_svc.attention import AttentionMetadata, get_attention_backend
 from executor_svc.features.base import Feature, LoadContext, Step
-from executor_svc.features.lora.manager import LoraConfig
 from executor_svc.features.registry import build_features
 from executor_svc.runner.batch import BatchInputs
 from executor_svc.runner.cuda_graphs import DecodeGraphs, build_decode_graphs
@@ -57,18 +54,11 @@ class ScheduledSequence:
     num_computed_tokens: int  # tokens already in the KV cache
     num_scheduled_tokens: int  # compute token_ids[num_computed : num_computed + num_scheduled]
     sampling_params: SamplingParams
-    # What features fill for this step (their ``prepare`` hook, features/*); the defaults mean
-    # unused. Structured outputs: the allowed tokens as packed uint32 words.
-    token_mask: np.ndarray | None = None
-    # Speculation: proposals at the end of token_ids, verified this step; proposals the draft
-    # model makes before the forward (it then fills spec_token_ids); leading positions whose
-    # draft KV is valid.
-    spec_token_ids: list[int] | tuple[()] = ()
-    num_draft_tokens: int = 0
-    draft_num_computed: int = 0
-    # LoRA: the adapter's name and directory; None = the base model.
-    lora_name: str | None = None
-    lora_path: str | None = None
+    # What features add to the view for this step (their ``prepare`` and step hooks), by
+    # feature name; None: nothing (features/base.py ``step_entry``).
+    step_data: dict[str, Any] | None = None
+    # The SeqState's per-feature entries (SeqState.features), shared: read-only here.
+    features: dict[str, Any] | None = None
     # Overlapped steps: (the launched step, its draw's row, the index in token_ids) of a token
     # the host may not have yet (runner/inputs.py gathers it on the device).
     pending: tuple[Launched, int, int] | None = None
@@ -90,13 +80,13 @@ class ModelRunner:
         max_model_len: int | None = None,
         attention_backend: str = "auto",
         tp: TPGroup | None = None,
-        lora: LoraConfig | None = None,
         quantization: str | None = None,
-        speculative_model: str | Path | None = None,
+        **feature_options: Any,
     ) -> None:
         """``tp``: this process's rank of a tensor-parallel group (every rank builds its own
         runner, in the same order, since loading and profiling involve collectives).
-        ``lora``, ``speculative_model``: the configuration of those features (features/)."""
+        ``feature_options``: the configuration of optional features, by the keyword each reads
+        (features/registry.py)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.device = resolve_device(device)
@@ -112,8 +102,9 @@ class ModelRunner:
             quantization=quantization,
         )
         info: ModelInfo = self.info
-        # Built once; each loads its part now (LoRA's slots before any CUDA graph is captured).
-        self.features = build_features(lora=lora, speculative_model=speculative_model)
+        # Built once; each loads its part now (a feature's per-layer deltas before any CUDA
+        # graph is captured).
+        self.features = build_features(**feature_options)
         ctx = LoadContext(
             self.model, info, self.device, self.backend, tp, load_model, KVCache, block_bytes,
             self.prepare_inputs,
@@ -124,7 +115,8 @@ class ModelRunner:
         bytes_per_block = block_bytes(
             info.num_layers, block_size, info.num_kv_heads, info.head_dim, info.dtype
         )
-        # Features' per-block device bytes (a draft's KV) count when sizing the cache, not swap.
+        # Features' per-block device bytes (a second model's KV) count when sizing the cache,
+        # not swap.
         both_bytes = bytes_per_block + sum(f.block_bytes(block_size) for f in self.features)
         cap = max_useful_blocks(info.max_model_len, block_size)
         if num_device_blocks is None:
@@ -185,30 +177,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
-    @property
-    def lora(self) -> Any:
-        """The LoRA feature's adapter table (None when off), for tools, tests and TP workers."""
-        return self.features.handle("lora")
-
-    @property
-    def draft(self) -> Any:
-        """The draft model of speculative decoding (None without one)."""
-        return self.features.handle("spec")
-
     def execute(
         self,
         seqs: list[ScheduledSequence],
         blocks_to_swap_out: BlockPairs,
         blocks_to_swap_in: BlockPairs,
         blocks_to_copy: BlockPairs,
-        prompt_logprobs: list | None = None,
-        pooled: list | None = None,
+        **outputs: list | None,
     ) -> list[SampleResult]:
         """One step: cache operations, inputs, forward, sampling, with the hooks of the features
-        the step uses between them; the lists given receive what those features return beside
-        the samples (prompt logprobs, the vectors of embedding prompts completed)."""
+        the step uses between them; ``outputs``: lists that receive what features return beside
+        the samples, by the feature's output name (``Feature.output``; None or absent: not
+        wanted)."""
         return self.launch(
-            seqs, blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, prompt_logprobs, pooled
+            seqs, blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, **outputs
         ).results()
 
     @torch.inference_mode()
@@ -218,14 +200,16 @@ class ModelRunner:
         blocks_to_swap_out: BlockPairs,
         blocks_to_swap_in: BlockPairs,
         blocks_to_copy: BlockPairs,
-        prompt_logprobs: list | None = None,
-        pooled: list | None = None,
         *,
         defer: bool = False,
+        **outputs: list | None,
     ) -> Launched:
         """``execute`` up to its draws; with ``defer`` (and no feature of the step using them)
         they stay on the device on their way to the host (runner/launched.py)."""
-        outputs = {"prompt_logprobs": prompt_logprobs, "pooled": pooled}
+        if outputs and not outputs.keys() <= self.features.output_names:
+            raise TypeError(
+                f"no feature returns {sorted(outputs.keys() - self.features.output_names)}"
+            )
         step = Step(seqs, self.features.active(seqs) if seqs else (), outputs)
         blocks = (blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
         batch = self._broadcast_step(step, *blocks) if self._send_step is not None else None

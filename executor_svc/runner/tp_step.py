@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ from executor_svc.runner.batch import BatchInputs
 OP_SHUTDOWN = 0
 OP_STEP = 1
 # op, num_tokens, num_seqs, max_num_blocks, num_samples, num_swap_out, num_swap_in, num_copy,
-# num_logit_ranges, max_query_len, max_seq_len, num_decode_seqs, num_lora_bytes
+# num_logit_ranges, max_query_len, max_seq_len, num_decode_seqs, num_feature_bytes
 HEADER_LEN = 13
 
 BlockPairs = list[tuple[int, int]]
@@ -40,8 +41,9 @@ class StepMessage:
     # Row ranges of the hidden states rank 0 sends through the LM head for prompt logprobs,
     # in its order (each one is a collective every rank must join).
     logit_row_ranges: list[tuple[int, int]] = field(default_factory=list)
-    # LoRA: (adapter name, path) -> its batch rows (features/lora); sent as JSON bytes.
-    lora_rows: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    # What features send the other ranks for the step (their ``to_workers`` hook), by feature
+    # name, JSON-able; sent as JSON bytes, given to their ``worker_before_forward``.
+    feature_data: dict[str, Any] = field(default_factory=dict)
 
 
 def _pairs(pairs: BlockPairs) -> torch.Tensor:
@@ -62,12 +64,12 @@ def send_step(tp: TPGroup, msg: StepMessage) -> None:
     header += [len(msg.blocks_to_swap_out), len(msg.blocks_to_swap_in), len(msg.blocks_to_copy)]
     header.append(len(msg.logit_row_ranges))
     header += [md.max_query_len, md.max_seq_len, md.num_decode_seqs] if b is not None else [0] * 3
-    lora = json.dumps([[n, p, rows] for (n, p), rows in msg.lora_rows.items()]).encode()
-    header.append(len(lora) if msg.lora_rows else 0)
+    data = json.dumps(msg.feature_data).encode() if msg.feature_data else b""
+    header.append(len(data))
     parts += [_pairs(p) for p in (msg.blocks_to_swap_out, msg.blocks_to_swap_in)]
     parts += [_pairs(msg.blocks_to_copy), _pairs(msg.logit_row_ranges)]
-    if msg.lora_rows:
-        parts.append(torch.frombuffer(bytearray(lora), dtype=torch.uint8))
+    if data:
+        parts.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     payload = torch.cat([p.to(torch.long) for p in parts])
     tp.broadcast_host(torch.tensor([*header, payload.shape[0]], dtype=torch.long))
     tp.broadcast_host(payload)
@@ -86,19 +88,18 @@ def recv_step(tp: TPGroup) -> StepMessage | None:
         return None
     assert header[0] == OP_STEP, header
     (_, num_tokens, num_seqs, max_blocks, num_samples, n_out, n_in, n_copy, n_ranges) = header[:9]
-    max_query_len, max_seq_len, num_decode_seqs, num_lora_bytes, size = header[9:]
+    max_query_len, max_seq_len, num_decode_seqs, num_feature_bytes, size = header[9:]
     payload = torch.empty(size, dtype=torch.long)
     tp.broadcast_host(payload)
     sizes = [num_tokens] * 3 + [num_seqs * max_blocks, num_seqs]
     sizes += [num_seqs + 1 if num_seqs else 0, num_samples]
-    sizes += [2 * n_out, 2 * n_in, 2 * n_copy, 2 * n_ranges, num_lora_bytes]
-    (ids, pos, slots, tables, seq_lens, qsl, rows, out, into, copy, ranges, lora) = payload.split(
+    sizes += [2 * n_out, 2 * n_in, 2 * n_copy, 2 * n_ranges, num_feature_bytes]
+    (ids, pos, slots, tables, seq_lens, qsl, rows, out, into, copy, ranges, data) = payload.split(
         sizes
     )
-    lora_rows = {}
-    if num_lora_bytes:
-        text = bytes(lora.to(torch.uint8).tolist()).decode()
-        lora_rows = {(n, p): r for n, p, r in json.loads(text)}
+    feature_data = {}
+    if num_feature_bytes:
+        feature_data = json.loads(bytes(data.to(torch.uint8).tolist()).decode())
     batch = None
     if num_seqs:
         md = AttentionMetadata(
@@ -118,7 +119,7 @@ def recv_step(tp: TPGroup) -> StepMessage | None:
         _unpairs(copy),
         batch,
         [tuple(p) for p in _unpairs(ranges)],
-        lora_rows,
+        feature_data,
     )
 
 

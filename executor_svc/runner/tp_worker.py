@@ -59,6 +59,7 @@ def run_steps(runner: Any, tp: Any) -> int:
     from executor_svc.runner.tp_step import recv_step
 
     kv, model = runner.kv_cache, runner.model
+    on_workers = runner.features.on_workers
     num_steps = 0
     while (msg := recv_step(tp)) is not None:
         kv.swap_out(msg.blocks_to_swap_out)
@@ -66,13 +67,13 @@ def run_steps(runner: Any, tp: Any) -> int:
         kv.copy(msg.blocks_to_copy)
         if msg.batch is not None:
             b = msg.batch.to(runner.device)
-            if runner.lora is not None:
-                runner.lora.begin_groups(msg.lora_rows)  # rank 0 checked and named them
+            for f in on_workers:  # what features set on the model for the step
+                f.worker_before_forward(msg.feature_data.get(f.name))
             try:
                 hidden = model(b.input_ids, b.positions, kv.layers, b.attn_metadata)
             finally:
-                if runner.lora is not None:
-                    runner.lora.end_step()
+                for f in on_workers:
+                    f.worker_after_forward()
             for first, end in msg.logit_row_ranges:
                 model.compute_logits(hidden[first:end])
             if b.sample_rows.numel():
@@ -120,11 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     from executor_svc.runner.model_runner import ModelRunner
     from executor_svc.runner.tp_launcher import worker_device
 
-    kwargs = json.loads(args.runner_kwargs)
-    if kwargs.get("lora") is not None:
-        from executor_svc.features.lora.manager import LoraConfig
-
-        kwargs["lora"] = LoraConfig(**kwargs["lora"])
+    kwargs = json.loads(args.runner_kwargs)  # features' options as JSON (features/registry.py)
     device = worker_device(kwargs.get("device", "auto"), args.rank)
     kwargs["device"] = str(device)
     store = dist.TCPStore("127.0.0.1", args.store_port, args.world_size, is_master=False)

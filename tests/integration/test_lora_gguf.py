@@ -49,7 +49,7 @@ def test_adapter_on_gguf_base_matches_peft_on_dequantized_model(tmp_path: Path) 
     )
     layer = runner.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj):  # kept quantized, with a slot
-        assert isinstance(linear.packed, QuantWeight) and linear.lora is not None
+        assert isinstance(linear.packed, QuantWeight) and linear.delta is not None
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (9, 14)]
     driver = Driver(runner, prompts * 2, [("ad", str(adapter))] * 2 + [None] * 2)

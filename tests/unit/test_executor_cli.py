@@ -53,18 +53,19 @@ def test_every_flag_lands_in_the_config_section_of_its_help_group(monkeypatch):
 
     from executor_svc.cli import build_parser
     from executor_svc.config.settings import SECTIONS, ExecutorConfig
+    from executor_svc.features.flags import feature_sections
 
     parser = build_parser()
     groups = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
-    for name, (section, _) in SECTIONS.items():
+    for name, (section, _) in {**SECTIONS, **feature_sections()}.items():
         assert groups[name] <= {f.name for f in fields(section)}, name
     monkeypatch.setenv("LLMSERVE_REDIS_SENTINEL_PASSWORD", "s3cret")
     args = parser.parse_args(
         ["--block-size", "32", "--load-format", "dummy", "--no-deterministic", "--enable-lora"]
     )
-    config = ExecutorConfig.from_args(args)
+    config = ExecutorConfig.from_args(args, feature_sections())
     assert config.cache.block_size == 32
-    assert config.lora.enable_lora is True
+    assert config.features["lora"].enable_lora is True
     assert config.registry.redis_sentinel_password == "s3cret"
     assert config.runtime.load_format == "dummy"
     assert config.runtime.deterministic is False

@@ -172,32 +172,57 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # (response_fields.py, iterated by ChatAnswer); state.prompt_tokens's docstring reworded.
 # Left: the completions handler (echo prepends the prompt and its logprobs to each choice) and
 # protocol.py (the prompt_logprobs and echo fields and their checks).
+# LoRA's executor 13 -> 2 (29 -> 18 in all), speculative's 3 -> 2 (11 -> 10): the executor's
+# shared code has generic points the features fill (docs/internals.md, "Features as plug-ins",
+# executor side). The models' projections have a per-layer ``delta`` (LoRA's slots; the CPU
+# decoder declines any delta); the low-rank kernel is csrc/lowrank_rows.cpp
+# (llmserve_lowrank_rows_f32, what it computes) with its wrapper in features/lora/kernel.py;
+# SeqState.features (shared by the runner's view) holds each feature's per-sequence entry (the
+# adapter; the draft's valid KV count), so LoRA's prepare hook and the SeqState/view fields are
+# gone; tensor parallelism carries StepMessage.feature_data to the workers' new
+# worker_before/after_forward hooks, and the runner takes features' options as keywords each
+# feature's build reads (LoRA's config from JSON on the workers); the LoadLoraAdapter RPC is the
+# feature's (Feature.rpcs/serve; the servicer adds a method per registry.feature_rpcs()); LoRA's
+# settings section is declared in features/lora/flags.py (SECTION, ExecutorConfig.features).
+# Speculative's executor 2 -> 1 (10 -> 9) and structured outputs' 3 -> 2 (18 -> 17): the
+# runner's per-step view carries what features add for the step in ScheduledSequence.step_data
+# (by feature name: structured outputs' token mask, speculation's SpecStep in
+# features/spec/view.py: proposals, draft count, valid draft KV), and ModelRunner.draft is gone
+# (features.handle("spec")). Left on the executor: for LoRA the registries (features/flags.py,
+# features/registry.py); for speculative decoding ModelSettings.speculative_model (its flag sits
+# in the model group); for structured outputs the registry and speculation's refusal of a
+# constrained sequence (its error names token_masks, the proto field).
+# Pooling's executor 3 -> 2 (14 -> 13), prompt logprobs' 4 -> 3 (20 -> 19): ModelRunner.execute
+# and launch take the lists features return beside the samples as keywords by output name
+# (Feature.output; Features.output_names refuses an unknown one) instead of naming them. Left:
+# the registry and the executor's SamplingParams (runner/sampler.py: PoolingState,
+# prompt_logprobs), and for prompt logprobs api/validation.py's checks of the field.
 LIMITS: dict[str, dict[str, int]] = {
-    "lora": {"scheduler_svc": 7, "executor_svc": 13, "frontend_svc": 1, "client": 6, "protos": 2},
+    "lora": {"scheduler_svc": 7, "executor_svc": 2, "frontend_svc": 1, "client": 6, "protos": 2},
     "speculative": {
         "scheduler_svc": 3,
-        "executor_svc": 3,
+        "executor_svc": 1,
         "frontend_svc": 0,
         "client": 2,
         "protos": 3,
     },
     "structured outputs": {
         "scheduler_svc": 1,
-        "executor_svc": 3,
+        "executor_svc": 2,
         "frontend_svc": 1,
         "client": 1,
         "protos": 3,
     },
     "pooling": {
         "scheduler_svc": 2,
-        "executor_svc": 3,
+        "executor_svc": 2,
         "frontend_svc": 1,
         "client": 2,
         "protos": 3,
     },
     "prompt logprobs": {
         "scheduler_svc": 8,
-        "executor_svc": 4,
+        "executor_svc": 3,
         "frontend_svc": 2,
         "client": 1,
         "protos": 3,
@@ -259,9 +284,9 @@ def _function(path: str, qualname: str) -> ast.FunctionDef | ast.AsyncFunctionDe
     )
 
 
-# (file, function, whether it may not even name a feature). The executor's execute still takes
-# the lists that receive prompt logprobs and pooled vectors (its callers' interface), so only
-# its branches are checked.
+# (file, function, whether it may not even name a feature). The executor's execute takes the
+# lists features return beside the samples as keywords (by output name); only its branches are
+# checked.
 STEP_FUNCTIONS = [
     ("scheduler_svc/engine/step_results.py", "process_step_outputs", True),
     ("scheduler_svc/engine/requests.py", "RequestFront.submit", True),

@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
+from executor_svc.features.lora import kernel as lora_kernel
 from executor_svc.features.lora.manager import LoraConfig
 from executor_svc.features.lora.peft import LoraError
-from executor_svc.kernels import lora as lora_kernel
 from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence
 from tests.support.lora_factory import SPECS, load_peft_reference, make_adapter
 from tests.support.model_factory import make_tiny_checkpoint
@@ -53,10 +53,10 @@ class Driver:
         if need > 0:
             self.tables[i] += self.free[:need]
             self.free = self.free[need:]
-        name, path = self.loras[i] or (None, None)
+        adapter = {"lora": self.loras[i]} if self.loras[i] else None  # SeqState.features
         return ScheduledSequence(
             str(i), list(self.tokens[i]), self.num_prompt[i], list(self.tables[i]),
-            self.computed[i], n, None, lora_name=name, lora_path=path,
+            self.computed[i], n, None, features=adapter,
         )  # fmt: skip
 
     def step(self, schedule: dict[int, int]) -> torch.Tensor:
@@ -155,7 +155,7 @@ def test_lru_caches_and_unload(base_and_adapters):
         num_device_blocks=32,
         lora=LoraConfig(max_loras=1, max_cpu_loras=2),
     )
-    mgr = runner.lora
+    mgr = runner.features.handle("lora")
     for name in ("qv8", "mlp8", "qv8", "ku16"):
         mgr.load(name, adapters[name])
     assert mgr.names() == ["qv8", "ku16"]  # mlp8 was the least recently used
@@ -166,11 +166,11 @@ def test_lru_caches_and_unload(base_and_adapters):
 
 def test_bad_adapters_are_refused_clearly(base_and_adapters, tmp_path):
     base, adapters = base_and_adapters
-    mgr = _runner(base).lora
+    mgr = _runner(base).features.handle("lora")
     with pytest.raises(LoraError, match="does not exist") as e:
         mgr.load("x", str(tmp_path / "missing"))
     assert e.value.not_found
-    big = _runner(base, max_lora_rank=32).lora
+    big = _runner(base, max_lora_rank=32).features.handle("lora")
     with pytest.raises(LoraError, match="exceeds --max-lora-rank 32"):
         big.load("all64", adapters["all64"])
     bad = tmp_path / "bad"
@@ -209,7 +209,7 @@ def test_bfloat16_follows_float32(base_and_adapters):
         logits = d.step({0: len(prompt[0])})
         runs.append(logits.float())
         if dtype == "bfloat16":
-            weights = runner.lora._on_device(lora[0]).weights  # noqa: SLF001
+            weights = runner.features.handle("lora")._on_device(lora[0]).weights  # noqa: SLF001
             assert not any(isinstance(ab, lora_kernel.LoraWeights) for ab in weights.values())
     assert runs[0].argmax(-1).tolist() == runs[1].argmax(-1).tolist()
     torch.testing.assert_close(runs[1], runs[0], rtol=0.1, atol=0.5)

@@ -93,7 +93,7 @@ def test_quantized_base_with_adapters_matches_peft_on_dequantized_weights(
 ):
     base, adapters = base_and_adapters
     runner = _runner(base, scheme)
-    assert runner.model.layers[0].self_attn.qkv_proj.lora is not None
+    assert runner.model.layers[0].self_attn.qkv_proj.delta is not None
     names = [None, *adapters]
     prompts = _prompts(len(names), seed=3)
     loras = [(n, adapters[n]) if n else None for n in names]

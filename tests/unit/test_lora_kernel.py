@@ -1,5 +1,5 @@
-"""The batched LoRA kernel (csrc/lora.cpp via kernels/lora.py): each row's result is bitwise the
-same alone and in groups of any size (rows are blocked four at a time inside), at 1 and 2
+"""The batched LoRA kernel (kernels/csrc/lowrank_rows.cpp via features/lora/kernel.py): each
+row's result is bitwise the same alone and in groups of any size (rows are blocked four at a time inside), at 1 and 2
 threads, for ranks and shard sizes that take every path (64-wide, 16-wide, scalar tails); and
 it computes (x @ A) @ B_s added into each shard's columns."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.kernels import lora as lora_kernel
+from executor_svc.features.lora import kernel as lora_kernel
 
 pytestmark = pytest.mark.skipif(lora_kernel._fn() is None, reason="no kernel library")
 

@@ -145,7 +145,7 @@ def test_runner_pools_only_the_sequences_that_ask(runner):
         ScheduledSequence("b", [8, 9, 10, 11], 4, [1], 0, 4, pooled_params),
     ]
     pooled: list = []
-    results = runner.execute(seqs, [], [], [], [], pooled=pooled)
+    results = runner.execute(seqs, [], [], [], prompt_logprobs=[], pooled=pooled)
     assert [r.seq_id for r in results] == ["a"]  # b samples nothing
     assert [p.seq_id for p in pooled] == ["b"]
     assert pooled[0].vector.shape == (runner.info.hidden_size,)

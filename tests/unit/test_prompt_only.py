@@ -73,6 +73,6 @@ def test_runner_samples_only_sequences_that_generate(tmp_path):
     prompt_lps: list = []
     with torch.inference_mode():
         assert runner.prepare_inputs(seqs).sample_seq_indices == [0, 2]
-        results = runner.execute(seqs, [], [], [], prompt_lps)
+        results = runner.execute(seqs, [], [], [], prompt_logprobs=prompt_lps)
     assert [r.seq_id for r in results] == ["a", "c"]
     assert [p.seq_id for p in prompt_lps] == ["b"]

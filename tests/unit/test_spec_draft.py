@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from executor_svc.features.spec.draft import draft_computed_after
+from executor_svc.features.spec.view import SpecStep, spec_of
 from executor_svc.runner.model_runner import ModelRunner
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.features.spec.decode import SpeculativeConfig, draft_executor_error
@@ -153,7 +154,7 @@ def test_opt_out_and_n_greater_than_one(runners: dict[str, ModelRunner]) -> None
 
 def _draft_kv(runner: ModelRunner, seqs: list, seq_index: int, num_positions: int):
     """The draft's K and V of seqs[seq_index] at positions [0, num_positions), every layer."""
-    kv = runner.draft.kv_cache
+    kv = runner.features.handle("spec").kv_cache
     bs = runner.block_size
     table = seqs[seq_index].block_table
     slots = [table[p // bs] * bs + p % bs for p in range(num_positions)]
@@ -181,29 +182,32 @@ def test_draft_kv_is_the_same_bits_whatever_the_batch_and_split(
         return ScheduledSequence(
             seq_id=sid, token_ids=tokens, num_prompt_tokens=len(tokens), block_table=table,
             num_computed_tokens=len(tokens) - 1, num_scheduled_tokens=1 + K,
-            sampling_params=None, num_draft_tokens=K, draft_num_computed=done,
+            sampling_params=None,
+            step_data={"spec": SpecStep(num_draft_tokens=K, draft_num_computed=done)},
         )  # fmt: skip
 
     a_table, b_table = list(range(10, 17)), list(range(30, 35))
     n = len(a_tokens)
-    runner.draft.kv_cache.key.zero_()
+    runner.features.handle("spec").kv_cache.key.zero_()
     alone = [seq("a", a_tokens, a_table)]
-    runner.draft.propose(alone, runner.prepare_inputs)
+    runner.features.handle("spec").propose(alone, runner.prepare_inputs)
     ref = _draft_kv(runner, alone, 0, n)
 
-    runner.draft.kv_cache.key.fill_(7.0)  # stale bits everywhere
+    runner.features.handle("spec").kv_cache.key.fill_(7.0)  # stale bits everywhere
     batch = [seq("b", b_tokens, b_table), seq("a", a_tokens, a_table)]
-    runner.draft.propose(batch, runner.prepare_inputs)
-    assert batch[1].spec_token_ids == alone[0].spec_token_ids
+    runner.features.handle("spec").propose(batch, runner.prepare_inputs)
+    assert spec_of(batch[1]).spec_token_ids == spec_of(alone[0]).spec_token_ids
     for x, y in zip(_draft_kv(runner, batch, 1, n), ref, strict=True):
         assert torch.equal(x, y)
 
-    runner.draft.kv_cache.key.fill_(-3.0)
+    runner.features.handle("spec").kv_cache.key.fill_(-3.0)
     first = [seq("a", a_tokens[:9], a_table)]
-    runner.draft.propose(first, runner.prepare_inputs)  # positions 0..8 (+ proposals)
+    runner.features.handle("spec").propose(
+        first, runner.prepare_inputs
+    )  # positions 0..8 (+ proposals)
     second = [seq("b", b_tokens, b_table), seq("a", a_tokens, a_table, done=9)]
-    runner.draft.propose(second, runner.prepare_inputs)  # catches up over 9..20
-    assert second[1].spec_token_ids == alone[0].spec_token_ids
+    runner.features.handle("spec").propose(second, runner.prepare_inputs)  # catches up over 9..20
+    assert spec_of(second[1]).spec_token_ids == spec_of(alone[0]).spec_token_ids
     for x, y in zip(_draft_kv(runner, second, 1, n), ref, strict=True):
         assert torch.equal(x, y)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from executor_svc.features.lora.manager import adapter_of
 from executor_svc.features.lora.peft import LoraError
 
 
@@ -15,7 +16,7 @@ def check_step_loras(states: Iterable[Any], lora: Any) -> tuple[str | None, bool
     """Why the step cannot run (None if it can), and whether any sequence has an adapter;
     ``states`` are the step's SeqStates and ``lora`` the runner's ``LoraManager`` (None when
     LoRA is off)."""
-    keys = {(s.lora_name, s.lora_path) for s in states if s.lora_name}
+    keys = {k for k in map(adapter_of, states) if k is not None}
     if not keys:
         return None, False
     if lora is None:

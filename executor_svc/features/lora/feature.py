@@ -7,24 +7,52 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from executor_svc.features.base import Feature, InvalidStep, LoadContext, Step
+from executor_svc.features.base import Feature, InvalidStep, LoadContext, NotFound, Step
 from executor_svc.features.lora.check import check_step_loras
-from executor_svc.features.lora.manager import LoraConfig, LoraManager, no_lora_error, row_groups
+from executor_svc.features.lora.manager import (
+    LoraConfig,
+    LoraManager,
+    adapter_of,
+    no_lora_error,
+    row_groups,
+    set_adapter,
+)
+from executor_svc.features.lora.peft import LoraError
+from protos import executor_pb2 as pb
 
 __all__ = ["Lora"]
 
 
 class Lora(Feature):
-    """Hooks: load (slots on the projections), describe, validate (a new sequence's adapter into
-    its state; the step's adapters), prepare inputs (adapters onto the views, and to tensor-
-    parallel workers), before/after forward (the step's rows per adapter). Without a config it
-    only refuses sequences that name an adapter. ``handle``: the ``LoraManager``."""
+    """Hooks: load (slots on the projections' ``delta``), describe, validate (a new sequence's
+    adapter into its state's ``features``; the step's adapters), prepare inputs (the adapters'
+    rows to tensor-parallel workers, whose worker hooks set them), before/after forward (the
+    step's rows per adapter), and the LoadLoraAdapter RPC. Without a config it only refuses
+    sequences that name an adapter. ``handle``: the ``LoraManager``."""
 
     name = "lora"
+    rpcs = ("LoadLoraAdapter",)
 
     def __init__(self, config: LoraConfig | None) -> None:
         self.config = config
         self.handle: LoraManager | None = None
+
+    @classmethod
+    def build(cls, options: dict[str, Any]) -> Lora:
+        """From the runner's ``lora`` option: a LoraConfig, its fields (as tensor-parallel
+        workers get it, JSON), or None."""
+        config = options.get("lora")
+        return cls(LoraConfig(**config) if isinstance(config, dict) else config)
+
+    def serve(self, method: str, request: Any) -> Any:
+        """LoadLoraAdapter: read and check the adapter now (the scheduler's live load)."""
+        if self.handle is None:
+            raise InvalidStep("this executor serves no LoRA (start it with --enable-lora)")
+        try:
+            adapter = self.handle.load(request.name, request.path)
+        except LoraError as e:
+            raise (NotFound if e.not_found else InvalidStep)(str(e)) from None
+        return pb.LoadLoraAdapterResponse(rank=adapter.rank)
 
     def load(self, ctx: LoadContext) -> None:
         if self.config is not None:
@@ -36,8 +64,8 @@ class Lora(Feature):
         return {"max_loras": self.config.max_loras, "max_lora_rank": self.config.max_lora_rank}
 
     def check_new(self, field: str, n: Any, state: Any) -> None:
-        state.lora_name = n.lora_name or None
-        state.lora_path = n.lora_path or None
+        if n.lora_name:
+            set_adapter(state, n.lora_name, n.lora_path or None)
 
     def check_step(self, request: Any, plan: Any, limits: Any) -> bool:
         error, used = check_step_loras((s for s, _ in plan.scheduled), self.handle)
@@ -45,18 +73,25 @@ class Lora(Feature):
             raise InvalidStep(error)
         return used
 
-    def prepare(self, plan: Any, seqs: list[Any]) -> None:
-        for seq, (state, _) in zip(seqs, plan.scheduled, strict=True):
-            seq.lora_name, seq.lora_path = state.lora_name, state.lora_path
-
     def active(self, seqs: Sequence[Any]) -> bool:
         # With LoRA on, every step sets the rows (none: the base model), so that a failed
         # forward's groups never outlive it; with LoRA off, only a step naming an adapter.
-        return self.handle is not None or any(s.lora_name for s in seqs)
+        return self.handle is not None or any(adapter_of(s) is not None for s in seqs)
 
     def to_workers(self, step: Step, fields: dict[str, Any]) -> None:
         if self.handle is not None:
-            fields["lora_rows"] = row_groups(step.seqs)
+            rows = row_groups(step.seqs)
+            if rows:  # JSON: [[name, path, rows], ...]
+                data = [[n, p, r] for (n, p), r in rows.items()]
+                fields.setdefault("feature_data", {})[self.name] = data
+
+    def worker_before_forward(self, data: Any) -> None:
+        if self.handle is not None:  # rank 0 checked and named the adapters
+            self.handle.begin_groups({(n, p): r for n, p, r in data or ()})
+
+    def worker_after_forward(self) -> None:
+        if self.handle is not None:
+            self.handle.end_step()
 
     def before_forward(self, step: Step) -> None:
         if self.handle is None:

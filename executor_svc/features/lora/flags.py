@@ -1,13 +1,26 @@
-"""LoRA's command line on the executor: ``--enable-lora`` and its limits (the ``lora`` section
-of ``ExecutorConfig``, ``LoraSettings``), their usage check, and what they hand the server (the
-manager's ``LoraConfig``). Registered in ``features/flags.py``."""
+"""LoRA's command line on the executor: ``--enable-lora`` and its limits (its own section of
+``ExecutorConfig``: ``LoraSettings``, ``config.features["lora"]``), their usage check, and what
+they hand the server (the manager's ``LoraConfig``). Registered in ``features/flags.py``."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["add_flags", "server_options", "usage_error"]
+__all__ = ["SECTION", "LoraSettings", "add_flags", "server_options", "usage_error"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSettings:
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+
+
+# The feature's section of ExecutorConfig: (name, its settings, the --help group's description).
+SECTION = ("lora", LoraSettings, "LoRA adapters")
 
 
 def add_flags(section: str, g: argparse._ArgumentGroup) -> None:
@@ -28,7 +41,7 @@ def add_flags(section: str, g: argparse._ArgumentGroup) -> None:
 def _lora_config(config: Any) -> Any:
     """The LoRA manager's configuration (``manager.LoraConfig``), or None without LoRA;
     ValueError if the limits are out of range."""
-    lora = config.lora
+    lora: LoraSettings = config.features["lora"]
     if not lora.enable_lora:
         return None
     from executor_svc.features.lora.manager import LoraConfig

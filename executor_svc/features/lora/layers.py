@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from executor_svc.features.lora import kernel as lora_kernel
 from executor_svc.features.lora.peft import LoraAdapter
 from executor_svc.kernels import gemm
-from executor_svc.kernels import lora as lora_kernel
 
 
 def _mm(x: torch.Tensor, w: torch.Tensor | gemm.PackedWeight) -> torch.Tensor:
@@ -37,7 +37,7 @@ def pack_adapter(adapter: LoraAdapter) -> LoraAdapter:
     packed: dict = {}
     for key, (a, bs) in adapter.weights.items():
         fused = lora_kernel.LoraWeights.of(a, adapter.rank, bs)
-        if fused is not None:  # one kernel call per group (csrc/lora.cpp)
+        if fused is not None:  # one kernel call per group (kernels/csrc/lowrank_rows.cpp)
             packed[key] = fused
             continue
         pa = gemm.pack(a)
@@ -69,7 +69,8 @@ class LoraStep:
 
 
 class LoraSlot:
-    """Installed on one packed ``Linear`` (``linear.lora``); reads the current ``LoraStep``."""
+    """Installed on one packed ``Linear`` as its ``delta`` (the model's per-layer extension
+    point); reads the current ``LoraStep``."""
 
     def __init__(self, key: tuple[int, str], step: LoraStep) -> None:
         self.key = key  # (layer index, packed module name)

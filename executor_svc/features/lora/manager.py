@@ -39,11 +39,27 @@ _MODULES = {
 
 
 class LoraSequence(Protocol):
-    """What the manager reads of a scheduled sequence."""
+    """What the manager reads of a scheduled sequence (its adapter: ``adapter_of``)."""
 
-    lora_name: str | None
-    lora_path: str | None
+    features: dict[str, Any] | None
     num_scheduled_tokens: int
+
+
+FEATURE = "lora"  # the feature's name: its entry in a sequence's ``features``
+
+
+def adapter_of(s: Any) -> AdapterKey | None:
+    """A sequence's adapter (a SeqState or the runner's view of it): (name, directory, None if
+    not sent); None for the base model."""
+    f = s.features
+    return f.get(FEATURE) if f else None
+
+
+def set_adapter(state: Any, name: str, path: str | None) -> None:
+    """Give a SeqState its adapter (``name`` non-empty)."""
+    if state.features is None:
+        state.features = {}
+    state.features[FEATURE] = (name, path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +101,7 @@ def install_slots(model: Any, step: LoraStep) -> ModelShapes:
     for i, layer in enumerate(model.layers):
         for name, (block, width) in _MODULES.items():
             linear = getattr(getattr(layer, block), name)
-            linear.lora = LoraSlot((i, name), step)
+            linear.delta = LoraSlot((i, name), step)
             shapes[(i, name)] = _module_shape(linear, widths[width], full_sizes.get(name))
     return shapes
 
@@ -165,7 +181,7 @@ class LoraManager:
 
     def check_step(self, seqs: Sequence[LoraSequence]) -> None:
         """Refuse a step with more distinct adapters than ``max_loras`` (before it runs)."""
-        keys = {(s.lora_name, s.lora_path) for s in seqs if s.lora_name}
+        keys = {k for k in map(adapter_of, seqs) if k is not None}
         if len(keys) > self.config.max_loras:
             raise LoraError(
                 f"a step holds {len(keys)} LoRA adapters; --max-loras is {self.config.max_loras}"
@@ -196,10 +212,11 @@ def row_groups(seqs: Sequence[LoraSequence]) -> dict[AdapterKey, list[int]]:
     start = 0
     for s in seqs:
         n = s.num_scheduled_tokens
-        if s.lora_name:
-            if not s.lora_path:
-                raise LoraError(f"LoRA adapter {s.lora_name!r} was sent without its path")
-            rows.setdefault((s.lora_name, s.lora_path), []).extend(range(start, start + n))
+        key = adapter_of(s)
+        if key is not None:
+            if not key[1]:
+                raise LoraError(f"LoRA adapter {key[0]!r} was sent without its path")
+            rows.setdefault(key, []).extend(range(start, start + n))
         start += n
     return rows
 
@@ -207,5 +224,6 @@ def row_groups(seqs: Sequence[LoraSequence]) -> dict[AdapterKey, list[int]]:
 def no_lora_error(seqs: Sequence[Any]) -> None:
     """A runner without LoRA refuses sequences that name an adapter."""
     for s in seqs:
-        if getattr(s, "lora_name", None):
-            raise LoraError(f"LoRA adapter {s.lora_name!r} requested but LoRA is not enabled")
+        key = adapter_of(s)
+        if key is not None:
+            raise LoraError(f"LoRA adapter {key[0]!r} requested but LoRA is not enabled")

@@ -4,8 +4,8 @@ proposes the tokens a step then verifies (executor_svc/features/spec/verify.py).
 The draft has its own paged KV cache with the target's number of device blocks and block size,
 addressed by the same block tables and slot mapping: the scheduler allocates nothing more for
 it, and the slots it writes past the accepted tokens are rewritten later, as the target's are.
-A sequence's ``draft_num_computed`` (kept by the servicer beside its other state) counts the
-leading positions whose draft KV is valid; the executor sets it to 0 whenever it builds a
+A sequence's ``draft_num_computed`` (the feature's entry in the SeqState's ``features``) counts
+the leading positions whose draft KV is valid; it is 0 whenever the executor builds a
 sequence's state from a NewSequence (new, recomputed, swapped in, after a scheduler restart),
 which is exactly when that KV may be stale, so the draft then catches up over the whole context.
 
@@ -33,7 +33,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from executor_svc.features.base import LoadContext
+from executor_svc.features.base import LoadContext, without_entry
+from executor_svc.features.spec.view import NAME, spec_of
 
 # model_runner's ScheduledSequence, BatchInputs and ModelInfo (features import no runner code:
 # what the draft needs of the runner comes in the LoadContext).
@@ -125,19 +126,22 @@ class DraftModel:
         proposals appended to ``token_ids`` (a new list) and set as ``spec_token_ids``.
         ``prepare`` flattens sequences into a batch (ModelRunner.prepare_inputs)."""
         assert self.kv_cache is not None
-        drafting = [s for s in seqs if s.num_draft_tokens]
+        drafting = [s for s in seqs if spec_of(s).num_draft_tokens]
         known = [list(s.token_ids) for s in drafting]
         proposals: list[list[int]] = [[] for _ in drafting]
         # 1: catch-up over [draft_num_computed, p] and the first proposal.
         batch = [
-            _draft_view(s, t, s.draft_num_computed) for s, t in zip(drafting, known, strict=True)
+            _draft_view(s, t, spec_of(s).draft_num_computed)
+            for s, t in zip(drafting, known, strict=True)
         ]
         active = list(range(len(drafting)))
-        for _ in range(max(s.num_draft_tokens for s in drafting)):
+        for _ in range(max(spec_of(s).num_draft_tokens for s in drafting)):
             for j, token in zip(active, self._argmax(batch, prepare), strict=True):
                 proposals[j].append(token)
             # 2: one position more for those that want more proposals.
-            active = [j for j in active if len(proposals[j]) < drafting[j].num_draft_tokens]
+            active = [
+                j for j in active if len(proposals[j]) < spec_of(drafting[j]).num_draft_tokens
+            ]
             if not active:
                 break
             batch = []
@@ -146,7 +150,7 @@ class DraftModel:
                 batch.append(_draft_view(drafting[j], t, len(t) - 1))
         for s, t, d in zip(drafting, known, proposals, strict=True):
             s.token_ids = t + d
-            s.spec_token_ids = d
+            spec_of(s).spec_token_ids = d  # a drafting view has its entry
 
     def _argmax(self, batch: list[ScheduledSequence], prepare: PrepareInputs) -> list[int]:
         """The draft's greedy token after each sequence of the batch (its last row)."""
@@ -169,6 +173,5 @@ def _draft_view(s: ScheduledSequence, token_ids: list[int], num_computed: int) -
         num_computed_tokens=num_computed,
         num_scheduled_tokens=len(token_ids) - num_computed,
         sampling_params=None,
-        spec_token_ids=(),
-        num_draft_tokens=0,
+        step_data=without_entry(s, NAME),
     )

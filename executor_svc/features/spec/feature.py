@@ -17,9 +17,11 @@ from executor_svc.features.base import (
     check_len,
     check_tokens,
     sampled_pb,
+    step_entry,
 )
 from executor_svc.features.spec import verify
 from executor_svc.features.spec.draft import DraftModel, draft_computed_after, load_draft
+from executor_svc.features.spec.view import spec_entry, spec_of
 
 __all__ = ["SpecDecode", "record_verified"]
 
@@ -109,19 +111,20 @@ class SpecDecode(Feature):
         for seq in seqs:
             k = data.draft.get(seq.seq_id)
             if k:  # the draft proposes in the runner (before_inputs)
-                seq.num_draft_tokens = k
-                seq.draft_num_computed = plan.states[seq.seq_id].draft_num_computed
+                entry = spec_entry(seq)
+                entry.num_draft_tokens = k
+                entry.draft_num_computed = draft_computed(plan.states[seq.seq_id])
                 data.views[seq.seq_id] = seq
             spec = data.spec.get(seq.seq_id)
             if spec:  # proposals ride after the known tokens
                 seq.token_ids = seq.token_ids + spec
-                seq.spec_token_ids = spec
+                spec_entry(seq).spec_token_ids = spec
 
     def active(self, seqs: Sequence[Any]) -> bool:
-        return any(s.spec_token_ids or s.num_draft_tokens for s in seqs)
+        return any(step_entry(s, self.name) is not None for s in seqs)
 
     def before_inputs(self, step: Step) -> None:
-        if self.handle is not None and any(s.num_draft_tokens for s in step.seqs):
+        if self.handle is not None and any(spec_of(s).num_draft_tokens for s in step.seqs):
             self.handle.propose(step.seqs, self._prepare)  # fills their spec_token_ids
 
     def sample_rows(
@@ -150,15 +153,24 @@ class SpecDecode(Feature):
         data: _StepSpec = plan.extras[self.name]
         k = data.draft.get(state.seq_id, 0)
         if k:  # verified like the scheduler's proposals from here on
-            data.spec[state.seq_id] = list(data.views[state.seq_id].spec_token_ids)
+            data.spec[state.seq_id] = list(spec_of(data.views[state.seq_id]).spec_token_ids)
         num_known = len(state.token_ids)
         accepted = record_verified(state, data.spec[state.seq_id], result, plan.block_size)
         if k:
-            state.draft_num_computed = draft_computed_after(num_known, k, accepted)
+            if state.features is None:
+                state.features = {}
+            state.features[self.name] = draft_computed_after(num_known, k, accepted)
         sampled.spec_sampled.extend(sampled_pb(x) for x in result.spec)
         if k:
             sampled.draft_token_ids.extend(data.spec[state.seq_id])
         return True
+
+
+def draft_computed(state: Any) -> int:
+    """A SeqState's leading positions whose draft KV is valid (its entry in ``features``, kept
+    by ``record``); 0 for a state built from a NewSequence (its draft KV may be stale: the draft
+    catches up)."""
+    return state.features.get(SpecDecode.name, 0) if state.features else 0
 
 
 def record_verified(s: Any, proposed: list[int], r: Any, block_size: int) -> int:

@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from executor_svc.features.base import without_entry
+from executor_svc.features.spec.view import NAME, spec_of
+
 # model_runner's ScheduledSequence and SampleResult (it imports this module, so they are not
 # named here: no import circle, even for type checkers).
 ScheduledSequence = Any
@@ -38,7 +41,7 @@ def sample_rows(
     idx: list[int] = []
     rows: list[int] = []
     for i in sample_seq_indices:
-        k = len(seqs[i].spec_token_ids)
+        k = len(spec_of(seqs[i]).spec_token_ids)
         idx.extend([i] * (k + 1))
         rows.extend(range(ends[i] - 1 - k, ends[i]))
     return idx, torch.tensor(rows, dtype=torch.long)
@@ -57,14 +60,16 @@ def row_views(
         s = seqs[i]
         j = j + 1 if i == prev else 0
         prev = i
-        k = len(s.spec_token_ids)
+        k = len(spec_of(s).spec_token_ids)
         if not k:
             views.append(s)
             continue
         # s.token_ids holds the known tokens and then the k proposals.
         views.append(
             dataclasses.replace(
-                s, token_ids=s.token_ids[: len(s.token_ids) - k + j], spec_token_ids=()
+                s,
+                token_ids=s.token_ids[: len(s.token_ids) - k + j],
+                step_data=without_entry(s, NAME),
             )
         )
     return views

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from executor_svc.features.base import Feature, InvalidStep, Step
+from executor_svc.features.base import Feature, InvalidStep, Step, set_step_entry, step_entry
 from executor_svc.features.structured.token_mask import apply_token_masks, decode_masks
 
 __all__ = ["StructuredOutput"]
@@ -29,17 +29,20 @@ class StructuredOutput(Feature):
     def prepare(self, plan: Any, seqs: list[Any]) -> None:
         masks: dict[str, np.ndarray] = plan.extras[self.name]
         for seq in seqs:
-            seq.token_mask = masks.get(seq.seq_id)
+            mask = masks.get(seq.seq_id)
+            if mask is not None:
+                set_step_entry(seq, self.name, mask)
 
     def active(self, seqs: Sequence[Any]) -> bool:
-        return any(s.token_mask is not None for s in seqs)
+        return any(step_entry(s, self.name) is not None for s in seqs)
 
     def before_sample(
         self, step: Step, sample_seq_indices: list[int], rows: list[Any], logits: Any
     ) -> list[Any]:
         # Before everything else of the sampler: it and the logprobs see the masked rows.
-        masked = [j for j, s in enumerate(rows) if s.token_mask is not None]
-        apply_token_masks(logits, masked, [rows[j].token_mask for j in masked])
+        masks = [step_entry(s, self.name) for s in rows]
+        masked = [j for j, m in enumerate(masks) if m is not None]
+        apply_token_masks(logits, masked, [masks[j] for j in masked])
         return rows
 
 

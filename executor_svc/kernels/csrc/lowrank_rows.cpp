@@ -1,6 +1,7 @@
-// Batched LoRA for fp32 on the CPU (executor_svc/lora): for the rows of one adapter group,
-// y[row] += (x[row] @ A) @ B_s for each shard s of a packed projection (q|k|v, gate|up), the
-// shard's B landing in its own output columns. Part of the CPU kernel library
+// A low-rank update of chosen rows, fp32 on the CPU: for the given rows,
+// y[row] += (x[row] @ A) @ B_s for each column shard s of a packed projection (q|k|v, gate|up),
+// the shard's B landing in its own output columns (the LoRA feature's batched apply:
+// executor_svc/features/lora/kernel.py). Part of the CPU kernel library
 // (executor_svc/kernels/library.py builds csrc/*.cpp into one).
 //
 // Step invariance: each row is computed on its own, in one fixed order (x @ A: k ascending for
@@ -62,7 +63,7 @@ inline void rows_times(const float* const* v, int64_t depth, const float* m, int
 
 // The rows of one block (R of them): x @ A, then each shard's B into y.
 template <int R>
-inline void lora_rows(const float* const* xr, float* const* yr, int64_t k, const float* a,
+inline void lowrank_rows(const float* const* xr, float* const* yr, int64_t k, const float* a,
                       int64_t ra, int64_t r, int64_t num_shards, const int64_t* shard_start,
                       const int64_t* shard_size, const float* const* b_ptrs) {
   constexpr int64_t kBlock = 256;
@@ -91,7 +92,7 @@ inline void lora_rows(const float* const* xr, float* const* yr, int64_t k, const
 // x: rows of k floats at row stride ldx; rows: the num_rows row indices of the group (into x
 // and y); a: [k, ra] row-major; shards: num_shards of (start, size) in shard_start/size, B_s
 // [r, size] row-major at b_ptrs[s], A's columns [s * r, (s + 1) * r); y: rows at stride ldy.
-extern "C" int llmserve_lora_f32(const float* x, int64_t ldx, int64_t k, const int64_t* rows,
+extern "C" int llmserve_lowrank_rows_f32(const float* x, int64_t ldx, int64_t k, const int64_t* rows,
                                  int64_t num_rows, const float* a, int64_t ra, int64_t r,
                                  int64_t num_shards, const int64_t* shard_start,
                                  const int64_t* shard_size, const float* const* b_ptrs,
@@ -108,10 +109,10 @@ extern "C" int llmserve_lora_f32(const float* x, int64_t ldx, int64_t k, const i
       yr[t] = y + rows[first + t] * ldy;
     }
     if (count == kRowBlock) {
-      lora_rows<kRowBlock>(xr, yr, k, a, ra, r, num_shards, shard_start, shard_size, b_ptrs);
+      lowrank_rows<kRowBlock>(xr, yr, k, a, ra, r, num_shards, shard_start, shard_size, b_ptrs);
     } else {
       for (int64_t t = 0; t < count; ++t)
-        lora_rows<1>(xr + t, yr + t, k, a, ra, r, num_shards, shard_start, shard_size, b_ptrs);
+        lowrank_rows<1>(xr + t, yr + t, k, a, ra, r, num_shards, shard_start, shard_size, b_ptrs);
     }
   });
   return 0;

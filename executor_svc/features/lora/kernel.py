@@ -1,6 +1,6 @@
-"""The batched LoRA kernel's wrapper (``csrc/lora.cpp``): for the rows of one adapter group,
-``y[rows] += (x[rows] @ A) @ B_s`` per shard, each row on its own in a fixed order (step
-invariant), in one call instead of a GEMM pair per shard plus gathers. ``LoraWeights.of``
+"""The batched LoRA kernel's wrapper (``kernels/csrc/lowrank_rows.cpp``): for the rows of one
+adapter group, ``y[rows] += (x[rows] @ A) @ B_s`` per shard, each row on its own in a fixed
+order (step invariant), in one call instead of a GEMM pair per shard plus gathers. ``LoraWeights.of``
 returns None where the kernel does not apply (not fp32 CPU, no library, deterministic numerics
 off), and the caller keeps its torch path."""
 
@@ -14,12 +14,12 @@ import torch
 from executor_svc.config import numerics
 from executor_svc.kernels import library
 
-MAX_RANK_TOTAL = 256  # rank * shards; csrc/lora.cpp kMaxRankTotal
+MAX_RANK_TOTAL = 256  # rank * shards; csrc/lowrank_rows.cpp kMaxRankTotal
 
 
 def _fn():
     lib = library.load()
-    return getattr(lib, "llmserve_lora_f32", None) if lib is not None else None
+    return getattr(lib, "llmserve_lowrank_rows_f32", None) if lib is not None else None
 
 
 @dataclass(slots=True, eq=False)
