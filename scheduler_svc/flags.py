@@ -93,6 +93,13 @@ def _executors_flags(g: argparse._ArgumentGroup) -> None:
         "addresses (auto), else relayed through the scheduler in the gRPC stream",
     )
     g.add_argument(
+        "--migrate-chunk-bytes",
+        type=int,
+        default=0,
+        help="payload bytes per chunk of migrated KV in the gRPC stream, at most 64 MiB "
+        "(0: the executor's default, 2 MiB)",
+    )
+    g.add_argument(
         "--health-interval",
         type=float,
         default=0.5,

@@ -94,6 +94,7 @@ def engine_config(args: argparse.Namespace, redis_url: str) -> EngineConfig:
         executor_failover_s=args.executor_failover,
         migrate_on_drain=not args.no_migrate_on_drain,
         migrate_transport=args.migrate_transport,
+        migrate_chunk_bytes=args.migrate_chunk_bytes,
         health_interval_s=args.health_interval,
         num_device_blocks=args.num_device_blocks,
         num_cpu_blocks=args.num_cpu_blocks,

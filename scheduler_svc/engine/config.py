@@ -94,6 +94,9 @@ class EngineConfig:
     # How the moved KV travels: "auto" (shared memory between executors with loopback
     # addresses, else gRPC), "grpc" (relayed through the scheduler) or "shm" (one host only).
     migrate_transport: str = "auto"
+    # Payload bytes per gRPC chunk of moved KV (ExportKVRequest.chunk_bytes); 0: the executor's
+    # default (2 MiB).
+    migrate_chunk_bytes: int = 0
     # The longest one batch of moved KV may take (ExportKV and ImportKV); past it, recompute.
     migrate_timeout_s: float = 30.0
     # Also serve executors that register themselves in Redis (llmserve-executor --redis-url),

@@ -82,7 +82,7 @@ class Engine:
             self.table, self.pool, self.persister, self.store, self.model, self.metrics
         )
         mover = Migration(self.pool, self.table, self.metrics, config.migrate_timeout_s,
-                          config.migrate_transport)  # fmt: skip
+                          config.migrate_transport, config.migrate_chunk_bytes)  # fmt: skip
         faults = Faults(self.table, self.pool, self.persister, self.recovery, self.lifecycle,
                         mover if config.migrate_on_drain else None)  # fmt: skip
         self.steps = StepLoop(config, self.lifecycle, self.pool, self.table, self.persister,

@@ -1,14 +1,19 @@
 """Live migration on drain (issue 47): streams running on executor A, executor B idle, SIGTERM
 to A. Every running request moves with its KV cache to B and continues there: output
 byte-identical to an undisturbed run (greedy and seeded), and no token computed again
-(`llmserve:prompt_tokens_recomputed` stays 0). When the move fails (A killed with -9 while its
-KV is about to move; B killed likewise), nothing is lost: the requests are recomputed (or stay on
-A, which finishes them) and the output is still identical.
+(`llmserve:prompt_tokens_recomputed` stays 0). When the move fails (A killed with -9 once B's
+blocks are allocated, B killed with -9 in the middle of the KV's byte stream), nothing is lost:
+the requests are recomputed (or stay on A, which finishes them) and the output is still
+identical.
 
 Real processes: Redis, two executors, the scheduler. B is paused (SIGSTOP) until the health
 probe marks it down, so that the reference run and the streams run on A alone; it is let go
-(SIGCONT) and back, idle, before A is told to drain. A failpoint (`engine.migrate=delay:S`) holds the
-move for S seconds after B's blocks are allocated, a window to kill an end in.
+(SIGCONT) and back, idle, before A is told to drain. Failpoints open a window to kill an end in:
+`engine.migrate=delay:S` holds the move for S seconds after B's blocks are allocated (A is
+killed there: no byte has left it yet); `engine.kv_move=delay:S` holds the relay for S seconds
+after the first of the 64 KiB gRPC chunks (B is killed there, holding the header and the first
+bytes of a stream that never ends). A killed mid-stream is not tested: the scheduler's receive
+window may already hold the whole export, and the move then succeeds, as it should.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ class Pair:
 
 
 @contextmanager
-def pair_of_executors(tmp: Path) -> Iterator[Pair]:
+def pair_of_executors(tmp: Path, scheduler_args: tuple[str, ...] = ()) -> Iterator[Pair]:
     """Redis, A, B and the scheduler; B is paused (SIGSTOP) until the health probe finds it
     gone, so that everything runs on A until `streams_on_a_with_b_idle` lets it back."""
     redis = RedisServer(data_dir=tmp / "redis")
@@ -78,7 +83,7 @@ def pair_of_executors(tmp: Path) -> Iterator[Pair]:
         EXECUTOR_ARGS,
         second_args=[*EXECUTOR_ARGS, "--drain-timeout", "60"],
         scheduler_args=["--executor-failover", "600", "--metrics-port", str(port)]
-        + ["--log-level", "info"],
+        + ["--log-level", "info", *scheduler_args],
     )
     try:
         pair = Pair(stack, leaving, port)
@@ -145,19 +150,26 @@ def test_sigterm_moves_every_running_stream_to_the_idle_executor(tmp_path):
         assert "kv.imported" in b_log
 
 
-@pytest.mark.parametrize("victim", ["a", "b"])
+MID_STREAM = ("--migrate-transport", "grpc", "--migrate-chunk-bytes", str(64 << 10))
+CUTS = {  # victim: (failpoint, scheduler flags, the log line that opens the window)
+    "a": ("engine.migrate=delay:1.5", (), "executor.migrating"),  # B's blocks are allocated
+    "b": ("engine.kv_move=delay:1.5", MID_STREAM, "kv_move.paused_mid_stream"),  # B has chunk 1
+}
+
+
+@pytest.mark.parametrize("victim", sorted(CUTS))
 def test_a_move_cut_short_by_a_dead_end_loses_nothing(tmp_path, monkeypatch, victim):
-    """kill -9 of A (the source) or B (the destination) while the move waits at the
-    failpoint: B's blocks are freed and the requests take the path without migration. A dead:
-    they are recomputed on B (the counter goes up). B dead: they stay on A, which finishes them
-    while it drains."""
-    monkeypatch.setenv("LLMSERVE_FAILPOINTS", "engine.migrate=delay:1.5")
-    with pair_of_executors(tmp_path) as pair:
+    """kill -9 of A (the source) or B (the destination) during the move: B's blocks are freed
+    and the requests take the path without migration. A dead: they are recomputed on B (the
+    counter goes up). B dead: they stay on A, which finishes them while it drains."""
+    failpoint, scheduler_args, window = CUTS[victim]
+    monkeypatch.setenv("LLMSERVE_FAILPOINTS", failpoint)
+    with pair_of_executors(tmp_path, scheduler_args) as pair:
         reference = reference_run(pair)
         results, threads = streams_on_a_with_b_idle(pair, "cut")
         pair.a.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 30
-        while "executor.migrating" not in pair.scheduler_log():  # B's blocks are allocated
+        while window not in pair.scheduler_log():
             assert time.monotonic() < deadline, "the migration never started"
             time.sleep(0.02)
         proc = pair.a if victim == "a" else pair.b

@@ -63,12 +63,14 @@ class Migration:
         metrics: EngineMetrics,
         timeout_s: float,
         transport: str = "auto",
+        chunk_bytes: int = 0,
     ) -> None:
         self.pool = pool
         self.table = table
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.transport = transport  # "auto", "grpc" or "shm" (fleet/kv_move.transport_between)
+        self.chunk_bytes = chunk_bytes  # per gRPC chunk; 0: the executor's default
         # Executor instances whose drain was handled (one migration per instance: requests a
         # failed move left behind stay there) and the migrations under way.
         self._started: set[str] = set()
@@ -233,4 +235,5 @@ class Migration:
                 transport=transport,
                 timeout_s=self.timeout_s,
                 epoch=self.pool.epoch,
+                chunk_bytes=self.chunk_bytes,
             )

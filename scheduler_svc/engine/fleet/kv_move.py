@@ -15,9 +15,13 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
+import structlog
 
 from protos import executor_pb2 as epb
+from scheduler_svc import failpoints
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
+
+log = structlog.get_logger(__name__)
 
 __all__ = ["LOOPBACK_HOSTS", "move_kv", "transport_between"]
 
@@ -51,17 +55,20 @@ async def move_kv(
     transport: int,
     timeout_s: float,
     epoch: int = 0,
+    chunk_bytes: int = 0,
 ) -> epb.ImportKVResponse:
     """Copy `src_blocks` (seq_id -> device blocks of `src`) into `dst_blocks` (as many each)
     of `dst`, each executor checked to be the instance the scheduler planned for. Raises
     grpc.aio.AioRpcError when either end fails or refuses; the destination's blocks are then
     unchanged or unreferenced (the caller frees them). `epoch`: this scheduler's leadership
-    epoch, which both ends check as they check a step's."""
+    epoch, which both ends check as they check a step's. `chunk_bytes`: payload bytes per
+    gRPC chunk (0: the exporter's default)."""
     request = epb.ExportKVRequest(
         sequences=_block_lists(src_blocks),
         transport=transport,
         instance_id=src.describe.instance_id,
         leader_epoch=epoch,
+        chunk_bytes=chunk_bytes,
     )
     chunks = src.stub.ExportKV(request, timeout=timeout_s)
     export_failed: list[grpc.aio.AioRpcError] = []
@@ -92,7 +99,20 @@ async def _retargeted(
                 del chunk.header.sequences[:]
                 chunk.header.sequences.extend(header_to)
                 chunk.header.instance_id = instance_id
+                yield chunk
+                if failpoints.ARMED:  # tests: a window to kill an end in, mid-stream
+                    await _pause_mid_stream()
+                continue
             yield chunk
     except grpc.aio.AioRpcError as e:
         export_failed.append(e)
         raise
+
+
+async def _pause_mid_stream() -> None:
+    """Failpoint `engine.kv_move=delay:S`: hold the relay for S seconds after the first chunk
+    (the importer holds the header and the first bytes; the exporter may still be sending)."""
+    seconds = failpoints.delay("engine.kv_move")
+    if seconds:
+        log.info("kv_move.paused_mid_stream", seconds=seconds)
+        await asyncio.sleep(seconds)
