@@ -44,7 +44,7 @@ class Handoff:
         """Whether `ex` hands its prefilled requests over (a prefill-only executor taking
         work); its steps are then not planned ahead, so that one is handed over as soon as
         its first token is in."""
-        return ex.role == "prefill" and ex.healthy and not ex.draining
+        return ex.role == "prefill" and ex.takes_work
 
     def ready(self, ex: ExecutorHandle) -> list[Request]:
         """`ex`'s requests with their prompt computed and a first token sampled, which may
@@ -68,9 +68,7 @@ class Handoff:
             if not self.hands_off(src):
                 return
             targets = [
-                e
-                for e in self.mover.pool.executors
-                if e is not src and e.decodes and e.healthy and not e.draining
+                e for e in self.mover.pool.executors if e is not src and e.decodes and e.takes_work
             ]
             for dst, reqs in self.mover.plan(src, targets, self.ready(src)):
                 await self._move(src, dst, reqs)
@@ -78,11 +76,11 @@ class Handoff:
         src.wake.set()
 
     async def _move(self, src: ExecutorHandle, dst: ExecutorHandle, reqs: list[Request]) -> None:
-        if dst.draining or not dst.healthy:
+        if not dst.takes_work:
             return
         began = time.perf_counter()
         async with dst.exclusive():
-            if not (dst.healthy and not dst.draining and src.healthy):
+            if not (dst.takes_work and src.healthy):
                 return
             locked = time.perf_counter()
             done = await self.mover.move_batch(src, dst, reqs, _EVENTS)

@@ -38,7 +38,7 @@ class RequestMoves:
         async with self.mover.lock, src.exclusive():
             req = self._movable(handle, src)
             async with dst.exclusive():
-                if not (dst.healthy and not dst.draining and src.healthy):
+                if not (dst.takes_work and src.healthy):
                     raise ValidationError(f"executor {dst.address} is not taking work")
                 done = await self.mover.move_batch(src, dst, [req], _EVENTS)
             dst.wake.set()
@@ -58,7 +58,7 @@ class RequestMoves:
     def _target(self, to_executor: str) -> ExecutorHandle:
         for ex in self.mover.pool.executors:
             if to_executor in (ex.address, ex.describe.instance_id):
-                if not ex.healthy or ex.draining:
+                if not ex.takes_work:
                     raise ValidationError(f"executor {to_executor!r} is not taking work")
                 return ex
         raise ValidationError(f"no executor {to_executor!r} (GetServerInfo lists them)")

@@ -112,7 +112,7 @@ class Migration:
         moved = 0
         for dst, reqs in self._plan(src):
             async with dst.exclusive():
-                if not (dst.healthy and not dst.draining and src.healthy):
+                if not (dst.takes_work and src.healthy):
                     break
                 done = await self.move_batch(src, dst, reqs)
             dst.wake.set()
@@ -123,7 +123,7 @@ class Migration:
         return moved, src.sched.num_running
 
     def _plan(self, src: ExecutorHandle) -> list[tuple[ExecutorHandle, list[Request]]]:
-        targets = [e for e in self.pool.executors if e is not src and e.healthy and not e.draining]
+        targets = [e for e in self.pool.executors if e is not src and e.takes_work]
         return self.plan(src, targets, src.sched.movable_requests())
 
     def plan(

@@ -95,6 +95,11 @@ class ExecutorHandle:
         return self.state in _DRAINING
 
     @property
+    def takes_work(self) -> bool:
+        """Up and not draining: new requests, moved ones and handoffs may go to it."""
+        return self.healthy and not self.draining
+
+    @property
     def role(self) -> str:
         """What it said it is for (`--role`): "both", "prefill" or "decode"."""
         return ROLE_NAMES.get(self.describe.role, "both")

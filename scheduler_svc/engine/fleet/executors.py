@@ -190,7 +190,7 @@ class ExecutorPool:
         """Where a prompt may go (prefill/decode disaggregation): the executors that prefill
         (role prefill or both) while one of them takes new work; with none up, every executor,
         decode ones included (availability first)."""
-        prefill = [e for e in self.executors if e.prefills and e.healthy and not e.draining]
+        prefill = [e for e in self.executors if e.prefills and e.takes_work]
         return prefill or self.executors
 
     def wake_all(self) -> None:
