@@ -216,12 +216,17 @@ class SchedulerState:
         sequence from a NewSequence with its num_computed_tokens, as after a swap-in; its full
         blocks enter the prefix cache after its first step here (update_from_output), so an
         undone move leaves no unfilled block findable. None: it does not fit (sequence slots,
-        free blocks above the watermark) or the id is taken."""
+        the step limit, free blocks above the watermark) or the id is taken."""
         src = other.seqs[0]
         nc = src.num_computed_tokens
         bm = self.block_manager
         if other.req_id in self._requests or self.num_running_seqs >= self.config.max_num_seqs:
             return None
+        limit = self.step_limit  # e.g. adapters a step may hold: the running ones all run
+        if limit is not None:
+            limit.begin(self._running)
+            if not limit.admits(other):
+                return None
         req, seq = copy.copy(other), copy.copy(src)
         seq.token_ids, seq.block_hashes = list(src.token_ids), list(src.block_hashes)
         seq.block_table, seq.cpu_block_table, seq.sent = [], [], False

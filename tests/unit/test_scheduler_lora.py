@@ -132,3 +132,19 @@ def test_a_request_skipped_too_long_drains_the_adapters_ahead_of_it():
     assert [s.seq_id for s in out.new_seqs] == ["r1/0"]
     assert sched.waiting_request_ids() == ["r4"]
     assert list(sched._skipped) == ["r4"]  # r1 forgotten; r4 now waits for B
+
+
+def test_an_adopted_request_respects_the_destination_adapter_limit():
+    """Live migration / a handoff: B already runs adapter A in its one slot; a request on
+    adapter B may not be adopted there (B's next step would hold two adapters, which its
+    executor refuses), one on A or on the base model may."""
+    src, dst = make_scheduler(max_loras=2), make_scheduler(max_loras=1)
+    add(src, [_req(0, B, max_tokens=9), _req(1, A, max_tokens=9), _req(2, None, max_tokens=9)])
+    add(dst, [_req(3, A, max_tokens=9)])
+    step(src)
+    step(dst)
+    assert dst.adopt_request(src.get_request("r0")) is None
+    assert dst.adopt_request(src.get_request("r1")) is not None
+    assert dst.adopt_request(src.get_request("r2")) is not None
+    assert {s.tag for s in step(dst).new_seqs} == {A, None}
+    dst.check_invariants()

@@ -174,7 +174,7 @@ class Migration:
     def _adopt(
         self, src: ExecutorHandle, dst: ExecutorHandle, reqs: list[Request]
     ) -> list[_Adopted]:
-        """`reqs` adopted by dst's core, as many as fit. A request sharing a computed block
+        """`reqs` adopted by dst's core, those that fit. A request sharing a computed block
         with one adopted before it is left for a later batch: an export names each source
         block once, and dst's copy of a moved block enters its prefix cache only after its
         next step."""
@@ -188,7 +188,7 @@ class Migration:
                 continue
             got = dst.sched.adopt_request(req)
             if got is None:
-                break  # dst is full: the rest stay on src
+                continue  # no room for it on dst, or past dst's step limit: it stays on src
             taken.update(blocks)
             adopted.append((req, *got))
         return adopted
