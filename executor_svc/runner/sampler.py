@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from executor_svc.features.pooling.pooling import PoolingState
 from executor_svc.kernels import sampling
 from executor_svc.runner.inputs import upload
 from executor_svc.runner.noise import race, row_key
@@ -71,8 +70,6 @@ class SamplingParams:  # mirrors executor.proto SamplingParams
     num_prompt_logprobs: int | None = None
     # Never sampled: the sequence's request only scores its prompt (read by the model runner).
     prompt_only: bool = False
-    # An embedding request's pooling (and its kept rows); None otherwise (features/pooling).
-    pooling: PoolingState | None = None
 
     @classmethod
     def from_proto(
@@ -102,7 +99,6 @@ class SamplingParams:  # mirrors executor.proto SamplingParams
                 int(pb.num_prompt_logprobs) if pb.HasField("num_prompt_logprobs") else None
             ),
             prompt_only=bool(pb.prompt_only),
-            pooling=PoolingState.from_proto(pb.pooling) if pb.HasField("pooling") else None,
         )
 
 

@@ -46,10 +46,12 @@ def rows(n: int, seed: int = 0) -> torch.Tensor:
 
 
 def pooled_seq(seq_id: str, n: int, start: int, count: int, kind: int, **kw) -> ScheduledSequence:
-    params = ExecutorParams(
-        prompt_only=True, pooling=kw.pop("state", None) or PoolingState(kind, **kw)
-    )
-    return ScheduledSequence(seq_id, list(range(n)), n, [0], start, count, params)
+    # The pooling is the sequence's entry in its state's features (features/pooling check_new).
+    state = kw.pop("state", None) or PoolingState(kind, **kw)
+    return ScheduledSequence(
+        seq_id, list(range(n)), n, [0], start, count, ExecutorParams(prompt_only=True),
+        features={"pooling": state},
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------ the math
@@ -137,12 +139,12 @@ def runner(tmp_path_factory) -> ModelRunner:
 
 
 def test_runner_pools_only_the_sequences_that_ask(runner):
-    pooled_params = ExecutorParams(
-        prompt_only=True, pooling=PoolingState(MEAN, normalize=True, dimensions=0)
-    )
+    pooling = {"pooling": PoolingState(MEAN, normalize=True, dimensions=0)}
     seqs = [
         ScheduledSequence("a", [5, 6, 7], 3, [0], 0, 3, ExecutorParams()),
-        ScheduledSequence("b", [8, 9, 10, 11], 4, [1], 0, 4, pooled_params),
+        ScheduledSequence(
+            "b", [8, 9, 10, 11], 4, [1], 0, 4, ExecutorParams(prompt_only=True), features=pooling
+        ),
     ]
     pooled: list = []
     results = runner.execute(seqs, [], [], [], prompt_logprobs=[], pooled=pooled)
@@ -185,6 +187,30 @@ def test_the_executor_refuses_a_bad_pooling_step(runner, prompt_only, pooling, w
         validate_step(request, {}, runner, max_logprobs=20)
 
 
+def test_the_executor_keeps_a_new_sequences_pooling_in_its_state(runner):
+    pooling = epb.PoolingParams(type=epb.POOLING_TYPE_MEAN, normalize=True)
+    seqs = [
+        epb.NewSequence(
+            seq_id=seq_id,
+            token_ids=[5, 6, 7],
+            num_prompt_tokens=3,
+            sampling_params=params,
+            block_table=[i],
+            num_scheduled_tokens=3,
+        )
+        for i, (seq_id, params) in enumerate(
+            [
+                ("e", epb.SamplingParams(prompt_only=True, pooling=pooling)),
+                ("g", epb.SamplingParams()),
+            ]
+        )
+    ]
+    request = epb.ExecuteModelRequest(step_id=1, new_sequences=seqs)
+    embed_state, plain_state = validate_step(request, {}, runner, max_logprobs=20).new_states
+    assert embed_state.features == {"pooling": PoolingState(MEAN, True, 0)}
+    assert not plain_state.features
+
+
 # ------------------------------------------------------------------------ scheduler side
 
 
@@ -222,7 +248,7 @@ def test_the_step_message_carries_the_pooling():
     # The pooling is added by the feature's step_message hook (features/pooling).
     msg = with_pooling(executor_params(params, None), params)
     assert msg.prompt_only and msg.pooling.type == epb.POOLING_TYPE_MEAN and msg.pooling.normalize
-    assert ExecutorParams.from_proto(msg).pooling == PoolingState(MEAN, True, 0)
+    assert PoolingState.from_proto(msg.pooling) == PoolingState(MEAN, True, 0)
     plain = SamplingParams(max_tokens=0)
     assert not with_pooling(executor_params(plain, None), plain).HasField("pooling")
 

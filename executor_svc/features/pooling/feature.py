@@ -7,16 +7,23 @@ from collections.abc import Sequence
 from typing import Any
 
 from executor_svc.features.base import Feature, InvalidStep, Step
-from executor_svc.features.pooling.pooling import check_pooling, pool_step, pooled_to_proto
+from executor_svc.features.pooling.pooling import (
+    FEATURE,
+    PoolingState,
+    check_pooling,
+    pool_step,
+    pooled_to_proto,
+)
 
 __all__ = ["Pooling"]
 
 
 class Pooling(Feature):
-    """Hooks: validate (``check_params``), after forward (MEAN rows kept, finished vectors to
+    """Hooks: validate (``check_params``; ``check_new`` keeps a new sequence's PoolingState in
+    its state's ``features``), after forward (MEAN rows kept, finished vectors to
     the caller's ``pooled`` list), record (``reply``)."""
 
-    name = "pooling"
+    name = FEATURE
     output = "pooled"
 
     def check_params(self, field: str, params: Any, limits: Any) -> None:
@@ -28,10 +35,15 @@ class Pooling(Feature):
         if why is not None:
             raise InvalidStep(why)
 
+    def check_new(self, field: str, n: Any, state: Any) -> None:
+        if n.sampling_params.HasField("pooling"):
+            if state.features is None:
+                state.features = {}
+            state.features[FEATURE] = PoolingState.from_proto(n.sampling_params.pooling)
+
     def active(self, seqs: Sequence[Any]) -> bool:
-        return any(
-            s.sampling_params is not None and s.sampling_params.pooling is not None for s in seqs
-        )
+        # Inline rather than pooling_of: this runs over every step's sequences.
+        return any(s.features and FEATURE in s.features for s in seqs)
 
     def after_forward(self, step: Step, hidden: Any) -> None:
         pooled = step.outputs.get(self.output)

@@ -1,8 +1,9 @@
 """Pooling for embedding requests: a prompt-only sequence's final-norm hidden states reduced to
 one float32 vector, as vLLM's pooling runner does for decoder checkpoints.
 
-A sequence asks for it with ``SamplingParams.pooling`` (executor.proto ``PoolingParams``). The
-step that completes its prompt returns the vector (``ExecuteModelResponse.pooled``) instead of a
+A sequence asks for it with ``SamplingParams.pooling`` (executor.proto ``PoolingParams``), which
+the feature's ``check_new`` hook keeps as a ``PoolingState`` in the sequence's
+``SeqState.features`` entry (``pooling_of``). The step that completes its prompt returns the vector (``ExecuteModelResponse.pooled``) instead of a
 sampled token; the sequence is then finished by the scheduler and its KV blocks freed as usual.
 
 - LAST: the hidden state of the last prompt token. Only that row is needed, so a prefix-cache
@@ -38,10 +39,13 @@ __all__ = [
     "PoolingState",
     "check_pooling",
     "pool_step",
+    "pooling_of",
     "pool_vector",
     "pooled_to_proto",
 ]
 
+# The key of a sequence's entry in SeqState.features (and the feature's name).
+FEATURE = "pooling"
 LAST = epb.POOLING_TYPE_LAST
 MEAN = epb.POOLING_TYPE_MEAN
 _TYPES = {LAST: "LAST", MEAN: "MEAN"}
@@ -51,8 +55,9 @@ _TYPES = {LAST: "LAST", MEAN: "MEAN"}
 class PoolingState:
     """One sequence's pooling parameters and, for MEAN, the prompt rows computed so far.
 
-    Built from the proto with each NewSequence (SamplingParams.from_proto), so a sequence that
-    is dropped and re-sent (preemption by recompute) starts over with no rows.
+    Built from the proto with each NewSequence (the feature's ``check_new``) and kept in its
+    SeqState's ``features``, so a sequence that is dropped and re-sent (preemption by recompute)
+    starts over with no rows.
     """
 
     type: int  # LAST or MEAN
@@ -65,6 +70,12 @@ class PoolingState:
     @classmethod
     def from_proto(cls, pb: epb.PoolingParams) -> PoolingState:
         return cls(type=int(pb.type), normalize=bool(pb.normalize), dimensions=int(pb.dimensions))
+
+
+def pooling_of(s: Any) -> PoolingState | None:
+    """A sequence's pooling (a SeqState or the runner's view of it); None: it samples."""
+    f = s.features
+    return f.get(FEATURE) if f else None
 
 
 @dataclass(slots=True)
@@ -111,7 +122,7 @@ def pool_step(seqs: Sequence[Any], hidden: torch.Tensor) -> list[PooledResult]:
     row = 0
     for s in seqs:
         n = s.num_scheduled_tokens
-        p = s.sampling_params.pooling if s.sampling_params is not None else None
+        p = pooling_of(s)
         if p is not None:
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
             if p.type == MEAN:
