@@ -5,10 +5,10 @@ the services.
 """
 
 from client.async_client import AsyncLLMClient
-from client.embeddings import EmbeddingOutput
 from client.envs import DEFAULT_ADDRESS
 from client.envs import address as default_address
 from client.errors import LLMServeError
+from client.features import EmbeddingOutput
 from client.offline import LLM
 from client.outputs import (
     AbortOutcome,

@@ -1,7 +1,8 @@
 """The client's optional features, composed here into the public classes (and nowhere else
 named by them): each feature's methods as a mixin of `AsyncLLMClient`, `LLMClient` and the
 offline `LLM`; its `SamplingParams` fields with the client's types; its `llmserve generate`
-flags. The public API (methods, keyword arguments, flags) is each feature's own, unchanged.
+flags; its public output types, which `client/__init__.py` exports from here. The public API
+(methods, keyword arguments, flags, types) is each feature's own, unchanged.
 
 Which feature gives what: docs/internals.md, "Features"."""
 
@@ -10,12 +11,18 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from client.embeddings import AsyncEmbedMethods, EmbedMethods, OfflineEmbedMethods
+from client.embeddings import (
+    AsyncEmbedMethods,
+    EmbeddingOutput,
+    EmbedMethods,
+    OfflineEmbedMethods,
+)
 from client.structured import StructuredParams, add_flags, from_args
 
 __all__ = [
     "AsyncClientFeatures",
     "ClientFeatures",
+    "EmbeddingOutput",
     "OfflineFeatures",
     "ParamsFeatures",
     "add_sampling_flags",

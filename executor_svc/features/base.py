@@ -22,7 +22,8 @@ What a feature keeps per sequence is its entry in ``SeqState.features`` (the run
 shares the dict); what it adds to a model's projections is their ``delta`` (models/llama.py
 ``Linear``: ``delta.apply(x, y)`` returns the output plus the feature's part of the step's
 rows); what tensor-parallel workers need of a step is its entry in the step message's
-``feature_data``; its own settings section is declared beside its flags (features/flags.py).
+``feature_data``; its flags and its own settings section are declared in its folder, in the
+module its ``flags`` names (features/flags.py collects them).
 
 Cost: the runner asks each feature once a step whether the step uses it (``active``, one pass
 over the step's sequences at most) and calls the per-step hooks of those only; a plain decode
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, ClassVar
 
 from protos import executor_pb2 as pb
@@ -113,6 +115,10 @@ class Feature:
     # The key of the list the runner's caller gives for what the feature returns beside the
     # samples (ModelRunner.execute's keyword of that name), "" for none.
     output: ClassVar[str] = ""
+    # The module in the feature's folder that declares its command-line flags, read by
+    # features/flags.py (``add_flags``, ``usage_error``, ``server_options``, optionally
+    # ``SECTION``); None: the feature has none.
+    flags: ClassVar[ModuleType | None] = None
     handle: Any = None
 
     @classmethod

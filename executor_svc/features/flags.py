@@ -1,9 +1,10 @@
-"""The flags features declare in their own folders: each module listed here adds its flags to
-the ``--help`` group of a section of ``ExecutorConfig`` (``add_flags(section, group)``; the
-values land in that section's fields; a feature may declare a section of its own,
-``SECTION``), may refuse a combination (``usage_error``), and hands the server its options
-(``server_options``). A feature's flags keep their names; only where they are declared
-moved."""
+"""The flags features declare in their own folders: each feature's flags module (its
+``Feature.flags``, taken in registry order from ``FEATURE_TYPES``, so this module names no
+feature) adds its flags to the ``--help`` group of a section of ``ExecutorConfig``
+(``add_flags(section, group)``; the values land in that section's fields; a feature may declare
+a section of its own, ``SECTION``), may refuse a combination (``usage_error``), and hands the
+server its options (``server_options``). A feature's flags keep their names; only where they
+are declared moved."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import argparse
 from types import ModuleType
 from typing import Any
 
-from executor_svc.features.lora import flags as _lora
-from executor_svc.features.spec import flags as _spec
+from executor_svc.features.registry import FEATURE_TYPES
 
 __all__ = [
     "add_feature_flags",
@@ -21,7 +21,7 @@ __all__ = [
     "feature_usage_errors",
 ]
 
-FEATURE_FLAGS: tuple[ModuleType, ...] = (_spec, _lora)
+FEATURE_FLAGS: tuple[ModuleType, ...] = tuple(t.flags for t in FEATURE_TYPES if t.flags)
 
 
 def feature_sections() -> dict[str, tuple[type, str]]:

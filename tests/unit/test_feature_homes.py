@@ -197,8 +197,14 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # (Feature.output; Features.output_names refuses an unknown one) instead of naming them. Left:
 # the registry and the executor's SamplingParams (runner/sampler.py: PoolingState,
 # prompt_logprobs), and for prompt logprobs api/validation.py's checks of the field.
+# Pooling's executor 2 -> 1 and client 2 -> 1 (13 -> 11), LoRA's executor 2 -> 1 (18 -> 17):
+# a sequence's PoolingState is its entry in SeqState.features, set by the feature's check_new
+# from the NewSequence's SamplingParams.pooling (the executor's SamplingParams has no pooling
+# field); features/flags.py collects each feature's flags module from its type's Feature.flags
+# in registry order (FEATURE_TYPES) instead of importing them by name; client/__init__.py
+# exports EmbeddingOutput from client/features.py. Left: each registry.
 LIMITS: dict[str, dict[str, int]] = {
-    "lora": {"scheduler_svc": 7, "executor_svc": 2, "frontend_svc": 1, "client": 6, "protos": 2},
+    "lora": {"scheduler_svc": 7, "executor_svc": 1, "frontend_svc": 1, "client": 6, "protos": 2},
     "speculative": {
         "scheduler_svc": 3,
         "executor_svc": 1,
@@ -215,9 +221,9 @@ LIMITS: dict[str, dict[str, int]] = {
     },
     "pooling": {
         "scheduler_svc": 2,
-        "executor_svc": 2,
+        "executor_svc": 1,
         "frontend_svc": 1,
-        "client": 2,
+        "client": 1,
         "protos": 3,
     },
     "prompt logprobs": {

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from executor_svc.features.base import Feature, InvalidStep, LoadContext, NotFound, Step
+from executor_svc.features.lora import flags as cli_flags
 from executor_svc.features.lora.check import check_step_loras
 from executor_svc.features.lora.manager import (
     LoraConfig,
@@ -32,6 +33,7 @@ class Lora(Feature):
 
     name = "lora"
     rpcs = ("LoadLoraAdapter",)
+    flags = cli_flags
 
     def __init__(self, config: LoraConfig | None) -> None:
         self.config = config

@@ -1,6 +1,7 @@
 """LoRA's command line on the executor: ``--enable-lora`` and its limits (its own section of
 ``ExecutorConfig``: ``LoraSettings``, ``config.features["lora"]``), their usage check, and what
-they hand the server (the manager's ``LoraConfig``). Registered in ``features/flags.py``."""
+they hand the server (the manager's ``LoraConfig``). ``Lora.flags`` names this module;
+features/flags.py collects it."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from executor_svc.features.base import (
     sampled_pb,
     step_entry,
 )
+from executor_svc.features.spec import flags as cli_flags
 from executor_svc.features.spec import verify
 from executor_svc.features.spec.draft import DraftModel, draft_computed_after, load_draft
 from executor_svc.features.spec.view import spec_entry, spec_of
@@ -42,6 +43,7 @@ class SpecDecode(Feature):
     tokens). ``handle``: the ``DraftModel`` (None without ``--speculative-model``)."""
 
     name = "spec"
+    flags = cli_flags
 
     def __init__(self, draft_model: str | Path | None = None) -> None:
         self._draft_dir = draft_model

@@ -1,6 +1,6 @@
 """Speculative decoding's command line on the executor: ``--speculative-model`` (in the model
 group; its value is ``ModelSettings.speculative_model``), its usage check, and what it hands
-the server. Registered in ``features/flags.py``."""
+the server. ``SpecDecode.flags`` names this module; features/flags.py collects it."""
 
 from __future__ import annotations
 
