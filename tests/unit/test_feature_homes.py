@@ -197,7 +197,7 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # (Feature.output; Features.output_names refuses an unknown one) instead of naming them. Left:
 # the registry and the executor's SamplingParams (runner/sampler.py: PoolingState,
 # prompt_logprobs), and for prompt logprobs api/validation.py's checks of the field.
-# Pooling's executor 2 -> 1 and client 2 -> 1 (13 -> 11), LoRA's executor 2 -> 1 (18 -> 17):
+# Pooling's executor 2 -> 1 and client 2 -> 1 (10 -> 8), LoRA's executor 2 -> 1 (18 -> 17):
 # a sequence's PoolingState is its entry in SeqState.features, set by the feature's check_new
 # from the NewSequence's SamplingParams.pooling (the executor's SamplingParams has no pooling
 # field); features/flags.py collects each feature's flags module from its type's Feature.flags

@@ -20,8 +20,8 @@ __all__ = ["Pooling"]
 
 class Pooling(Feature):
     """Hooks: validate (``check_params``; ``check_new`` keeps a new sequence's PoolingState in
-    its state's ``features``), after forward (MEAN rows kept, finished vectors to
-    the caller's ``pooled`` list), record (``reply``)."""
+    its state's ``features``), after forward (MEAN rows kept, finished vectors to the caller's
+    ``pooled`` list), record (``reply``)."""
 
     name = FEATURE
     output = "pooled"

@@ -2,9 +2,10 @@
 one float32 vector, as vLLM's pooling runner does for decoder checkpoints.
 
 A sequence asks for it with ``SamplingParams.pooling`` (executor.proto ``PoolingParams``), which
-the feature's ``check_new`` hook keeps as a ``PoolingState`` in the sequence's
-``SeqState.features`` entry (``pooling_of``). The step that completes its prompt returns the vector (``ExecuteModelResponse.pooled``) instead of a
-sampled token; the sequence is then finished by the scheduler and its KV blocks freed as usual.
+the feature's ``check_new`` hook keeps as a ``PoolingState``, the sequence's entry in
+``SeqState.features`` (``pooling_of``). The step that completes its prompt returns the vector
+(``ExecuteModelResponse.pooled``) instead of a sampled token; the sequence is then finished by
+the scheduler and its KV blocks freed as usual.
 
 - LAST: the hidden state of the last prompt token. Only that row is needed, so a prefix-cache
   hit (fewer rows computed) changes nothing.
@@ -39,9 +40,9 @@ __all__ = [
     "PoolingState",
     "check_pooling",
     "pool_step",
-    "pooling_of",
     "pool_vector",
     "pooled_to_proto",
+    "pooling_of",
 ]
 
 # The key of a sequence's entry in SeqState.features (and the feature's name).
