@@ -198,9 +198,9 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # the registry and the executor's SamplingParams (runner/sampler.py: PoolingState,
 # prompt_logprobs), and for prompt logprobs api/validation.py's checks of the field.
 LIMITS: dict[str, dict[str, int]] = {
-    "lora": {"scheduler_svc": 7, "executor_svc": 2, "frontend_svc": 1, "client": 6, "protos": 2},
+    "lora": {"scheduler_svc": 1, "executor_svc": 2, "frontend_svc": 1, "client": 6, "protos": 2},
     "speculative": {
-        "scheduler_svc": 3,
+        "scheduler_svc": 2,
         "executor_svc": 1,
         "frontend_svc": 0,
         "client": 2,
@@ -214,7 +214,7 @@ LIMITS: dict[str, dict[str, int]] = {
         "protos": 3,
     },
     "pooling": {
-        "scheduler_svc": 2,
+        "scheduler_svc": 1,
         "executor_svc": 2,
         "frontend_svc": 1,
         "client": 2,
@@ -317,7 +317,7 @@ def test_the_step_functions_branch_on_no_feature_and_fit_a_screen() -> None:
 
 
 def test_the_counter_sees_a_name() -> None:
-    assert "scheduler_svc/engine/streams.py" in files_naming(r"lora", "scheduler_svc")
+    assert "scheduler_svc/features/registry.py" in files_naming(r"lora", "scheduler_svc")
     assert "scheduler_svc/features/lora/feature.py" not in files_naming(
         r"lora", "scheduler_svc", ("scheduler_svc/features/lora",)
     )
