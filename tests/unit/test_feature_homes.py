@@ -197,6 +197,16 @@ FEATURES: dict[str, tuple[str, tuple[str, ...]]] = {
 # (Feature.output; Features.output_names refuses an unknown one) instead of naming them. Left:
 # the registry and the executor's SamplingParams (runner/sampler.py: PoolingState,
 # prompt_logprobs), and for prompt logprobs api/validation.py's checks of the field.
+# The scheduler's LoRA 7 -> 1 (29 -> 12 in all), speculative's 3 -> 2 (9 -> 8), pooling's 2 -> 1
+# (10 -> 9): generic points the features fill (features/base.py): the servicer adds a method per
+# registry.feature_rpcs() that hands the call to the feature's serve (Load/UnloadLoraAdapter,
+# Embed; _rpc's statuses unchanged); EngineConfig.features holds each feature's section, declared
+# in its flags.py (LoraSettings; the SpeculativeConfig) and listed in registry.FEATURE_FLAGS;
+# a request's feature state is GenerateInput/RequestHandle.features by name (from_request,
+# handle_entry), stored as the hash's field under the feature's name (stored_entry; "lora" as
+# before, [name, path]) and restored by recovery (restore); GetServerInfo's adapters, max_loras
+# and spec counters are ServerInfo.features, by the proto's names. Left: the registry, and for
+# speculative decoding the core's step output fields (scheduler_output.py, scheduler_state.py).
 LIMITS: dict[str, dict[str, int]] = {
     "lora": {"scheduler_svc": 1, "executor_svc": 2, "frontend_svc": 1, "client": 6, "protos": 2},
     "speculative": {
