@@ -52,9 +52,7 @@ def generate_input_from_proto(r: pb.GenerateRequest) -> GenerateInput:
     kind = r.WhichOneof("prompt")
     if kind is None:
         raise ValidationError("prompt must be set (text, token_ids or chat)")
-    inp = GenerateInput(
-        req_id=r.request_id, params=params, priority=r.priority, lora_adapter=r.lora_adapter
-    )
+    inp = GenerateInput(req_id=r.request_id, params=params, priority=r.priority)
     if r.HasField("timeout_s"):
         inp.timeouts = (check_timeout(r.timeout_s),)
     if kind == "text":
@@ -176,7 +174,5 @@ def server_info_to_proto(info: ServerInfo) -> pb.GetServerInfoResponse:
 
     fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
     fields["executors"] = [pb.ExecutorInfo(**dataclasses.asdict(e)) for e in info.executors]
-    fields["lora_adapters"] = [
-        pb.LoraAdapter(name=n, path=p, rank=r) for n, p, r in info.lora_adapters
-    ]
+    fields.update(fields.pop("features"))  # the features' own, under the proto's names
     return pb.GetServerInfoResponse(version=__version__, **fields)

@@ -3,7 +3,8 @@
 It talks to the engine through `EngineClient` only. Every RPC goes through `_rpc`: a request
 whose bytes did not parse gets INVALID_ARGUMENT, and an engine error the status that says what
 the caller can do about it (`_STATUS`); the streams are opened through it the same way and then
-run without an extra layer per message.
+run without an extra layer per message. The RPCs an optional feature serves (`Feature.rpcs`)
+are methods added per `feature_rpcs()`, each handing the call to its feature's `serve`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from scheduler_svc.core.request import FinishReason
 from scheduler_svc.engine.client import EngineClient
 from scheduler_svc.engine.config import AbortOutcome, public_id, scoped_id
 from scheduler_svc.engine.streams import EngineEvent, RequestHandle
-from scheduler_svc.features.pooling import proto as embed
+from scheduler_svc.features.base import RpcCall
+from scheduler_svc.features.registry import feature_rpcs
 
 log = structlog.get_logger(__name__)
 
@@ -139,6 +141,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> tuple[RequestHandle, bool]:
         inp = convert.generate_input_from_proto(request)
+        inp.features = self.engine.request_features(request)
         inp.owner = self._owner(context)
         remaining = context.time_remaining()
         if remaining is not None and not request.detached:
@@ -246,21 +249,6 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> pb.GetServerInfoResponse:
         return convert.server_info_to_proto(self.engine.server_info())
 
-    @_rpc(pb.LoadLoraAdapterResponse)
-    async def LoadLoraAdapter(
-        self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
-    ) -> pb.LoadLoraAdapterResponse:
-        lora = self.engine.feature("lora")  # features/lora: (name, resolved path, rank)
-        name, path, rank = await lora.load(request.name, request.path)
-        return pb.LoadLoraAdapterResponse(adapter=pb.LoraAdapter(name=name, path=path, rank=rank))
-
-    @_rpc(pb.UnloadLoraAdapterResponse)
-    async def UnloadLoraAdapter(
-        self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
-    ) -> pb.UnloadLoraAdapterResponse:
-        await self.engine.feature("lora").unload(request.name)  # NotFound if unknown
-        return pb.UnloadLoraAdapterResponse()
-
     @_rpc(pb.MoveRequestResponse)
     async def MoveRequest(
         self, request: pb.MoveRequestRequest, context: grpc.aio.ServicerContext
@@ -269,16 +257,20 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         src, dst = await self.engine.move_request(req_id, request.to_executor)
         return pb.MoveRequestResponse(from_executor=src, to_executor=dst)
 
-    @_rpc(pb.EmbedResponse)
-    async def Embed(
-        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
-    ) -> pb.EmbedResponse:
-        """Each input as a prompt-only pooled request (features/pooling/embeds.py); nothing is stored."""
-        inp = embed.embed_input_from_proto(request, self._owner(context))
-        span = tracing.rpc_span("llmserve.embed", context.invocation_metadata(),
-                                **{"llmserve.num_inputs": len(request.inputs)})  # fmt: skip
-        try:
-            embeds = self.engine.feature("pooling").embeds  # features/pooling/embeds.py
-            return embed.embed_result_to_proto(await embeds.embed(inp))
-        finally:
-            tracing.end(span)
+
+def _feature_rpc(method: str, feature: str) -> Method[Any]:
+    """A servicer method for a public RPC a feature serves (``Feature.rpcs``): through `_rpc`
+    like every other (malformed bytes, engine errors), answered by the feature's ``serve``."""
+    response = getattr(pb, _SERVICE.methods_by_name[method].output_type.name)
+
+    async def handler(self: SchedulerServicer, request: Any, context: Any) -> Any:
+        call = RpcCall(self._owner(context), context.invocation_metadata())
+        return await self.engine.feature(feature).serve(method, request, call)
+
+    handler.__name__ = handler.__qualname__ = method
+    return _rpc(response)(handler)
+
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["Scheduler"]
+for _method, _feature in feature_rpcs().items():
+    setattr(SchedulerServicer, _method, _feature_rpc(_method, _feature))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from protos import scheduler_pb2 as pb
 from scheduler_svc.engine.config import AbortOutcome, GenerateInput, ServerInfo
 from scheduler_svc.engine.streams import RequestHandle, RequestView
 
@@ -48,5 +49,10 @@ class EngineClient(Protocol):
 
     def feature(self, name: str) -> Any:
         """The named feature (features/<name>/feature.py; None when it is not built), for the
-        RPCs only it serves: the servicer calls its own methods."""
+        RPCs only it serves (its ``serve``, features/base.py)."""
+        ...
+
+    def request_features(self, msg: pb.GenerateRequest) -> dict[str, Any]:
+        """The features' fields of a Generate call (``GenerateInput.features``), each read by
+        its feature's ``from_request`` hook."""
         ...

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from scheduler_svc.core.sampling_params import SamplingParams
-from scheduler_svc.features.spec.decode import SpeculativeConfig
 from scheduler_svc.state.connect import RedisTarget
 
 __all__ = [
@@ -83,9 +83,6 @@ class EngineConfig:
     # Plan and send the next decode step while the executor runs the current one (see
     # core/ahead.py): the executor never waits for the scheduler between decode steps.
     async_scheduling: bool = True
-    # Speculative decoding (features/spec/decode.py: n-gram proposals verified in one step; output
-    # unchanged); None: off. Planning ahead is skipped while a request may speculate.
-    speculative: SpeculativeConfig | None = None
     # An executor unreachable this long hands its requests to the live ones (recomputed there).
     executor_failover_s: float = 10.0
     # A draining executor's running requests move with their KV cache to executors taking new
@@ -126,8 +123,10 @@ class EngineConfig:
     # renewal.
     leader_election: bool = False
     lease_ttl_s: float = 2.0
-    # LoRA adapters registered at start (--lora-modules name=path): (name, PEFT directory).
-    lora_modules: list[tuple[str, str]] = field(default_factory=list)
+    # The optional features' sections, by feature name: each declared in its folder's flags.py
+    # and filled from its flags (features/flags.py); a feature whose section is absent takes
+    # its defaults.
+    features: dict[str, Any] = field(default_factory=dict)
 
     @property
     def redis_target(self) -> RedisTarget:
@@ -160,7 +159,8 @@ class GenerateInput:
     add_generation_prompt: bool = True
     priority: int = 0
     owner: str = ""  # the API key's name when keys are on: ids are scoped to it (scoped_id)
-    lora_adapter: str = ""  # a loaded LoRA adapter's name; "" = the base model
+    # The features' fields of the call, by feature name (each feature's from_request hook).
+    features: dict[str, Any] = field(default_factory=dict)
     # Seconds from arrival it may take: its own timeout and its call's remaining gRPC deadline
     # (each checked, None = not given); the engine applies the earliest (features/deadlines).
     timeouts: tuple[float | None, ...] = ()
@@ -211,10 +211,6 @@ class ServerInfo:
     # it serves (their server_info hook).
     tasks: list[str] = field(default_factory=lambda: ["generate"])
     hidden_size: int = 0  # the width of the model's final hidden state (Describe)
-    # Speculative decoding (features/spec/decode.py), summed over executors; zeros when off.
-    spec_decode_acceptance_rate: float = 0.0
-    num_speculative_tokens: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    lora_adapters: list[tuple[str, str, int]] = field(default_factory=list)  # name, path, rank
-    max_loras: int = 0  # distinct adapters per step (the executors'); 0: no LoRA
+    # GetServerInfoResponse's fields the features fill (their server_info hook), by the proto's
+    # field name, as plain values (a message as a dict); absent: the proto's default.
+    features: dict[str, Any] = field(default_factory=dict)

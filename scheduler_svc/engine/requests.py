@@ -14,6 +14,7 @@ from typing import Any
 
 import structlog
 
+from protos import scheduler_pb2 as pb
 from scheduler_svc import tracing
 from scheduler_svc.core.errors import NotFound, QueueFull, Unavailable, ValidationError
 from scheduler_svc.core.request import Request, RequestStatus
@@ -251,6 +252,10 @@ class RequestFront:
     def feature(self, name: str) -> Any:
         """The named feature (None when it is not built), for the RPCs only it serves."""
         return self.features.get(name)
+
+    def request_features(self, msg: pb.GenerateRequest) -> dict[str, Any]:
+        """A Generate call's ``GenerateInput.features`` (each feature reads its fields)."""
+        return self.features.from_request(msg)
 
     async def move_request(self, req_id: str, to_executor: str) -> tuple[str, str]:
         self.lifecycle.check()

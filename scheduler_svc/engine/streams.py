@@ -16,7 +16,6 @@ from scheduler_svc.core.errors import Unavailable
 from scheduler_svc.core.request import FinishReason, RequestStatus
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.features.base import Taker, take_logprobs, take_token
-from scheduler_svc.features.lora.ref import LoraRef
 from scheduler_svc.output.processor import OutputDelta, SequenceOutputState
 from scheduler_svc.state.persister import StepRecord
 from scheduler_svc.state.store import FinishRecord, StoredRequest, TokenAppend, tokens_key_bulk
@@ -142,11 +141,11 @@ class RequestHandle:
         params: SamplingParams,
         priority: int,
         arrival_time: float,
-        lora: LoraRef | None = None,
         timeout_s: float | None = None,
+        features: dict[str, Any] | None = None,
     ) -> None:
         self.req_id = req_id
-        self.lora = lora  # its LoRA adapter (stored with it); None: the base model
+        self.features: dict[str, Any] = features or {}  # features' state, by name (base.py)
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.priority = priority
@@ -180,8 +179,7 @@ class RequestHandle:
 
     @classmethod
     def from_stored(cls, rec: StoredRequest, params: SamplingParams) -> RequestHandle:
-        lora = LoraRef(*rec.lora) if rec.lora else None
-        handle = cls(rec.req_id, rec.prompt_token_ids, params, rec.priority, rec.arrival_time, lora)
+        handle = cls(rec.req_id, rec.prompt_token_ids, params, rec.priority, rec.arrival_time)
         handle.deadline = rec.deadline  # the original one: a restart never extends it
         handle.trace_context = rec.trace_context
         return handle

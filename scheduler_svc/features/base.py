@@ -10,13 +10,24 @@ feature. The hooks, and who calls them:
 | --- | --- | --- |
 | connect | ``check_executor`` | the fleet's handshake with each executor |
 | scheduling budget | ``scheduling`` | the fleet's ``new_scheduler`` (the core's configuration) |
-| validate/submit | ``validate`` (async), ``handle_fields`` | ``RequestFront.submit`` |
+| request fields | ``from_request`` | the servicer's Generate (``EngineClient.request_features``) |
+| validate/submit | ``validate`` (async), ``handle_fields``, ``handle_entry`` | ``RequestFront.submit`` |
 | admit (submit and recovery) | ``admit`` | ``RequestTable.add`` |
 | between steps | ``between_steps``, ``holds_ahead`` | ``StepLoop`` (the executor's lock held) |
 | step message | ``step_message`` | the fleet's ``ExecutorHandle.send`` |
 | apply reply | ``on_reply`` (before the tokens), ``after_reply`` | ``process_step_outputs``, ``StepLoop`` |
-| persist/recover | ``stored_fields``, ``recover`` (async) | ``RequestFront``/``Recovery``, ``Engine`` start |
+| persist/recover | ``stored_fields``, ``stored_entry``, ``restore``, ``recover`` (async) | ``RequestFront``/``Recovery``, ``Engine`` start |
 | metrics, server info | ``metrics``, ``server_info`` | ``EngineMetrics.collect``, ``RequestFront.server_info`` |
+| public RPC | ``serve`` (async; the feature's ``rpcs``) | the servicer's method of that name (api/servicer.py) |
+
+A feature's per-request state is its entry in ``RequestHandle.features`` (by the feature's
+name): ``from_request`` reads its fields of the Generate call into ``GenerateInput.features``,
+``handle_entry`` turns that into the handle's entry (resolving, checking), ``stored_entry`` is
+the JSON value stored with the request under the feature's name (a field of its Redis hash,
+``StoredRequest.features``) and ``restore`` the entry again from it when recovery resumes the
+request. Its configuration is its section of ``EngineConfig.features`` (declared and filled by
+its folder's ``flags.py``), and what it adds to GetServerInfo goes into ``ServerInfo.features``
+under the proto's field names.
 
 The scheduling core imports nothing outside itself; what a feature changes in a step reaches
 it through the core's generic extension points, which the feature implements in its folder and
@@ -37,9 +48,11 @@ request state both depend on it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from protos import executor_pb2 as epb
+from protos import scheduler_pb2 as pb
 from scheduler_svc.core.request import Request, RequestStatus, Sequence
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 
@@ -47,6 +60,7 @@ __all__ = [
     "NO_FEATURES",
     "Feature",
     "Features",
+    "RpcCall",
     "StepReply",
     "Taker",
     "take_logprobs",
@@ -59,6 +73,14 @@ EngineStep = Any  # engine.streams.EngineStep: what one step produced (writes, d
 GenerateInput = Any  # engine.config.GenerateInput
 ExecutorHandle = Any  # engine.fleet.executor_handle.ExecutorHandle
 ServerInfo = Any  # engine.config.ServerInfo
+
+
+@dataclass(frozen=True, slots=True)
+class RpcCall:
+    """Who makes a public RPC a feature serves (``Feature.serve``)."""
+
+    owner: str  # the API key's name when keys are on ("" otherwise): ids are scoped to it
+    metadata: Any  # the call's invocation metadata (tracing reads the caller's traceparent)
 
 
 class StepReply:
@@ -109,6 +131,9 @@ class Feature:
     overrides the ones it uses."""
 
     name: ClassVar[str] = ""
+    # Public RPCs of llmserve.v1.Scheduler only this feature serves (``serve``): the servicer
+    # has a method for each (api/servicer.py), with the others' key check and error statuses.
+    rpcs: ClassVar[tuple[str, ...]] = ()
 
     # ------------------------------------------------------------------ connect, budget
 
@@ -122,6 +147,13 @@ class Feature:
         ``SchedulerConfig``) the feature sets (``describe``: that executor's Describe)."""
         return {}
 
+    # ------------------------------------------------------------------ request fields
+
+    def from_request(self, msg: pb.GenerateRequest) -> Any:
+        """The feature's entry of a Generate call's ``GenerateInput.features``, read from its
+        fields of the message (None: the call does not use the feature)."""
+        return None
+
     # ------------------------------------------------------------------ validate/submit
 
     async def validate(self, inp: GenerateInput) -> None:
@@ -130,6 +162,11 @@ class Feature:
     def handle_fields(self, inp: GenerateInput) -> dict[str, Any]:
         """Keyword arguments the feature adds to the request's RequestHandle."""
         return {}
+
+    def handle_entry(self, inp: GenerateInput) -> Any:
+        """The feature's entry of the request's ``RequestHandle.features`` (None: none), from
+        its input (``inp.features``); raise ValidationError/NotFound."""
+        return None
 
     def admit(self, handle: RequestHandle) -> None:
         """A request entering the table (new, or resumed by recovery): the feature may choose
@@ -166,6 +203,16 @@ class Feature:
         """StoredRequest fields the feature keeps for the request."""
         return {}
 
+    def stored_entry(self, handle: RequestHandle) -> Any:
+        """The JSON value the feature stores with the request under its name (a field of the
+        request's hash: ``StoredRequest.features``); None: nothing."""
+        return None
+
+    def restore(self, stored: Any) -> Any:
+        """The request's entry (``RequestHandle.features``) again from what ``stored_entry``
+        stored, when recovery resumes it."""
+        return stored
+
     async def recover(self) -> None:
         """At start, before stored requests resume (the feature's own durable state)."""
 
@@ -182,7 +229,15 @@ class Feature:
         return ()
 
     def server_info(self, info: ServerInfo) -> None:
-        """Fill the feature's fields of GetServerInfo's answer."""
+        """Fill the feature's fields of GetServerInfo's answer (``info.features``: by the proto's
+        field names, plain values; a message as a dict of its fields)."""
+
+    # ------------------------------------------------------------------ public RPC
+
+    async def serve(self, method: str, request: Any, call: RpcCall) -> Any:
+        """One of the feature's ``rpcs``: its response message; raise the engine's errors
+        (the servicer maps them to statuses)."""
+        raise NotImplementedError(method)
 
 
 def _overrides(feature: Feature, hook: str) -> bool:
@@ -197,6 +252,9 @@ class Features:
         self.all: tuple[Feature, ...] = tuple(features)
         self.by_name = {f.name: f for f in self.all}
 
+        def named(hook: str) -> tuple[tuple[str, Any], ...]:
+            return tuple((f.name, getattr(f, hook)) for f in self.all if _overrides(f, hook))
+
         def having(hook: str) -> tuple[Any, ...]:
             return tuple(getattr(f, hook) for f in self.all if _overrides(f, hook))
 
@@ -206,6 +264,10 @@ class Features:
         self._scheduling = having("scheduling")
         self._validate = having("validate")
         self._handle_fields = having("handle_fields")
+        self._from_request = named("from_request")
+        self._handle_entry = named("handle_entry")
+        self._stored_entry = named("stored_entry")
+        self._restore = {f.name: f.restore for f in self.all}
         self.admit: tuple[Callable[[RequestHandle], None], ...] = having("admit")
         self.between_steps: tuple[Callable[[ExecutorHandle], None], ...] = having("between_steps")
         self.holds_ahead: tuple[Callable[[ExecutorHandle], bool], ...] = having("holds_ahead")
@@ -238,21 +300,53 @@ class Features:
         for hook in self._validate:
             await hook(inp)
 
+    def from_request(self, msg: pb.GenerateRequest) -> dict[str, Any]:
+        """A Generate call's ``GenerateInput.features``."""
+        return _entries(self._from_request, msg)
+
     def handle_fields(self, inp: GenerateInput) -> dict[str, Any]:
+        """The RequestHandle's keyword arguments the features add (``features``: their
+        entries, when any)."""
         fields: dict[str, Any] = {}
         for hook in self._handle_fields:
             fields.update(hook(inp))
+        entries = _entries(self._handle_entry, inp)
+        if entries:
+            fields["features"] = entries
         return fields
 
     def stored_fields(self, handle: RequestHandle) -> dict[str, Any]:
+        """The StoredRequest's fields the features keep (``features``: their JSON entries)."""
         fields: dict[str, Any] = {}
         for hook in self._stored_fields:
             fields.update(hook(handle))
+        entries = _entries(self._stored_entry, handle)
+        if entries:
+            fields["features"] = entries
         return fields
+
+    def restore(self, handle: RequestHandle, stored: Mapping[str, Any]) -> None:
+        """A stored request's handle, resumed by recovery: its entries from the stored ones
+        (``StoredRequest.features``; a stored field no feature built here reads is left)."""
+        handle.features = {
+            name: self._restore[name](value)
+            for name, value in stored.items()
+            if name in self._restore
+        }
 
     async def recover(self) -> None:
         for hook in self._recover:
             await hook()
+
+
+def _entries(hooks: tuple[tuple[str, Any], ...], arg: Any) -> dict[str, Any]:
+    """Each feature's non-None answer, by its name."""
+    entries = {}
+    for name, hook in hooks:
+        entry = hook(arg)
+        if entry is not None:
+            entries[name] = entry
+    return entries
 
 
 StepMessageHook = Callable[[epb.ExecuteModelRequest, SchedulerOutput], None]

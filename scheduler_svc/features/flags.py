@@ -1,21 +1,18 @@
-"""The command-line flags features register from their own folders: each module listed here
-adds its flags to the scheduler's "features" group (``add_flags``), turns them into its fields
-of the engine's configuration (``settings``), and may take part in the local launcher
+"""The command-line flags features declare in their own folders: each module the registry lists
+(``registry.FEATURE_FLAGS``) adds its flags to the scheduler's "features" group (``add_flags``),
+turns them into its section of the engine's configuration (``settings``:
+``EngineConfig.features``, by feature name), and may take part in the local launcher
 (``add_launch_flags``, ``launch_args``: what it adds to the executor's and the scheduler's
 command lines). A feature's flags keep their names; only where they are declared moved."""
 
 from __future__ import annotations
 
 import argparse
-from types import ModuleType
 from typing import Any
 
-from scheduler_svc.features.lora import flags as _lora
-from scheduler_svc.features.spec import flags as _spec
+from scheduler_svc.features.registry import FEATURE_FLAGS
 
 __all__ = ["add_feature_flags", "add_launch_flags", "feature_settings", "launch_args"]
-
-FEATURE_FLAGS: tuple[ModuleType, ...] = (_spec, _lora)
 
 
 def add_feature_flags(g: argparse._ArgumentGroup) -> None:
@@ -24,11 +21,11 @@ def add_feature_flags(g: argparse._ArgumentGroup) -> None:
 
 
 def feature_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The features' fields of the engine's configuration, from the parsed flags."""
-    fields: dict[str, Any] = {}
+    """The engine's configuration's ``features`` (each feature's section), from the flags."""
+    sections: dict[str, Any] = {}
     for module in FEATURE_FLAGS:
-        fields.update(module.settings(args))
-    return fields
+        sections.update(module.settings(args))
+    return {"features": sections}
 
 
 def add_launch_flags(p: argparse.ArgumentParser) -> None:

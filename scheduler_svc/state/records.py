@@ -12,7 +12,6 @@ __all__ = [
     "FORMAT_VERSION",
     "Created",
     "FinishRecord",
-    "JSON_FIELDS",
     "StoreFormatError",
     "StoredRequest",
     "TokenAppend",
@@ -20,9 +19,14 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-# Optional fields of a request's hash written at creation as JSON, absent when None (readers
-# ignore fields they do not know, so each keeps format version 1).
-JSON_FIELDS = ("lora",)
+# The fields of a request's hash this module reads itself. Any other field is an optional
+# feature's, written at creation as JSON under the feature's name (StoredRequest.features;
+# absent when it stores nothing, so each keeps format version 1); one that is not JSON is
+# ignored, as readers ignore fields they do not know.
+BASE_FIELDS = frozenset({
+    "v", "prompt", "params", "priority", "arrival_time", "n", "status", "finish_reasons",
+    "stop_reasons", "error", "prompt_logprobs", "deadline", "trace_context",
+})  # fmt: skip
 
 
 class StoreFormatError(RuntimeError):
@@ -52,7 +56,9 @@ class StoredRequest:
     stop_reasons: list[str | None] = field(default_factory=list)
     error: str = ""
     prompt_logprobs: list[Any] | None = None  # JSON entries, prompt positions 1.. (if asked)
-    lora: list[str] | None = None  # [name, path] of its LoRA adapter; None: the base model
+    # The optional features' JSON values, by feature name (each a field of the hash); a
+    # feature's stored_entry hook writes its own, its restore hook reads it back.
+    features: dict[str, Any] = field(default_factory=dict)
     # Absolute (epoch seconds) time it ends by, 0.0 = none; stored so that a recovered request
     # keeps the deadline it arrived with (features/deadlines).
     deadline: float = 0.0
@@ -104,7 +110,18 @@ def decode_record(req_id: str, fields: dict[bytes, bytes]) -> StoredRequest:
         stop_reasons=json.loads(f.get("stop_reasons", "[]")),
         error=f.get("error", ""),
         prompt_logprobs=json.loads(f["prompt_logprobs"]) if "prompt_logprobs" in f else None,
-        lora=json.loads(f["lora"]) if "lora" in f else None,
+        features=_feature_fields(f),
         deadline=float(f.get("deadline", 0.0)),
         trace_context=f.get("trace_context", ""),
     )
+
+
+def _feature_fields(f: dict[str, str]) -> dict[str, Any]:
+    out = {}
+    for name, text in f.items():
+        if name not in BASE_FIELDS:
+            try:
+                out[name] = json.loads(text)
+            except ValueError:
+                continue  # not a feature's: some later version's field
+    return out

@@ -52,7 +52,6 @@ from scheduler_svc.state.keys import (
 from scheduler_svc.state.leader import EPOCH_KEY
 from scheduler_svc.state.records import (
     FORMAT_VERSION,
-    JSON_FIELDS,
     Created,
     FinishRecord,
     StoredRequest,
@@ -201,8 +200,7 @@ class RequestStore:
             "stop_reasons": json.dumps([None] * rec.n),
             "error": "",
         }
-        for name in JSON_FIELDS:
-            value = getattr(rec, name)
+        for name, value in rec.features.items():  # the optional features' (None: nothing)
             if value is not None:
                 mapping[name] = json.dumps(value)
         if rec.deadline:  # absent = none: records of earlier versions read the same

@@ -93,6 +93,7 @@ class Recovery:
         m = self.model
         for rec in stored:
             handle = RequestHandle.from_stored(rec, SamplingParams.from_dict(rec.params))
+            self.features.restore(handle, rec.features)  # before admit reads the entries
             handle.replay_outputs(m.tokenizer, m.eos_token_ids, m.max_model_len, rec)
             self.table.add(handle)
             tracing.request_recovered(handle)  # linked to its stored trace context

@@ -1,9 +1,11 @@
-"""LoRA on the scheduler's hooks: resolve a request's adapter name (submit), keep it with the
-stored request (persist), restore the live-loaded adapters at start (recover), give the core's
-side of each request its adapter as tag and prefix-cache root (admit), hand each core its step
-limit, at most its executor's max_loras distinct adapters per step (scheduling), and each new
-sequence's adapter to the executor (step message); plus the Load/UnloadLoraAdapter calls the
-request front hands over.
+"""LoRA on the scheduler's hooks: a Generate call's ``lora_adapter`` (request fields), resolved
+to the request's adapter, its entry ``RequestHandle.features["lora"]`` (submit), kept with the
+stored request under the hash field "lora" as [name, path] (persist; restored when recovery
+resumes it), the live-loaded adapters restored at start (recover), the core's side of each
+request given its adapter as tag and prefix-cache root (admit), each core its step limit, at
+most its executor's max_loras distinct adapters per step (scheduling), and each new sequence's
+adapter to the executor (step message); GetServerInfo's adapters and max_loras (server info);
+the Load/UnloadLoraAdapter RPCs (public RPC).
 
 The scheduling core knows no adapter: ``ref.py`` (the tag and root) and ``scheduling.py`` (the
 step limit) are what it sees of one, through its generic fields."""
@@ -17,11 +19,13 @@ import structlog
 from prometheus_client.core import Metric
 
 from protos import executor_pb2 as epb
+from protos import scheduler_pb2 as pb
 from scheduler_svc.core.errors import Unavailable, ValidationError
 from scheduler_svc.core.scheduler_output import SchedulerOutput
-from scheduler_svc.features.base import Feature
+from scheduler_svc.features.base import Feature, RpcCall
 from scheduler_svc.features.lora.durable import LoraAdapterStore, restore_live_adapters
-from scheduler_svc.features.lora.ref import core_fields, stored_lora
+from scheduler_svc.features.lora.flags import LoraSettings
+from scheduler_svc.features.lora.ref import LoraRef, core_fields, stored_lora
 from scheduler_svc.features.lora.registry import LoraRegistry, load_on_executors
 from scheduler_svc.features.lora.scheduling import AdapterLimit, adapter_limit
 from scheduler_svc.features.metric_families import counter, gauge
@@ -34,6 +38,16 @@ __all__ = ["Lora", "add_adapters"]
 
 class Lora(Feature):
     name = "lora"
+    rpcs = ("LoadLoraAdapter", "UnloadLoraAdapter")
+
+    @classmethod
+    def build(
+        cls, config: Any, pool: Any, store: RequestStore, check_available: Callable[[], None]
+    ) -> Lora:
+        """Always on (a request may name an adapter loaded live); ``config``: the engine's, whose
+        section ``features["lora"]`` (flags.py) names the adapters served from the start."""
+        settings: LoraSettings = config.features.get("lora", LoraSettings())
+        return cls(settings.modules, pool, store, check_available)
 
     def __init__(
         self,
@@ -51,21 +65,38 @@ class Lora(Feature):
         return {"step_limit": adapter_limit(describe.max_loras)}  # distinct adapters per step
 
     def admit(self, handle: Any) -> None:
-        if handle.lora is not None:  # the core's side of it: Request.of reads core_fields
-            handle.core_fields = core_fields(handle.lora)
+        lora = handle.features.get("lora")
+        if lora is not None:  # the core's side of it: Request.of reads core_fields
+            handle.core_fields = core_fields(lora)
 
     def step_message(self, msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:
         add_adapters(msg, out)
 
-    def handle_fields(self, inp: Any) -> dict[str, Any]:
-        if not inp.lora_adapter:
-            return {}
-        lora = self.loras.resolve(inp.lora_adapter)  # NotFound when it is not loaded
-        self._max_rank()
-        return {"lora": lora}
+    def from_request(self, msg: pb.GenerateRequest) -> str | None:
+        return msg.lora_adapter or None  # "": the base model
 
-    def stored_fields(self, handle: Any) -> dict[str, Any]:
-        return {"lora": stored_lora(handle.lora)}
+    def handle_entry(self, inp: Any) -> LoraRef | None:
+        name = inp.features.get("lora")
+        if not name:
+            return None
+        lora = self.loras.resolve(name)  # NotFound when it is not loaded
+        self._max_rank()
+        return lora
+
+    def stored_entry(self, handle: Any) -> list[str] | None:
+        return stored_lora(handle.features.get("lora"))  # the hash's "lora": [name, path]
+
+    def restore(self, stored: Any) -> LoraRef | None:
+        return LoraRef(*stored) if stored else None
+
+    async def serve(self, method: str, request: Any, call: RpcCall) -> Any:
+        if method == "LoadLoraAdapter":
+            name, path, rank = await self.load(request.name, request.path)
+            return pb.LoadLoraAdapterResponse(
+                adapter=pb.LoraAdapter(name=name, path=path, rank=rank)
+            )
+        await self.unload(request.name)  # NotFound if unknown
+        return pb.UnloadLoraAdapterResponse()
 
     async def recover(self) -> None:
         # Adapters loaded live before a restart, before anything is served.
@@ -114,8 +145,10 @@ class Lora(Feature):
                     sum(x.num_in_step for x in limits))  # fmt: skip
 
     def server_info(self, info: Any) -> None:
-        info.lora_adapters = [(a.ref.name, a.ref.path, a.rank) for a in self.loras.adapters()]
-        info.max_loras = self.pool.executors[0].describe.max_loras  # the executors' slots
+        info.features["lora_adapters"] = [
+            {"name": a.ref.name, "path": a.ref.path, "rank": a.rank} for a in self.loras.adapters()
+        ]
+        info.features["max_loras"] = self.pool.executors[0].describe.max_loras  # their slots
 
 
 def add_adapters(msg: epb.ExecuteModelRequest, out: SchedulerOutput) -> None:

@@ -1,21 +1,26 @@
-"""Embeddings on the scheduler's hooks: each new embedding input's pooling parameters into the
-step message, the Embed RPC's requests (embeds.py) get each step's pooled vectors (apply
-reply), and GetServerInfo lists the task "embed" (server info)."""
+"""Embeddings on the scheduler's hooks: the Embed RPC (public RPC: each input a prompt-only
+pooled request, embeds.py; converted at the edge by proto.py; nothing is stored), each new
+embedding input's pooling parameters into the step message, the Embed requests get each step's
+pooled vectors (apply reply), and GetServerInfo lists the task "embed" (server info)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from protos import executor_pb2 as epb
+from protos import scheduler_pb2 as pb
+from scheduler_svc import tracing
 from scheduler_svc.core.scheduler_output import SchedulerOutput
-from scheduler_svc.features.base import Feature
+from scheduler_svc.features.base import Feature, RpcCall
 from scheduler_svc.features.pooling.embeds import EmbedRequests
+from scheduler_svc.features.pooling.proto import embed_input_from_proto, embed_result_to_proto
 
 __all__ = ["Pooling", "add_pooling", "with_pooling"]
 
 
 class Pooling(Feature):
     name = "pooling"
+    rpcs = ("Embed",)
 
     def __init__(self, embeds: EmbedRequests) -> None:
         self.embeds = embeds  # Embed calls in flight
@@ -27,6 +32,15 @@ class Pooling(Feature):
         # Every model llmserve loads is a decoder LLM: its last hidden states pool into
         # embeddings (as vLLM's pooling runner does for decoder checkpoints).
         info.tasks.append("embed")
+
+    async def serve(self, method: str, request: pb.EmbedRequest, call: RpcCall) -> Any:
+        inp = embed_input_from_proto(request, call.owner)
+        span = tracing.rpc_span("llmserve.embed", call.metadata,
+                                **{"llmserve.num_inputs": len(request.inputs)})  # fmt: skip
+        try:
+            return embed_result_to_proto(await self.embeds.embed(inp))
+        finally:
+            tracing.end(span)
 
     def after_reply(self, ex: Any, resp: epb.ExecuteModelResponse) -> None:
         if resp.pooled:  # embedding inputs whose prompt completed

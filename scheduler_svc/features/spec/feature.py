@@ -36,8 +36,10 @@ class SpecDecode(Feature):
 
     @classmethod
     def build(cls, config: Any, pool: Any) -> SpecDecode | None:
-        """On only with ``--speculative-config`` (``config``: the engine's)."""
-        return cls(config.speculative, pool) if config.speculative is not None else None
+        """On only with ``--speculative-config`` (``config``: the engine's; its section
+        ``features["spec_decode"]``, flags.py)."""
+        spec = config.features.get("spec_decode")
+        return cls(spec, pool) if spec is not None else None
 
     def check_executor(self, describe: epb.DescribeResponse) -> str | None:
         d = describe
@@ -81,10 +83,12 @@ class SpecDecode(Feature):
         stats = [c.lookahead.stats for c in cores if isinstance(c.lookahead, SpecDecoder)]
         drafted = sum(s.num_draft_tokens for s in stats)
         accepted = sum(s.num_accepted_tokens for s in stats)
-        info.spec_decode_acceptance_rate = accepted / drafted if drafted else 0.0
-        info.num_speculative_tokens = self.config.num_speculative_tokens
-        info.spec_decode_num_draft_tokens = drafted
-        info.spec_decode_num_accepted_tokens = accepted
+        info.features.update(
+            spec_decode_acceptance_rate=accepted / drafted if drafted else 0.0,
+            num_speculative_tokens=self.config.num_speculative_tokens,
+            spec_decode_num_draft_tokens=drafted,
+            spec_decode_num_accepted_tokens=accepted,
+        )
 
     def on_reply(self, requests: Mapping[str, Any], reply: StepReply) -> None:
         out = reply.out

@@ -1,6 +1,7 @@
-"""Speculative decoding's command line: the scheduler's ``--speculative-config`` (its field of
-the engine's configuration), and the local launcher's, which also hands a draft model's
-checkpoint to the executor (``--speculative-model``). Registered in ``features/flags.py``."""
+"""Speculative decoding's command line: the scheduler's ``--speculative-config`` (its section
+of the engine's configuration, ``EngineConfig.features["spec_decode"]``: a ``SpeculativeConfig``
+or None), and the local launcher's, which also hands a draft model's
+checkpoint to the executor (``--speculative-model``). Registered through ``features/registry.py``'s ``FEATURE_FLAGS``."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def add_flags(g: argparse._ArgumentGroup) -> None:
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The feature's fields of the engine's configuration (``EngineConfig``)."""
-    return {"speculative": args.speculative_config}
+    """The feature's section of the engine's configuration (``EngineConfig.features``)."""
+    return {"spec_decode": args.speculative_config}
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:
