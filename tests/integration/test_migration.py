@@ -135,8 +135,10 @@ def check_identical(results: list, reference: list, threads: list) -> None:
         assert got.tokens[0] == ref.tokens[0], i
 
 
-def test_sigterm_moves_every_running_stream_to_the_idle_executor(tmp_path):
-    with pair_of_executors(tmp_path) as pair:
+# auto: shared memory (both on loopback); push: A streams the bytes to B itself (PushKV).
+@pytest.mark.parametrize("transport", ["auto", "push"])
+def test_sigterm_moves_every_running_stream_to_the_idle_executor(tmp_path, transport):
+    with pair_of_executors(tmp_path, ("--migrate-transport", transport)) as pair:
         reference = reference_run(pair)
         recomputed_before = pair.metric("llmserve:prompt_tokens_recomputed_total")
         results, threads = streams_on_a_with_b_idle(pair, "mig")
@@ -150,6 +152,7 @@ def test_sigterm_moves_every_running_stream_to_the_idle_executor(tmp_path):
         assert "executor.failed_over" not in log
         b_log = (pair.stack.workdir / "executor.log").read_text()
         assert "kv.imported" in b_log
+        assert ("kv.pushed" in pair.a_log()) == (transport == "push")
 
 
 MID_STREAM = ("--migrate-transport", "grpc", "--migrate-chunk-bytes", str(64 << 10))
