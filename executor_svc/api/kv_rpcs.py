@@ -18,6 +18,8 @@ from executor_svc.kv_transfer.push import TLS, Peers, push
 from executor_svc.runner.model_runner import ModelRunner
 from protos import executor_pb2 as pb
 
+_NO_DEADLINE = 1e7  # seconds: more is gRPC's "no deadline"
+
 
 class KVTransferRpcs:
     """Mixed into ExecutorServicer, whose step lock, sequences, instance id and epoch it uses."""
@@ -64,8 +66,12 @@ class KVTransferRpcs:
         self.last_step_time = time.monotonic()  # as ExportKV
         self._check_epoch(request.export.leader_epoch)
         endpoint = self._kv_endpoint()
+        # The caller's deadline bounds the import; without one gRPC reports ~infinity, which
+        # as a client timeout would overflow into an immediate DEADLINE_EXCEEDED.
+        remaining = context.time_remaining()
+        timeout = remaining if remaining is not None and remaining < _NO_DEADLINE else None
         try:
-            return push(endpoint, self.peers, request, context.time_remaining())
+            return push(endpoint, self.peers, request, timeout)
         except grpc.RpcError as e:  # the destination's status, its message naming it
             code: grpc.StatusCode = e.code()  # type: ignore[attr-defined]
             details = e.details()  # type: ignore[attr-defined]
