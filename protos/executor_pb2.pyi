@@ -59,7 +59,7 @@ class ExportKVRequest(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[KVBlockList, _Mapping]]] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., chunk_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("sequences", "dtype", "shape", "num_bytes", "crc32", "transport", "shm_name", "host_id", "instance_id", "leader_epoch")
+    __slots__ = ("sequences", "dtype", "shape", "num_bytes", "crc32", "transport", "shm_name", "host_id", "instance_id", "leader_epoch", "shm_reuse")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class KVHeader(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHM_REUSE_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[KVBlockList]
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -80,7 +81,8 @@ class KVHeader(_message.Message):
     host_id: str
     instance_id: str
     leader_epoch: int
-    def __init__(self, sequences: _Optional[_Iterable[_Union[KVBlockList, _Mapping]]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., shm_name: _Optional[str] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
+    shm_reuse: bool
+    def __init__(self, sequences: _Optional[_Iterable[_Union[KVBlockList, _Mapping]]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., shm_name: _Optional[str] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., shm_reuse: _Optional[bool] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "offset", "data")

@@ -187,6 +187,7 @@ def test_each_transport_moves_the_cache_bytes(ends, transport: str):
         assert data == want.contiguous().numpy().tobytes()  # layer-major: [L, K/V, blocks, ...]
     else:
         assert len(exported) == 1 and not exported[0].data
+        assert header.shm_reuse  # pooled
         assert (shm_dir() / header.shm_name).stat().st_size == header.num_bytes
     before = b.blocks(list(range(NUM_BLOCKS)))
     b.stub.ImportKV(retarget(iter(exported), block_lists(dst), b.info.instance_id))
@@ -194,8 +195,34 @@ def test_each_transport_moves_the_cache_bytes(ends, transport: str):
     after = b.blocks(list(range(NUM_BLOCKS)))
     untouched = [i for i in range(NUM_BLOCKS) if i not in (60, 0, 17, 3)]
     assert torch.equal(after[:, :, untouched], before[:, :, untouched])
-    if transport == "shm":  # imported once: the segment is gone
+    if transport == "shm":  # imported once: the segment is handed back to the exporter
         assert not (shm_dir() / header.shm_name).exists()
+        assert (shm_dir() / (header.shm_name + ".free")).exists()
+
+
+def test_shared_memory_segments_are_reused(ends):
+    """The exporter's next payload goes into the segment the importer handed back (the same
+    file: its pages are not allocated again), grown when it is longer; an importer that removes
+    the segment (an older build: no shm_reuse) costs the exporter that segment only."""
+    a, b = ends
+    a.cache.key.normal_()
+    a.cache.value.normal_()
+
+    def move(src: list[int], dst: list[int], reuse: bool = True) -> int:
+        (chunk,) = _export(a, {"x": src}, pb.KV_TRANSPORT_SHM)
+        assert chunk.header.shm_reuse
+        inode = (shm_dir() / chunk.header.shm_name).stat().st_ino
+        chunk.header.shm_reuse = reuse
+        b.stub.ImportKV(retarget(iter([chunk]), block_lists({"x": dst}), ""))
+        assert torch.equal(b.blocks(dst), a.blocks(src))
+        assert (shm_dir() / (chunk.header.shm_name + ".free")).exists() == reuse
+        return inode
+
+    first = move([1, 2, 3], [10, 11, 12])
+    assert move([4], [13]) == first  # shorter: the same file, truncated
+    assert move([5, 6, 7, 8, 9], [14, 15, 16, 17, 18]) == first  # longer: grown
+    move([20], [21], reuse=False)  # removed by the importer
+    move([22, 23], [24, 25])  # a segment of the pool again
 
 
 def _expect(code: grpc.StatusCode, call, *words: str) -> None:
