@@ -6,7 +6,7 @@ it. The importer checks the name, the host and the size and maps the file; a seg
 imported once.
 
 Segments are reused: a new tmpfs page costs more than the copy into it (docs/benchmarks.md,
-"KV transfer": "memcpy to new pages"), so the exporter keeps up to ``MAX_POOLED`` segments and
+"KV transfer": "memcpy to new pages"), so the exporter keeps up to ``MAX_KEPT`` segments and
 their mappings (each truncated or grown to the payload's exact length, which importers check). Its header says so (``shm_reuse``); the importer then, once it has read the
 payload (or found it corrupt), renames the segment to ``<name>.free`` instead of removing it,
 and the exporter's next payload that fits (or grows it) takes it back under a new random name:
@@ -41,7 +41,7 @@ PREFIX = "llmserve-kv-"
 _NAME = re.compile(re.escape(PREFIX) + r"[0-9a-f]{32}")
 DEFAULT_TTL_S = 300.0
 DEFAULT_IDLE_S = 60.0  # a free segment unused this long gives its memory back
-MAX_POOLED = 4  # segments an exporter keeps (each as long as the longest payload it held)
+MAX_KEPT = 4  # segments an exporter keeps (each as long as the last payload it held)
 FREE_SUFFIX = ".free"
 
 
@@ -69,7 +69,7 @@ def _map(fd: int, num_bytes: int) -> torch.Tensor:
 
 @dataclass(slots=True)
 class _Segment:
-    """One pooled segment of the exporter: in flight while its name exists, free once the
+    """One kept segment of the exporter: in flight while its name exists, free once the
     importer renamed it to ``<name>.free``, gone (forgotten) when neither exists."""
 
     path: Path  # its name while in flight
@@ -89,15 +89,15 @@ class ShmTransport(Transport):
         directory: Path | None = None,
         ttl_s: float = DEFAULT_TTL_S,
         idle_s: float = DEFAULT_IDLE_S,
-        max_pooled: int = MAX_POOLED,
+        max_kept: int = MAX_KEPT,
     ) -> None:
         self.directory = directory or shm_dir()
         self.ttl_s = ttl_s
         self.idle_s = idle_s
-        self.max_pooled = max_pooled
+        self.max_kept = max_kept
         self.host_id = host_id()
         self._lock = threading.Lock()
-        self._created: dict[Path, float] = {}  # unpooled segments exported, by creation time
+        self._created: dict[Path, float] = {}  # segments exported and not kept, by creation time
         self._pool: list[_Segment] = []
 
     def stage(self, num_bytes: int) -> Staged:
@@ -106,11 +106,11 @@ class ShmTransport(Transport):
         fields: dict[str, str | bool] = {"shm_name": path.name, "host_id": self.host_id}
         with self._lock:
             segment = self._take_free(num_bytes)
-            pooled = segment is not None or len(self._pool) < self.max_pooled
+            kept = segment is not None or len(self._pool) < self.max_kept
             if segment is not None:
                 os.rename(segment.free_path, path)
                 segment.path = path
-            if pooled:
+            if kept:
                 fields["shm_reuse"] = True
         if segment is not None:
             if segment.data.numel() != num_bytes:
@@ -121,7 +121,7 @@ class ShmTransport(Transport):
             return Staged(segment.data, fields)
         data = self._open(path, num_bytes, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         with self._lock:
-            if pooled:
+            if kept:
                 self._pool.append(_Segment(path, data, time.monotonic()))
             else:
                 self._created[path] = time.monotonic()

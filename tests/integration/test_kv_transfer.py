@@ -187,7 +187,7 @@ def test_each_transport_moves_the_cache_bytes(ends, transport: str):
         assert data == want.contiguous().numpy().tobytes()  # layer-major: [L, K/V, blocks, ...]
     else:
         assert len(exported) == 1 and not exported[0].data
-        assert header.shm_reuse  # pooled
+        assert header.shm_reuse  # kept for reuse
         assert (shm_dir() / header.shm_name).stat().st_size == header.num_bytes
     before = b.blocks(list(range(NUM_BLOCKS)))
     b.stub.ImportKV(retarget(iter(exported), block_lists(dst), b.info.instance_id))
