@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -14,6 +15,7 @@ import grpc
 from executor_svc.api.rpc_errors import Refused, rpc
 from executor_svc.api.seq_state import SeqState
 from executor_svc.kv_transfer.endpoint import KVEndpoint
+from executor_svc.kv_transfer.payload import Refusal, TransferError
 from executor_svc.kv_transfer.push import TLS, Peers, push
 from executor_svc.runner.model_runner import ModelRunner
 from protos import executor_pb2 as pb
@@ -55,10 +57,11 @@ class KVTransferRpcs:
 
     @rpc
     def ImportKV(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
-        first = next(request_iterator, None)
+        stream = _until_cut(request_iterator)
+        first = next(stream, None)
         if first is not None:  # a deposed leader never writes into its successor's cache
             self._check_epoch(first.header.leader_epoch)
-        chunks = itertools.chain([first] if first is not None else [], request_iterator)
+        chunks = itertools.chain([first] if first is not None else [], stream)
         return self._kv_endpoint().import_(chunks)
 
     @rpc
@@ -96,3 +99,15 @@ class KVTransferRpcs:
 
     def _live_blocks(self) -> dict[int, str]:
         return {b: s.seq_id for s in self._seqs.values() for b in s.block_table}
+
+
+def _until_cut(chunks: Iterator[pb.KVChunk]) -> Iterator[pb.KVChunk]:
+    """An import's stream, cut short by its sender (a relay or pusher that failed or died: a
+    move's fallback path, not a fault here) ending as a refusal (nothing written) instead of
+    an internal error with a traceback."""
+    try:
+        yield from chunks
+    except grpc.RpcError:
+        raise TransferError(
+            Refusal.INVALID, "the stream was cut short by its sender: nothing written"
+        ) from None
