@@ -7,11 +7,13 @@ imported once.
 
 Segments are reused: a new tmpfs page costs more than the copy into it (docs/benchmarks.md,
 "KV transfer": "memcpy to new pages"), so the exporter keeps up to ``MAX_KEPT`` segments and
-their mappings (each truncated or grown to the payload's exact length, which importers check). Its header says so (``shm_reuse``); the importer then, once it has read the
+their mappings. Its header says so (``shm_reuse``); the importer then, once it has read the
 payload (or found it corrupt), renames the segment to ``<name>.free`` instead of removing it,
-and the exporter's next payload that fits (or grows it) takes it back under a new random name:
-no page allocated again, no new mapping on the exporter's side. The pool is shared by all the
-exporter's peers (an export does not know where it goes). A segment in flight longer than
+and the exporter's next payload takes it back under a new random name, truncated or grown to
+the payload's exact length (which importers check): no page allocated again where it fits, no
+new mapping on the exporter's side when the length is the same. The kept segments serve all
+the exporter's peers (an export does not know where it goes); concurrent exports may keep a
+few more than ``MAX_KEPT``. A segment in flight longer than
 ``ttl_s`` and a free one unused for ``idle_s`` are removed, as is every segment when the
 exporter stops; an importer of an older build removes a segment as before, and the exporter
 then forgets it.
