@@ -1,12 +1,17 @@
-"""KV transfer throughput on one host (issue 47): gRPC and shared memory against a memcpy.
+"""KV transfer throughput on one host (issue 47): gRPC relayed, gRPC pushed, shared memory,
+against a memcpy.
 
 Two real executors run as subprocesses (``python -m executor_svc``) on a small random model
 whose KV is 256 KiB a block (4 layers, 8 KV heads of 64, 16 tokens a block, fp32), each with
 a cache big enough for the largest size asked. For each size, this process moves that many
 bytes of blocks from A to B with ``kv_transfer.client.move_kv`` (ExportKV on A piped through
 this process into ImportKV on B) and times the whole call: gather under A's step lock, the
-CRC-32, the transport, the CRC-32 check and the scatter on B. The reference is the plain copy
-of the same bytes in one process (``dst.copy_(src)`` on warmed buffers) and the CRC-32 alone.
+CRC-32, the transport, the CRC-32 check and the scatter on B. ``grpc``: the chunks pass through
+this process (the scheduler's relay); ``push``: this process only asks, A streams the chunks
+to B itself (PushKV); ``shm``: a shared memory segment, only the header through this process.
+The three alternate, one move each in turn, ``--repeats`` rounds. The reference is the plain
+copy of the same bytes in one process (``dst.copy_(src)`` on warmed buffers) and the CRC-32
+alone.
 
     .venv/bin/python benchmarks/bench_kv_transfer.py [--sizes-mb 64,256,512] [--repeats 3]
 """
@@ -30,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from executor_svc.kv_transfer.client import move_kv  # noqa: E402
+from executor_svc.kv_transfer.client import block_lists, move_kv  # noqa: E402
 from protos import executor_pb2 as pb  # noqa: E402
 from protos import executor_pb2_grpc as pb_grpc  # noqa: E402
 from tests.support.executor_driver import executor_subprocess  # noqa: E402
@@ -106,18 +111,33 @@ def main() -> None:
             channel(port_b) as b,
         ):
             assert a.Describe(pb.DescribeRequest()).num_device_blocks == num_blocks
+            chunk = int(args.chunk_mb * MB)
             for size in sizes:
                 n_blocks = size * MB // BLOCK_BYTES
                 blocks = {"s": list(range(n_blocks))}
-                for name, kind in (("grpc", pb.KV_TRANSPORT_GRPC), ("shm ", pb.KV_TRANSPORT_SHM)):
-
-                    def move(kind: int = kind, blocks: dict = blocks) -> None:
-                        chunk = int(args.chunk_mb * MB)
-                        move_kv(a, b, blocks, blocks, transport=kind, chunk_bytes=chunk)
-
-                    move()  # warm: B's cache pages and the channel
-                    secs = timed(move, args.repeats)
-                    print(f"{size:4d} MB {name}    : {rate(size * MB, secs)}")
+                moves = {
+                    "grpc": lambda b_=blocks: move_kv(
+                        a, b, b_, b_, transport=pb.KV_TRANSPORT_GRPC, chunk_bytes=chunk
+                    ),
+                    "push": lambda b_=blocks: a.PushKV(
+                        pb.PushKVRequest(
+                            export=pb.ExportKVRequest(sequences=block_lists(b_), chunk_bytes=chunk),
+                            dst_address=f"127.0.0.1:{port_b}",
+                            dst_sequences=block_lists(b_),
+                        )
+                    ),
+                    "shm": lambda b_=blocks: move_kv(
+                        a, b, b_, b_, transport=pb.KV_TRANSPORT_SHM, chunk_bytes=chunk
+                    ),
+                }
+                secs: dict[str, list[float]] = {name: [] for name in moves}
+                for move in moves.values():
+                    move()  # warm: B's cache pages and the channels
+                for _ in range(args.repeats):  # alternated: each in turn, round after round
+                    for name, move in moves.items():
+                        secs[name] += timed(move, 1)
+                for name in moves:
+                    print(f"{size:4d} MB {name:4s}    : {rate(size * MB, secs[name])}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ it comes back idle, then A gets SIGTERM after `--warm-tokens` tokens per stream.
   with their KV cache (both on loopback: through shared memory);
 - `migrate-grpc`: the same with --migrate-transport grpc (the bytes relayed through the
   scheduler in the gRPC streams, as between hosts);
+- `migrate-push`: the same with --migrate-transport push (A streams the bytes to B itself,
+  PushKV; the scheduler only asks);
 - `recompute`: --no-migrate-on-drain, A with --drain-timeout 0.2: what is left when A stops is
   recomputed on B (the path without migration when the drain is short);
 - `finish`: --no-migrate-on-drain, A with --drain-timeout 60: A finishes its streams in place.
@@ -21,7 +23,7 @@ recomputed (`llmserve:prompt_tokens_recomputed`), requests migrated, and whether
 output equals the undisturbed reference (run on A alone first).
 
     python benchmarks/bench_migration.py [--size tiny|demo] [--streams 32] [--tokens 400]
-        [--warm-tokens 40] [--rounds 2] [--modes migrate,migrate-grpc,recompute,finish]
+        [--warm-tokens 40] [--rounds 2] [--modes migrate,migrate-grpc,migrate-push,recompute,finish]
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from tests.support.stack import demo_model_dir, start_two_executor_stack
 MODES = {
     "migrate": ([], "60"),
     "migrate-grpc": (["--migrate-transport", "grpc"], "60"),
+    "migrate-push": (["--migrate-transport", "push"], "60"),
     "recompute": (["--no-migrate-on-drain"], "0.2"),
     "finish": (["--no-migrate-on-drain"], "60"),
 }
@@ -177,7 +180,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=400)
     p.add_argument("--warm-tokens", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--modes", default="migrate,migrate-grpc,recompute,finish")
+    p.add_argument("--modes", default="migrate,migrate-grpc,migrate-push,recompute,finish")
     args = p.parse_args()
     cache = Path(tempfile.gettempdir()) / "llmserve-bench-models"
     model_dir = demo_model_dir(cache, size=args.size)

@@ -59,7 +59,7 @@ class ExportKVRequest(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[KVBlockList, _Mapping]]] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., chunk_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("sequences", "dtype", "shape", "num_bytes", "crc32", "transport", "shm_name", "host_id", "instance_id", "leader_epoch")
+    __slots__ = ("sequences", "dtype", "shape", "num_bytes", "crc32", "transport", "shm_name", "host_id", "instance_id", "leader_epoch", "shm_reuse")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class KVHeader(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHM_REUSE_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[KVBlockList]
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -80,7 +81,8 @@ class KVHeader(_message.Message):
     host_id: str
     instance_id: str
     leader_epoch: int
-    def __init__(self, sequences: _Optional[_Iterable[_Union[KVBlockList, _Mapping]]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., shm_name: _Optional[str] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
+    shm_reuse: bool
+    def __init__(self, sequences: _Optional[_Iterable[_Union[KVBlockList, _Mapping]]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., transport: _Optional[_Union[KVTransport, str]] = ..., shm_name: _Optional[str] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., shm_reuse: _Optional[bool] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "offset", "data")
@@ -91,6 +93,20 @@ class KVChunk(_message.Message):
     offset: int
     data: bytes
     def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushKVRequest(_message.Message):
+    __slots__ = ("export", "dst_address", "dst_sequences", "dst_instance_id", "dst_tls_server_name")
+    EXPORT_FIELD_NUMBER: _ClassVar[int]
+    DST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DST_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    DST_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_TLS_SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
+    export: ExportKVRequest
+    dst_address: str
+    dst_sequences: _containers.RepeatedCompositeFieldContainer[KVBlockList]
+    dst_instance_id: str
+    dst_tls_server_name: str
+    def __init__(self, export: _Optional[_Union[ExportKVRequest, _Mapping]] = ..., dst_address: _Optional[str] = ..., dst_sequences: _Optional[_Iterable[_Union[KVBlockList, _Mapping]]] = ..., dst_instance_id: _Optional[str] = ..., dst_tls_server_name: _Optional[str] = ...) -> None: ...
 
 class ImportKVResponse(_message.Message):
     __slots__ = ("num_blocks", "num_bytes")
@@ -119,7 +135,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("instance_id", "model_name", "architecture", "dtype", "device", "block_size", "num_device_blocks", "num_cpu_blocks", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "max_logprobs", "tensor_parallel_size", "draining", "hidden_size", "cpu_kernel_isa", "max_loras", "max_lora_rank", "draft_model_name", "draft_num_layers", "draft_vocab_size", "role")
+    __slots__ = ("instance_id", "model_name", "architecture", "dtype", "device", "block_size", "num_device_blocks", "num_cpu_blocks", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "max_logprobs", "tensor_parallel_size", "draining", "hidden_size", "cpu_kernel_isa", "max_loras", "max_lora_rank", "draft_model_name", "draft_num_layers", "draft_vocab_size", "role", "kv_push")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +159,7 @@ class DescribeResponse(_message.Message):
     DRAFT_NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSH_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_name: str
     architecture: str
@@ -166,7 +183,8 @@ class DescribeResponse(_message.Message):
     draft_num_layers: int
     draft_vocab_size: int
     role: ExecutorRole
-    def __init__(self, instance_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., draining: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., cpu_kernel_isa: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., draft_model_name: _Optional[str] = ..., draft_num_layers: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., role: _Optional[_Union[ExecutorRole, str]] = ...) -> None: ...
+    kv_push: bool
+    def __init__(self, instance_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., draining: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., cpu_kernel_isa: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., draft_model_name: _Optional[str] = ..., draft_num_layers: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., role: _Optional[_Union[ExecutorRole, str]] = ..., kv_push: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "num_logprobs", "min_tokens", "min_tokens_suppressed_ids", "logit_bias", "num_prompt_logprobs", "prompt_only", "pooling")

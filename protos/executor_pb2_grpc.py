@@ -69,6 +69,11 @@ class ExecutorStub:
                 request_serializer=protos_dot_executor__pb2.KVChunk.SerializeToString,
                 response_deserializer=protos_dot_executor__pb2.ImportKVResponse.FromString,
                 _registered_method=True)
+        self.PushKV = channel.unary_unary(
+                '/llmserve.executor.v1.Executor/PushKV',
+                request_serializer=protos_dot_executor__pb2.PushKVRequest.SerializeToString,
+                response_deserializer=protos_dot_executor__pb2.ImportKVResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -134,6 +139,18 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushKV(self, request, context):
+        """Pushes a payload from this executor straight into another executor's ImportKV: this one
+        exports the blocks (as ExportKV, the bytes in the stream's chunks) over its own channel to
+        the destination, so the bytes never pass through the caller. Answers the destination's
+        ImportKVResponse. The export's refusals are ExportKV's; the destination's status comes
+        back as this call's, its message naming the destination (UNAVAILABLE when it cannot be
+        reached). Executors that take it say so in DescribeResponse.kv_push.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +187,11 @@ def add_ExecutorServicer_to_server(servicer, server):
             'ImportKV': grpc.stream_unary_rpc_method_handler(
                     servicer.ImportKV,
                     request_deserializer=protos_dot_executor__pb2.KVChunk.FromString,
+                    response_serializer=protos_dot_executor__pb2.ImportKVResponse.SerializeToString,
+            ),
+            'PushKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushKV,
+                    request_deserializer=protos_dot_executor__pb2.PushKVRequest.FromString,
                     response_serializer=protos_dot_executor__pb2.ImportKVResponse.SerializeToString,
             ),
     }
@@ -361,6 +383,33 @@ class Executor:
             target,
             '/llmserve.executor.v1.Executor/ImportKV',
             protos_dot_executor__pb2.KVChunk.SerializeToString,
+            protos_dot_executor__pb2.ImportKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.executor.v1.Executor/PushKV',
+            protos_dot_executor__pb2.PushKVRequest.SerializeToString,
             protos_dot_executor__pb2.ImportKVResponse.FromString,
             options,
             channel_credentials,

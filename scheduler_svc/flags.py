@@ -87,10 +87,11 @@ def _executors_flags(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--migrate-transport",
-        choices=["auto", "grpc", "shm"],
+        choices=["auto", "grpc", "shm", "push"],
         default="auto",
         help="how migrated KV travels: shared memory when both executors have loopback "
-        "addresses (auto), else relayed through the scheduler in the gRPC stream",
+        "addresses (auto), else pushed by the source executor straight to the destination "
+        "(push) when both can, else relayed through the scheduler in the gRPC stream (grpc)",
     )
     g.add_argument(
         "--migrate-chunk-bytes",

@@ -76,7 +76,7 @@ class ExecutorServer:
         self.host = host
         self.requested_port = port
         self.runner_kwargs = runner_kwargs
-        self.servicer = ExecutorServicer()
+        self.servicer = ExecutorServicer(peer_tls=tls)
         self.health = health.HealthServicer()
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -173,8 +173,7 @@ class ExecutorServer:
         self._stopped.set()
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
-        if self.servicer.kv is not None:
-            self.servicer.kv.close()  # shared memory segments no importer took
+        self.servicer.close_kv_transfer()
         if self.tp_workers is not None:
             self.tp_workers.stop(self.servicer.step_lock)
         log.info("executor.stopped")

@@ -8,7 +8,6 @@ short).
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 import uuid
@@ -22,11 +21,11 @@ import grpc
 import structlog
 
 from executor_svc.api import tracing
+from executor_svc.api.kv_rpcs import KVTransferRpcs
 from executor_svc.api.rpc_errors import (
     Fenced,
     NotReady,
     OutOfOrder,
-    Refused,
     StepFailed,
     WrongInstance,
     rpc,
@@ -44,7 +43,7 @@ from executor_svc.api.validation import StepPlan, validate_step
 from executor_svc.config import envs
 from executor_svc.features.registry import feature_rpcs
 from executor_svc.kernels import library
-from executor_svc.kv_transfer.endpoint import KVEndpoint
+from executor_svc.kv_transfer.push import TLS
 from executor_svc.runner.loader import tokenizer_class_name
 from executor_svc.runner.model_runner import ModelRunner
 from protos import executor_pb2 as pb
@@ -86,7 +85,7 @@ class _CachedUndo:
     num_computed_tokens: int
 
 
-class ExecutorServicer(pb_grpc.ExecutorServicer):
+class ExecutorServicer(KVTransferRpcs, pb_grpc.ExecutorServicer):
     """Holds per-sequence state between steps and drives one ModelRunner, one step at a time."""
 
     def __init__(
@@ -97,6 +96,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         model_name: str | None = None,
         attention_backend: str | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        peer_tls: TLS | None = None,
     ) -> None:
         # New per process start (and per servicer): a change tells the scheduler its view of
         # the KV cache is gone.
@@ -129,7 +129,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         # settled, oldest first.
         self.overlap = False
         self._flights: list[Flight] = []
-        self.kv: KVEndpoint | None = None  # KV transfers (ExportKV/ImportKV), made at first use
+        self.init_kv_transfer(peer_tls)  # ExportKV, ImportKV, PushKV (api/kv_rpcs.py)
         if runner is not None:
             self.attach(
                 runner,
@@ -204,6 +204,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             tensor_parallel_size=getattr(info, "tensor_parallel_size", 1),
             draining=self.draining,
             role=_ROLES[self.role],
+            kv_push=True,
             hidden_size=getattr(info, "hidden_size", 0),
             cpu_kernel_isa=library.variant() if runner.device.type == "cpu" else "",
             **runner.features.describe(),
@@ -224,37 +225,6 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 has_files = (self._model_dir / "tokenizer.json").is_file()
                 self._tokenizer_class = tokenizer_class_name(self._model_dir) if has_files else ""
         return pb.GetTokenizerResponse(files=files, tokenizer_class=self._tokenizer_class or "")
-
-    @rpc
-    def ExportKV(self, request: pb.ExportKVRequest, context: grpc.ServicerContext) -> Any:
-        # A scheduler moving sequences off a draining executor steps it no more meanwhile: the
-        # export counts as its activity, so the drain does not give up on it (server.drain).
-        self.last_step_time = time.monotonic()
-        self._check_epoch(request.leader_epoch)
-        # The blocks are copied before the stream starts: errors come out as a status here.
-        return self._kv_endpoint().export(request)
-
-    @rpc
-    def ImportKV(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
-        first = next(request_iterator, None)
-        if first is not None:  # a deposed leader never writes into its successor's cache
-            self._check_epoch(first.header.leader_epoch)
-        chunks = itertools.chain([first] if first is not None else [], request_iterator)
-        return self._kv_endpoint().import_(chunks)
-
-    def _kv_endpoint(self) -> KVEndpoint:
-        runner = self.runner
-        if runner.tp is not None and runner.tp.world_size > 1:
-            raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "KV transfer is not supported with tensor parallelism yet",
-            )
-        if self.kv is None:
-            self.kv = KVEndpoint(runner.kv_cache, self._lock, self._live_blocks, self.instance_id)
-        return self.kv
-
-    def _live_blocks(self) -> dict[int, str]:
-        return {b: s.seq_id for s in self._seqs.values() for b in s.block_table}
 
     @rpc
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> Any:

@@ -34,6 +34,7 @@ their command line): nothing writes the environment to pass settings on. The one
 | ``LLMSERVE_TP_PIN`` | on | ``parallel.group``: ``0`` leaves CPU tensor-parallel ranks unpinned (else each gets its share of the allowed cores) |
 | ``TRITON_INTERPRET`` | off | ``attention.triton_write_kv``: Triton's own switch (its interpreter); here only whether the Triton wrappers accept CPU tensors |
 | ``OTEL_*`` | unset | ``api.tracing``: OpenTelemetry traces of sampled steps (``OTEL_TRACES_EXPORTER``, ``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME``, ``OTEL_SDK_DISABLED``; the exporter reads the rest) |
+| ``LLMSERVE_FAILPOINTS`` | unset | ``kv_transfer.endpoint``: tests' failpoints, ``name=delay:S;...`` (only ``executor.export_kv=delay:S``: an export holds its stream for S seconds after its first chunk, a window to kill the exporter mid-stream in) |
 | ``XDG_CACHE_HOME`` | ``~/.cache`` | ``kernels.library``: under it ``llmserve/kernels`` when ``LLMSERVE_KERNEL_DIR`` is unset |
 """
 
@@ -237,6 +238,16 @@ def tracing_exporter() -> str | None:
         "OTEL_EXPORTER_OTLP_ENDPOINT"
     )
     return "otlp" if endpoint else None
+
+
+def failpoint_delay(name: str) -> float:
+    """``LLMSERVE_FAILPOINTS``: the seconds of ``name=delay:S`` among its ``;``-separated
+    entries (0 when absent); the scheduler's failpoints share the variable and names."""
+    for entry in os.environ.get("LLMSERVE_FAILPOINTS", "").split(";"):
+        key, _, value = entry.partition("=")
+        if key.strip() == name and value.startswith("delay:"):
+            return float(value.removeprefix("delay:"))
+    return 0.0
 
 
 def tracing_service_name() -> str:

@@ -2,8 +2,8 @@
 the destination, with the header's blocks and instance rewritten for the destination.
 
 The chunks flow through the caller one at a time (gRPC's flow control on both streams bounds
-what is buffered). Tests and benchmarks call it; a draining executor will call it to push its
-sequences' blocks to another (not built yet: docs/internals.md, "KV transfer").
+what is buffered). Tests and benchmarks call it; an executor pushing its blocks to another
+(``push.py``, PushKV) uses ``retarget``.
 """
 
 from __future__ import annotations

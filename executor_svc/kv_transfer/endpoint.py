@@ -9,10 +9,12 @@ import raises ``TransferError`` and leaves the cache as it was.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import structlog
 
+from executor_svc.config import envs
 from executor_svc.kv_transfer.payload import (
     DTYPES,
     CacheTensors,
@@ -88,7 +90,9 @@ class KVEndpoint:
         log.info(
             "kv.exported", num_blocks=num_blocks, num_bytes=num_bytes, transport=transport.kind
         )
-        return transport.send(header, staged, chunk_bytes)
+        chunks = transport.send(header, staged, chunk_bytes)
+        pause = envs.failpoint_delay("executor.export_kv")
+        return _paused_after_first(chunks, pause) if pause else chunks
 
     def import_(self, chunks: Iterator[pb.KVChunk]) -> pb.ImportKVResponse:
         first = next(chunks, None)
@@ -164,3 +168,13 @@ class KVEndpoint:
                         f"destination block {b} (for {s.seq_id!r}) holds live sequence "
                         f"{live[b]!r}'s KV",
                     )
+
+
+def _paused_after_first(chunks: Iterator[pb.KVChunk], seconds: float) -> Iterator[pb.KVChunk]:
+    """Failpoint ``executor.export_kv=delay:S`` (tests): the first chunk goes out, then the
+    stream stands still for S seconds, so that the exporter can be killed while the importer
+    holds the header and the first bytes of a stream that never ends."""
+    yield next(chunks)
+    log.info("kv.export_paused", seconds=seconds)
+    time.sleep(seconds)
+    yield from chunks

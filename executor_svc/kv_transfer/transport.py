@@ -39,7 +39,7 @@ class Staged:
     """An exporter's buffer for one payload and the header fields that name it."""
 
     data: torch.Tensor  # [num_bytes] uint8, contiguous, on the host
-    fields: dict[str, str] = field(default_factory=dict)  # e.g. shm_name, host_id
+    fields: dict[str, str | bool] = field(default_factory=dict)  # e.g. shm_name, shm_reuse
 
 
 @dataclass(slots=True)

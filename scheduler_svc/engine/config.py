@@ -89,7 +89,8 @@ class EngineConfig:
     # work (engine/faults/migration.py) instead of finishing there or being recomputed.
     migrate_on_drain: bool = True
     # How the moved KV travels: "auto" (shared memory between executors with loopback
-    # addresses, else gRPC), "grpc" (relayed through the scheduler) or "shm" (one host only).
+    # addresses, else "push" when both executors take PushKV, else "grpc"), "grpc" (relayed
+    # through the scheduler), "shm" (one host only) or "push" (source to destination directly).
     migrate_transport: str = "auto"
     # Payload bytes per gRPC chunk of moved KV (ExportKVRequest.chunk_bytes); 0: the executor's
     # default (2 MiB).

@@ -22,6 +22,7 @@ from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc as pb_grpc
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
 from scheduler_svc.engine.fleet.kv_move import move_kv as scheduler_move_kv
+from scheduler_svc.engine.fleet.kv_move import push_kv
 from tests.support.executor_driver import (
     DriverSeq,
     ExecutorDriver,
@@ -29,6 +30,7 @@ from tests.support.executor_driver import (
     running_executor,
 )
 from tests.support.model_factory import make_tiny_checkpoint
+from tests.support.prom import free_port
 
 NUM_BLOCKS = 64
 KWARGS = dict(device="cpu", dtype="float32", block_size=4, num_device_blocks=NUM_BLOCKS)
@@ -185,6 +187,7 @@ def test_each_transport_moves_the_cache_bytes(ends, transport: str):
         assert data == want.contiguous().numpy().tobytes()  # layer-major: [L, K/V, blocks, ...]
     else:
         assert len(exported) == 1 and not exported[0].data
+        assert header.shm_reuse  # kept for reuse
         assert (shm_dir() / header.shm_name).stat().st_size == header.num_bytes
     before = b.blocks(list(range(NUM_BLOCKS)))
     b.stub.ImportKV(retarget(iter(exported), block_lists(dst), b.info.instance_id))
@@ -192,8 +195,34 @@ def test_each_transport_moves_the_cache_bytes(ends, transport: str):
     after = b.blocks(list(range(NUM_BLOCKS)))
     untouched = [i for i in range(NUM_BLOCKS) if i not in (60, 0, 17, 3)]
     assert torch.equal(after[:, :, untouched], before[:, :, untouched])
-    if transport == "shm":  # imported once: the segment is gone
+    if transport == "shm":  # imported once: the segment is handed back to the exporter
         assert not (shm_dir() / header.shm_name).exists()
+        assert (shm_dir() / (header.shm_name + ".free")).exists()
+
+
+def test_shared_memory_segments_are_reused(ends):
+    """The exporter's next payload goes into the segment the importer handed back (the same
+    file: its pages are not allocated again), grown when it is longer; an importer that removes
+    the segment (an older build: no shm_reuse) costs the exporter that segment only."""
+    a, b = ends
+    a.cache.key.normal_()
+    a.cache.value.normal_()
+
+    def move(src: list[int], dst: list[int], reuse: bool = True) -> int:
+        (chunk,) = _export(a, {"x": src}, pb.KV_TRANSPORT_SHM)
+        assert chunk.header.shm_reuse
+        inode = (shm_dir() / chunk.header.shm_name).stat().st_ino
+        chunk.header.shm_reuse = reuse
+        b.stub.ImportKV(retarget(iter([chunk]), block_lists({"x": dst}), ""))
+        assert torch.equal(b.blocks(dst), a.blocks(src))
+        assert (shm_dir() / (chunk.header.shm_name + ".free")).exists() == reuse
+        return inode
+
+    first = move([1, 2, 3], [10, 11, 12])
+    assert move([4], [13]) == first  # shorter: the same file, truncated
+    assert move([5, 6, 7, 8, 9], [14, 15, 16, 17, 18]) == first  # longer: grown
+    move([20], [21], reuse=False)  # removed by the importer
+    move([22, 23], [24, 25])  # a segment of the pool again
 
 
 def _expect(code: grpc.StatusCode, call, *words: str) -> None:
@@ -258,20 +287,24 @@ def test_move_kv_reports_the_exports_own_status(ends):
 
 
 def relay(
-    a: End, b: End, src: dict, dst: dict, transport: int, epoch: int = 0
+    a: End, b: End, src: dict, dst: dict, transport: int | str, epoch: int = 0, dst_port: int = 0
 ) -> pb.ImportKVResponse:
     """The scheduler's relay (scheduler_svc/engine/fleet/kv_move.py, asyncio) between the two,
-    each reached as the scheduler reaches an executor (an ExecutorHandle)."""
+    each reached as the scheduler reaches an executor (an ExecutorHandle); `transport` "push":
+    A pushes to B (at `dst_port` when given) itself, the scheduler only asks."""
 
     async def run() -> pb.ImportKVResponse:
         handles = []
-        for end in (a, b):
-            channel = grpc.aio.insecure_channel(f"127.0.0.1:{end.port}")
+        for end, port in ((a, a.port), (b, dst_port or b.port)):
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
             stub = pb_grpc.ExecutorStub(channel)
-            handles.append(ExecutorHandle(f"127.0.0.1:{end.port}", channel, stub, end.info, None))
+            handles.append(ExecutorHandle(f"127.0.0.1:{port}", channel, stub, end.info, None))
         try:
+            if transport == "push":
+                return await push_kv(*handles, src, dst, timeout_s=30, epoch=epoch)
+            kind = TRANSPORTS[transport] if isinstance(transport, str) else transport
             return await scheduler_move_kv(
-                *handles, src, dst, transport=transport, timeout_s=30, epoch=epoch
+                *handles, src, dst, transport=kind, timeout_s=30, epoch=epoch
             )
         finally:
             for h in handles:
@@ -280,33 +313,49 @@ def relay(
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize("transport", [*TRANSPORTS, "push"])
 def test_the_scheduler_relay_moves_the_cache_bytes(ends, transport: str):
     a, b = ends
     a.cache.key.normal_()
     a.cache.value.normal_()
     src, dst = {"x": [5, 2, 9], "y": [30]}, {"x": [60, 0, 17], "y": [3]}
-    reply = relay(a, b, src, dst, TRANSPORTS[transport])
+    reply = relay(a, b, src, dst, transport)
     assert reply.num_blocks == 4
     assert torch.equal(b.blocks([60, 0, 17, 3]), a.blocks([5, 2, 9, 30]))
 
 
-def test_the_scheduler_relay_reports_either_ends_status(ends):
+@pytest.mark.parametrize("transport", ["grpc", "push"])
+def test_the_scheduler_relay_reports_either_ends_status(ends, transport: str):
     a, b = ends
     _expect(  # the export's own status, not the import's cancellation it caused
         grpc.StatusCode.INVALID_ARGUMENT,
-        lambda: relay(a, b, {"x": [1, NUM_BLOCKS]}, {"x": [1, 2]}, pb.KV_TRANSPORT_GRPC),
+        lambda: relay(a, b, {"x": [1, NUM_BLOCKS]}, {"x": [1, 2]}, transport),
         "source block id 64",
     )
     _expect(  # the import's refusal
         grpc.StatusCode.INVALID_ARGUMENT,
-        lambda: relay(a, b, {"x": [1]}, {"x": [NUM_BLOCKS]}, pb.KV_TRANSPORT_GRPC),
+        lambda: relay(a, b, {"x": [1]}, {"x": [NUM_BLOCKS]}, transport),
         "destination block id 64",
     )
 
 
+def test_a_push_to_a_dead_destination_is_unavailable(ends):
+    """B gone (nothing listens at its address): A's PushKV answers UNAVAILABLE, naming it, and
+    stays usable (the move's caller falls back to recomputing)."""
+    a, b = ends
+    dead = free_port()
+    _expect(
+        grpc.StatusCode.UNAVAILABLE,
+        lambda: relay(a, b, {"x": [1]}, {"x": [7]}, "push", dst_port=dead),
+        f"push to 127.0.0.1:{dead}",
+    )
+    assert relay(a, b, {"x": [1]}, {"x": [7]}, "push").num_blocks == 1
+    assert torch.equal(b.blocks([7]), a.blocks([1]))
+
+
+@pytest.mark.parametrize("transport", ["grpc", "push"])
 @pytest.mark.parametrize("end", ["source", "destination"])
-def test_a_deposed_leader_moves_nothing(ends, end: str):
+def test_a_deposed_leader_moves_nothing(ends, end: str, transport: str):
     """Both ends check the mover's leadership epoch as they check a step's: a scheduler that
     lost its lease cannot write into a cache its successor (epoch 5 here) now owns."""
     a, b = ends
@@ -316,11 +365,11 @@ def test_a_deposed_leader_moves_nothing(ends, end: str):
     try:
         _expect(
             grpc.StatusCode.FAILED_PRECONDITION,
-            lambda: relay(a, b, {"x": [1]}, {"x": [7]}, pb.KV_TRANSPORT_GRPC, epoch=4),
+            lambda: relay(a, b, {"x": [1]}, {"x": [7]}, transport, epoch=4),
             "leadership epoch 4 is older than 5",
         )
         assert torch.equal(b.blocks([7]), before)
-        assert relay(a, b, {"x": [1]}, {"x": [7]}, pb.KV_TRANSPORT_GRPC, epoch=5).num_blocks == 1
+        assert relay(a, b, {"x": [1]}, {"x": [7]}, transport, epoch=5).num_blocks == 1
     finally:
         fenced.srv.servicer.leader_epoch = 0
 

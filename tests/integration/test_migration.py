@@ -1,19 +1,18 @@
 """Live migration on drain (issue 47): streams running on executor A, executor B idle, SIGTERM
 to A. Every running request moves with its KV cache to B and continues there: output
 byte-identical to an undisturbed run (greedy and seeded), and no token computed again
-(`llmserve:prompt_tokens_recomputed` stays 0). When the move fails (A killed with -9 once B's
-blocks are allocated, B killed with -9 in the middle of the KV's byte stream), nothing is lost:
-the requests are recomputed (or stay on A, which finishes them) and the output is still
-identical.
+(`llmserve:prompt_tokens_recomputed` stays 0). When the move fails (A or B killed with -9 in
+the middle of the KV's byte stream), nothing is lost: the requests are recomputed on B (A dead)
+or stay on A, which finishes them (B dead), and the output is still identical.
 
 Real processes: Redis, two executors, the scheduler. B is paused (SIGSTOP) until the health
 probe marks it down, so that the reference run and the streams run on A alone; it is let go
-(SIGCONT) and back, idle, before A is told to drain. Failpoints open a window to kill an end in:
-`engine.migrate=delay:S` holds the move for S seconds after B's blocks are allocated (A is
-killed there: no byte has left it yet); `engine.kv_move=delay:S` holds the relay for S seconds
-after the first of the 64 KiB gRPC chunks (B is killed there, holding the header and the first
-bytes of a stream that never ends). A killed mid-stream is not tested: the scheduler's receive
-window may already hold the whole export, and the move then succeeds, as it should.
+(SIGCONT) and back, idle, before A is told to drain. Failpoints open a window to kill an end in,
+with the bytes relayed in 64 KiB gRPC chunks: `engine.kv_move=delay:S` holds the scheduler's
+relay for S seconds after the first chunk (B holds the header and the first bytes), and
+`executor.export_kv=delay:S` holds A's export after its first chunk, so that A dies with the
+rest of its payload unsent (without it the scheduler's HTTP/2 receive window may already hold
+the whole export, and the move then succeeds).
 """
 
 from __future__ import annotations
@@ -68,6 +67,9 @@ class Pair:
 
     def scheduler_log(self) -> str:
         return (self.stack.workdir / "scheduler.log").read_text(errors="replace")
+
+    def a_log(self) -> str:
+        return (self.leaving.workdir / "executor.log").read_text(errors="replace")
 
 
 @contextmanager
@@ -133,8 +135,10 @@ def check_identical(results: list, reference: list, threads: list) -> None:
         assert got.tokens[0] == ref.tokens[0], i
 
 
-def test_sigterm_moves_every_running_stream_to_the_idle_executor(tmp_path):
-    with pair_of_executors(tmp_path) as pair:
+# auto: shared memory (both on loopback); push: A streams the bytes to B itself (PushKV).
+@pytest.mark.parametrize("transport", ["auto", "push"])
+def test_sigterm_moves_every_running_stream_to_the_idle_executor(tmp_path, transport):
+    with pair_of_executors(tmp_path, ("--migrate-transport", transport)) as pair:
         reference = reference_run(pair)
         recomputed_before = pair.metric("llmserve:prompt_tokens_recomputed_total")
         results, threads = streams_on_a_with_b_idle(pair, "mig")
@@ -148,12 +152,21 @@ def test_sigterm_moves_every_running_stream_to_the_idle_executor(tmp_path):
         assert "executor.failed_over" not in log
         b_log = (pair.stack.workdir / "executor.log").read_text()
         assert "kv.imported" in b_log
+        assert ("kv.pushed" in pair.a_log()) == (transport == "push")
 
 
 MID_STREAM = ("--migrate-transport", "grpc", "--migrate-chunk-bytes", str(64 << 10))
-CUTS = {  # victim: (failpoint, scheduler flags, the log line that opens the window)
-    "a": ("engine.migrate=delay:1.5", (), "executor.migrating"),  # B's blocks are allocated
-    "b": ("engine.kv_move=delay:1.5", MID_STREAM, "kv_move.paused_mid_stream"),  # B has chunk 1
+# victim: (failpoints, scheduler flags, the log lines (scheduler's, A's) that open the window)
+CUTS = {
+    # A's export stands still after its first chunk, which the relay has passed on to B: A dies
+    # in the middle of the byte stream, B holding the header and the first bytes.
+    "a": (
+        "executor.export_kv=delay:30;engine.kv_move=delay:0.2",
+        MID_STREAM,
+        ("kv_move.paused_mid_stream", "kv.export_paused"),
+    ),
+    # The relay stands still after the first chunk: B dies holding a partial import.
+    "b": ("engine.kv_move=delay:1.5", MID_STREAM, ("kv_move.paused_mid_stream", "")),
 }
 
 
@@ -162,14 +175,14 @@ def test_a_move_cut_short_by_a_dead_end_loses_nothing(tmp_path, monkeypatch, vic
     """kill -9 of A (the source) or B (the destination) during the move: B's blocks are freed
     and the requests take the path without migration. A dead: they are recomputed on B (the
     counter goes up). B dead: they stay on A, which finishes them while it drains."""
-    failpoint, scheduler_args, window = CUTS[victim]
-    monkeypatch.setenv("LLMSERVE_FAILPOINTS", failpoint)
+    failpoints, scheduler_args, (window, a_window) = CUTS[victim]
+    monkeypatch.setenv("LLMSERVE_FAILPOINTS", failpoints)
     with pair_of_executors(tmp_path, scheduler_args) as pair:
         reference = reference_run(pair)
         results, threads = streams_on_a_with_b_idle(pair, "cut")
         pair.a.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 30
-        while window not in pair.scheduler_log():
+        while window not in pair.scheduler_log() or a_window not in pair.a_log():
             assert time.monotonic() < deadline, "the migration never started"
             time.sleep(0.02)
         proc = pair.a if victim == "a" else pair.b

@@ -42,7 +42,7 @@ from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
 from scheduler_svc.engine.fleet.executors import ExecutorPool
-from scheduler_svc.engine.fleet.kv_move import move_kv, transport_between
+from scheduler_svc.engine.fleet.kv_move import ROUTES, move_kv, push_kv, transport_between
 from scheduler_svc.engine.metrics import EngineMetrics
 from scheduler_svc.engine.request_table import RequestTable
 
@@ -69,7 +69,7 @@ class Migration:
         self.table = table
         self.metrics = metrics
         self.timeout_s = timeout_s
-        self.transport = transport  # "auto", "grpc" or "shm" (fleet/kv_move.transport_between)
+        self.transport = transport  # "auto", "grpc", "shm", "push" (kv_move.transport_between)
         self.chunk_bytes = chunk_bytes  # per gRPC chunk; 0: the executor's default
         # Executor instances whose drain was handled (one migration per instance: requests a
         # failed move left behind stay there) and the migrations under way.
@@ -225,15 +225,15 @@ class Migration:
             await asyncio.sleep(failpoints.delay("engine.migrate"))
             failpoints.hit("engine.migrate")
         await self._flush_drops(dst)
-        if src_blocks:
-            transport = transport_between(src, dst, self.transport)
-            await move_kv(
-                src,
-                dst,
-                src_blocks,
-                dst_blocks,
-                transport=transport,
-                timeout_s=self.timeout_s,
-                epoch=self.pool.epoch,
-                chunk_bytes=self.chunk_bytes,
-            )
+        if not src_blocks:
+            return
+        route = transport_between(src, dst, self.transport)
+        if route == "push":
+            tls_name = self.pool.config.executor_tls_server_name or ""
+            await push_kv(src, dst, src_blocks, dst_blocks, timeout_s=self.timeout_s,
+                          epoch=self.pool.epoch, chunk_bytes=self.chunk_bytes,
+                          tls_server_name=tls_name)  # fmt: skip
+            return
+        await move_kv(src, dst, src_blocks, dst_blocks, transport=ROUTES[route],
+                      timeout_s=self.timeout_s, epoch=self.pool.epoch,
+                      chunk_bytes=self.chunk_bytes)  # fmt: skip

@@ -3,10 +3,12 @@ into ImportKV on the destination, the header's blocks and instance rewritten for
 destination (the asyncio twin of `executor_svc/kv_transfer/client.move_kv`, which this service
 may not import).
 
-The scheduler relays the stream. With `KV_TRANSPORT_SHM` (both executors on one host) only the
-header passes through it: the bytes go from the exporter's shared memory segment straight into
-the importer's cache. With `KV_TRANSPORT_GRPC` every chunk passes through the scheduler, paced
-by both streams' flow control.
+Three routes (`transport_between`). "shm": the scheduler relays the stream, which holds only
+the header; the bytes go from the exporter's shared memory segment straight into the importer's
+cache (both executors on one host). "grpc": every chunk passes through the scheduler, paced by
+both streams' flow control. "push" (`push_kv`): the scheduler asks the source to push the
+blocks itself (PushKV): it streams them over its own channel into the destination's ImportKV,
+and the scheduler only waits for the answer.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["LOOPBACK_HOSTS", "move_kv", "transport_between"]
+__all__ = ["LOOPBACK_HOSTS", "ROUTES", "move_kv", "push_kv", "transport_between"]
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 
@@ -32,14 +34,21 @@ def _host(address: str) -> str:
     return address.rpartition(":")[0]
 
 
-def transport_between(src: ExecutorHandle, dst: ExecutorHandle, choice: str = "auto") -> int:
-    """`choice` "grpc" or "shm", or for "auto": shared memory when both executors are on this
-    scheduler's host (loopback addresses), else the gRPC stream (an executor of another host
-    refuses a segment it cannot map)."""
-    if choice == "auto":
-        local = _host(src.address) in LOOPBACK_HOSTS and _host(dst.address) in LOOPBACK_HOSTS
-        choice = "shm" if local else "grpc"
-    return epb.KV_TRANSPORT_SHM if choice == "shm" else epb.KV_TRANSPORT_GRPC
+# The relayed routes' transports (the bytes in the stream, or in a shared memory segment).
+ROUTES = {"grpc": epb.KV_TRANSPORT_GRPC, "shm": epb.KV_TRANSPORT_SHM}
+
+
+def transport_between(src: ExecutorHandle, dst: ExecutorHandle, choice: str = "auto") -> str:
+    """The route of a move: `choice` ("grpc", "shm" or "push") as it is, or for "auto": shared
+    memory when both executors are on this scheduler's host (loopback addresses), else a push
+    from source to destination when both take PushKV (`DescribeResponse.kv_push`; the
+    destination only imports, but an older build may also refuse what a newer one sends), else
+    the gRPC stream relayed through the scheduler."""
+    if choice != "auto":
+        return choice
+    if _host(src.address) in LOOPBACK_HOSTS and _host(dst.address) in LOOPBACK_HOSTS:
+        return "shm"
+    return "push" if src.describe.kv_push and dst.describe.kv_push else "grpc"
 
 
 def _block_lists(blocks: dict[str, list[int]]) -> list[epb.KVBlockList]:
@@ -83,6 +92,37 @@ async def move_kv(
         raise
     finally:
         chunks.cancel()  # a no-op once the export ended; stops it when the import failed
+
+
+async def push_kv(
+    src: ExecutorHandle,
+    dst: ExecutorHandle,
+    src_blocks: dict[str, list[int]],
+    dst_blocks: dict[str, list[int]],
+    *,
+    timeout_s: float,
+    epoch: int = 0,
+    chunk_bytes: int = 0,
+    tls_server_name: str = "",
+) -> epb.ImportKVResponse:
+    """As `move_kv`, the bytes going straight from `src` to `dst` (PushKV on `src`, which dials
+    `dst.address` with its own TLS identity, checking `tls_server_name` when given, as this
+    scheduler does). Raises grpc.aio.AioRpcError when either end fails or refuses."""
+    export = epb.ExportKVRequest(
+        sequences=_block_lists(src_blocks),
+        transport=epb.KV_TRANSPORT_GRPC,
+        instance_id=src.describe.instance_id,
+        leader_epoch=epoch,
+        chunk_bytes=chunk_bytes,
+    )
+    request = epb.PushKVRequest(
+        export=export,
+        dst_address=dst.address,
+        dst_sequences=_block_lists(dst_blocks),
+        dst_instance_id=dst.describe.instance_id,
+        dst_tls_server_name=tls_server_name,
+    )
+    return await src.stub.PushKV(request, timeout=timeout_s)
 
 
 async def _retargeted(
