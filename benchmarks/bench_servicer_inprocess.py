@@ -18,9 +18,11 @@ costs, the median adds what the machine did meanwhile. The replies' tokens must 
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -99,6 +101,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp())
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     extract(args.commit, tmp)
     sys.path[:0] = [str(ROOT), str(tmp)]
     import torch
