@@ -323,10 +323,11 @@ class ExecutorServicer(KVTransferRpcs, pb_grpc.ExecutorServicer):
             defer = self.overlap and not plan.active and not _reads_tokens(plan)
             # Only the newest launched step's tokens may be missing from the host when a step
             # is launched on top of it; none when this one reads token values on the host.
-            flights, self._flights = self._flights, []
-            for f in flights[:-1] if defer else flights:
-                f.settle()
-            self._flights = [f for f in flights if not f.settled]
+            if self._flights:  # (none where steps do not overlap)
+                flights, self._flights = self._flights, []
+                for f in flights[:-1] if defer else flights:
+                    f.settle()
+                self._flights = [f for f in flights if not f.settled]
             undo = self._apply(request, plan)
             work = StepWork.of(request, plan)
             out = self._run_or_roll_back(runner, work, plan, undo, request.step_id, defer)

@@ -18,6 +18,7 @@ transaction; these functions get exactly what they use.
 from __future__ import annotations
 
 import threading
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +77,7 @@ class StepOutput:
 
     by_id: dict[str, SampleResult]
     outputs: dict[str, list[Any]] = field(default_factory=dict)
-    launched: Launched | None = None
+    launched: Launched | None = None  # an overlapped step's draws (None: run through)
 
 
 def run_step(
@@ -86,18 +87,23 @@ def run_step(
     plan (the caller rolls the step back). With ``defer`` the draws may still be on their way
     (``StepOutput.launched``; ``by_id`` is then filled by ``Flight.settle``)."""
     out = StepOutput({}, runner.features.outputs())
-    launched = Launched.ready([])
-    if not work.is_empty:
-        args = (work.seqs, work.swap_out, work.swap_in, work.copy)
-        launched = runner.launch(*args, **out.outputs, defer=defer)
-    out.launched = launched
-    ids = set(launched.seq_ids)
-    if len(ids) != len(launched.seq_ids) or not ids <= plan.states.keys():
+    args = (work.seqs, work.swap_out, work.swap_in, work.copy)
+    ids: AbstractSet[str]
+    if defer and not work.is_empty:
+        launched = out.launched = runner.launch(*args, **out.outputs, defer=True)
+        ids, num_results = set(launched.seq_ids), len(launched.seq_ids)
+        if not launched.deferred:
+            out.by_id = {r.seq_id: r for r in launched.results()}
+    else:
+        # Run through (every step of an executor that does not overlap, every CPU one's): the
+        # results as they are, no Launched.
+        results = runner.execute(*args, **out.outputs) if not work.is_empty else []
+        out.by_id = {r.seq_id: r for r in results}
+        ids, num_results = out.by_id.keys(), len(results)
+    if len(ids) != num_results or not ids <= plan.states.keys():
         raise RuntimeError("model runner returned results for unexpected sequences")
     if any(s.seq_id not in ids for s in plan.lane):
         raise RuntimeError("model runner sampled nothing for a decode lane sequence")
-    if not launched.deferred:
-        out.by_id = {r.seq_id: r for r in launched.results()}
     return out
 
 

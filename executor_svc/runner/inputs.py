@@ -58,12 +58,14 @@ def build_inputs(
     # Filled row by row in numpy: building the tensor from nested Python lists costs ~3x more,
     # which at long contexts (hundreds of blocks per sequence) is milliseconds a step.
     table = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+    any_pending = False
     for i, (s, n) in enumerate(zip(seqs, blocks_needed, strict=True)):
         if len(s.block_table) < n:
             raise ValueError(f"sequence {s.seq_id} needs {n} blocks, has {len(s.block_table)}")
         # Only the blocks that hold context this step: trailing pre-allocated ones would only
         # widen the gather in attention.
         table[i, :n] = s.block_table[:n]
+        any_pending = any_pending or s.pending is not None
     input_ids = list(
         itertools.chain.from_iterable(
             s.token_ids[a : a + n] for s, a, n in zip(seqs, starts, q_lens, strict=True)
@@ -72,7 +74,9 @@ def build_inputs(
     num_tokens = len(input_ids)
     if num_tokens != sum(q_lens):
         raise ValueError("num_computed + num_scheduled exceeds the known tokens")
-    pending = _pending_rows(seqs, starts, q_lens, input_ids)
+    # A placeholder is only ever appended with its sequence's ``pending`` set: without one in
+    # the step (every step of an executor that does not overlap) there is nothing to gather.
+    pending = _pending_rows(seqs, starts, q_lens, input_ids) if any_pending else {}
 
     block_tables = torch.from_numpy(table)
     starts_t = torch.tensor(starts, dtype=torch.long)
@@ -100,28 +104,32 @@ def build_inputs(
         if rows is not None:
             sample_seq_indices, sample_rows = rows
 
-    dev = device
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    ids = torch.tensor(input_ids, dtype=torch.long)
+    tensors = (slot_mapping, block_tables, seq_lens_t, query_start_loc, ids, positions, sample_rows)
+    if device.type != "cpu":  # (a CPU's model reads them where they are: no call per tensor)
+        tensors = tuple(upload(t, device) for t in tensors)
+    slot_mapping, block_tables, seq_lens_t, query_start_loc, ids, positions, sample_rows = tensors
+    for launched, (rows_, src) in pending.items():
+        # The tokens the host has not got yet, from the device's copy of the draws.
+        ids[upload(torch.tensor(rows_), device)] = launched.device_tokens[
+            upload(torch.tensor(src), launched.device_tokens.device)
+        ].to(device)
     md = AttentionMetadata(
-        slot_mapping=upload(slot_mapping, dev),
-        block_tables=upload(block_tables, dev),
-        seq_lens=upload(torch.tensor(seq_lens, dtype=torch.int32), dev),
-        query_start_loc=upload(query_start_loc, dev),
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        seq_lens=seq_lens_t,
+        query_start_loc=query_start_loc,
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
         num_decode_seqs=sum(1 for n in q_lens if n == 1),
     )
-    ids = upload(torch.tensor(input_ids, dtype=torch.long), dev)
-    for launched, (rows_, src) in pending.items():
-        # The tokens the host has not got yet, from the device's copy of the draws.
-        ids[upload(torch.tensor(rows_), dev)] = launched.device_tokens[
-            upload(torch.tensor(src), launched.device_tokens.device)
-        ].to(dev)
     return BatchInputs(
         input_ids=ids,
-        positions=upload(positions, dev),
+        positions=positions,
         attn_metadata=md,
         sample_seq_indices=sample_seq_indices,
-        sample_rows=upload(sample_rows, dev),
+        sample_rows=sample_rows,
     )
 
 
@@ -133,12 +141,10 @@ def _pending_rows(
     (a token the host filled before ``input_ids`` was read is used as it is)."""
     found: dict[Launched, tuple[list[int], list[int]]] = {}
     num_found = 0
-    any_pending = False
     row = 0
     for s, a, n in zip(seqs, starts, q_lens, strict=True):
         p = s.pending
         if p is not None:
-            any_pending = True
             launched, j, idx = p
             if a <= idx < a + n and input_ids[row + idx - a] == PENDING:
                 rows_, src = found.setdefault(launched, ([], []))
@@ -146,9 +152,7 @@ def _pending_rows(
                 src.append(j)
                 num_found += 1
         row += n
-    # A placeholder is only ever appended with its sequence's ``pending`` set: without one in
-    # the step (every step of an executor that does not overlap) there is nothing to scan for.
-    if any_pending and input_ids.count(PENDING) != num_found:
+    if input_ids.count(PENDING) != num_found:
         # Only the latest launched step's tokens may be missing (the servicer settles the
         # others first): anything else is a bug, and the step fails before it runs.
         raise RuntimeError("an input token of this step was sampled by an unsettled step")

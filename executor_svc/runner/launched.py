@@ -126,19 +126,31 @@ class Launched:
                 if self._gpu_span is not None:
                     start, end = self._gpu_span
                     self._phases["gpu"] += start.elapsed_time(end) / 1e3
-        token_t, logprob_t, top_ids_t, top_lps_t = self._host
-        token_ids = token_t.tolist()
-        logprobs = logprob_t.tolist()
-        top_ids = top_ids_t.tolist() if top_ids_t is not None else None
-        top_lps = top_lps_t.tolist() if top_lps_t is not None else None
-        results = []
-        for j, s in enumerate(self._seqs):
-            k = s.sampling_params.num_logprobs
-            top = (
-                list(zip(top_ids[j][:k], top_lps[j][:k], strict=True))
-                if k > 0 and top_ids is not None and top_lps is not None
-                else []
-            )
-            results.append(SampleResult(s.seq_id, int(token_ids[j]), float(logprobs[j]), top))
+        results = sample_results(self._seqs, *self._host)
         self._seqs, self._host, self._event, self._gpu_span = (), (), None, None
         return results
+
+
+def sample_results(
+    seqs: Sequence[Any],
+    token_t: torch.Tensor,
+    logprob_t: torch.Tensor,
+    top_ids_t: torch.Tensor | None,
+    top_lps_t: torch.Tensor | None,
+) -> list[SampleResult]:
+    """One result per sampling row of ``seqs`` from the sampler's outputs on the host (what
+    ``Launched.results`` gives, and a step run through on a CPU, which makes no ``Launched``)."""
+    token_ids = token_t.tolist()
+    logprobs = logprob_t.tolist()
+    top_ids = top_ids_t.tolist() if top_ids_t is not None else None
+    top_lps = top_lps_t.tolist() if top_lps_t is not None else None
+    results = []
+    for j, s in enumerate(seqs):
+        k = s.sampling_params.num_logprobs
+        top = (
+            list(zip(top_ids[j][:k], top_lps[j][:k], strict=True))
+            if k > 0 and top_ids is not None and top_lps is not None
+            else []
+        )
+        results.append(SampleResult(s.seq_id, int(token_ids[j]), float(logprobs[j]), top))
+    return results

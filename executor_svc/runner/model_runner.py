@@ -34,7 +34,7 @@ from executor_svc.runner.kv_cache import (
     cuda_num_blocks,
     max_useful_blocks,
 )
-from executor_svc.runner.launched import Launched, SampleResult
+from executor_svc.runner.launched import Launched, SampleResult, sample_results
 from executor_svc.runner.loader import ModelInfo, load_model, resolve_device
 
 if TYPE_CHECKING:
@@ -165,7 +165,8 @@ class ModelRunner:
         # On CUDA also "wait" (the host waiting for a step's draws) and "gpu" (each step's span
         # on the device, from its first operation to its draws' copy: runner/launched.py).
         self.phase_seconds = {"cache_ops": 0.0, "forward": 0.0, "sampling": 0.0}
-        if self.device.type == "cuda":
+        self._on_cuda = self.device.type == "cuda"
+        if self._on_cuda:
             self.phase_seconds.update(wait=0.0, gpu=0.0)
         # Rank 0 of a tensor-parallel group sends every step to the other ranks first.
         self._send_step = None
@@ -177,6 +178,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
+    @torch.inference_mode()
     def execute(
         self,
         seqs: list[ScheduledSequence],
@@ -189,9 +191,9 @@ class ModelRunner:
         the step uses between them; ``outputs``: lists that receive what features return beside
         the samples, by the feature's output name (``Feature.output``; None or absent: not
         wanted)."""
-        return self.launch(
-            seqs, blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy, **outputs
-        ).results()
+        blocks = (blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
+        drawn = self._step(seqs, blocks, outputs, defer=False)
+        return drawn if isinstance(drawn, list) else drawn.results()
 
     @torch.inference_mode()
     def launch(
@@ -206,29 +208,41 @@ class ModelRunner:
     ) -> Launched:
         """``execute`` up to its draws; with ``defer`` (and no feature of the step using them)
         they stay on the device on their way to the host (runner/launched.py)."""
+        blocks = (blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
+        drawn = self._step(seqs, blocks, outputs, defer)
+        return drawn if isinstance(drawn, Launched) else Launched.ready(drawn)
+
+    def _step(
+        self,
+        seqs: list[ScheduledSequence],
+        blocks: tuple[BlockPairs, BlockPairs, BlockPairs],
+        outputs: dict[str, list | None],
+        defer: bool,
+    ) -> list[SampleResult] | Launched:
+        """The step up to its draws: their results, or the draws as launched (``Launched``: on
+        CUDA, and when deferred). A step run through on a CPU makes no ``Launched``: nothing
+        there is on its way, and its executor never overlaps (``execute``'s direct path)."""
         if outputs and not outputs.keys() <= self.features.output_names:
             raise TypeError(
                 f"no feature returns {sorted(outputs.keys() - self.features.output_names)}"
             )
         step = Step(seqs, self.features.active(seqs) if seqs else (), outputs)
-        blocks = (blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
         batch = self._broadcast_step(step, *blocks) if self._send_step is not None else None
-        gpu_start = self._device_event()
+        gpu_start = self._device_event() if self._on_cuda else None
         self._cache_ops(*blocks)
         if not seqs:
-            return Launched.ready([])
+            return []
         sample_idx, logits = self._forward_step(step, batch)
         if not sample_idx:
-            return Launched.ready([])
+            return []
         t0 = time.perf_counter()
-        launched = self._sample_step(step, sample_idx, logits, defer, gpu_start)
+        drawn = self._sample_step(step, sample_idx, logits, defer, gpu_start)
         self.phase_seconds["sampling"] += time.perf_counter() - t0
-        return launched
+        return drawn
 
-    def _device_event(self) -> torch.cuda.Event | None:
+    @staticmethod
+    def _device_event() -> torch.cuda.Event:
         """On CUDA, an event at the start of a step (its span on the device: phase "gpu")."""
-        if self.device.type != "cuda":
-            return None
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -341,27 +355,31 @@ class ModelRunner:
         logits: torch.Tensor,
         defer: bool,
         gpu_start: torch.cuda.Event | None = None,
-    ) -> Launched:
+    ) -> list[SampleResult] | Launched:
         """The sequence each logits row samples as (features may give views of it, or change
         the logits), the draws, and one result per sequence (features may group rows). Draws
         stay on the device when ``defer`` and no feature of the step needs them."""
         rows = [step.seqs[i] for i in sample_idx]
         for f in step.active:
             rows = f.before_sample(step, sample_idx, rows, logits)
-        drawn = self._sample(rows, logits, gpu_start)
-        if defer and not step.active:
+        defer = defer and not step.active
+        drawn = self._sample(rows, logits, defer, gpu_start)
+        if defer:
             return drawn
-        results = drawn.results()
+        results = drawn if isinstance(drawn, list) else drawn.results()
         for f in step.active:
             results = f.after_sample(step, sample_idx, results)
-        return Launched.ready(results)
+        return results
 
     def _sample(
         self,
         seqs: list[ScheduledSequence],
         logits: torch.Tensor,
+        defer: bool = False,
         gpu_start: torch.cuda.Event | None = None,
-    ) -> Launched:
+    ) -> list[SampleResult] | Launched:
+        """The draws of ``seqs``: their results where the host has them and nothing waits for
+        them (not ``defer``, not CUDA), else as launched."""
         if self._sampler is None:
             # Imported here: the sampler module is optional for forward-only use and tests.
             from executor_svc.runner.sampler import Sampler
@@ -380,6 +398,9 @@ class ModelRunner:
                 prompts.append(())
                 outputs.append(range(len(s.token_ids) - n))
         out = self._sampler(logits, [s.sampling_params for s in seqs], prompts, outputs)
+        if not (defer or self._on_cuda):
+            return sample_results(seqs, out.token_ids, out.logprobs, out.top_token_ids,
+                                  out.top_logprobs)  # fmt: skip
         return Launched.of(seqs, out, self.phase_seconds, gpu_start)
 
     # ------------------------------------------------------------------ profiling

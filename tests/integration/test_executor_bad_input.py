@@ -390,7 +390,8 @@ def test_failed_forward_rolls_back(executor, reference, monkeypatch) -> None:
     def broken(*args, **kwargs):
         raise RuntimeError("simulated device failure")
 
-    monkeypatch.setattr(runner, "launch", broken)
+    for step in ("execute", "launch"):  # a step run through, or an overlapped one
+        monkeypatch.setattr(runner, step, broken)
     with pytest.raises(grpc.RpcError) as err:
         stub.ExecuteModel(req)
     monkeypatch.undo()
