@@ -51,6 +51,7 @@ from scheduler_svc.state.keys import (
 )
 from scheduler_svc.state.leader import EPOCH_KEY
 from scheduler_svc.state.records import (
+    BASE_FIELDS,
     FORMAT_VERSION,
     Created,
     FinishRecord,
@@ -201,6 +202,8 @@ class RequestStore:
             "error": "",
         }
         for name, value in rec.features.items():  # the optional features' (None: nothing)
+            if name in BASE_FIELDS:  # a feature's entry would overwrite the record's own field
+                raise ValueError(f"feature field {name!r} is one of the record's own fields")
             if value is not None:
                 mapping[name] = json.dumps(value)
         if rec.deadline:  # absent = none: records of earlier versions read the same

@@ -145,3 +145,36 @@ def test_the_servicer_serves_each_features_rpcs():
     }
     for method in feature_rpcs():
         assert getattr(SchedulerServicer, method).__name__ == method
+
+
+def test_every_field_the_store_writes_of_its_own_is_a_base_field(redis_url):
+    """decode_record takes a field outside BASE_FIELDS for a feature's: the store's own fields
+    (optional ones included) must all be listed there, and a feature may not take one's name."""
+    from scheduler_svc.state.records import BASE_FIELDS, FinishRecord, StoredRequest
+
+    raw = redis.Redis.from_url(redis_url, decode_responses=True)
+
+    async def write() -> None:
+        store = RequestStore(redis_url)
+        rec = StoredRequest("own", [1, 2], PARAMS, deadline=5.0, trace_context="00-ab-cd-01")
+        await store.create(rec)
+        finish = FinishRecord("own", 1, ["stop"], [None], error="")
+        await store.write_step([], [finish], [("own", [None, [[3, -0.5]]])])
+        bad = StoredRequest("bad", [1], PARAMS, features={"status": "x"})
+        try:
+            await store.create(bad)
+        except ValueError as e:
+            assert "status" in str(e)
+        else:
+            raise AssertionError("a feature field named like the record's own was stored")
+        await store.close()
+
+    asyncio.run(write())
+    assert set(raw.hgetall("llmserve:request:own")) <= BASE_FIELDS
+    assert not raw.exists("llmserve:request:bad")
+    assert (
+        decode_record(
+            "own", {k.encode(): v.encode() for k, v in raw.hgetall("llmserve:request:own").items()}
+        ).features
+        == {}
+    )
