@@ -49,14 +49,15 @@ def alternate_sides(
 
 
 def prefilled_servicer(
-    runner: Any, batch: int, context: int, blocks_per_seq: int
+    runner: Any, batch: int, context: int, blocks_per_seq: int, servicer: Any = None
 ) -> tuple[Any, list[str]]:
-    """An ExecutorServicer on `runner` that has run step 1, the prefill of `batch` sequences of
-    `context` random tokens (seeded), each with `blocks_per_seq` blocks; and their ids."""
+    """An ExecutorServicer (or `servicer`, another build's class) on `runner` that has run step
+    1, the prefill of `batch` sequences of `context` random tokens (seeded), each with
+    `blocks_per_seq` blocks; and their ids."""
     from executor_svc.api.service import ExecutorServicer
     from protos import executor_pb2 as pb
 
-    svc = ExecutorServicer(runner)
+    svc = (servicer or ExecutorServicer)(runner)
     rng = random.Random(0)
     ids = [f"s{i}" for i in range(batch)]
     new = [

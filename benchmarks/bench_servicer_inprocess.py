@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import importlib
-import random
 import re
 import shutil
 import subprocess
@@ -29,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from ab_shared import prefilled_servicer
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD = "old_executor_svc"
@@ -64,21 +65,7 @@ def run_round(
     step's CPU µs and the lane's tokens."""
     from protos import executor_pb2 as pb
 
-    svc = servicer(runner)
-    rng = random.Random(0)
-    ids = [f"s{i}" for i in range(batch)]
-    new = [
-        pb.NewSequence(
-            seq_id=sid,
-            token_ids=[rng.randrange(5, runner.info.vocab_size) for _ in range(context)],
-            num_prompt_tokens=context,
-            sampling_params=pb.SamplingParams(),
-            block_table=range(i * bps, (i + 1) * bps),
-            num_scheduled_tokens=context,
-        )
-        for i, sid in enumerate(ids)
-    ]
-    svc._execute(pb.ExecuteModelRequest(step_id=1, new_sequences=new))  # noqa: SLF001
+    svc, ids = prefilled_servicer(runner, batch, context, bps, servicer)
     times, tokens = [], []
     for k in range(5 + steps):
         req = pb.ExecuteModelRequest(
