@@ -162,6 +162,7 @@ environment (flags win where both exist; the table in executor_svc/config/envs.p
   LLMSERVE_TP_SHM=0, LLMSERVE_TP_PIN=0   CPU tensor parallelism: gloo only / unpinned ranks
   LLMSERVE_REDIS_SENTINEL, LLMSERVE_REDIS_SENTINEL_MASTER   defaults of --redis-sentinel[-master]
   LLMSERVE_REDIS_SENTINEL_PASSWORD   the Sentinels' own password (no flag)
+  LLMSERVE_FAILPOINTS            tests' fault injection (executor.export_kv=delay:S)
   OTEL_TRACES_EXPORTER, OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_SDK_DISABLED
                                  OpenTelemetry spans of sampled steps (off unless configured)
 """
