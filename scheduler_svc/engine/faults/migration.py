@@ -117,7 +117,8 @@ class Migration:
             while src.healthy and not src.retired and _num_held(src):
                 wake.clear()
                 targets = self._targets(src)
-                if gate.due(self._movable_ids(src), _rooms(targets)):
+                # No destination up (yet): nothing to try until one is, or a step later.
+                if targets and gate.due(self._movable_ids(src), _rooms(targets)):
                     async with self.lock, src.exclusive():
                         if not src.healthy:
                             return  # gone already: fail-over recomputes what it held
