@@ -21,10 +21,20 @@ lock) and then each destination's, in that order:
    the sequences in its next step), each handle points at the destination, whose executor
    learns each sequence from a NewSequence with its num_computed_tokens, as after a swap-in.
 
+A drain is a series of such passes, one task per executor instance, until the executor holds
+no request: the first at once, the next whenever one may move something (`drain_retry.RetryGate`:
+a request became movable, e.g. its first prefill chunk computed or swapped back in, or a
+destination has more free blocks or sequence slots than at the last pass that left requests
+behind, e.g. its own requests finished). The task checks that after each of the source's steps
+(every reply of a draining executor calls `start`, which wakes it) and every `RETRY_BACKOFF_S`;
+a pass that moved something is followed by another at once (what shared a block with a moved
+request). With no destination up, no pass is made.
+
 Any failure in 3 (either end dies or refuses: any RPC error) undoes 2 (the destination's blocks
 are freed, nothing was registered in its prefix cache) and leaves the requests where they were,
 which is the path without migration: they run on the draining executor until it stops, and
-what is left then is recomputed elsewhere. After a failure this executor migrates nothing more.
+what is left then is recomputed elsewhere. After a failure this executor migrates nothing more
+(no retry loop against a dying peer).
 
 `move_batch` (2-4 for one destination, both locks held) also serves prefill/decode handoffs
 (`engine/handoff.py`) and the admin move (`engine/moves.py`).
