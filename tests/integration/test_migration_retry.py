@@ -1,11 +1,12 @@
 """Live migration keeps moving while the executor drains (issue 47). Executors A and B serve
 in turn (round-robin); with at most 12 sequences on an executor, B runs 8 short streams and A
-8 long ones, still in their chunked prefill (64 tokens a step) when A gets SIGTERM. B takes 4
-of A's at first (its free sequence slots); the drain moves the others once B's short streams
-finish and free their slots, including those whose prefill was not done or not started (the
-ones A had not admitted go without KV, as `move_waiting` moves them). Nothing finishes on A
-and nothing is recomputed: `requests_migrated` plus the waiting ones moved is all 8, and every
-output is the undisturbed run's.
+8 long ones, still in their chunked prefill (16 tokens a step) when A gets SIGTERM, right after
+the last one arrived. B's free sequence slots take only some of A's at first (a pass then moves
+none); the drain moves the others as B's short streams finish and free their slots, including
+those whose prefill was not done (the ones A had not admitted yet go without KV, as
+`move_waiting` moves them). Nothing finishes on A and nothing is recomputed:
+`requests_migrated` plus the waiting ones moved is all 8, and every output is the undisturbed
+run's.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import signal
 import threading
 import time
 
-from tests.integration.test_migration import check_identical, pair_of_executors
+from tests.integration.test_migration import Pair, check_identical, pair_of_executors
 from tests.support.api_helpers import Collected, collect, gen_request, run_in_threads
 
 NUM_PAIRS = 8
-SCHEDULER_ARGS = ("--routing", "round-robin", "--max-num-batched-tokens", "64")
+SCHEDULER_ARGS = ("--routing", "round-robin", "--max-num-batched-tokens", "16")
 SCHEDULER_ARGS += ("--max-num-seqs", "12")
 
 
@@ -31,11 +32,18 @@ def workload(prefix: str) -> list:
     reqs = []
     for i in range(2 * NUM_PAIRS):
         long = i % 2 == 1
-        prompt = [rng.randrange(5, 500) for _ in range(rng.randint(96, 160) if long else 8)]
-        params = dict(max_tokens=320 if long else 96, ignore_eos=True)
+        prompt = [rng.randrange(5, 500) for _ in range(rng.randint(192, 256) if long else 8)]
+        params = dict(max_tokens=240 if long else 96, ignore_eos=True)
         params |= {"temperature": 0.0} if i % 4 < 2 else {"temperature": 0.9, "seed": 100 + i}
         reqs.append(gen_request(prompt, request_id=f"{prefix}-{i}", **params))
     return reqs
+
+
+def wait_admitted(pair: Pair, req_id: str) -> None:
+    deadline = time.monotonic() + 30
+    while not re.search(rf"request\.admitted .*req_id={req_id}$", pair.scheduler_log(), re.M):
+        assert time.monotonic() < deadline, f"{req_id} never admitted"
+        time.sleep(0.001)
 
 
 def test_drain_moves_streams_as_they_become_movable_and_as_room_frees(tmp_path):
@@ -53,11 +61,7 @@ def test_drain_moves_streams_as_they_become_movable_and_as_room_frees(tmp_path):
             stream = pair.stub.Generate(r, timeout=180)
             threads.append(threading.Thread(target=collect, args=(stream, results[i])))
             threads[-1].start()
-            time.sleep(0.005)  # they arrive in this order: round-robin alternates
-        deadline = time.monotonic() + 60
-        while not all(r.tokens.get(0) for r in results[::2]):  # B's are running
-            assert time.monotonic() < deadline, "B's streams never started"
-            time.sleep(0.002)
+            wait_admitted(pair, r.request_id)  # in this order: round-robin alternates
         pair.a.send_signal(signal.SIGTERM)
         in_prefill = sum(not r.tokens.get(0) for r in results[1::2])
         check_identical(results, reference, threads)
