@@ -121,17 +121,18 @@ class Migration:
         once, the next whenever the gate says one may move something (a step of `src` ended,
         or a destination has more room), until a move fails."""
         began = time.perf_counter()
+        instance = src.describe.instance_id  # a restart at that address is another executor
         gate = RetryGate()
         num_passes = 0
         try:
-            while src.healthy and not src.retired and _num_held(src):
+            while _still_draining(src, instance):
                 wake.clear()
                 targets = self._targets(src)
                 # No destination up (yet): nothing to try until one is, or a step later.
                 if targets and gate.due(self._movable_ids(src), _rooms(targets)):
                     async with self.lock, src.exclusive():
-                        if not src.healthy:
-                            return  # gone already: fail-over recomputes what it held
+                        if not _still_draining(src, instance):
+                            return  # gone (fail-over recomputes what it held), or restarted
                         moved, failed = await self._move_all(src)
                     src.wake.set()  # its next step drops the moved sequences
                     num_passes += 1
@@ -151,7 +152,7 @@ class Migration:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(wake.wait(), RETRY_BACKOFF_S)
         finally:
-            del self._wakes[src.describe.instance_id]
+            del self._wakes[instance]
 
     async def _move_all(self, src: ExecutorHandle) -> tuple[int, bool]:
         """Every batch (one per destination) in turn, until one fails. Returns the requests
@@ -291,8 +292,16 @@ class Migration:
                       chunk_bytes=self.chunk_bytes)  # fmt: skip
 
 
-def _num_held(ex: ExecutorHandle) -> int:
-    return ex.sched.num_running + ex.sched.num_swapped + ex.sched.num_waiting
+def _still_draining(ex: ExecutorHandle, instance: str) -> bool:
+    """The same executor instance, up, draining, and holding requests."""
+    held = ex.sched.num_running + ex.sched.num_swapped + ex.sched.num_waiting
+    return (
+        ex.healthy
+        and not ex.retired
+        and ex.draining
+        and ex.describe.instance_id == instance
+        and held > 0
+    )
 
 
 def _rooms(targets: list[ExecutorHandle]) -> dict[str, Room]:
