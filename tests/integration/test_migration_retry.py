@@ -1,12 +1,11 @@
 """Live migration keeps moving while the executor drains (issue 47). Executors A and B serve
-in turn (round-robin); with at most 12 sequences on an executor, B runs 8 short streams and A
-8 long ones, still in their chunked prefill (16 tokens a step) when A gets SIGTERM, right after
-the last one arrived. B's free sequence slots take only some of A's at first (a pass then moves
-none); the drain moves the others as B's short streams finish and free their slots, including
-those whose prefill was not done (the ones A had not admitted yet go without KV, as
-`move_waiting` moves them). Nothing finishes on A and nothing is recomputed:
-`requests_migrated` plus the waiting ones moved is all 8, and every output is the undisturbed
-run's.
+in turn (round-robin); with at most 10 sequences on an executor, B runs 8 short streams and A
+8 long ones. A gets SIGTERM right after the last one arrived (still in its chunked prefill, 64
+tokens a step, or not admitted yet). B's 2 free sequence slots take only some of A's at first
+(the next pass moves none); the drain moves the others as B's short streams finish and free
+their slots (one A had not admitted goes without KV, as `move_waiting` moves it). Nothing
+finishes on A and nothing is recomputed: `requests_migrated` plus the waiting ones moved is
+all 8, and every output is the undisturbed run's.
 """
 
 from __future__ import annotations
@@ -21,8 +20,8 @@ from tests.integration.test_migration import Pair, check_identical, pair_of_exec
 from tests.support.api_helpers import Collected, collect, gen_request, run_in_threads
 
 NUM_PAIRS = 8
-SCHEDULER_ARGS = ("--routing", "round-robin", "--max-num-batched-tokens", "16")
-SCHEDULER_ARGS += ("--max-num-seqs", "12")
+SCHEDULER_ARGS = ("--routing", "round-robin", "--max-num-batched-tokens", "64")
+SCHEDULER_ARGS += ("--max-num-seqs", "10")
 
 
 def workload(prefix: str) -> list:
@@ -46,6 +45,13 @@ def wait_admitted(pair: Pair, req_id: str) -> None:
         time.sleep(0.001)
 
 
+def wait_for_tokens(results: list[Collected]) -> None:
+    deadline = time.monotonic() + 30
+    while not all(r.tokens.get(0) for r in results):
+        assert time.monotonic() < deadline, "streams never started"
+        time.sleep(0.002)
+
+
 def test_drain_moves_streams_as_they_become_movable_and_as_room_frees(tmp_path):
     with pair_of_executors(tmp_path, SCHEDULER_ARGS) as pair:
         reqs = workload("ref")
@@ -58,6 +64,8 @@ def test_drain_moves_streams_as_they_become_movable_and_as_room_frees(tmp_path):
         results = [Collected() for _ in reqs]
         threads = []
         for i, r in enumerate(workload("retry")):
+            if i == len(reqs) - 1:  # B's short streams all run (its slots taken) before the last
+                wait_for_tokens(results[::2])
             stream = pair.stub.Generate(r, timeout=180)
             threads.append(threading.Thread(target=collect, args=(stream, results[i])))
             threads[-1].start()

@@ -22,7 +22,7 @@ lock) and then each destination's, in that order:
    learns each sequence from a NewSequence with its num_computed_tokens, as after a swap-in.
 
 A drain is a series of such passes, one task per executor instance, until the executor holds
-no request: the first at once, the next whenever one may move something (`drain_retry.RetryGate`:
+no request (or is down, restarted, no longer draining): the first at once, the next whenever one may move something (`drain_retry.RetryGate`:
 a request became movable, e.g. its first prefill chunk computed or swapped back in, or a
 destination has more free blocks or sequence slots than at the last pass that left requests
 behind, e.g. its own requests finished). The task checks that after each of the source's steps
