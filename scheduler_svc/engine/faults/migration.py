@@ -22,10 +22,10 @@ lock) and then each destination's, in that order:
    learns each sequence from a NewSequence with its num_computed_tokens, as after a swap-in.
 
 A drain is a series of such passes, one task per executor instance, until the executor holds
-no request (or is down, restarted, no longer draining): the first at once, the next whenever one may move something (`drain_retry.RetryGate`:
-a request became movable, e.g. its first prefill chunk computed or swapped back in, or a
-destination has more free blocks or sequence slots than at the last pass that left requests
-behind, e.g. its own requests finished). The task checks that after each of the source's steps
+no request (or is down, restarted, no longer draining): the first at once, the next whenever
+one may move something (`drain_retry.RetryGate`: a request became movable, e.g. its first
+prefill chunk computed or swapped back in, or a destination has more free blocks or sequence
+slots than at the last pass that left requests behind, e.g. its own requests finished). The task checks that after each of the source's steps
 (every reply of a draining executor calls `start`, which wakes it) and every `RETRY_BACKOFF_S`;
 a pass that moved something is followed by another at once (what shared a block with a moved
 request). With no destination up, no pass is made.
@@ -86,8 +86,8 @@ class Migration:
         self.timeout_s = timeout_s
         self.transport = transport  # "auto", "grpc", "shm", "push" (kv_move.transport_between)
         self.chunk_bytes = chunk_bytes  # per gRPC chunk; 0: the executor's default
-        # Executor instances whose drain was handled (one migration per instance: requests a
-        # failed move left behind stay there) and the migrations under way.
+        # Executor instances whose drain was handled (one drain task per instance; after a
+        # failed move, requests left behind stay there) and the drain tasks under way.
         self._started: set[str] = set()
         # Per instance whose drain task runs: set when something may have changed for it.
         self._wakes: dict[str, asyncio.Event] = {}
