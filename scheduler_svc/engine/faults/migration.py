@@ -25,10 +25,11 @@ A drain is a series of such passes, one task per executor instance, until the ex
 no request (or is down, restarted, no longer draining): the first at once, the next whenever
 one may move something (`drain_retry.RetryGate`: a request became movable, e.g. its first
 prefill chunk computed or swapped back in, or a destination has more free blocks or sequence
-slots than at the last pass that left requests behind, e.g. its own requests finished). The task checks that after each of the source's steps
-(every reply of a draining executor calls `start`, which wakes it) and every `RETRY_BACKOFF_S`;
-a pass that moved something is followed by another at once (what shared a block with a moved
-request). With no destination up, no pass is made.
+slots than at the last pass that left requests behind, e.g. its own requests finished). The
+task checks that after each of the source's steps (every reply of a draining executor calls
+`start`, which wakes it) and every `RETRY_BACKOFF_S`; a pass that moved something is followed
+by another at once (what shared a block with a moved request). With no destination up, no
+pass is made.
 
 Any failure in 3 (either end dies or refuses: any RPC error) undoes 2 (the destination's blocks
 are freed, nothing was registered in its prefix cache) and leaves the requests where they were,
