@@ -73,16 +73,19 @@ class Pair:
 
 
 @contextmanager
-def pair_of_executors(tmp: Path, scheduler_args: tuple[str, ...] = ()) -> Iterator[Pair]:
-    """Redis, A, B and the scheduler; B is paused (SIGSTOP) until the health probe finds it
-    gone, so that everything runs on A until `streams_on_a_with_b_idle` lets it back."""
+def pair_of_executors(
+    tmp: Path, scheduler_args: tuple[str, ...] = (), b_args: tuple[str, ...] = ()
+) -> Iterator[Pair]:
+    """Redis, A, B (`b_args` after the common flags) and the scheduler; B is paused (SIGSTOP)
+    until the health probe finds it gone, so that everything runs on A until the test lets it
+    back (`streams_on_a_with_b_idle`)."""
     redis = RedisServer(data_dir=tmp / "redis")
     redis.start()
     port = free_port()
     stack, leaving = start_two_executor_stack(
         tmp,
         redis,
-        EXECUTOR_ARGS,
+        [*EXECUTOR_ARGS, *b_args],
         second_args=[*EXECUTOR_ARGS, "--drain-timeout", "60"],
         scheduler_args=["--executor-failover", "600", "--metrics-port", str(port)]
         + ["--log-level", "info", *scheduler_args],

@@ -112,3 +112,23 @@ def test_pending_drops_are_taken_for_a_step_of_their_own_and_put_back_when_it_fa
     out = step(a)
     assert out.finished_seq_ids == ["r0/0"]
     a.check_invariants()
+
+
+def test_a_request_in_its_chunked_prefill_moves_and_continues_its_prefill_there():
+    """A drain may move a request between two chunks of its prompt (issue 47): the computed
+    chunk is movable KV, and B computes the rest of the prompt from there. One that A has not
+    admitted yet is waiting, not movable (`move_waiting` moves it, without KV)."""
+    a = make_scheduler(max_num_batched_tokens=8, enable_prefix_caching=True)
+    b = make_scheduler(max_num_batched_tokens=8, enable_prefix_caching=True)
+    add(a, make_requests(2, 20))
+    step(a)  # r0's first 8 prompt tokens; r1 waits for budget
+    assert [r.req_id for r in a.movable_requests()] == ["r0"]
+    assert a.get_request("r1").status == RequestStatus.WAITING
+    new, _ = b.adopt_request(a.get_request("r0"))
+    assert a.release_request("r0")
+    (entry,) = step(b).new_seqs
+    assert (entry.num_computed_tokens, entry.num_scheduled_tokens) == (8, 8)
+    step(b)  # the last 4 prompt tokens, then the first token is sampled
+    seq = new.seqs[0]
+    assert seq.num_computed_tokens == 20 and seq.num_output_tokens == 1
+    b.check_invariants()

@@ -101,7 +101,12 @@ class Faults:
         started (also a request it preempts) goes elsewhere, and what it runs moves with its
         KV cache (live migration, unless turned off; in the background, between its steps)."""
         if not ex.draining:
-            log.info("executor.draining", address=ex.address, running=ex.sched.num_running)
+            log.info(
+                "executor.draining",
+                address=ex.address,
+                running=ex.sched.num_running,
+                waiting=ex.sched.num_waiting,
+            )
             ex.set_draining(True)
         if ex.sched.num_waiting:
             self.recovery.move_waiting(ex)

@@ -21,10 +21,21 @@ lock) and then each destination's, in that order:
    the sequences in its next step), each handle points at the destination, whose executor
    learns each sequence from a NewSequence with its num_computed_tokens, as after a swap-in.
 
+A drain is a series of such passes, one task per executor instance, until the executor holds
+no request (or is down, restarted, no longer draining): the first at once, the next whenever
+one may move something (`drain_retry.RetryGate`: a request became movable, e.g. its first
+prefill chunk computed or swapped back in, or a destination has more free blocks or sequence
+slots than at the last pass that left requests behind, e.g. its own requests finished). The
+task checks that after each of the source's steps (every reply of a draining executor calls
+`start`, which wakes it) and every `RETRY_BACKOFF_S`; a pass that moved something is followed
+by another at once (what shared a block with a moved request). With no destination up, no
+pass is made.
+
 Any failure in 3 (either end dies or refuses: any RPC error) undoes 2 (the destination's blocks
 are freed, nothing was registered in its prefix cache) and leaves the requests where they were,
 which is the path without migration: they run on the draining executor until it stops, and
-what is left then is recomputed elsewhere. After a failure this executor migrates nothing more.
+what is left then is recomputed elsewhere. After a failure this executor migrates nothing more
+(no retry loop against a dying peer).
 
 `move_batch` (2-4 for one destination, both locks held) also serves prefill/decode handoffs
 (`engine/handoff.py`) and the admin move (`engine/moves.py`).
@@ -33,6 +44,7 @@ what is left then is recomputed elsewhere. After a failure this executor migrate
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import structlog
@@ -40,6 +52,7 @@ import structlog
 from scheduler_svc import failpoints
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler_output import SchedulerOutput
+from scheduler_svc.engine.faults.drain_retry import RetryGate, Room
 from scheduler_svc.engine.fleet.executor_handle import ExecutorHandle
 from scheduler_svc.engine.fleet.executors import ExecutorPool
 from scheduler_svc.engine.fleet.kv_move import ROUTES, move_kv, push_kv, transport_between
@@ -49,6 +62,9 @@ from scheduler_svc.engine.request_table import RequestTable
 log = structlog.get_logger(__name__)
 
 __all__ = ["Migration"]
+
+# A drain's task checks its gate at least this often (it is woken at each step of its source).
+RETRY_BACKOFF_S = 0.25
 
 # (source request, its copy adopted by the destination core, leading blocks the destination's
 # prefix cache already held)
@@ -71,9 +87,11 @@ class Migration:
         self.timeout_s = timeout_s
         self.transport = transport  # "auto", "grpc", "shm", "push" (kv_move.transport_between)
         self.chunk_bytes = chunk_bytes  # per gRPC chunk; 0: the executor's default
-        # Executor instances whose drain was handled (one migration per instance: requests a
-        # failed move left behind stay there) and the migrations under way.
+        # Executor instances whose drain was handled (one drain task per instance; after a
+        # failed move, requests left behind stay there) and the drain tasks under way.
         self._started: set[str] = set()
+        # Per instance whose drain task runs: set when something may have changed for it.
+        self._wakes: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task] = set()
         # Held by every move of KV between executors (a drain here, a handoff, the admin move)
         # before it takes the source's lock and then the destination's: two moves in opposite
@@ -82,33 +100,64 @@ class Migration:
         self.lock = asyncio.Lock()
 
     def start(self, src: ExecutorHandle) -> None:
-        """`src` said it drains: move its running requests, once, in the background (the
-        caller may hold its lock: the move waits for it)."""
-        if src.describe.instance_id in self._started:
+        """`src` said it drains (every reply of a draining executor says so): the first call
+        moves its running requests in the background, and keeps moving what becomes movable
+        or finds room later; each later call tells that task a step of `src` ended (the
+        caller may hold its lock: a move waits for it)."""
+        key = src.describe.instance_id
+        wake = self._wakes.get(key)
+        if wake is not None:
+            wake.set()
             return
-        self._started.add(src.describe.instance_id)
-        task = asyncio.get_running_loop().create_task(self._drain(src))
+        if key in self._started:
+            return  # its drain ended: a failed move, or nothing left there
+        self._started.add(key)
+        wake = self._wakes[key] = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(self._drain(src, wake))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _drain(self, src: ExecutorHandle) -> None:
+    async def _drain(self, src: ExecutorHandle, wake: asyncio.Event) -> None:
+        """Passes over `src`'s movable requests while it holds any request: the first at
+        once, the next whenever the gate says one may move something (a step of `src` ended,
+        or a destination has more room), until a move fails."""
         began = time.perf_counter()
-        async with self.lock, src.exclusive():
-            if not src.healthy:
-                return  # gone already: fail-over recomputes what it held
-            moved, left = await self._move_all(src)
-        src.wake.set()  # its next step drops the moved sequences
-        log.info(
-            "executor.migrated",
-            address=src.address,
-            moved_requests=moved,
-            left_requests=left,
-            seconds=round(time.perf_counter() - began, 4),
-        )
+        instance = src.describe.instance_id  # a restart at that address is another executor
+        gate = RetryGate()
+        num_passes = 0
+        try:
+            while _still_draining(src, instance):
+                wake.clear()
+                targets = self._targets(src)
+                # No destination up (yet): nothing to try until one is, or a step later.
+                if targets and gate.due(self._movable_ids(src), _rooms(targets)):
+                    async with self.lock, src.exclusive():
+                        if not _still_draining(src, instance):
+                            return  # gone (fail-over recomputes what it held), or restarted
+                        moved, failed = await self._move_all(src)
+                    src.wake.set()  # its next step drops the moved sequences
+                    num_passes += 1
+                    log.info(
+                        "executor.migrated",
+                        address=src.address,
+                        moved_requests=moved,
+                        left_requests=src.sched.num_running,
+                        num_passes=num_passes,
+                        seconds=round(time.perf_counter() - began, 4),
+                    )
+                    if failed:
+                        return
+                    if moved:
+                        continue  # what a pass leaves (a shared block) may go in the next
+                    gate.record(self._movable_ids(src), _rooms(self._targets(src)))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), RETRY_BACKOFF_S)
+        finally:
+            del self._wakes[instance]
 
-    async def _move_all(self, src: ExecutorHandle) -> tuple[int, int]:
+    async def _move_all(self, src: ExecutorHandle) -> tuple[int, bool]:
         """Every batch (one per destination) in turn, until one fails. Returns the requests
-        moved and those left on `src`."""
+        moved and whether a move failed."""
         moved = 0
         for dst, reqs in self._plan(src):
             async with dst.exclusive():
@@ -117,14 +166,19 @@ class Migration:
                 done = await self.move_batch(src, dst, reqs)
             dst.wake.set()
             if done is None:
-                break
+                return moved, True
             moved += done
             self.metrics.migrated += done
-        return moved, src.sched.num_running
+        return moved, False
+
+    def _targets(self, src: ExecutorHandle) -> list[ExecutorHandle]:
+        return [e for e in self.pool.executors if e is not src and e.takes_work]
+
+    def _movable_ids(self, src: ExecutorHandle) -> list[str]:
+        return [r.req_id for r in src.sched.movable_requests()]
 
     def _plan(self, src: ExecutorHandle) -> list[tuple[ExecutorHandle, list[Request]]]:
-        targets = [e for e in self.pool.executors if e is not src and e.takes_work]
-        return self.plan(src, targets, src.sched.movable_requests())
+        return self.plan(src, self._targets(src), src.sched.movable_requests())
 
     def plan(
         self, src: ExecutorHandle, targets: list[ExecutorHandle], reqs: list[Request]
@@ -237,3 +291,25 @@ class Migration:
         await move_kv(src, dst, src_blocks, dst_blocks, transport=ROUTES[route],
                       timeout_s=self.timeout_s, epoch=self.pool.epoch,
                       chunk_bytes=self.chunk_bytes)  # fmt: skip
+
+
+def _still_draining(ex: ExecutorHandle, instance: str) -> bool:
+    """The same executor instance, up, draining, and holding requests."""
+    held = ex.sched.num_running + ex.sched.num_swapped + ex.sched.num_waiting
+    return (
+        ex.healthy
+        and not ex.retired
+        and ex.draining
+        and ex.describe.instance_id == instance
+        and held > 0
+    )
+
+
+def _rooms(targets: list[ExecutorHandle]) -> dict[str, Room]:
+    return {
+        e.describe.instance_id: Room(
+            e.sched.block_manager.num_free_blocks,
+            e.sched.config.max_num_seqs - e.sched.num_running_seqs,
+        )
+        for e in targets
+    }
