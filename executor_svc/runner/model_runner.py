@@ -399,8 +399,8 @@ class ModelRunner:
                 outputs.append(range(len(s.token_ids) - n))
         out = self._sampler(logits, [s.sampling_params for s in seqs], prompts, outputs)
         if not (defer or self._on_cuda):
-            return sample_results(seqs, out.token_ids, out.logprobs, out.top_token_ids,
-                                  out.top_logprobs)  # fmt: skip
+            tops = (out.top_token_ids, out.top_logprobs)
+            return sample_results(seqs, out.token_ids, out.logprobs, *tops)
         return Launched.of(seqs, out, self.phase_seconds, gpu_start)
 
     # ------------------------------------------------------------------ profiling

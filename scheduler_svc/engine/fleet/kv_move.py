@@ -55,6 +55,19 @@ def _block_lists(blocks: dict[str, list[int]]) -> list[epb.KVBlockList]:
     return [epb.KVBlockList(seq_id=k, block_ids=v) for k, v in blocks.items()]
 
 
+def _export_request(
+    src: ExecutorHandle, blocks: dict[str, list[int]], transport: int, epoch: int, chunk_bytes: int
+) -> epb.ExportKVRequest:
+    """ExportKV of `blocks` on `src` (checked to be the instance planned for, under `epoch`)."""
+    return epb.ExportKVRequest(
+        sequences=_block_lists(blocks),
+        transport=transport,
+        instance_id=src.describe.instance_id,
+        leader_epoch=epoch,
+        chunk_bytes=chunk_bytes,
+    )
+
+
 async def move_kv(
     src: ExecutorHandle,
     dst: ExecutorHandle,
@@ -72,13 +85,7 @@ async def move_kv(
     unchanged or unreferenced (the caller frees them). `epoch`: this scheduler's leadership
     epoch, which both ends check as they check a step's. `chunk_bytes`: payload bytes per
     gRPC chunk (0: the exporter's default)."""
-    request = epb.ExportKVRequest(
-        sequences=_block_lists(src_blocks),
-        transport=transport,
-        instance_id=src.describe.instance_id,
-        leader_epoch=epoch,
-        chunk_bytes=chunk_bytes,
-    )
+    request = _export_request(src, src_blocks, transport, epoch, chunk_bytes)
     chunks = src.stub.ExportKV(request, timeout=timeout_s)
     export_failed: list[grpc.aio.AioRpcError] = []
     header_to = _block_lists(dst_blocks)
@@ -108,15 +115,8 @@ async def push_kv(
     """As `move_kv`, the bytes going straight from `src` to `dst` (PushKV on `src`, which dials
     `dst.address` with its own TLS identity, checking `tls_server_name` when given, as this
     scheduler does). Raises grpc.aio.AioRpcError when either end fails or refuses."""
-    export = epb.ExportKVRequest(
-        sequences=_block_lists(src_blocks),
-        transport=epb.KV_TRANSPORT_GRPC,
-        instance_id=src.describe.instance_id,
-        leader_epoch=epoch,
-        chunk_bytes=chunk_bytes,
-    )
     request = epb.PushKVRequest(
-        export=export,
+        export=_export_request(src, src_blocks, epb.KV_TRANSPORT_GRPC, epoch, chunk_bytes),
         dst_address=dst.address,
         dst_sequences=_block_lists(dst_blocks),
         dst_instance_id=dst.describe.instance_id,
