@@ -16,7 +16,13 @@ import torch
 from executor_svc.kernels import gemm_bf16, library
 from executor_svc.models import cpu_decoder, llama
 from executor_svc.runner.model_runner import ModelRunner
-from tests.support.invariance import mismatches, one_token_steps, random_batches, run_plan
+from tests.support.invariance import (
+    mismatches,
+    one_token_steps,
+    random_batches,
+    run_plan,
+    whole_prefills,
+)
 from tests.support.model_factory import make_tiny_checkpoint
 from tests.unit.test_step_invariance import (  # the autouse fixture: numerics step-invariant
     CASES,
@@ -57,8 +63,8 @@ def threads():
 
 
 def _run(runner: ModelRunner, fused: bool, monkeypatch, seqs, shared, seed: int) -> tuple:
-    """Both plans over ``seqs`` with the fused decoder on or off; with it on, no layer's own
-    forward runs."""
+    """The plans over ``seqs`` (one token a step, whole prefills, random mixed batches of chunks
+    and decodes) with the fused decoder on or off; with it on, no layer's own forward runs."""
     monkeypatch.setenv("LLMSERVE_CPU_FUSED_DECODER", "1" if fused else "0")
     cpu_decoder.reset(runner.model)
     calls = []
@@ -67,7 +73,12 @@ def _run(runner: ModelRunner, fused: bool, monkeypatch, seqs, shared, seed: int)
         m.setattr(llama.DecoderLayer, "forward", lambda *a: calls.append(1) or real(*a))
         out = (
             run_plan(runner, seqs, one_token_steps),
-            run_plan(runner, seqs, random_batches(random.Random(seed), p_swap=0.1, shared=shared)),
+            run_plan(runner, seqs, whole_prefills),
+            run_plan(
+                runner,
+                seqs,
+                random_batches(random.Random(seed), p_swap=0.1, p_recompute=0.1, shared=shared),
+            ),
         )
     plan = runner.model._cpu_decoder_plan
     if fused:
