@@ -8,7 +8,8 @@ and every round are printed, with the CPU's flags.
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 taskset -c 1 .venv/bin/python \\
         benchmarks/bench_cpu_decoder.py --model PATH [--batch 1,16,64] [--context 512]
 
-``--model``: any checkpoint directory or .gguf file the executor takes (``--dtype float32``).
+``--model``: any checkpoint directory or .gguf file the executor takes, loaded in ``--dtype``
+(float32, or bfloat16 for the bf16 decoder, csrc/decoder_bf16.cpp; issue 44).
 """
 
 from __future__ import annotations
@@ -53,17 +54,21 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     batches = [int(b) for b in args.batch.split(",")]
     model_dir, _ = resolve_model(args.model)
     per_seq = -(-(args.context + 2) // 16) + 1
     runner = ModelRunner(
-        model_dir, device="cpu", dtype="float32",
+        model_dir, device="cpu", dtype=args.dtype,
         num_device_blocks=max(batches) * per_seq + 16, swap_space_gib=0.01,
     )  # fmt: skip
     print(cpu_flags())
-    print(f"{args.model}: decode step, context {args.context}, {torch.get_num_threads()} thread(s)")
+    print(
+        f"{args.model} ({args.dtype}): decode step, context {args.context}, "
+        f"{torch.get_num_threads()} thread(s)"
+    )
     print("| batch | per-layer ms | one call ms | speed-up | rounds (per-layer / one call) |")
     print("| ---: | ---: | ---: | ---: | --- |")
     for batch in batches:

@@ -128,11 +128,12 @@ def print_table(rows: dict[str, dict[str, float]]) -> None:
 
 def synthetic(
     model_dir: Path, backend: str, context: int, iters: int, dtype: str = "float32",
-    batches: tuple[int, ...] = (1, 16, 64), prefill: bool = True,
+    batches: tuple[int, ...] = (1, 16, 64), prefill: bool = True, fused: bool = False,
 ) -> None:  # fmt: skip
     torch.set_num_threads(1)
     runner = make_runner(model_dir, backend, dtype)
-    instrument(runner)
+    if not fused:
+        instrument(runner)
     rows = {}
     for batch in batches:
         seqs = decode_batch(runner, batch, context)
@@ -207,6 +208,12 @@ def main() -> None:
     p.add_argument("--batches", default="1,16,64", help="decode batch sizes")
     p.add_argument("--no-prefill", action="store_true", help="skip the 2048-token prefill")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="no timers, so the one-call CPU decoder runs where it takes the model: only the"
+        " step column counts",
+    )
     p.add_argument("--live", action="store_true", help="also the served run's idle time")
     p.add_argument("--executor-args", default="", help="extra executor flags for --live")
     p.add_argument("--scheduler-args", default="", help="extra scheduler flags for --live")
@@ -221,7 +228,7 @@ def main() -> None:
     if not args.live_only:
         batches = tuple(int(b) for b in args.batches.split(","))
         synthetic(model_dir, args.backend, args.context, args.iters, args.dtype, batches,
-                  not args.no_prefill)  # fmt: skip
+                  not args.no_prefill, args.fused)  # fmt: skip
     if args.live or args.live_only:
         live(model_dir, args.executor_args.split(), args.workload, args.scheduler_args.split())
 

@@ -153,6 +153,11 @@ _OPTIONAL_SIGNATURES: dict[str, tuple[list, type]] = {
         [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _i32, _p, _p, _i32],
         ctypes.c_int,
     ),
+    # csrc/decoder_bf16.cpp: the same arguments, x / cos / sin / out bf16
+    "llmserve_decoder_bf16": (
+        [_p, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _i32, _p, _p, _i32],
+        ctypes.c_int,
+    ),
     "llmserve_shm_size": ([_i32, _i64], _i64),
     "llmserve_shm_register": ([_p, _i32, _i32, _i64], ctypes.c_int),
     "llmserve_shm_all_reduce": (

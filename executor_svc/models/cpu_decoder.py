@@ -7,9 +7,15 @@ step whatever the batch (``benchmarks/bench_cpu_decoder.py``; docs/benchmarks.md
 its output is bit for bit the Python path's, decode or prefill, whatever the batch
 (tests/unit/test_cpu_decoder.py checks both against each other).
 
+bf16 models take ``decoder_bf16.cpp`` (issue 44): the bf16 Python forward's kernels (the bf16
+GEMM on ``gemm_bf16`` panels, the bf16 norms and SiLU, the bf16-K/V attention on widened rows)
+and, done in C++ with torch's rounding, the torch ops between them (the residual add after the
+MLP, the attention output's cast), so the same bits too (tests/unit/test_cpu_decoder_bf16.py).
+
 It takes a model whose every projection the compiled kernels run as they are: fp32 panels or a
-plain fp32 matrix (step-invariant numerics), or GGUF / ``--quantization`` blocks; fp32
-activations and KV cache; the CPU attention backend; no feature's delta on a projection
+plain fp32 matrix (step-invariant numerics), or GGUF / ``--quantization`` blocks, with fp32
+activations and KV cache; or bf16 panels (every input size even) with bf16 activations, norms
+and KV cache; the CPU attention backend; no feature's delta on a projection
 (``Linear.delta``); no q/k norm (Qwen3). Any other model, and ``LLMSERVE_CPU_FUSED_DECODER=0``,
 keeps the per-layer Python forward.
 """
@@ -24,10 +30,11 @@ import torch
 
 from executor_svc.attention import AttentionMetadata, cpu_ops
 from executor_svc.config import envs, numerics
-from executor_svc.kernels import gemm, library, quant
+from executor_svc.kernels import gemm, gemm_bf16, library, quant
 
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-_PANELS, _PLAIN, _QUANT_SPLIT, _QUANT_BLOCKS = 0, 1, 2, 3
+_PANELS, _PLAIN, _QUANT_SPLIT, _QUANT_BLOCKS, _BF16_PANELS = 0, 1, 2, 3, 4
+_ENTRY = {torch.float32: "llmserve_decoder_f32", torch.bfloat16: "llmserve_decoder_bf16"}
 
 
 class _Linear(ctypes.Structure):
@@ -57,19 +64,16 @@ class _Model(ctypes.Structure):
     ]
 
 
-def _f32_vector(t: torch.Tensor | None, n: int) -> bool:
+def _vector(t: torch.Tensor | None, n: int, dtype: torch.dtype = torch.float32) -> bool:
     return t is None or (
-        t.device.type == "cpu"
-        and t.dtype == torch.float32
-        and t.is_contiguous()
-        and t.shape == (n,)
+        t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and t.shape == (n,)
     )
 
 
 def _describe(linear: Any, k: int, n: int) -> _Linear | None:
     """The kernel's view of a ``models.llama.Linear`` of ``k`` inputs and ``n`` outputs; None
     where the compiled kernels do not run it as it is."""
-    if getattr(linear, "delta", None) is not None or not _f32_vector(linear.bias, n):
+    if getattr(linear, "delta", None) is not None or not _vector(linear.bias, n):
         return None
     bias = None if linear.bias is None else linear.bias.data_ptr()
     packed, w = linear.packed, linear.weight
@@ -90,12 +94,32 @@ def _describe(linear: Any, k: int, n: int) -> _Linear | None:
     return None
 
 
+def _describe_bf16(linear: Any, k: int, n: int, keep: list[torch.Tensor]) -> _Linear | None:
+    """``_describe`` for a bf16 model: bf16 panels of an even ``k`` (gemm_bf16.py pads an odd
+    one), the bias as the fp32 copy ``Bf16PanelWeight.linear`` makes each call (kept here)."""
+    packed, bias = linear.packed, linear.bias
+    if getattr(linear, "delta", None) is not None or not isinstance(
+        packed, gemm_bf16.Bf16PanelWeight
+    ):
+        return None
+    if k % 2 or packed.in_features != k or packed.out_features != n:
+        return None
+    if bias is not None:
+        if bias.device.type != "cpu" or bias.shape != (n,):
+            return None
+        bias = bias.detach().to(torch.float32).contiguous()
+        keep.append(bias)
+    ptr = None if bias is None else bias.data_ptr()
+    return _Linear(_BF16_PANELS, 0, packed.panels.data_ptr(), n, 0, ptr)
+
+
 @dataclass(eq=False)
 class _Plan:
     model_desc: _Model
     layers: Any  # ctypes array of _Layer
     linears: list[Any]  # every projection described (their deltas are checked per call)
-    keep: list[torch.Tensor]  # the norm weights the descriptors point into
+    keep: list[torch.Tensor]  # the norm weights (and bf16 biases) the descriptors point into
+    dtype: torch.dtype = torch.float32  # of the activations, norms and KV cache
     kv_key: tuple[int, ...] = ()
 
 
@@ -104,6 +128,9 @@ def _build(model: Any) -> _Plan | None:
     if cfg.qk_norm or type(model).__name__ != "LlamaForCausalLM":
         return None
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    dtype = model.norm.weight.dtype
+    if dtype not in _ENTRY:
+        return None
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     layers = (_Layer * cfg.num_layers)()
     linears: list[Any] = []
@@ -112,14 +139,16 @@ def _build(model: Any) -> _Plan | None:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.backend.attend_rope_fn is not cpu_ops.attend_rope or attn.q_norm is not None:
             return None
-        parts = {
-            "qkv": _describe(attn.qkv_proj, h, q + 2 * kv),
-            "o": _describe(attn.o_proj, q, h),
-            "gate_up": _describe(mlp.gate_up_proj, h, 2 * i),
-            "down": _describe(mlp.down_proj, i, h),
-        }
+        sizes = {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * i), "down": (i, h)}
+        linear = dict(
+            zip(sizes, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), strict=True)
+        )
+        if dtype == torch.float32:
+            parts = {name: _describe(linear[name], *sizes[name]) for name in sizes}
+        else:
+            parts = {name: _describe_bf16(linear[name], *sizes[name], keep) for name in sizes}
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if any(p is None for p in parts.values()) or not all(_f32_vector(w, h) for w in norms):
+        if any(p is None for p in parts.values()) or not all(_vector(w, h, dtype) for w in norms):
             return None
         for name, part in parts.items():
             setattr(desc, name, part)
@@ -127,7 +156,7 @@ def _build(model: Any) -> _Plan | None:
         linears += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         keep += norms
     final = model.norm.weight
-    if not _f32_vector(final, h):
+    if not _vector(final, h, dtype):
         return None
     model_desc = _Model(h, i, cfg.num_heads, cfg.num_kv_heads, d, 0, cfg.num_layers)
     model_desc.eps, model_desc.scale, model_desc.final_norm = (
@@ -136,7 +165,7 @@ def _build(model: Any) -> _Plan | None:
         final.data_ptr(),
     )
     keep.append(final)
-    return _Plan(model_desc, layers, linears, keep)
+    return _Plan(model_desc, layers, linears, keep, dtype)
 
 
 def _no_delta(plan: _Plan) -> bool:
@@ -154,7 +183,7 @@ def _set_caches(plan: _Plan, kv_caches: Any) -> bool:
         return True
     for desc, (k_cache, v_cache) in zip(plan.layers, kv_caches, strict=True):
         if not all(
-            c.device.type == "cpu" and c.dtype == torch.float32 and c.is_contiguous()
+            c.device.type == "cpu" and c.dtype == plan.dtype and c.is_contiguous()
             for c in (k_cache, v_cache)
         ):
             return False
@@ -168,7 +197,7 @@ def _set_caches(plan: _Plan, kv_caches: Any) -> bool:
 
 def forward(
     model: Any,
-    x: torch.Tensor,  # [num_tokens, hidden] fp32: the input hidden states (overwritten)
+    x: torch.Tensor,  # [num_tokens, hidden] fp32 or bf16: the input hidden states (overwritten)
     rope: tuple[torch.Tensor, torch.Tensor],
     kv_caches: Any,
     md: AttentionMetadata,
@@ -179,20 +208,23 @@ def forward(
     plan = getattr(model, "_cpu_decoder_plan", False)
     if plan is False:
         lib = library.load()
-        ok = envs.cpu_fused_decoder() and lib is not None and hasattr(lib, "llmserve_decoder_f32")
-        plan = _build(model) if ok else None
+        plan = _build(model) if envs.cpu_fused_decoder() and lib is not None else None
+        if plan is not None and not hasattr(lib, _ENTRY[plan.dtype]):
+            plan = None
         model._cpu_decoder_plan = plan
-    if plan is None or x.dtype != torch.float32 or x.device.type != "cpu":
+    if plan is None or x.dtype != plan.dtype or x.device.type != "cpu":
         return None
     if not _no_delta(plan) or not _set_caches(plan, kv_caches):
         return None
     cos, sin = rope
-    if not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32):
+    # bf16: the tables cast once per forward (RotaryEmbedding.cos_sin), widened in the kernel
+    # as attention/cpu_ops.py widens them.
+    if not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == plan.dtype):
         return None
     x = x.contiguous()
     out = torch.empty_like(x)
     meta = cpu_ops._Meta.of(md)
-    rc = library.load().llmserve_decoder_f32(  # type: ignore[union-attr]
+    rc = getattr(library.load(), _ENTRY[plan.dtype])(
         ctypes.addressof(plan.model_desc), ctypes.addressof(plan.layers), x.data_ptr(), x.shape[0],
         cos.data_ptr(), sin.data_ptr(), meta.tables.data_ptr(), meta.tables.stride(0),
         meta.seq_lens.data_ptr(), meta.qsl.data_ptr(), meta.seq_lens.shape[0],

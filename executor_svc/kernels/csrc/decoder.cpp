@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "decoder.h"
+
 extern "C" {
 int llmserve_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w,
                       int64_t N, int64_t ldw, const float* bias, float* y, int64_t ldy,
@@ -46,31 +48,7 @@ int llmserve_add_rms_norm_f32(const float* x, int64_t x_stride, const float* del
 
 namespace {
 
-// How a matrix is held (kernels/gemm.py, kernels/quant.py), and so which kernel runs it.
-enum Kind : int32_t { kPanels = 0, kPlain = 1, kQuantSplit = 2, kQuantBlocks = 3 };
-
-struct Linear {
-  int32_t kind;
-  int32_t type;    // ggml type id (quantized kinds)
-  const void* w;   // panels, plain [K, N] fp32, or [N, row_bytes] blocks
-  int64_t n;       // output features
-  int64_t ld;      // plain: the row stride; quantized: bytes per row; panels: 0
-  const float* bias;
-};
-
-struct Layer {
-  const float* ln_in;
-  const float* ln_post;
-  Linear qkv, o, gate_up, down;
-  float* k_cache;
-  float* v_cache;
-};
-
-struct Model {
-  int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size, num_layers;
-  float eps, scale;
-  const float* final_norm;
-};
+using namespace llmserve_decoder;
 
 constexpr int64_t kKeepFloats = int64_t(16) << 20;  // 64 MB
 
@@ -129,20 +107,23 @@ extern "C" int llmserve_decoder_f32(const Model* m, const Layer* layers, float* 
   for (int64_t l = 0; l < m->num_layers; ++l) {
     const Layer& L = layers[l];
     const int64_t tag = 100 * (l + 1);
-    int rc = l == 0 ? llmserve_add_rms_norm_f32(x, H, nullptr, 0, L.ln_in, T, H, m->eps, nullptr,
+    const float* ln_in = (const float*)L.ln_in;
+    int rc = l == 0 ? llmserve_add_rms_norm_f32(x, H, nullptr, 0, ln_in, T, H, m->eps, nullptr,
                                                 normed, nt)
-                    : llmserve_add_rms_norm_f32(x, H, down, H, L.ln_in, T, H, m->eps, x, normed,
-                                                nt);
+                    : llmserve_add_rms_norm_f32(x, H, down, H, ln_in, T, H, m->eps, x, normed, nt);
     if (rc || (rc = linear(L.qkv, normed, T, H, qkv, nt))) return (int)(tag + rc);
     rc = llmserve_paged_attention_f32(
-        qkv, qkv_n, D, L.k_cache, L.v_cache, block_tables, bt_stride, seq_lens, query_start_loc,
-        num_seqs, (int)m->num_heads, (int)m->num_kv_heads, (int)D, (int)m->block_size, m->scale,
-        attn, nt, qkv + q_size, qkv_n, qkv + q_size + kv_size, qkv_n, slots, (int)T, cos, sin);
+        qkv, qkv_n, D, (float*)L.k_cache, (float*)L.v_cache, block_tables, bt_stride, seq_lens,
+        query_start_loc, num_seqs, (int)m->num_heads, (int)m->num_kv_heads, (int)D,
+        (int)m->block_size, m->scale, attn, nt, qkv + q_size, qkv_n, qkv + q_size + kv_size, qkv_n,
+        slots, (int)T, cos, sin);
     if (rc || (rc = linear(L.o, attn, T, q_size, o, nt))) return (int)(tag + rc);
-    rc = llmserve_add_rms_norm_f32(x, H, o, H, L.ln_post, T, H, m->eps, x, normed, nt);
+    rc = llmserve_add_rms_norm_f32(x, H, o, H, (const float*)L.ln_post, T, H, m->eps, x, normed,
+                                   nt);
     if (rc || (rc = linear(L.gate_up, normed, T, H, gate_up, nt))) return (int)(tag + rc);
     rc = llmserve_silu_mul_f32(gate_up, T, I, 2 * I, act, nt);
     if (rc || (rc = linear(L.down, act, T, I, down, nt))) return (int)(tag + rc);
   }
-  return llmserve_add_rms_norm_f32(x, H, down, H, m->final_norm, T, H, m->eps, x, out, nt);
+  return llmserve_add_rms_norm_f32(x, H, down, H, (const float*)m->final_norm, T, H, m->eps, x,
+                                   out, nt);
 }
