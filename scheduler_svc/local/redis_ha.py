@@ -17,6 +17,7 @@ a minute for each failover.
 
 from __future__ import annotations
 
+import secrets
 import signal
 import subprocess
 import time
@@ -26,23 +27,41 @@ import redis
 
 from scheduler_svc.local.redis_server import RedisServer, _free_port, find_redis_server
 
-__all__ = ["MASTER", "RedisHA"]
+__all__ = ["MASTER", "NODE_ARGS", "RedisHA"]
 
 MASTER = "mymaster"
+# On every node, since any may become the primary: a primary otherwise waits 5 s (Redis's
+# repl-diskless-sync-delay) for more replicas before each full sync, which a new topology, a
+# replica restarted after a kill and a replica re-attaching to a promoted primary all wait for.
+NODE_ARGS = ("--repl-diskless-sync-delay", "0")
 
 
 class _Sentinel:
-    def __init__(self, workdir: Path, primary_port: int, down_after_ms: int, failover_ms: int):
+    def __init__(
+        self,
+        workdir: Path,
+        me: tuple[int, str],
+        peers: list[tuple[int, str]],
+        primary_port: int,
+        down_after_ms: int,
+        failover_ms: int,
+    ):
+        """`me` and `peers`: (port, Sentinel id). Each starts knowing the others, which it would
+        otherwise learn from their hello messages, sent every 2 s."""
         workdir.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        self.port, myid = me
         self.conf = workdir / "sentinel.conf"
+        known = "".join(
+            f"sentinel known-sentinel {MASTER} 127.0.0.1 {port} {runid}\n" for port, runid in peers
+        )
         # Sentinel rewrites its configuration file as it learns the topology: one per process.
         self.conf.write_text(
             f"port {self.port}\nbind 127.0.0.1\nprotected-mode no\ndir {workdir}\n"
+            f"sentinel myid {myid}\n"
             f"sentinel monitor {MASTER} 127.0.0.1 {primary_port} 2\n"
             f"sentinel down-after-milliseconds {MASTER} {down_after_ms}\n"
             f"sentinel failover-timeout {MASTER} {failover_ms}\n"
-            f"sentinel parallel-syncs {MASTER} 2\n"
+            f"sentinel parallel-syncs {MASTER} 2\n{known}"
         )
         log = open(workdir / "sentinel.log", "ab")  # noqa: SIM115 - owned by the process
         self.proc = subprocess.Popen(
@@ -62,6 +81,28 @@ class _Sentinel:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def _is_primary(node: RedisServer) -> bool:
+    if node.proc is None:
+        return False
+    try:
+        client = redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=1)
+        try:
+            return client.info("replication")["role"] == "master"
+        finally:
+            client.close()
+    except redis.RedisError:
+        return False
+
+
+def _writing_aof(node: RedisServer) -> bool:
+    try:
+        with redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=1) as client:
+            info = client.info("persistence")
+    except redis.RedisError:
+        return True
+    return bool(info["aof_rewrite_in_progress"] or info["aof_rewrite_scheduled"])
 
 
 class RedisHA:
@@ -85,29 +126,30 @@ class RedisHA:
     # ---------------------------------------------------------------- set-up
 
     def start(self, timeout: float = 30.0) -> RedisHA:
-        primary = RedisServer(self.root / "node0", appendfsync="everysec")
+        primary = RedisServer(self.root / "node0", appendfsync="everysec", extra_args=NODE_ARGS)
         primary.start()
         self.nodes.append(primary)
         for i in range(1, self.num_replicas + 1):
             replica = RedisServer(
                 self.root / f"node{i}",
                 appendfsync="everysec",
-                extra_args=("--replicaof", "127.0.0.1", str(primary.port)),
+                extra_args=(*NODE_ARGS, "--replicaof", "127.0.0.1", str(primary.port)),
             )
             replica.start()
             self.nodes.append(replica)
-        for i in range(self.num_sentinels):
+        ids = [(_free_port(), secrets.token_hex(20)) for _ in range(self.num_sentinels)]
+        for i, me in enumerate(ids):
+            peers = [p for p in ids if p != me]
+            workdir = self.root / f"sentinel{i}"
             self.sentinels.append(
-                _Sentinel(
-                    self.root / f"sentinel{i}", primary.port, self.down_after_ms, self.failover_ms
-                )  # fmt: skip
+                _Sentinel(workdir, me, peers, primary.port, self.down_after_ms, self.failover_ms)
             )
         self.wait_healthy(timeout)
         return self
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
-        """Until every Sentinel agrees on one primary that has all live replicas in sync and
-        knows the other Sentinels (they find each other through hello messages every 2 s)."""
+        """Until every Sentinel agrees on one primary and knows the other Sentinels, and all live
+        replicas are in sync with that primary and acknowledge its writes."""
         deadline = time.monotonic() + timeout
         while True:
             why = self._why_unhealthy()
@@ -142,6 +184,24 @@ class RedisHA:
         ]
         if info["role"] != "master" or len(online) < len(live) - 1:
             return f"{len(online)} of {len(live) - 1} replicas online"
+        for node in live:
+            if _writing_aof(node):
+                # A node's first AOF, written at start-up (~1 s here): till it is done, it
+                # refuses SIGTERM ("Writing initial AOF, can't exit"), and a replica
+                # acknowledges writes late.
+                return f"node {node.port} is writing its AOF"
+        # Online is not yet answering: WAIT counts the replicas that hold a write, and a PUBLISH
+        # goes down the replication stream without touching a key.
+        try:
+            with redis.Redis(host="127.0.0.1", port=primary.port, socket_timeout=1) as client:
+                pipe = client.pipeline(transaction=False)
+                pipe.publish("llmserve:ha:probe", "")
+                pipe.execute_command("WAIT", len(live) - 1, 50)
+                acked = pipe.execute()[1]
+        except redis.RedisError as e:
+            return f"primary: {e}"
+        if acked < len(live) - 1:
+            return f"{acked} of {len(live) - 1} replicas acknowledge writes"
         return None
 
     # ---------------------------------------------------------------- what tests use
@@ -177,6 +237,9 @@ class RedisHA:
         for n in self.nodes:
             if n.proc is not None:
                 n.proc.send_signal(signal.SIGCONT)  # a paused one could not act on SIGTERM
+        # Replicas first: a primary told to stop waits (up to shutdown-timeout) for connected
+        # replicas to acknowledge its last writes, ~1 s here; with none left it stops at once.
+        for n in sorted(self.nodes, key=_is_primary):
             n.close()
 
     def __enter__(self) -> RedisHA:

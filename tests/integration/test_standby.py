@@ -52,7 +52,7 @@ def leader_pair(start):
     first = start("a")
     first.wait_serving(60)
     second = start("b")
-    time.sleep(1.0)
+    second.wait_standing_by(30)
     assert second.health() == health_pb2.HealthCheckResponse.NOT_SERVING
     with grpc.insecure_channel(second.address) as ch, pytest.raises(grpc.RpcError) as err:
         pb_grpc.SchedulerStub(ch).GetServerInfo(pb.GetServerInfoRequest(), timeout=5)

@@ -8,7 +8,7 @@ import time
 
 import redis
 
-from scheduler_svc.local.redis_ha import MASTER
+from scheduler_svc.local.redis_ha import MASTER, NODE_ARGS
 from scheduler_svc.local.redis_ha import RedisHA as _Topology
 from scheduler_svc.local.redis_server import RedisServer
 
@@ -53,7 +53,14 @@ class RedisHA(_Topology):
         serve its stale data (with down-after-milliseconds 1000 spurious failovers came ~1 s
         after each promotion here: scheduler_svc/local/redis_ha.py)."""
         primary = self.primary()
-        node.extra_args = ("--replicaof", "127.0.0.1", str(primary.port), "--replica-priority", "0")
+        node.extra_args = (
+            *NODE_ARGS,
+            "--replicaof",
+            "127.0.0.1",
+            str(primary.port),
+            "--replica-priority",
+            "0",
+        )
         node.start()
         client = redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=2)
         deadline = time.monotonic() + timeout

@@ -76,6 +76,14 @@ class Scheduler:
             assert time.monotonic() < deadline, self.log()[-3000:]
             time.sleep(0.05)
 
+    def wait_standing_by(self, timeout: float) -> None:
+        """Until it has found the lease held by another and polls it (its first "leader.standby"
+        since its last start as a standby)."""
+        deadline = time.monotonic() + timeout
+        while "leader.standby" not in self.log().rsplit("scheduler.restarting_as_standby", 1)[-1]:
+            assert time.monotonic() < deadline, self.log()[-3000:]
+            time.sleep(0.05)
+
     def log(self) -> str:
         return (self.workdir / "scheduler.log").read_text(errors="replace")
 
@@ -195,7 +203,7 @@ def leader_and_standby(
         leader.wait_serving(60)
         standby = Scheduler(tmp_path / "b", stack.executor_address, url, *args, port=_free_port())
         schedulers.append(standby)
-        time.sleep(1.0)  # the standby is up and polling the lease
+        standby.wait_standing_by(30)
         yield ha, stack, (leader, standby)
     finally:
         for s in schedulers:
