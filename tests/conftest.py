@@ -104,4 +104,5 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 # The end-to-end stack fixture lives in tests/support/stack.py; importing it here makes it
 # visible to every test module.
+from tests.support.kernel_variants import use_variant  # noqa: E402, F401
 from tests.support.stack import llmserve_stack  # noqa: E402, F401

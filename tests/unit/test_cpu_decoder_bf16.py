@@ -133,22 +133,6 @@ def test_an_odd_input_size_keeps_the_layer_forward(tmp_path, monkeypatch):
     assert runner.model._cpu_decoder_plan is None
 
 
-@pytest.fixture
-def use_variant(monkeypatch):
-    """Load the library's ``name`` variant (test_kernel_variants.py), the default one after."""
-
-    def use(name: str) -> None:
-        if name not in library.supported_variants():
-            pytest.skip(f"this CPU cannot run the {name} variant")
-        monkeypatch.setenv("LLMSERVE_CPU_ISA", name)
-        library.reset()
-        assert library.variant() == name
-
-    yield use
-    monkeypatch.delenv("LLMSERVE_CPU_ISA", raising=False)
-    library.reset()
-
-
 @pytest.mark.parametrize("name", list(library.VARIANTS))
 def test_each_variant_gives_the_layer_forward_bits(tmp_path, monkeypatch, use_variant, name):
     use_variant(name)  # before the runner: its panels are packed for this variant

@@ -20,22 +20,6 @@ RUNNABLE = library.supported_variants()
 needs_kernel = pytest.mark.skipif(not library.available(), reason="no C++ compiler here")
 
 
-@pytest.fixture
-def use_variant(monkeypatch):
-    """Load the library's ``name`` variant for this test (and the default one after it)."""
-
-    def use(name: str) -> None:
-        if name not in RUNNABLE:
-            pytest.skip(f"this CPU cannot run the {name} variant")
-        monkeypatch.setenv("LLMSERVE_CPU_ISA", name)
-        library.reset()
-        assert library.variant() == name
-
-    yield use
-    monkeypatch.delenv("LLMSERVE_CPU_ISA", raising=False)
-    library.reset()
-
-
 @needs_kernel
 @pytest.mark.parametrize("name", list(library.VARIANTS))
 def test_each_variant_matches_the_torch_reference(use_variant, name):
