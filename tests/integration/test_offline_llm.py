@@ -81,16 +81,18 @@ def test_connects_to_a_running_scheduler(llmserve_stack):  # noqa: F811
     assert llmserve_stack.scheduler_proc.poll() is None  # not ours to stop
 
 
-def test_draft_model_speculation_changes_no_output(model_dir):
+def test_draft_model_speculation_changes_no_output(model_dir, llmserve_stack):  # noqa: F811
     """``speculative_config`` with a draft model: the scheduler gets --speculative-config and
-    the executor --speculative-model (here the model itself); the output is unchanged."""
+    the executor --speculative-model (here the model itself); the output is unchanged (the
+    reference: the same tiny model on the module's plain stack, without speculation)."""
     prompts = ["Hello", [5, 6, 7, 8, 5, 6, 7, 8]]
     params = [
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=0.9, seed=4, max_tokens=12, ignore_eos=True),
     ]
-    with LLM(str(model_dir)) as llm:
+    with LLM(address=llmserve_stack.address) as llm:
         plain = [llm.generate(prompts, p, use_tqdm=False) for p in params]
+        assert llm._client.server_info().num_speculative_tokens == 0
     spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3,
             "disable_by_batch_size": 0}  # fmt: skip
     with LLM(str(model_dir), speculative_config=spec) as llm:

@@ -66,27 +66,32 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         return found
 
 
-@pytest.fixture
-def receiver(monkeypatch):
+@pytest.fixture(scope="module")
+def receiver():
+    """One receiver for the module: each test finds its spans by its own trace id."""
     receiver = Receiver()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    # Read by each service's config module (OTEL_EXPORTER_OTLP_ENDPOINT turns tracing on) and by
-    # the SDK (a short export delay keeps the test short).
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-    monkeypatch.setenv("LLMSERVE_TRACE_STEP_EVERY", "0")  # only the traced requests' steps
     try:
-        yield receiver
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            # Read by each service's config module (OTEL_EXPORTER_OTLP_ENDPOINT turns tracing
+            # on) and by the SDK (a short export delay keeps the test short).
+            monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+            monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+            monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+            monkeypatch.setenv("LLMSERVE_TRACE_STEP_EVERY", "0")  # only the traced requests' steps
+            yield receiver
     finally:
         server.stop(None)
 
 
-@pytest.fixture
-def traced_stack(tmp_path, receiver):
+@pytest.fixture(scope="module")
+def traced_stack(tmp_path_factory, receiver):
+    """One stack for the module: the first tests only send requests, and the last one to use
+    it restarts its scheduler (as the stack's own `start_scheduler` does)."""
+    tmp_path = tmp_path_factory.mktemp("traced")
     redis = RedisServer(data_dir=tmp_path / "redis")
     redis.start()
     (tmp_path / "w").mkdir()
