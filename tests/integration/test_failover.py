@@ -113,11 +113,18 @@ def test_executors_found_through_the_redis_registry_including_late_ones(tmp_path
             time.sleep(0.1)
         assert raw.scard("llmserve:index:executors") == 2
 
-        results, threads = stream_in_threads(stub, workload("b"))
-        info = stub.GetServerInfo(pb.GetServerInfoRequest())
+        # Killed as soon as it holds blocks: waiting for every stream's first tokens instead
+        # let it finish its share first on a loaded machine (it has no other work to slow it).
+        results, threads = stream_in_threads(stub, workload("b"), min_tokens=0)
+        deadline = time.monotonic() + 30
+        while True:
+            info = stub.GetServerInfo(pb.GetServerInfoRequest())
+            joined = next(e for e in info.executors if e.address == late.executor_address)
+            if joined.num_free_blocks < joined.num_device_blocks:
+                break
+            assert time.monotonic() < deadline, "the late executor got no work"
+            time.sleep(0.005)
         first_id = next(e.instance_id for e in info.executors if e.address != late.executor_address)
-        joined = next(e for e in info.executors if e.address == late.executor_address)
-        assert joined.num_free_blocks < joined.num_device_blocks, "the late executor got no work"
         late.executor_proc.kill()
         late.executor_proc.wait()
         for t in threads:

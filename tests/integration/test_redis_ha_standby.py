@@ -16,6 +16,7 @@ import time
 import grpc
 import pytest
 
+from protos import scheduler_pb2 as pb
 from protos import scheduler_pb2_grpc as pb_grpc
 from tests.support.api_helpers import (
     Collected,
@@ -40,12 +41,38 @@ def reference_run(pair: tuple) -> list[Collected]:
         return run_in_threads([lambda r=r: collect(stub.Generate(r, timeout=120)) for r in refs])
 
 
+def wait_admitted(address: str, n: int) -> None:
+    """Until the scheduler at ``address`` holds ``n`` requests (waiting, running or swapped)."""
+    channel, stub = stub_for(address)
+    with channel:
+        deadline = time.monotonic() + 60
+        while True:
+            info = stub.GetServerInfo(pb.GetServerInfoRequest())
+            if info.num_waiting + info.num_running + info.num_swapped >= n:
+                return
+            assert time.monotonic() < deadline, "the requests did not arrive"
+            time.sleep(0.01)
+
+
+def wait_tokens(results: list[Collected], n: int) -> None:
+    deadline = time.monotonic() + 60
+    while min(len(r.tokens.get(0, [])) for r in results) < n:
+        assert time.monotonic() < deadline, "the streams did not start"
+        time.sleep(0.01)
+
+
 def test_the_standby_takes_over_when_the_leader_and_the_redis_primary_die_together(tmp_path):
     with leader_and_standby(tmp_path) as (ha, stack, pair):
         leader, standby = pair
         reference = reference_run(pair)
         reqs = mixed_workload("sb", NUM_STREAMS, MAX_TOKENS, rng_seed=5, max_prompt_len=16)
-        results, codes, threads = resume_in_threads(pair, reqs, min_tokens=5)
+        # The executor waits until every request is in, so that all streams start together: a
+        # client thread starting late on a loaded machine let the others run to their end first.
+        stack.executor_proc.send_signal(signal.SIGSTOP)
+        results, codes, threads = resume_in_threads(pair, reqs, min_tokens=0)
+        wait_admitted(leader.address, NUM_STREAMS)
+        stack.executor_proc.send_signal(signal.SIGCONT)
+        wait_tokens(results, 5)
         assert max(len(r.tokens.get(0, [])) for r in results) < MAX_TOKENS - 20
         killed = ha.kill_primary()
         leader.proc.kill()
