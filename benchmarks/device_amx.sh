@@ -48,14 +48,18 @@ from scheduler_svc.local.redis_server import find_redis_server; find_redis_serve
   echo "preflight failed: an import is missing (benchmarks/device_wheels.sh)"; cat "$OUT/preflight.txt"
   exit 3
 fi
-# One logical CPU per physical core, the first 8 (AMX is per core: two threads of one core
-# would share it).
-CORES8=$(cat /sys/devices/system/cpu/cpu[0-9]*/topology/thread_siblings_list 2>/dev/null |
-  sort -u | cut -d, -f1 | cut -d- -f1 | sort -n | head -8 | paste -sd,)
-CORES8=${CORES8:-0-7}
+# One logical CPU per physical core (AMX is per core: two threads of one core would share it);
+# CORES8: the first 8.
 CORES=$(cat /sys/devices/system/cpu/cpu[0-9]*/topology/thread_siblings_list 2>/dev/null |
   sort -u | cut -d, -f1 | cut -d- -f1 | sort -n | paste -sd,)
 CORES=${CORES:-$(seq -s, 0 $(($(nproc) - 1)))}
+# Run under taskset (benchmarks/device_session.sh gives this script half of the host while the
+# GPU steps use the other half): only the cores this process may use.
+ALLOWED=$($PY -c 'import os; print(" ".join(map(str, sorted(os.sched_getaffinity(0)))))')
+keep_allowed() { tr , '\n' | while read -r c; do case " $ALLOWED " in *" $c "*) echo "$c" ;; esac; done | paste -sd,; }
+CORES=$(echo "$CORES" | keep_allowed)
+CORES8=$(echo "$CORES" | tr , '\n' | head -8 | paste -sd,)
+NCORES=$(echo "$CORES" | tr , '\n' | wc -l)
 
 # The whole stack serving sharegpt-like prompts offline, with the executor on $n cores (one
 # thread each) after the first of $CORES, for each n of $SCALING_SERVE; the scheduler, its Redis
@@ -138,9 +142,12 @@ print('variant', l.variant(), 'path', gemm_bf16.isa_path(), 'init', l.load().llm
     LLMSERVE_CPU_ISA=amx timeout 90 $PY benchmarks/probe_amx_order.py 2>&1 | tee "$OUT/probe.log"
     ;;
   tests)
-    # 8 workers of 2 threads each (torch's and the kernels' thread count): no oversubscription.
-    OMP_NUM_THREADS=2 LLMSERVE_CPU_ISA=amx timeout 150 $PY -m pytest -p no:cacheprovider -v \
-      -rsP -n 8 -p no:benchmark --timeout 140 tests/unit/test_gemm_amx.py \
+    # A worker of 2 threads (torch's and the kernels' thread count) per two cores: 8 on the
+    # whole 16-core host, no oversubscription.
+    workers=$(( NCORES / 2 > 0 ? NCORES / 2 : 1 ))
+    OMP_NUM_THREADS=2 LLMSERVE_CPU_ISA=amx timeout "${TESTS_TIMEOUT:-$((150 * 8 / workers))}" \
+      $PY -m pytest -p no:cacheprovider -v \
+      -rsP -n "$workers" -p no:benchmark --timeout 140 tests/unit/test_gemm_amx.py \
       tests/unit/test_gemm_bf16.py tests/unit/test_kernel_variants.py \
       tests/unit/test_bf16_model.py -k "not describe" >"$OUT/tests.log" 2>&1
     echo "tests rc=$?"
