@@ -13,9 +13,11 @@
 #           real stack (executor + scheduler + Redis), driven by the benchmark harness with
 #           NUM_PROMPTS sharegpt-like prompts, all at once (offline throughput)
 #   serve-sync  the same with LLMSERVE_OVERLAP_STEPS=0 (every step's draws on the host first)
-#   serve64 the same stack, client.bench serve: 64 concurrent streams (TTFT, ITL)
+#   serve64 the same stack behind the HTTP frontend, client.bench serve through its OpenAI
+#           API (the openai backend): 64 concurrent streams (TTFT, ITL)
+#   serve64-grpc  the same, the harness calling the scheduler's gRPC API directly
 # Usage: benchmarks/gpu_session.sh [probe] [tests] [invariance] [decode] [overlap] [pipelined]
-#        [serve] [serve-eager] [serve-sync] [serve64]   (default: tests decode serve)
+#        [serve] [serve-eager] [serve-sync] [serve64] [serve64-grpc]   (default: tests decode serve)
 # Logs go to $OUT (the device tool's folder) or ./gpu-out. Wheels the image lacks are installed
 # from .whl/ when present (see docs/benchmarks.md, "CUDA").
 set -u
@@ -45,7 +47,7 @@ steps=${*:-tests decode serve}
 # Before any device time goes to a step: every entry point imports with this interpreter and
 # the carried wheels (a missing package, e.g. grpcio-reflection or llguidance, once cost a
 # whole device call; docs/benchmarks.md "CUDA" lists the wheels to carry).
-if ! $PY -c "import executor_svc.cli, scheduler_svc.cli, client.bench.cli
+if ! $PY -c "import executor_svc.cli, scheduler_svc.cli, client.bench.cli, frontend_svc.cli, openai
 from scheduler_svc.local.redis_server import find_redis_server; find_redis_server()" \
   >"$OUT/preflight.txt" 2>&1; then
   echo "preflight failed: an import is missing (carry its wheel in .whl/)"; cat "$OUT/preflight.txt"
@@ -98,7 +100,7 @@ for step in $steps; do
       --repeats 3 --iters 20 >"$OUT/decode.log" 2>&1
     echo "decode rc=$?"; tail -15 "$OUT/decode.log"
     ;;
-  serve | serve-eager | serve-sync | serve64)
+  serve | serve-eager | serve-sync | serve64 | serve64-grpc)
     extra=()
     [ "$step" = serve-eager ] && extra=(--enforce-eager)
     overlap=auto
@@ -141,8 +143,26 @@ for step in $steps; do
        nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader -l 1 >"$OUT/gpu-util.txt" &
        sleep 16; kill %3) >/dev/null 2>&1 &
     fi
+    fpid=
+    if [ "$step" = serve64 ]; then
+      $PY -m frontend_svc --scheduler "127.0.0.1:$(cat "$work/scheduler.port")" --port 0 \
+        --port-file "$work/frontend.port" --log-level warning >>"$log" 2>&1 &
+      fpid=$!
+      for _ in $(seq 120); do
+        [ -s "$work/frontend.port" ] || ! kill -0 $fpid 2>/dev/null && break; sleep 0.5
+      done
+      if [ ! -s "$work/frontend.port" ]; then
+        echo "$step: the frontend did not start"; tail -5 "$log"; kill "$spid" "$epid"; continue
+      fi
+    fi
     t0=$SECONDS
     if [ "$step" = serve64 ]; then
+      timeout "${SERVE_TIMEOUT:-300}" $PY -m client.bench serve --backend openai \
+        --base-url "http://127.0.0.1:$(cat "$work/frontend.port")/v1" \
+        --model-dir "$work/llama3-8b-shape" --workload sharegpt-like \
+        --num-prompts "${SERVE64_PROMPTS:-256}" --max-concurrency 64 --no-progress \
+        --output "$OUT/$step.json" >>"$log" 2>&1
+    elif [ "$step" = serve64-grpc ]; then
       timeout "${SERVE_TIMEOUT:-300}" $PY -m client.bench serve --backend llmserve \
         --address "127.0.0.1:$(cat "$work/scheduler.port")" --workload sharegpt-like \
         --num-prompts "${SERVE64_PROMPTS:-256}" --max-concurrency 64 --no-progress \
@@ -158,6 +178,7 @@ for p in (9464, 9465): print(u.urlopen(f'http://127.0.0.1:{p}/metrics').read().d
       | grep -E "^llmserve:(executor_phase|executor_step|redis_write|num_steps|executor_steps)" \
       >"$OUT/$step-metrics.txt"
     cat "$OUT/$step-metrics.txt"
+    [ -n "$fpid" ] && kill "$fpid" 2>/dev/null
     kill "$spid" 2>/dev/null; sleep 2; kill "$epid" 2>/dev/null; wait 2>/dev/null
     grep -E "cuda_graphs|num_device_blocks|kv_cache|error|Error" "$log" | head -8
     cat "$OUT/$step.md" 2>/dev/null || tail -20 "$log"
