@@ -37,7 +37,8 @@ inline void silu_mul16(const float* g, const float* u, float* o) {
 extern "C" int llmserve_silu_mul_f32(const float* x, int64_t rows, int64_t n, int64_t x_stride,
                                      float* out, int num_threads) {
   if (n <= 0) return 1;
-  flush_for(rows, num_threads, num_threads > 1 && rows * n > (1 << 16), [&](int64_t r) {
+  const bool parallel = num_threads > 1 && rows > 1 && rows * n >= kParallelMin;
+  flush_for(rows, num_threads, parallel, [&](int64_t r) {
     const float* g = x + r * x_stride;
     const float* u = g + n;
     float* o = out + r * n;
@@ -61,7 +62,8 @@ extern "C" int llmserve_add_rms_norm_f32(const float* x, int64_t x_stride, const
                                          int64_t dim, float eps, float* sum_out, float* out,
                                          int num_threads) {
   if (dim <= 0) return 1;
-  flush_for(rows, num_threads, num_threads > 1 && rows * dim > (1 << 16), [&](int64_t r) {
+  const bool parallel = num_threads > 1 && rows > 1 && rows * dim >= kParallelMin;
+  flush_for(rows, num_threads, parallel, [&](int64_t r) {
     const float* xr = x + r * x_stride;
     const float* dr = delta ? delta + r * d_stride : nullptr;
     float* sr = sum_out ? sum_out + r * dim : nullptr;
