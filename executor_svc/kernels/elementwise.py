@@ -1,8 +1,8 @@
 """The model's fused elementwise ops over ``csrc/elementwise.cpp`` (fp32) and
 ``csrc/elementwise_bf16.cpp`` (bf16 rows, fp32 inside, rounded where the bf16 reference rounds):
-SiLU-and-multiply (the MLP) and residual add + RMSNorm. Each returns None for inputs it does
-not take (not fp32 / bf16 CPU rows with unit column stride, or no library), and the caller
-keeps its torch path."""
+SiLU-and-multiply (the MLP) and residual add + RMSNorm; and the embedding lookup of a
+[hidden, vocab] table. Each returns None for inputs it does not take (not fp32 / bf16 CPU rows
+with unit column stride, or no library), and the caller keeps its torch path."""
 
 from __future__ import annotations
 
@@ -60,3 +60,23 @@ def add_rms_norm(
         None if delta is None else total.data_ptr(), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return (total, out) if rc == 0 else None
+
+
+def gather_columns(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    """``table.index_select(1, ids).t().contiguous()`` ([rows, cols] -> [len(ids), rows]) for
+    an fp32 or bf16 CPU table with unit column stride and int64 CPU ids: the embedding lookup,
+    the table's rows shared among the threads (torch's runs on one, element by element). None
+    when the library cannot take the inputs or an id is out of range (torch's path raises)."""
+    if not (_rows_ok(table) and ids.device.type == "cpu" and ids.dtype == torch.int64):
+        return None
+    lib = library.load()
+    if lib is None or not hasattr(lib, "llmserve_gather_cols") or ids.dim() != 1:
+        return None
+    ids = ids.contiguous()
+    rows, cols = table.shape
+    out = torch.empty(ids.shape[0], rows, dtype=table.dtype)
+    rc = lib.llmserve_gather_cols(
+        table.data_ptr(), rows, cols, table.stride(0), table.element_size(), ids.data_ptr(),
+        ids.shape[0], out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out if rc == 0 else None

@@ -118,6 +118,9 @@ _OPTIONAL_SIGNATURES: dict[str, tuple[list, type]] = {
         [_p, _i64, _p, _i64, _p, _i64, _i64, _f32, _p, _p, _i32],
         ctypes.c_int,
     ),
+    # csrc/elementwise.cpp (elementwise.py): src, rows, cols, ld, elem_bytes, ids, n, out,
+    # num_threads
+    "llmserve_gather_cols": ([_p, _i64, _i64, _i64, _i32, _p, _i64, _p, _i32], ctypes.c_int),
     # csrc/lowrank_rows.cpp (y[rows] += (x[rows] @ A) @ B per column shard; its wrapper lives
     # with the feature that applies it): x, ldx, k, rows, num_rows, a, ra, r, num_shards,
     # shard_start, shard_size, b_ptrs, y, ldy, num_threads

@@ -424,7 +424,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
         if self.quant_embedding is not None:
             x = self.quant_embedding.rows(input_ids)  # [num_tokens, hidden]
-        else:
+        elif (x := elementwise.gather_columns(self.embed_tokens, input_ids)) is None:
             x = self.embed_tokens.index_select(1, input_ids).t().contiguous()
         rope = self.rotary.cos_sin(positions, x.dtype)
         if (

@@ -4,7 +4,12 @@ whole and chunked prefills and mixed batches with swaps, recompute and prefix hi
 tied embedding, GQA, random norm weights and biases, sizes off the kernels' 16-wide loops; one and two threads; every kernel
 variant this CPU runs. Shapes it does not take (an odd input size) keep the per-layer forward.
 
-Mutation check: a decoder given a bias the per-layer forward does not have is caught."""
+Residual sums that cancel to denormals (the glue csrc/decoder_bf16.cpp runs on the kernels'
+threads in the calling thread's floating-point mode) are torch's, bit for bit.
+
+Mutation checks: a decoder given a bias the per-layer forward does not have is caught; glue run
+with flush-to-zero fails the denormal test (checked by hand: docs/benchmarks.md, "Seventh
+session")."""
 
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ import torch
 
 from executor_svc.kernels import gemm_bf16, library
 from executor_svc.models import cpu_decoder, llama
-from executor_svc.runner.model_runner import ModelRunner
+from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence
+from executor_svc.runner.sampler import SamplingParams
 from tests.support.invariance import (
     mismatches,
     one_token_steps,
@@ -154,3 +160,73 @@ def test_a_decoder_with_a_wrong_bias_is_caught(tmp_path, monkeypatch):
     plan.layers[1].o.bias = bias.data_ptr()
     plan.keep.append(bias)
     assert mismatches(ref, run_plan(runner, seqs, one_token_steps))
+
+
+def _denormals(t: torch.Tensor) -> torch.Tensor:
+    """Where a bf16 tensor holds a denormal (exponent bits 0, mantissa not)."""
+    magnitude = t.view(torch.int16).to(torch.int32) & 0x7FFF
+    return (magnitude > 0) & (magnitude < 0x80)
+
+
+def test_residual_sums_that_cancel_to_denormals_are_torchs(tmp_path, monkeypatch, threads):
+    """The last residual sum x + mlp(normed), the final norm's input, near 2**-126: the
+    embeddings scaled to ~1e-37, o_proj zero (so the post-attention sum is x), down_proj one
+    normal ~1e-38 weight per column. Some sums cancel to a denormal, which
+    torch's add (no flush-to-zero) keeps. Two threads and a 160-token prefill: the fused
+    decoder's glue runs on both workers (from 8192 elements, csrc/simd.h kParallelMin)."""
+    threads(2)
+    model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=3, vocab_size=256)
+    runner = _runner(model_dir)
+    model, cfg = runner.model, runner.model.config
+    gen = torch.Generator().manual_seed(3)
+    model.embed_tokens.data.mul_(1e-37)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    down = torch.zeros(i, h)
+    mag = (1.5 + 3 * torch.rand(h, generator=gen)) * 1e-38  # normal fp32 and bf16
+    sign = torch.randint(0, 2, (h,), generator=gen) * 2 - 1
+    down[torch.randint(0, i, (h,), generator=gen), torch.arange(h)] = mag * sign
+    for layer in model.layers:
+        # rms(x) of x ~ 1e-37 is x / sqrt(eps) ~ 1e-34 (the squares underflow): a weight of
+        # 1e34 gives the MLP inputs ~1, and so down_proj outputs ~1e-37.
+        layer.post_attention_layernorm.weight.data.fill_(1e34)
+        layer.self_attn.o_proj.packed = gemm_bf16.pack(
+            torch.zeros(cfg.num_heads * cfg.head_dim, h, dtype=torch.bfloat16)
+        )
+        layer.mlp.down_proj.packed = gemm_bf16.pack(down.bfloat16())
+
+    params, seqs = SamplingParams(), []
+    for k in range(2):
+        tokens = torch.randint(3, 256, (80,), generator=gen).tolist()
+        seqs.append(
+            ScheduledSequence(f"s{k}", tokens, 80, list(range(k * 24, k * 24 + 24)), 0, 80, params)
+        )
+    decode = [
+        ScheduledSequence(s.seq_id, [*s.token_ids, 7], 80, s.block_table, 80, 1, params)
+        for s in seqs
+    ]
+
+    def last_residuals(fused: bool) -> list[torch.Tensor]:
+        monkeypatch.setenv("LLMSERVE_CPU_FUSED_DECODER", "1" if fused else "0")
+        cpu_decoder.reset(model)
+        seen: list[torch.Tensor] = []
+        real_norm, real_fused = model.norm.forward, cpu_decoder.forward
+
+        def fused_spy(m, x, *args):  # x is the residual stream, overwritten by the kernel
+            out = real_fused(m, x, *args)
+            if out is not None:
+                seen.append(x.clone())
+            return out
+
+        with monkeypatch.context() as m:
+            m.setattr(model.norm, "forward", lambda x: seen.append(x.clone()) or real_norm(x))
+            m.setattr(cpu_decoder, "forward", fused_spy)
+            runner.execute(seqs, [], [], [])
+            runner.execute(decode, [], [], [])
+        assert (model._cpu_decoder_plan is not None) == fused
+        return seen
+
+    ref, got = last_residuals(False), last_residuals(True)
+    assert len(ref) == len(got) == 2
+    assert _denormals(ref[0]).sum() > 50, "no sum cancelled to a denormal: the case tests nothing"
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))

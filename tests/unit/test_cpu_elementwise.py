@@ -1,5 +1,5 @@
 """The CPU kernel library's elementwise ops against torch (csrc/elementwise.cpp): the MLP's
-activation and RMSNorm with its residual add."""
+activation, RMSNorm with its residual add, and the embedding lookup."""
 
 from __future__ import annotations
 
@@ -47,3 +47,29 @@ def test_add_rms_norm_matches_torch(rows, dim):
     torch.testing.assert_close(normed, F.rms_norm(x, (dim,), w, 1e-5), atol=1e-5, rtol=1e-5)
     assert elementwise.add_rms_norm(x.double(), None, w.double(), 1e-5) is None
     assert elementwise.add_rms_norm(x, delta[:, :-1], w, 1e-5) is None  # shapes differ
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_gather_columns_is_torchs_lookup_bit_for_bit(dtype, num_threads):
+    """The [hidden, vocab] table's columns for ids (repeated, the first and last column; 300
+    x 40 elements: shared among the threads from kParallelMin on), with a row stride wider
+    than the row; denormals and NaN payloads copied as they are."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        g = torch.Generator().manual_seed(3)
+        table = torch.randn(40, 1003, generator=g).to(dtype)[:, :1000]
+        table[5, 7] = torch.tensor(1e-39 if dtype == torch.float32 else 1e-40).to(dtype)
+        as_int = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        table.view(as_int)[6, 7] = 0x7FC1 if dtype == torch.bfloat16 else 0x7FC00001  # NaN
+        ids = torch.cat([torch.tensor([0, 999, 7, 7]), torch.randint(0, 1000, (296,), generator=g)])
+        out = elementwise.gather_columns(table, ids)
+        ref = table.index_select(1, ids).t().contiguous()
+        assert out is not None and out.shape == (300, 40)
+        assert torch.equal(out.view(as_int), ref.view(as_int))
+        assert elementwise.gather_columns(table, torch.tensor([1000])) is None  # out of range
+        assert elementwise.gather_columns(table, torch.tensor([1], dtype=torch.int32)) is None
+    finally:
+        torch.set_num_threads(before)

@@ -16,6 +16,11 @@
 // The roundings of torch's ops (the residual add, the attention output) are round to nearest
 // even of the fp32 value, as torch's for finite values; a NaN stays a NaN but its bits may not be
 // torch's (whose vector and scalar conversions disagree on them anyway).
+//
+// That glue runs on the kernels' threads too (issue 44: done by the calling thread alone, it was
+// ~1 ms of serial time a batch-64 step, docs/benchmarks.md), each worker in the calling
+// thread's floating-point mode for it: torch's add runs without flush-to-zero, the kernels'
+// workers with it (simd.h), and a residual sum that cancels to a denormal must stay one.
 
 #include <algorithm>
 #include <cstdint>
@@ -23,6 +28,7 @@
 #include <vector>
 
 #include "decoder.h"
+#include "simd.h"
 
 extern "C" {
 int llmserve_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* w,
@@ -47,6 +53,8 @@ int llmserve_add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16
 namespace {
 
 using namespace llmserve_decoder;
+using llmserve::CsrAs;
+using llmserve::kParallelMin;
 
 constexpr int64_t kKeepBytes = int64_t(64) << 20;
 
@@ -64,18 +72,42 @@ inline uint16_t narrow(float f) {  // round to nearest even, as torch's bf16 con
   return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-void widen_rows(const uint16_t* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
+// body(i0, i1) over [0, n) in blocks of kGlueBlock elements, shared out over nt threads from
+// kParallelMin elements on, each thread in the calling thread's MXCSR (`csr`) for its share.
+// Every element is its own: the bits do not depend on who computes which.
+constexpr int64_t kGlueBlock = 4096;
+
+template <class Body>
+void glue_for(int64_t n, int nt, unsigned csr, Body&& body) {
+  if (nt <= 1 || n < kParallelMin) return body(int64_t(0), n);
+  const int64_t blocks = (n + kGlueBlock - 1) / kGlueBlock;
+#pragma omp parallel num_threads(nt)
+  {
+    CsrAs mode(csr);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) body(b * kGlueBlock, std::min(n, (b + 1) * kGlueBlock));
+  }
 }
 
-void narrow_rows(const float* src, int64_t n, uint16_t* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = narrow(src[i]);
+// Exact (bits only): no floating-point mode applies.
+void widen_rows(const uint16_t* src, int64_t n, float* dst, int nt, unsigned csr) {
+  glue_for(n, nt, csr, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) dst[i] = widen(src[i]);
+  });
+}
+
+void narrow_rows(const float* src, int64_t n, uint16_t* dst, int nt, unsigned csr) {
+  glue_for(n, nt, csr, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) dst[i] = narrow(src[i]);
+  });
 }
 
 // x = bf16(x + d): torch's bf16 add (fp32 sum, one rounding), in the calling thread's float
 // environment as torch's is (no flush-to-zero: the add-RMSNorm kernel flushes denormals).
-void add_rows(uint16_t* x, const uint16_t* d, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = narrow(widen(x[i]) + widen(d[i]));
+void add_rows(uint16_t* x, const uint16_t* d, int64_t n, int nt, unsigned csr) {
+  glue_for(n, nt, csr, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) x[i] = narrow(widen(x[i]) + widen(d[i]));
+  });
 }
 
 int linear(const Linear& l, const uint16_t* x, int64_t m, int64_t k, uint16_t* y, int nt) {
@@ -124,24 +156,25 @@ extern "C" int llmserve_decoder_bf16(const Model* m, const Layer* layers, uint16
   uint16_t* o = attn + T * q_size;
   uint16_t* gate_up = qkv;
   uint16_t* act = gate_up + T * 2 * I;
-  widen_rows(cos, T * (D / 2), cos_f);
-  widen_rows(sin, T * (D / 2), sin_f);
   const int nt = num_threads;
+  const unsigned csr = llmserve::current_csr();  // the caller's: the glue's workers take it
+  widen_rows(cos, T * (D / 2), cos_f, nt, csr);
+  widen_rows(sin, T * (D / 2), sin_f, nt, csr);
   for (int64_t l = 0; l < m->num_layers; ++l) {
     const Layer& L = layers[l];
     const int64_t tag = 100 * (l + 1);
-    if (l > 0) add_rows(x, down, T * H);
+    if (l > 0) add_rows(x, down, T * H, nt, csr);
     int rc = llmserve_add_rms_norm_bf16(x, H, nullptr, 0, (const uint16_t*)L.ln_in, T, H, m->eps,
                                         nullptr, normed, nt);
     if (rc || (rc = linear(L.qkv, normed, T, H, qkv, nt))) return (int)(tag + rc);
-    widen_rows(qkv, T * qkv_n, qkv_f);
+    widen_rows(qkv, T * qkv_n, qkv_f, nt, csr);
     rc = llmserve_paged_attention_bf16kv(
         qkv_f, qkv_n, D, (uint16_t*)L.k_cache, (uint16_t*)L.v_cache, block_tables, bt_stride,
         seq_lens, query_start_loc, num_seqs, (int)m->num_heads, (int)m->num_kv_heads, (int)D,
         (int)m->block_size, m->scale, attn_f, nt, qkv_f + q_size, qkv_n,
         qkv_f + q_size + kv_size, qkv_n, slots, (int)T, cos_f, sin_f);
     if (rc) return (int)(tag + rc);
-    narrow_rows(attn_f, T * q_size, attn);
+    narrow_rows(attn_f, T * q_size, attn, nt, csr);
     if ((rc = linear(L.o, attn, T, q_size, o, nt))) return (int)(tag + rc);
     rc = llmserve_add_rms_norm_bf16(x, H, o, H, (const uint16_t*)L.ln_post, T, H, m->eps, x,
                                     normed, nt);
@@ -149,7 +182,7 @@ extern "C" int llmserve_decoder_bf16(const Model* m, const Layer* layers, uint16
     rc = llmserve_silu_mul_bf16(gate_up, T, I, 2 * I, act, nt);
     if (rc || (rc = linear(L.down, act, T, I, down, nt))) return (int)(tag + rc);
   }
-  add_rows(x, down, T * H);
+  add_rows(x, down, T * H, nt, csr);
   return llmserve_add_rms_norm_bf16(x, H, nullptr, 0, (const uint16_t*)m->final_norm, T, H,
                                     m->eps, nullptr, out, nt);
 }

@@ -101,7 +101,8 @@ inline v16 round_bf16(v16 v) {
 extern "C" int llmserve_silu_mul_bf16(const uint16_t* x, int64_t rows, int64_t n,
                                       int64_t x_stride, uint16_t* out, int num_threads) {
   if (n <= 0) return 1;
-  flush_for(rows, num_threads, num_threads > 1 && rows * n > (1 << 16), [&](int64_t r) {
+  const bool parallel = num_threads > 1 && rows > 1 && rows * n >= kParallelMin;
+  flush_for(rows, num_threads, parallel, [&](int64_t r) {
     const uint16_t* g = x + r * x_stride;
     const uint16_t* u = g + n;
     uint16_t* o = out + r * n;
@@ -125,7 +126,8 @@ extern "C" int llmserve_add_rms_norm_bf16(const uint16_t* x, int64_t x_stride,
                                           const uint16_t* w, int64_t rows, int64_t dim, float eps,
                                           uint16_t* sum_out, uint16_t* out, int num_threads) {
   if (dim <= 0) return 1;
-  flush_for(rows, num_threads, num_threads > 1 && rows * dim > (1 << 16), [&](int64_t r) {
+  const bool parallel = num_threads > 1 && rows > 1 && rows * dim >= kParallelMin;
+  flush_for(rows, num_threads, parallel, [&](int64_t r) {
     const uint16_t* xr = x + r * x_stride;
     const uint16_t* dr = delta ? delta + r * d_stride : nullptr;
     uint16_t* sr = sum_out ? sum_out + r * dim : nullptr;

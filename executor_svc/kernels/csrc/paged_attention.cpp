@@ -151,17 +151,22 @@ extern "C" int LLMSERVE_PAGED_ATTENTION(
   Args a{q, q_stride_t, q_stride_h, k_cache, v_cache, block_tables, bt_stride, seq_lens,
          query_start_loc, num_heads, num_kv_heads, head_dim, block_size, scale, out, cos, sin};
   const int64_t kv_row = (int64_t)num_kv_heads * head_dim;
-  flush_for(num_new, num_threads, num_threads > 1 && num_new > 256, [&](int64_t t) {
+  const bool parallel = num_threads > 1 && num_new > 1 && num_new * 2 * kv_row >= kParallelMin;
+  flush_for(num_new, num_threads, parallel, [&](int64_t t) {
     if (slots[t] < 0) return;
     kv_t* kd = k_cache + slots[t] * kv_row;
     kv_t* vd = v_cache + slots[t] * kv_row;
     const float* cs = cos ? cos + (int64_t)t * (head_dim / 2) : nullptr;
     const float* sn = sin ? sin + (int64_t)t * (head_dim / 2) : nullptr;
 #if defined(LLMSERVE_KV_BF16)
-    std::vector<float> row(head_dim);  // the rotated key in fp32, then rounded once
+    // The rotated key in fp32, then rounded once; on the stack for the usual head sizes (no
+    // allocation per token).
+    float stack_row[256];
+    std::vector<float> heap_row;
+    float* row = stack_row;
+    if (head_dim > 256) heap_row.resize(head_dim), row = heap_row.data();
     for (int g = 0; g < num_kv_heads; ++g) {
-      load_row(k_new + t * k_stride_t + (int64_t)g * head_dim, cs, sn, head_dim, 1.0f,
-               row.data());
+      load_row(k_new + t * k_stride_t + (int64_t)g * head_dim, cs, sn, head_dim, 1.0f, row);
       for (int d = 0; d < head_dim; ++d) kd[(int64_t)g * head_dim + d] = kv_from(row[d]);
     }
     for (int64_t i = 0; i < kv_row; ++i) vd[i] = kv_from(v_new[t * v_stride_t + i]);

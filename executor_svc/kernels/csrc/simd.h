@@ -35,6 +35,33 @@ using IeeeMode = CsrScope<0x1F80>;
 // when called from the loading thread.
 using FlushMode = CsrScope<0x9FC0>;
 
+// MXCSR set to a value read at run time for the duration of a thread's share, restored after:
+// an OpenMP worker taking the calling thread's mode (decoder_bf16.cpp's glue, which must round
+// as the torch ops it replaces do in that thread).
+struct CsrAs {
+#if defined(__SSE__)
+  unsigned saved = _mm_getcsr();
+  explicit CsrAs(unsigned csr) { _mm_setcsr(csr); }
+  ~CsrAs() { _mm_setcsr(saved); }
+#else
+  explicit CsrAs(unsigned) {}
+#endif
+};
+
+inline unsigned current_csr() {
+#if defined(__SSE__)
+  return _mm_getcsr();
+#else
+  return 0;
+#endif
+}
+
+// The least work (elements of a row-wise pass: norms, SiLU, the K/V write, the decoder's glue)
+// worth sharing out: a fork and join of a warm OpenMP pool costs a few microseconds, ~8k
+// elements of such a pass. Below it the calling thread does the pass alone, and that is serial
+// time on a many-core host (issue 44: a batch-64 decode step's norms and K/V writes were).
+constexpr int64_t kParallelMin = int64_t(1) << 13;
+
 // body(i) for i in [0, n), shared out over num_threads OpenMP threads when `parallel` (the
 // static schedule of `omp parallel for`), each thread in FlushMode for its share.
 template <class Body>
