@@ -20,6 +20,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from executor_svc.api.compute import ComputeThread
 from executor_svc.api.service import ExecutorServicer
 from protos import executor_pb2, executor_pb2_grpc
 
@@ -77,6 +78,8 @@ class ExecutorServer:
         self.requested_port = port
         self.runner_kwargs = runner_kwargs
         self.servicer = ExecutorServicer(peer_tls=tls)
+        # A CPU executor loads and steps on one thread (api/compute.py); made by load().
+        self.compute: ComputeThread | None = None
         self.health = health.HealthServicer()
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -123,7 +126,18 @@ class ExecutorServer:
         return self.port
 
     def load(self) -> None:
-        """Build the model runner (weights + KV cache), then report SERVING."""
+        """Build the model runner (weights + KV cache), then report SERVING. On a CPU it is
+        built on the compute thread, which then runs every step (api/compute.py)."""
+        from executor_svc.runner.loader import resolve_device
+
+        if resolve_device(self.runner_kwargs.get("device", "auto")).type == "cpu":
+            self.compute = ComputeThread()
+            self.servicer.compute = self.compute.run
+            self.compute.run(self._load)
+        else:
+            self._load()
+
+    def _load(self) -> None:
         from executor_svc.runner.model_runner import ModelRunner
 
         model_dir, model_name = resolve_model(self.model)
@@ -176,6 +190,8 @@ class ExecutorServer:
         self.servicer.close_kv_transfer()
         if self.tp_workers is not None:
             self.tp_workers.stop(self.servicer.step_lock)
+        if self.compute is not None:
+            self.compute.close()
         log.info("executor.stopped")
         self._stop_done.set()
 
