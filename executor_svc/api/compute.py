@@ -1,18 +1,22 @@
-"""The compute thread: where a CPU executor process runs its loading, every step and every
-other call into the model's kernels.
+"""The compute thread: where a CPU executor process that has cores of its own (`--cpu-cores`)
+loads, runs every step, and makes every other call into the model's kernels.
 
 Why one thread. OpenMP's runtime (libgomp, which torch and the kernel library share) keeps a
 pool of worker threads for each thread that opens a parallel region, for as long as that
-thread lives. gRPC hands each call to whichever of its worker threads is free, so steps used
-to run on several of them, each with a pool of its own (and the loading thread had one more).
-Once a process holds more OpenMP threads than it has CPUs, libgomp stops letting its idle
-workers spin (GOMP_SPINCOUNT's throttled count): after every parallel region they go to sleep
-at once, and each of a step's hundreds of regions starts by waking them. One thread that runs
-all of it keeps one pool, whose workers spin between the regions of a step. Measured on the
-2-core development machine (docs/benchmarks.md, "Seventh session"): the same torch step 17-20 %
-slower in a process where a second pool exists.
+thread lives. gRPC hands each call to whichever of its worker threads is free, so steps run on
+several of them, each with a pool of its own (and the loading thread has one more). Once a
+process holds more OpenMP threads than it has CPUs, libgomp stops letting idle workers spin
+(GOMP_SPINCOUNT's throttled count): after each parallel region they sleep at once, and each of
+a step's hundreds of regions starts by waking them. One thread that runs all of it keeps one
+pool, whose workers spin through a step's regions.
 
-A CUDA executor does not use it (its steps are kernel launches; the hop would sit on the
+Why only on cores of its own. Spinning workers are right where nothing else needs those
+cores, and wrong where something does: two executors sharing two cores, each with one pool of
+spinning workers, ran their steps 1.65x slower than with the throttled pools (docs/benchmarks.md,
+"Seventh session"). A process started without `--cpu-cores` keeps the steps on gRPC's threads
+and libgomp's throttling; `--cpu-cores` says the cores are the executor's.
+
+A CUDA executor never uses it (its steps are kernel launches; the hop would sit on the
 critical path of the overlapped steps).
 """
 

@@ -34,7 +34,9 @@ from tests.support.model_factory import make_tiny_checkpoint
 from tests.support.prom import free_port
 
 NUM_BLOCKS = 64
-KWARGS = dict(device="cpu", dtype="float32", block_size=4, num_device_blocks=NUM_BLOCKS)
+KWARGS = dict(
+    device="cpu", dtype="float32", block_size=4, num_device_blocks=NUM_BLOCKS, compute_thread=True
+)
 PROMPTS = {"a": [11 + i for i in range(9)], "b": [40, 41, 42], "c": [100 + i for i in range(14)]}
 PARAMS = {
     "a": pb.SamplingParams(num_logprobs=2),
