@@ -7,7 +7,8 @@ of `--batch` sequences while another client thread keeps calling Describe, so th
 steps land on different gRPC threads as the scheduler's planned-ahead steps do) and reports the
 median wall time of a step seen by the client, and the executor's threads at the end.
 
-    python benchmarks/bench_compute_thread.py --base /path/to/other/tree [--rounds 3]
+    python benchmarks/bench_compute_thread.py --base /path/to/other/tree --cpu-cores 0-1 \
+        [--rounds 3] [--executors 2]
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def run_tree(tree: Path, model: Path, args: argparse.Namespace) -> tuple[float, 
                 cmd = [sys.executable, "-m", "executor_svc", "--model", str(model)]
                 cmd += ["--device", "cpu", "--load-format", "dummy", "--dtype", args.dtype]
                 cmd += ["--port", "0", "--port-file", str(port_file), "--log-level", "warning"]
+                cmd += ["--cpu-cores", args.cpu_cores] if args.cpu_cores else []
                 env = {**os.environ, "PYTHONPATH": str(tree)}
                 procs.append(subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL))
                 while not port_file.exists():
@@ -121,6 +123,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--cpu-cores",
+        help="the executors' --cpu-cores (the compute thread is used only with it); default: "
+        "unpinned",
+    )
     ap.add_argument(
         "--executors",
         type=int,
