@@ -322,6 +322,8 @@ def _build_server(config: ExecutorConfig) -> ExecutorServer:
         tls=config.tls.credentials(),
         tensor_parallel_size=config.compute.tensor_parallel_size,
         log_level=config.server.log_level,
+        # Cores of its own: one OpenMP pool whose workers may spin (api/compute.py).
+        compute_thread=config.compute.cpu_cores is not None,
     )
     server.install_signal_handlers(config.server.grace, config.server.drain_timeout)
     server.servicer.role = config.server.role

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from executor_svc.api.compute import Runner
 from executor_svc.api.rpc_errors import Refused, rpc
 from executor_svc.api.seq_state import SeqState
 from executor_svc.kv_transfer.endpoint import KVEndpoint
@@ -32,6 +33,7 @@ class KVTransferRpcs:
     instance_id: str
     last_step_time: float
     _lock: threading.Lock
+    compute: Runner
     _seqs: dict[str, SeqState]
 
     @property
@@ -94,7 +96,9 @@ class KVTransferRpcs:
                 "KV transfer is not supported with tensor parallelism yet",
             )
         if self.kv is None:
-            self.kv = KVEndpoint(runner.kv_cache, self._lock, self._live_blocks, self.instance_id)
+            self.kv = KVEndpoint(
+                runner.kv_cache, self._lock, self._live_blocks, self.instance_id, run=self.compute
+            )
         return self.kv
 
     def _live_blocks(self) -> dict[int, str]:

@@ -20,6 +20,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from executor_svc.api.compute import ComputeThread
 from executor_svc.api.service import ExecutorServicer
 from protos import executor_pb2, executor_pb2_grpc
 
@@ -62,12 +63,15 @@ class ExecutorServer:
         tls: tuple[bytes, bytes, bytes | None] | None = None,
         tensor_parallel_size: int = 1,
         log_level: str = "info",
+        compute_thread: bool = False,
         **runner_kwargs: Any,
     ) -> None:
         """`tls`: (certificate chain, private key, client CA) PEM; with a client CA only
         clients holding a certificate it signed get through (mutual TLS).
         `tensor_parallel_size` > 1: this process is rank 0 and `load()` starts the other
-        ranks (from the calling thread, which must outlive them: they die with it)."""
+        ranks (from the calling thread, which must outlive them: they die with it).
+        `compute_thread`: on a CPU, load and run every step on one thread (api/compute.py; the
+        CLI asks for it when the executor has cores of its own, `--cpu-cores`)."""
         self.tls = tls
         self.tensor_parallel_size = tensor_parallel_size
         self.log_level = log_level
@@ -77,6 +81,9 @@ class ExecutorServer:
         self.requested_port = port
         self.runner_kwargs = runner_kwargs
         self.servicer = ExecutorServicer(peer_tls=tls)
+        # A CPU executor on cores of its own loads and steps on one thread (api/compute.py).
+        self.compute_thread = compute_thread
+        self.compute: ComputeThread | None = None
         self.health = health.HealthServicer()
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -123,7 +130,19 @@ class ExecutorServer:
         return self.port
 
     def load(self) -> None:
-        """Build the model runner (weights + KV cache), then report SERVING."""
+        """Build the model runner (weights + KV cache), then report SERVING. With
+        `compute_thread` on a CPU, built on the compute thread, which then runs every step."""
+        from executor_svc.runner.loader import resolve_device
+
+        device = resolve_device(self.runner_kwargs.get("device", "auto"))
+        if self.compute_thread and device.type == "cpu":
+            self.compute = ComputeThread()
+            self.servicer.compute = self.compute.run
+            self.compute.run(self._load)
+        else:
+            self._load()
+
+    def _load(self) -> None:
         from executor_svc.runner.model_runner import ModelRunner
 
         model_dir, model_name = resolve_model(self.model)
@@ -176,6 +195,8 @@ class ExecutorServer:
         self.servicer.close_kv_transfer()
         if self.tp_workers is not None:
             self.tp_workers.stop(self.servicer.step_lock)
+        if self.compute is not None:
+            self.compute.close()
         log.info("executor.stopped")
         self._stop_done.set()
 

@@ -21,6 +21,7 @@ import grpc
 import structlog
 
 from executor_svc.api import tracing
+from executor_svc.api.compute import Runner, direct
 from executor_svc.api.kv_rpcs import KVTransferRpcs
 from executor_svc.api.rpc_errors import (
     Fenced,
@@ -105,6 +106,10 @@ class ExecutorServicer(KVTransferRpcs, pb_grpc.ExecutorServicer):
         self._seqs: dict[str, SeqState] = {}
         # One step at a time: steps mutate the KV cache and the per-sequence state.
         self._lock = threading.Lock()
+        # Where steps, KV copies and feature calls run (api/compute.py): the caller's thread,
+        # or a CPU executor process's one compute thread. Whatever holds the lock there must
+        # not wait for the compute thread (it takes the lock itself).
+        self.compute: Runner = direct
         self._runner: ModelRunner | None = None
         self._model_dir: Path | None = None
         self._tokenizer_class: str | None = None  # resolved on the first GetTokenizer
@@ -291,7 +296,7 @@ class ExecutorServicer(KVTransferRpcs, pb_grpc.ExecutorServicer):
         """One step as a transaction: validate the whole request, apply its diffs, run it, and
         record what it sampled; a forward that fails is rolled back (module doc). Overlapped,
         the next step's turn comes once this one is launched (``turn``), before its draws."""
-        flight = self._launch(request)
+        flight = self.compute(self._launch, request)
         if turn is not None:
             turn.end(ok=True)
         samples = flight.settle()
@@ -409,8 +414,12 @@ def _feature_rpc(method: str) -> Callable[..., Any]:
 
     def handler(self: ExecutorServicer, request: Any, context: grpc.ServicerContext) -> Any:
         runner = self.runner
-        with self._lock:
-            return runner.features.serve(method, request)
+
+        def serve() -> Any:
+            with self._lock:
+                return runner.features.serve(method, request)
+
+        return self.compute(serve)
 
     handler.__name__ = handler.__qualname__ = method
     return rpc(handler)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import structlog
+import torch
 
 from executor_svc.config import envs
 from executor_svc.kv_transfer.payload import (
@@ -48,9 +50,12 @@ class KVEndpoint:
         live_blocks: Callable[[], dict[int, str]],
         instance_id: str,
         transports: list[Transport] | None = None,
+        run: Callable[..., Any] | None = None,
     ) -> None:
         """``live_blocks``: block id -> seq_id of every live sequence's blocks (asked under the
-        step lock)."""
+        step lock). ``run``: where the copies run, the lock taken there (the executor's compute
+        thread, api/compute.py; default: the calling thread)."""
+        self._run = run or (lambda fn, *args: fn(*args))
         self.cache = cache
         self.layout = KVLayout.of(cache)
         self.num_device_blocks = cache.key.shape[1]
@@ -74,8 +79,7 @@ class KVEndpoint:
         num_bytes = self.layout.num_bytes(num_blocks)
         staged = transport.stage(num_bytes)
         payload = staged.data.view(DTYPES[self.layout.dtype]).view(self.layout.shape(num_blocks))
-        with self._lock:
-            gather(self.cache, block_ids, payload)
+        self._run(self._locked, gather, self.cache, block_ids, payload)
         header = pb.KVHeader(
             sequences=request.sequences,
             dtype=self.layout.dtype,
@@ -127,9 +131,7 @@ class KVEndpoint:
                     "destination blocks are unchanged",
                 )
             payload = received.data.view(DTYPES[layout.dtype]).view(layout.shape(len(block_ids)))
-            with self._lock:
-                self._check_not_live(header.sequences)
-                scatter(self.cache, block_ids, payload)
+            self._run(self._locked, self._scatter, header.sequences, block_ids, payload)
         except TransferError as e:
             # A corrupt payload is dropped; one refused for its destination may be retried
             # (a shared memory segment stays until the exporter's expiry).
@@ -139,6 +141,14 @@ class KVEndpoint:
         received.release()
         log.info("kv.imported", num_blocks=len(block_ids), num_bytes=num_bytes)
         return pb.ImportKVResponse(num_blocks=len(block_ids), num_bytes=num_bytes)
+
+    def _locked(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self._lock:
+            return fn(*args)
+
+    def _scatter(self, sequences: Any, block_ids: list[int], payload: torch.Tensor) -> None:
+        self._check_not_live(sequences)
+        scatter(self.cache, block_ids, payload)
 
     def close(self) -> None:
         for t in self.transports.values():

@@ -10,6 +10,7 @@ payload is refused with the destination unchanged, and bad input gets a clear st
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import grpc
@@ -33,7 +34,9 @@ from tests.support.model_factory import make_tiny_checkpoint
 from tests.support.prom import free_port
 
 NUM_BLOCKS = 64
-KWARGS = dict(device="cpu", dtype="float32", block_size=4, num_device_blocks=NUM_BLOCKS)
+KWARGS = dict(
+    device="cpu", dtype="float32", block_size=4, num_device_blocks=NUM_BLOCKS, compute_thread=True
+)
 PROMPTS = {"a": [11 + i for i in range(9)], "b": [40, 41, 42], "c": [100 + i for i in range(14)]}
 PARAMS = {
     "a": pb.SamplingParams(num_logprobs=2),
@@ -424,3 +427,50 @@ def test_bad_imports_get_clear_statuses(ends, tmp_path: Path):
     # Every refusal left the segment for a retry where it could; a good import consumes it.
     b.stub.ImportKV(retarget(iter(shm), block_lists({"x": [9, 10]}), ""))
     assert not (shm_dir() / name).exists()
+
+
+def test_steps_and_kv_copies_run_on_the_compute_thread(ends, monkeypatch):
+    """A CPU executor loads, steps and copies KV on its one compute thread (api/compute.py),
+    whichever gRPC thread took the call: one OpenMP pool in the process, not one per thread."""
+    from executor_svc.api.service import ExecutorServicer
+    from executor_svc.kv_transfer import endpoint
+
+    ran: dict[str, set[str]] = {"step": set(), "gather": set(), "scatter": set()}
+
+    def spy(kind: str, fn):
+        def call(*args):
+            ran[kind].add(threading.current_thread().name)
+            return fn(*args)
+
+        return call
+
+    monkeypatch.setattr(ExecutorServicer, "_launch", spy("step", ExecutorServicer._launch))
+    monkeypatch.setattr(endpoint, "gather", spy("gather", endpoint.gather))
+    monkeypatch.setattr(endpoint, "scatter", spy("scatter", endpoint.scatter))
+    a, b = ends
+    # Steps from several client threads at once (each on its own sequences and blocks), so
+    # that gRPC hands them to several of its threads.
+    da = ExecutorDriver(a.stub, a.info)
+    drivers = [da, *(ExecutorDriver(a.stub, a.info) for _ in range(2))]
+    for i, d in enumerate(drivers):
+        d.free_device[:] = d.free_device[i::3]
+        d.add(f"t{i}", PROMPTS["a"], PARAMS["c"])
+    threads = [threading.Thread(target=lambda d=d: [d.step() for _ in range(4)]) for d in drivers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    db = ExecutorDriver(b.stub, b.info)
+    src = {"t0": list(da.seqs["t0"].block_table)}
+    move_kv(
+        a.stub,
+        b.stub,
+        src,
+        {"t0": high_blocks(db, len(src["t0"]))},
+        src_instance_id=a.info.instance_id,
+        dst_instance_id=b.info.instance_id,
+    )
+    compute = {a.srv.compute.thread_name}
+    assert compute == {b.srv.compute.thread_name} != {""}
+    assert ran == {"step": compute, "gather": compute, "scatter": compute}
+    assert all(len(d.seqs[f"t{i}"].outputs) == 4 for i, d in enumerate(drivers))
