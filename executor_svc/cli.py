@@ -137,7 +137,9 @@ def _compute_flags(g: argparse._ArgumentGroup) -> None:
         metavar="LIST",
         help="run this executor on these CPU cores only, e.g. 0-3,8 (Linux): its compute "
         "threads keep them to themselves when the scheduler runs on others (as vLLM's "
-        "VLLM_CPU_OMP_THREADS_BIND); without --cpu-threads, one thread per core",
+        "VLLM_CPU_OMP_THREADS_BIND); without --cpu-threads, one thread per core. The cores "
+        "are taken to be its own: every step runs on one thread, whose OpenMP workers spin "
+        "between parallel regions (executor_svc/api/compute.py)",
     )
 
 
