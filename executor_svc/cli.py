@@ -14,7 +14,7 @@ import structlog
 
 from executor_svc.api import tracing
 from executor_svc.api.server import ExecutorServer
-from executor_svc.config import envs, numerics
+from executor_svc.config import cpus, envs, numerics
 from executor_svc.config.logs import configure_logging
 from executor_svc.config.settings import ENVIRONMENT_HELP, SECTIONS, ExecutorConfig
 from executor_svc.features.flags import (
@@ -137,7 +137,9 @@ def _compute_flags(g: argparse._ArgumentGroup) -> None:
         metavar="LIST",
         help="run this executor on these CPU cores only, e.g. 0-3,8 (Linux): its compute "
         "threads keep them to themselves when the scheduler runs on others (as vLLM's "
-        "VLLM_CPU_OMP_THREADS_BIND); without --cpu-threads, one thread per core. The cores "
+        "VLLM_CPU_OMP_THREADS_BIND); without --cpu-threads, one thread per core. 'auto': one "
+        "CPU per physical core of those this process may use, less the lowest core, left to "
+        "the scheduler's and gRPC's Python (executor_svc/config/cpus.py). The cores "
         "are taken to be its own: every step runs on one thread, whose OpenMP workers spin "
         "between parallel regions (executor_svc/api/compute.py)",
     )
@@ -253,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     _check(config, parser)
     cores = _pin_cores(config.compute.cpu_cores, parser)
     configure_logging(config.server.log_level)
+    if cores is not None:
+        log.info("executor.cpu_cores", cores=format_cpu_list(cores), asked=config.compute.cpu_cores)
     # What the flags say over the variables, for this process's runner and kernels; rank 0
     # hands the same object to its tensor-parallel workers (runner/tp_launcher.py).
     envs.install(config.runtime)
@@ -284,10 +288,13 @@ def _pin_cores(cpu_cores: str | None, parser: argparse.ArgumentParser) -> set[in
     """Run this process on ``--cpu-cores`` (None: where it was started)."""
     if cpu_cores is None:
         return None
-    try:
-        cores = parse_cpu_list(cpu_cores)
-    except ValueError as e:
-        parser.error(f"--cpu-cores: {e}")
+    if cpu_cores.strip() == "auto":
+        cores, _ = cpus.choose()
+    else:
+        try:
+            cores = parse_cpu_list(cpu_cores)
+        except ValueError as e:
+            parser.error(f"--cpu-cores: {e}")
     online = set(range(os.cpu_count() or 1))
     if not cores <= online:
         parser.error(

@@ -411,11 +411,18 @@ def test_a_step_sent_ahead_runs_right_after_its_predecessor(
 # ------------------------------------------------------------------ CLI
 
 
-def test_cli_cpu_cores_pins_every_thread(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cores", ["0", "auto"])
+def test_cli_cpu_cores_pins_every_thread(tmp_path: Path, cores: str) -> None:
+    from executor_svc.cli import parse_cpu_list
+    from executor_svc.config import cpus
+
+    # auto: one CPU per physical core of this process's set, the lowest core left out when
+    # there are two or more (the unit tests hold the rule; here, that the CLI applies it).
+    want = cpus.choose()[0] if cores == "auto" else {0}
     model_dir = make_tiny_checkpoint(tmp_path / "pinned", "llama")
     args = ["--device", "cpu", "--num-device-blocks", "16", "--swap-space", "0.001"]
     with (
-        executor_subprocess(model_dir, tmp_path, *args, "--cpu-cores", "0") as (proc, port),
+        executor_subprocess(model_dir, tmp_path, *args, "--cpu-cores", cores) as (proc, port),
         executor_channel(port) as stub,
     ):
         driver = ExecutorDriver(stub, stub.Describe(pb.DescribeRequest()))
@@ -424,7 +431,8 @@ def test_cli_cpu_cores_pins_every_thread(tmp_path: Path) -> None:
         assert len(tasks) > 1  # gRPC's threads too
         for task in tasks:
             status = (task / "status").read_text()
-            assert "Cpus_allowed_list:\t0\n" in status, task
+            allowed = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))
+            assert parse_cpu_list(allowed.split(":")[1]) == want, task
 
 
 def test_cli_subprocess_serves_and_stops_on_sigterm(tmp_path: Path) -> None:

@@ -86,3 +86,24 @@ def test_runtime_flags_win_over_the_environment_and_travel_as_json(monkeypatch):
     assert envs.load_format() == "auto"
     assert envs.enforce_eager() is True  # not set by a flag: the variable still decides
     assert envs.deterministic() is False
+
+
+def test_auto_cores_take_one_cpu_per_physical_core_and_leave_the_lowest():
+    from executor_svc.config.cpus import auto_cores
+
+    smt = {c: {c % 4, c % 4 + 4} for c in range(8)}  # 4 cores, 2 hyper-threads each
+    assert auto_cores(set(range(8)), smt) == ({1, 2, 3}, 0)
+    assert auto_cores({2, 3, 6, 7}, smt) == ({3}, 2)  # a cpuset of two cores
+    assert auto_cores({5, 6}, smt) == ({6}, 5)  # the set's own CPU of each core
+    assert auto_cores({0, 4}, smt) == ({0}, None)  # one core: kept
+    no_smt = {c: {c} for c in range(16)}
+    assert auto_cores(set(range(16)), no_smt) == (set(range(1, 16)), 0)
+
+
+def test_siblings_read_sysfs_lists(tmp_path):
+    from executor_svc.config.cpus import siblings
+
+    for cpu, text in {0: "0,4\n", 1: "1-2\n"}.items():
+        (tmp_path / f"cpu{cpu}/topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}/topology/thread_siblings_list").write_text(text)
+    assert siblings({0, 1, 9}, tmp_path) == {0: {0, 4}, 1: {1, 2}, 9: {9}}
