@@ -40,7 +40,7 @@ import profile_step  # noqa: E402
 from bench_bf16 import HIDDEN, INTER, LAYERS, SHAPES, VOCAB  # noqa: E402
 from bench_decode import SMOLLM_135M  # noqa: E402
 
-from executor_svc.cli import parse_cpu_list  # noqa: E402
+from executor_svc.config.cpus import parse_cpu_list  # noqa: E402
 from executor_svc.kernels import gemm_bf16, library  # noqa: E402
 from executor_svc.runner.model_runner import ModelRunner, ScheduledSequence  # noqa: E402
 from executor_svc.runner.sampler import SamplingParams  # noqa: E402

@@ -150,7 +150,7 @@ def main() -> None:
         "--cpu-threads", "1", "--dtype", args.dtype, *args.executor_args.split()
     ]  # fmt: skip
     if args.pin:
-        from executor_svc.cli import format_cpu_list, parse_cpu_list
+        from executor_svc.config.cpus import format_cpu_list, parse_cpu_list
 
         compute = parse_cpu_list(args.vllm_cpu_cores)
         rest = os.sched_getaffinity(0) - compute

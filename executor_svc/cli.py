@@ -15,6 +15,7 @@ import structlog
 from executor_svc.api import tracing
 from executor_svc.api.server import ExecutorServer
 from executor_svc.config import cpus, envs, numerics
+from executor_svc.config.cpus import format_cpu_list, parse_cpu_list
 from executor_svc.config.logs import configure_logging
 from executor_svc.config.settings import ENVIRONMENT_HELP, SECTIONS, ExecutorConfig
 from executor_svc.features.flags import (
@@ -25,24 +26,6 @@ from executor_svc.features.flags import (
 )
 
 log = structlog.get_logger(__name__)
-
-
-def parse_cpu_list(text: str) -> set[int]:
-    """CPU ids from a list such as ``0-3,8`` (Linux's cpuset notation)."""
-    cores: set[int] = set()
-    for part in text.split(","):
-        lo, dash, hi = part.strip().partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()):
-            raise ValueError(f"{text!r} is not a list of cores such as 0-3,8")
-        first, last = int(lo), int(hi) if dash else int(lo)
-        if last < first:
-            raise ValueError(f"{part.strip()!r}: the range runs backwards")
-        cores.update(range(first, last + 1))
-    return cores
-
-
-def format_cpu_list(cores: set[int]) -> str:
-    return ",".join(str(c) for c in sorted(cores))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,7 @@
-"""``--cpu-cores auto``: the cores a CPU executor takes when told to choose them itself.
+"""``--cpu-cores``: its lists of cores (Linux's cpuset notation), and with ``auto`` the cores a CPU
+executor takes when told to choose them itself.
 
-One logical CPU per physical core (two hyper-threads of one core share its vector units and,
+``auto``: one logical CPU per physical core (two hyper-threads of one core share its vector units and,
 on an AMX Xeon, its tile unit: a second torch thread there adds nothing but contention), of
 the CPUs this process may run on, less the lowest core: that one is left to the scheduler's,
 gRPC's and the step loop's Python, which would otherwise time-share a core with a compute
@@ -18,12 +19,22 @@ from pathlib import Path
 SYSFS = Path("/sys/devices/system/cpu")
 
 
-def _parse(text: str) -> set[int]:
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
+def parse_cpu_list(text: str) -> set[int]:
+    """CPU ids from a list such as ``0-3,8`` (Linux's cpuset notation)."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"{text!r} is not a list of cores such as 0-3,8")
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first:
+            raise ValueError(f"{part.strip()!r}: the range runs backwards")
+        cores.update(range(first, last + 1))
+    return cores
+
+
+def format_cpu_list(cores: set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cores))
 
 
 def siblings(cpus: set[int], root: Path = SYSFS) -> dict[int, set[int]]:
@@ -32,7 +43,9 @@ def siblings(cpus: set[int], root: Path = SYSFS) -> dict[int, set[int]]:
     out: dict[int, set[int]] = {}
     for cpu in cpus:
         try:
-            out[cpu] = _parse((root / f"cpu{cpu}/topology/thread_siblings_list").read_text())
+            out[cpu] = parse_cpu_list(
+                (root / f"cpu{cpu}/topology/thread_siblings_list").read_text()
+            )
         except (OSError, ValueError):
             out[cpu] = {cpu}
     return out

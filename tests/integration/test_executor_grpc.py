@@ -413,7 +413,6 @@ def test_a_step_sent_ahead_runs_right_after_its_predecessor(
 
 @pytest.mark.parametrize("cores", ["0", "auto"])
 def test_cli_cpu_cores_pins_every_thread(tmp_path: Path, cores: str) -> None:
-    from executor_svc.cli import parse_cpu_list
     from executor_svc.config import cpus
 
     # auto: one CPU per physical core of this process's set, the lowest core left out when
@@ -432,7 +431,7 @@ def test_cli_cpu_cores_pins_every_thread(tmp_path: Path, cores: str) -> None:
         for task in tasks:
             status = (task / "status").read_text()
             allowed = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))
-            assert parse_cpu_list(allowed.split(":")[1]) == want, task
+            assert cpus.parse_cpu_list(allowed.split(":")[1]) == want, task
 
 
 def test_cli_subprocess_serves_and_stops_on_sigterm(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from executor_svc.cli import format_cpu_list, main, parse_cpu_list
+from executor_svc.cli import main
+from executor_svc.config.cpus import format_cpu_list, parse_cpu_list
 
 
 def test_core_lists_parse_like_linux_cpusets():
