@@ -12,8 +12,8 @@ pool, whose workers spin through a step's regions.
 
 Why only on cores of its own. Spinning workers are right where nothing else needs those
 cores, and wrong where something does: two executors sharing two cores, each with one pool of
-spinning workers, ran their steps 1.65x slower than with the throttled pools (docs/benchmarks.md,
-"Seventh session"). A process started without `--cpu-cores` keeps the steps on gRPC's threads
+spinning workers, ran their steps 1.65-1.89x slower than with the throttled pools
+(docs/benchmarks.md, "Seventh session"). A process started without `--cpu-cores` keeps the steps on gRPC's threads
 and libgomp's throttling; `--cpu-cores` says the cores are the executor's.
 
 A CUDA executor never uses it (its steps are kernel launches; the hop would sit on the
